@@ -1,0 +1,109 @@
+"""Segment-masked attention over packed rows, one module per backend.
+
+`segment_attention` validates its inputs, then dispatches on `implementation`:
+
+- `"xla"` (`xla.py`): a dense `[S, S]` mask; runs everywhere; the oracle for the others.
+- `"pallas"` (`pallas.py`): a flash-attention kernel (forward and backward in Pallas) that visits
+  only the key/value blocks holding the query block's segments; Triton on a GPU, `interpret=True`
+  on the CPU.
+- `"cudnn"` (`cudnn.py`): JAX's cuDNN fused attention with its packed (offsets/seqlens) layout.
+- `None`: Pallas on a GPU, XLA elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from segpack.attention.checks import (
+    AttentionInputError,
+    AttentionTypeError,
+    NonContiguousSegmentsError,
+    check_contiguous,
+    default_scale,
+    validate_inputs,
+)
+from segpack.attention.xla import segment_attention_xla
+
+Implementation = Literal["xla", "pallas", "cudnn"]
+IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+
+__all__ = [
+    "AttentionInputError",
+    "AttentionTypeError",
+    "NonContiguousSegmentsError",
+    "IMPLEMENTATIONS",
+    "default_implementation",
+    "segment_attention",
+]
+
+
+def default_implementation() -> str:
+  """The backend `implementation=None` picks: `"pallas"` on a GPU, `"xla"` elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def segment_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    implementation: Implementation | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    interpret: bool = False,
+    check_segments: bool = False,
+    max_segments_per_row: int | None = None,
+) -> jax.Array:
+  """Attention in which a query sees only keys of its own segment (document).
+
+  Args:
+    q: queries `[B, S, H, D]`, float32, bfloat16 or float16.
+    k: keys `[B, S, K, D]`, same dtype; H must be a multiple of K (grouped-query attention).
+    v: values `[B, S, K, D]`, same dtype.
+    segment_ids: integer `[B, S]`; each non-zero id one contiguous run (a document), 0 = padding.
+    causal: also hide keys after the query.
+    scale: logit scale, default `1/sqrt(D)`.
+    implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
+    block_q: Pallas query block (a power of two); S is padded internally to a multiple of
+      `max(block_q, block_k)` with padding slots.
+    block_k: Pallas key/value block (a power of two).
+    interpret: run the Pallas kernel in interpret mode (CPU).
+    check_segments: verify that every non-zero segment id forms one contiguous run; the Pallas and
+      cuDNN backends silently assume it. Concrete inputs are checked now; traced inputs when the
+      computation runs (host callback).
+    max_segments_per_row: cuDNN only, the static bound N on segments per row (default S).
+
+  Returns:
+    `[B, S, H, D]` in the dtype of `q`; zeros at padding queries.
+
+  Raises:
+    AttentionInputError: bad shapes, H not a multiple of K, a bad block size or an unknown
+      implementation.
+    AttentionTypeError: bad dtypes.
+    NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs.
+  """
+  shape = validate_inputs(q, k, v, segment_ids)
+  scale = default_scale(shape.head_dim, scale)
+  if check_segments:
+    check_contiguous(segment_ids)
+  impl = default_implementation() if implementation is None else implementation
+  if impl == "xla":
+    return segment_attention_xla(q, k, v, segment_ids, causal=causal, scale=scale)
+  if impl == "pallas":
+    from segpack.attention import pallas  # pylint: disable=g-import-not-at-top
+    return pallas.segment_attention_pallas(
+        q, k, v, segment_ids, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+        interpret=interpret)
+  if impl == "cudnn":
+    from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
+    return cudnn.segment_attention_cudnn(
+        q, k, v, segment_ids, causal=causal, scale=scale,
+        max_segments_per_row=max_segments_per_row)
+  raise AttentionInputError(
+      f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
+      f"{implementation!r}")
