@@ -1,0 +1,13 @@
+"""Packing planners: which pieces of which documents fill each row.
+
+`plan(lengths, seq_len, strategy=...)` returns a `Plan`; `load_or_plan` caches it on disk. See
+docs/packing.md.
+"""
+
+from segpack.packing.cache import load_or_plan, plan_key
+from segpack.packing.chunking import LONG_DOCS, PackingArgumentError
+from segpack.packing.plan import Plan, PlanError
+from segpack.packing.planner import STRATEGIES, plan
+
+__all__ = ["LONG_DOCS", "STRATEGIES", "PackingArgumentError", "Plan", "PlanError",
+           "load_or_plan", "plan", "plan_key"]

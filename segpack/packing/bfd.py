@@ -1,0 +1,102 @@
+"""Exact best-fit-decreasing, with bins bucketed by the room they have left."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from segpack.packing.ffd import decreasing_order, length_runs, open_new_bins
+
+
+class BestFitDecreasing:
+  """Exact best-fit-decreasing (BFD) over all chunks at once.
+
+  Algorithm:
+    1. Sort chunks by length, longest first, ties by chunk index.
+    2. Keep the open bins in buckets by remaining room `c` (`0 < c <= seq_len`), each bucket a
+       set of bin indices.
+    3. For a run of `m` chunks of length `L`: textbook BFD puts a chunk into the bin with the
+       least room `c >= L`, lowest index first among equals. Its room drops to `c - L`; no other
+       bin has room in `[L, c)`, so while `c - L >= L` the same bin takes the next chunk too: each
+       bin takes `c // L` chunks and lands in bucket `c % L`. The buckets `c >= L` are therefore
+       drained in increasing `c`, bins of one bucket in increasing index, a whole bucket moving
+       at once; only the last bin touched may take fewer and stay with room `>= L`.
+    4. Chunks left when no bin has room open new bins, `seq_len // L` per bin.
+
+  Example: seq_len 10, lengths [7, 6, 3, 3, 3]. 7 -> bin 0 (room 3); 6 -> bin 1 (room 4). The
+  3s: bucket 3 = {0} takes one (room 0); bucket 4 = {1} takes one (room 1); the last opens
+  bin 2. First fit would have put the same chunks the same way here, but with lengths
+  [6, 7, 3] best fit picks bin 1 (room 3) for the 3 where first fit picks bin 0 (room 4).
+  """
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+    self.count = np.zeros(seq_len + 1, np.int64)
+    self.buckets: list[list[np.ndarray]] = [[] for _ in range(seq_len + 1)]
+    self.num_bins = 0
+
+  def _add(self, room: int, bins: np.ndarray) -> None:
+    if room > 0 and len(bins):
+      self.buckets[room].append(bins)
+      self.count[room] += len(bins)
+
+  def _take_bucket(self, room: int) -> np.ndarray:
+    parts = self.buckets[room]
+    self.buckets[room] = []
+    self.count[room] = 0
+    if len(parts) == 1:
+      return parts[0]
+    return np.sort(np.concatenate(parts), kind="stable")
+
+  def place_run(self, size: int, m: int) -> np.ndarray:
+    """Places a run of `m` chunks of `size` slots; returns the bin of each, in order."""
+    rooms = np.flatnonzero(self.count[size:]) + size
+    out_bins, out_counts = [], []
+    left = m
+    if len(rooms):
+      capacity = np.cumsum(self.count[rooms] * (rooms // size))
+      last = int(np.searchsorted(capacity, m)) if capacity[-1] >= m else len(rooms) - 1
+      for room in rooms[:last + 1].tolist():
+        share = room // size
+        bins = self._take_bucket(room)
+        if len(bins) * share <= left:
+          out_bins.append(bins)
+          out_counts.append(np.full(len(bins), share, np.int64))
+          self._add(room - share * size, bins)
+          left -= len(bins) * share
+          continue
+        full, rest = divmod(left, share)
+        out_bins.append(bins[:full + (rest > 0)])
+        counts = np.full(full + (rest > 0), share, np.int64)
+        if rest:
+          counts[-1] = rest
+        out_counts.append(counts)
+        self._add(room - share * size, bins[:full])
+        if rest:
+          self._add(room - rest * size, bins[full:full + 1])
+        self._add(room, bins[full + (rest > 0):])
+        left = 0
+        break
+    placed = (np.repeat(np.concatenate(out_bins), np.concatenate(out_counts))
+              if out_bins else np.zeros(0, np.int64))
+    if left == 0:
+      return placed
+    new_bins, new_caps = open_new_bins(left, size, self.seq_len, self.num_bins)
+    ids = self.num_bins + np.arange(len(new_caps), dtype=np.int64)
+    self._add(int(new_caps[0]), ids[:-1])
+    self._add(int(new_caps[-1]), ids[-1:])
+    self.num_bins += len(new_caps)
+    return np.concatenate([placed, new_bins])
+
+
+def best_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Exact BFD of chunks with `1 <= length <= seq_len`; returns `(bins, order)` as FFD does."""
+  order = decreasing_order(length, seq_len)
+  sorted_len = length[order]
+  bins_sorted = np.empty(len(length), np.int64)
+  packer = BestFitDecreasing(seq_len)
+  starts, ends = length_runs(sorted_len)
+  for s, e in zip(starts.tolist(), ends.tolist()):
+    bins_sorted[s:e] = packer.place_run(int(sorted_len[s]), e - s)
+  bins = np.empty_like(bins_sorted)
+  bins[order] = bins_sorted
+  return bins, order

@@ -1,0 +1,130 @@
+"""Cutting documents into chunks that fit a row: `long_docs`, `min_len`, `overlap`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+LONG_DOCS = ("split", "truncate")
+
+
+class PackingArgumentError(ValueError):
+  """A packing argument is invalid; the message names the argument and echoes its value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+  """Chunks in document order: chunk `i` is `length[i]` virtual slots of `doc[i]` from `start[i]`.
+
+  Attributes:
+    doc: int64 `[num_chunks]`, non-decreasing.
+    start: int32 `[num_chunks]`.
+    length: int32 `[num_chunks]`, each in `[1, seq_len]`.
+    stats: `documents`, `dropped` (by `min_len` or empty), `split` (documents cut into more than
+      one chunk), `truncated` (documents cut short under `long_docs="truncate"`), `chunks`,
+      `tokens` (slots the chunks occupy, repeated overlap slots included), `dropped_tokens`
+      (virtual slots of dropped documents and of truncated tails).
+  """
+
+  doc: np.ndarray
+  start: np.ndarray
+  length: np.ndarray
+  stats: dict[str, Any]
+
+
+def check_lengths(lengths: Any) -> np.ndarray:
+  """Returns `lengths` as an int64 1-D array, or raises naming `lengths` and the bad value."""
+  arr = np.asarray(lengths)
+  if arr.ndim != 1:
+    raise PackingArgumentError(f"lengths must be 1-D, got shape {arr.shape}")
+  if arr.size == 0:
+    raise PackingArgumentError("lengths is empty: there are no documents to pack")
+  if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+    raise PackingArgumentError(f"lengths must hold integers, got dtype {arr.dtype}")
+  arr = arr.astype(np.int64, copy=False)
+  low = int(arr.min())
+  if low < 0:
+    bad = int(np.argmin(arr))
+    raise PackingArgumentError(f"lengths must be >= 0, got lengths[{bad}] = {low}")
+  return arr
+
+
+def check_args(seq_len: Any, *, long_docs: Any, min_len: Any, overlap: Any,
+               extra_tokens: Any) -> None:
+  """Validates the chunking arguments; each error names the argument and its value."""
+  for name, value in (("seq_len", seq_len), ("min_len", min_len), ("overlap", overlap),
+                      ("extra_tokens", extra_tokens)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise PackingArgumentError(f"{name} must be an int, got {value!r}")
+  if seq_len < 1:
+    raise PackingArgumentError(f"seq_len must be >= 1, got seq_len={seq_len}")
+  if extra_tokens < 0:
+    raise PackingArgumentError(f"extra_tokens must be >= 0, got extra_tokens={extra_tokens}")
+  if seq_len <= extra_tokens:
+    raise PackingArgumentError(
+        f"seq_len={seq_len} is too small for extra_tokens={extra_tokens} (BOS/EOS): a row "
+        f"must hold at least one document token besides them")
+  if min_len < 0:
+    raise PackingArgumentError(f"min_len must be >= 0, got min_len={min_len}")
+  if not 0 <= overlap < seq_len:
+    raise PackingArgumentError(
+        f"overlap must be in [0, seq_len={seq_len}), got overlap={overlap}")
+  if long_docs not in LONG_DOCS:
+    raise PackingArgumentError(f"long_docs must be one of {list(LONG_DOCS)}, got {long_docs!r}")
+
+
+def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
+                min_len: int = 0, overlap: int = 0, extra_tokens: int = 0) -> Chunks:
+  """Cuts every kept document's virtual sequence into chunks of at most `seq_len` slots.
+
+  A document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots. Documents with
+  `lengths[d] < min_len` or no slot at all are dropped. Under `long_docs="split"` chunk `c`
+  covers virtual slots `[c * stride, c * stride + seq_len)` (clipped to the document), with
+  `stride = seq_len - overlap`; so consecutive chunks share exactly `overlap` slots and the last
+  chunk always brings at least one new slot. Under `"truncate"` only chunk 0 is kept.
+
+  Args:
+    lengths: int64 `[num_documents]` document lengths (validated by `check_lengths`).
+    seq_len: slots per row.
+    long_docs: `"split"` or `"truncate"`.
+    min_len: documents shorter than this many tokens are dropped.
+    overlap: slots a continuation chunk repeats.
+    extra_tokens: virtual slots added to every document (BOS/EOS).
+
+  Returns:
+    The chunks in document order, with their statistics.
+  """
+  check_args(seq_len, long_docs=long_docs, min_len=min_len, overlap=overlap,
+             extra_tokens=extra_tokens)
+  virtual = lengths + extra_tokens
+  keep = (lengths >= min_len) & (virtual > 0)
+  kept = np.flatnonzero(keep)
+  vkept = virtual[kept]
+  stride = seq_len - overlap
+  long = vkept > seq_len
+  if long_docs == "split":
+    per_doc = np.ones(len(kept), np.int64)
+    per_doc[long] += -(-(vkept[long] - seq_len) // stride)
+  else:
+    per_doc = np.ones(len(kept), np.int64)
+  num_chunks = int(per_doc.sum())
+  doc = np.repeat(kept, per_doc)
+  first = np.cumsum(per_doc) - per_doc
+  index_in_doc = np.arange(num_chunks, dtype=np.int64) - np.repeat(first, per_doc)
+  start = index_in_doc * stride
+  length = np.minimum(seq_len, np.repeat(vkept, per_doc) - start)
+  tokens = int(length.sum())
+  stats = {
+      "documents": int(len(lengths)),
+      "dropped": int(len(lengths) - len(kept)),
+      "split": int(long.sum()) if long_docs == "split" else 0,
+      "truncated": int(long.sum()) if long_docs == "truncate" else 0,
+      "chunks": num_chunks,
+      "tokens": tokens,
+      "dropped_tokens": int(virtual[~keep].sum())
+                        + (int((vkept[long] - seq_len).sum()) if long_docs == "truncate" else 0),
+  }
+  return Chunks(doc=doc, start=start.astype(np.int32), length=length.astype(np.int32),
+                stats=stats)

@@ -1,0 +1,158 @@
+"""The packing `Plan`: which pieces of which documents fill each row, and its on-disk form."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+_ARRAYS = ("row_splits", "doc", "start", "length")
+_META = "plan.json"
+
+
+class PlanError(ValueError):
+  """A plan on disk or in memory is malformed; the message names the file or field."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """A packing plan: row `r` holds pieces `row_splits[r]:row_splits[r + 1]`.
+
+  Each piece is `(doc, start, length)`: `length` virtual slots of document `doc` starting at
+  virtual slot `start` (virtual slot 0 is BOS when the pipeline adds one; see
+  `segpack.packing.plan`). Pieces are stored in row order and, inside a row, in the order their
+  segments appear.
+
+  Attributes:
+    seq_len: slots per row.
+    overlap: slots a continuation chunk (`start > 0`) repeats from the previous chunk.
+    extra_tokens: virtual slots added to every document (`add_bos + add_eos`).
+    strategy: the planner that made the plan.
+    row_splits: int64 `[num_rows + 1]`, starting at 0 and ending at `num_pieces`.
+    doc: int64 `[num_pieces]` document indices.
+    start: int32 `[num_pieces]` first virtual slot of each piece.
+    length: int32 `[num_pieces]` slots of each piece, `1 <= length <= seq_len`.
+    stats: plain-JSON statistics (`documents`, `dropped`, `split`, `truncated`, `chunks`,
+      `tokens`, `slots`, `lower_bound`, ...).
+  """
+
+  seq_len: int
+  overlap: int
+  extra_tokens: int
+  strategy: str
+  row_splits: np.ndarray
+  doc: np.ndarray
+  start: np.ndarray
+  length: np.ndarray
+  stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    n = len(self.doc)
+    for name in ("start", "length"):
+      if len(getattr(self, name)) != n:
+        raise PlanError(
+            f"Plan.{name} has {len(getattr(self, name))} entries but Plan.doc has {n}")
+    if self.row_splits.ndim != 1 or len(self.row_splits) < 1:
+      raise PlanError(f"Plan.row_splits must be 1-D and non-empty, got shape "
+                      f"{self.row_splits.shape}")
+    if int(self.row_splits[0]) != 0 or int(self.row_splits[-1]) != n:
+      raise PlanError(f"Plan.row_splits must run from 0 to num_pieces={n}, got "
+                      f"{int(self.row_splits[0])}..{int(self.row_splits[-1])}")
+
+  @property
+  def num_rows(self) -> int:
+    return len(self.row_splits) - 1
+
+  @property
+  def num_pieces(self) -> int:
+    return len(self.doc)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held by the plan's arrays."""
+    return sum(int(getattr(self, name).nbytes) for name in _ARRAYS)
+
+  def row(self, r: int) -> list[tuple[int, int, int]]:
+    """The pieces `(doc, start, length)` of row `r`, in segment order."""
+    if not 0 <= r < self.num_rows:
+      raise IndexError(f"row {r} out of range for a plan of {self.num_rows} rows")
+    a, b = int(self.row_splits[r]), int(self.row_splits[r + 1])
+    return [(int(d), int(s), int(n)) for d, s, n in
+            zip(self.doc[a:b], self.start[a:b], self.length[a:b])]
+
+  def row_lengths(self) -> np.ndarray:
+    """Occupied slots per row, int64 `[num_rows]`."""
+    csum = np.concatenate([[0], np.cumsum(self.length, dtype=np.int64)])
+    return csum[self.row_splits[1:]] - csum[self.row_splits[:-1]]
+
+  def meta(self) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION, "seq_len": int(self.seq_len),
+            "overlap": int(self.overlap), "extra_tokens": int(self.extra_tokens),
+            "strategy": self.strategy, "num_rows": self.num_rows,
+            "num_pieces": self.num_pieces, "stats": self.stats}
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the plan to directory `path` atomically (temporary directory, then rename)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-plan-", dir=parent)
+    try:
+      for name in _ARRAYS:
+        np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(getattr(self, name)))
+      with open(os.path.join(tmp, _META), "w") as f:
+        json.dump(self.meta(), f, indent=1, sort_keys=True)
+      _replace_dir(tmp, path)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, *, mmap: bool = True) -> "Plan":
+    """Reads a plan saved by `save`; with `mmap` the arrays are read-only memory maps."""
+    path = os.fspath(path)
+    meta_path = os.path.join(path, _META)
+    try:
+      with open(meta_path) as f:
+        meta = json.load(f)
+    except FileNotFoundError as e:
+      raise PlanError(f"no plan at {path!r}: {meta_path!r} is missing") from e
+    except json.JSONDecodeError as e:
+      raise PlanError(f"{meta_path!r} is not valid JSON: {e}") from e
+    if meta.get("format_version") != FORMAT_VERSION:
+      raise PlanError(f"{meta_path!r} has format_version={meta.get('format_version')!r}, "
+                      f"expected {FORMAT_VERSION}")
+    arrays = {}
+    for name in _ARRAYS:
+      file = os.path.join(path, name + ".npy")
+      try:
+        arrays[name] = np.load(file, mmap_mode="r" if mmap else None)
+      except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read plan array {file!r}: {e}") from e
+    plan = cls(seq_len=int(meta["seq_len"]), overlap=int(meta["overlap"]),
+               extra_tokens=int(meta["extra_tokens"]), strategy=str(meta["strategy"]),
+               stats=dict(meta.get("stats", {})), **arrays)
+    if plan.num_rows != meta.get("num_rows") or plan.num_pieces != meta.get("num_pieces"):
+      raise PlanError(f"{path!r}: arrays hold {plan.num_rows} rows / {plan.num_pieces} pieces "
+                      f"but {_META} says {meta.get('num_rows')} / {meta.get('num_pieces')}")
+    return plan
+
+
+def _replace_dir(tmp: str, path: str) -> None:
+  """Moves directory `tmp` to `path`, replacing an existing `path` without a partial state."""
+  try:
+    os.replace(tmp, path)
+    return
+  except OSError:
+    if not os.path.isdir(path):
+      raise
+  trash = tempfile.mkdtemp(prefix=".old-plan-", dir=os.path.dirname(os.path.abspath(path)))
+  os.replace(path, os.path.join(trash, "old"))
+  os.replace(tmp, path)
+  shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,102 @@
+"""`plan()`: chunk the documents, run a planner, and lay the pieces out row by row."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from segpack.packing.bfd import best_fit_decreasing
+from segpack.packing.chunking import PackingArgumentError, check_lengths, make_chunks
+from segpack.packing.ffd import first_fit_decreasing
+from segpack.packing.greedy import next_fit
+from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
+from segpack.packing.plan import Plan
+from segpack.packing.sorting import stable_argsort
+
+Planner = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
+STRATEGIES: dict[str, Planner] = {
+    "ffd": first_fit_decreasing,
+    "bfd": best_fit_decreasing,
+    "greedy": next_fit,
+    "pad": one_per_row,
+    "sorted_pad": sorted_one_per_row,
+}
+
+
+def check_strategy(strategy: Any) -> Planner:
+  """The planner named `strategy`, or an error that lists the valid names."""
+  if not isinstance(strategy, str) or strategy not in STRATEGIES:
+    raise PackingArgumentError(
+        f"strategy must be one of {sorted(STRATEGIES)}, got strategy={strategy!r}")
+  return STRATEGIES[strategy]
+
+
+def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",
+         min_len: int = 0, overlap: int = 0, extra_tokens: int = 0, batch_size: int = 8,
+         pad_multiple: int = 128) -> Plan:
+  """Plans how the documents fill rows of `seq_len` slots.
+
+  Document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots (the pipeline passes
+  `extra_tokens = add_bos + add_eos`; slot 0 is then BOS and the last slot EOS). Documents with
+  `lengths[d] < min_len` (or no slot) are dropped; longer ones than `seq_len` are split into
+  chunks overlapping by `overlap` slots (`long_docs="split"`) or cut to their first `seq_len`
+  slots (`"truncate"`); see `segpack.packing.chunking.make_chunks`. The chunks are then packed:
+
+  - `ffd`: exact first-fit-decreasing over the whole data set (the default);
+  - `bfd`: exact best-fit-decreasing;
+  - `greedy`: next fit in document order, as t5x/seqio's `pack`;
+  - `pad`: one chunk per row, in document order;
+  - `sorted_pad`: one chunk per row, longest first; its `stats["slots"]` counts batches of
+    `batch_size` rows padded to their longest row rounded up to `pad_multiple`.
+
+  Args:
+    lengths: 1-D integer array of document lengths (tokens, without BOS/EOS).
+    seq_len: slots per row.
+    strategy: one of `STRATEGIES`.
+    long_docs: `"split"` or `"truncate"`.
+    min_len: drop documents with fewer tokens.
+    overlap: slots a continuation chunk repeats from the previous chunk (`0 <= overlap <
+      seq_len`); the pipeline trains no loss on them.
+    extra_tokens: virtual slots added to every document.
+    batch_size: rows per batch, for `sorted_pad`'s slot count only.
+    pad_multiple: batch length granularity, for `sorted_pad`'s slot count only.
+
+  Returns:
+    The `Plan`, rows in the planner's order, pieces inside a row in placement order.
+
+  Raises:
+    PackingArgumentError: an argument is invalid; the message names it and its value.
+  """
+  planner = check_strategy(strategy)
+  lengths = check_lengths(lengths)
+  for name, value in (("batch_size", batch_size), ("pad_multiple", pad_multiple)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise PackingArgumentError(f"{name} must be an int >= 1, got {name}={value!r}")
+  chunks = make_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
+                       overlap=overlap, extra_tokens=extra_tokens)
+  if len(chunks.length) == 0:
+    raise PackingArgumentError(
+        f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
+        f"or empty")
+  bins, order = planner(chunks.length, seq_len)
+  perm = order[stable_argsort(bins[order])]
+  per_row = np.bincount(bins)
+  row_splits = np.zeros(len(per_row) + 1, np.int64)
+  np.cumsum(per_row, out=row_splits[1:])
+  stats = dict(chunks.stats)
+  tokens = stats["tokens"]
+  num_rows = len(per_row)
+  if strategy == "sorted_pad":
+    slots = sorted_pad_slots(chunks.length[perm].astype(np.int64), batch_size=batch_size,
+                             pad_multiple=pad_multiple, seq_len=seq_len)
+    stats.update(batch_size=int(batch_size), pad_multiple=int(pad_multiple))
+  else:
+    slots = num_rows * seq_len
+  stats.update(rows=num_rows, slots=slots, lower_bound=-(-tokens // seq_len),
+               utilization=tokens / slots, segments_per_row_mean=float(per_row.mean()),
+               segments_per_row_max=int(per_row.max()))
+  return Plan(seq_len=int(seq_len), overlap=int(overlap), extra_tokens=int(extra_tokens),
+              strategy=strategy, row_splits=row_splits, doc=chunks.doc[perm],
+              start=chunks.start[perm], length=chunks.length[perm], stats=stats)
