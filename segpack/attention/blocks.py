@@ -1,0 +1,129 @@
+"""Block ranges for the segment flash kernel, computed in plain `jnp` outside the kernel.
+
+Segments are contiguous runs, so the keys a query block needs form one interval, and so do the
+queries a key block serves. `q_block_ranges` and `kv_block_ranges` turn segment ids into those
+intervals, in blocks, plus the sub-interval of blocks that lie inside one segment and (causal)
+entirely at or below the diagonal: those need no element-wise mask.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_BIG = 2**30
+
+
+def segment_bounds(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Start (inclusive) and end (exclusive) slot of the run holding every slot.
+
+  Args:
+    segment_ids_BxS: integer segment ids; runs of equal ids (padding runs included).
+
+  Returns:
+    `(start_BxS, end_BxS)` int32. Example: ids `[1, 1, 2, 0]` give starts `[0, 0, 2, 3]` and ends
+    `[2, 2, 3, 4]`.
+  """
+  b, s = segment_ids_BxS.shape
+  pos_S = jnp.arange(s, dtype=jnp.int32)
+  change_BxS1 = segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1]
+  is_start_BxS = jnp.concatenate([jnp.ones((b, 1), bool), change_BxS1], axis=1)
+  is_end_BxS = jnp.concatenate([change_BxS1, jnp.ones((b, 1), bool)], axis=1)
+  start_BxS = jax.lax.cummax(jnp.where(is_start_BxS, pos_S, 0), axis=1)
+  end_BxS = jax.lax.cummin(jnp.where(is_end_BxS, pos_S + 1, s), axis=1, reverse=True)
+  return start_BxS.astype(jnp.int32), end_BxS.astype(jnp.int32)
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+  return (a + b - 1) // b
+
+
+def _one_segment(seg_BxNxC: jax.Array) -> jax.Array:
+  """True where a block's slots all hold the same non-padding segment."""
+  return (seg_BxNxC.min(-1) == seg_BxNxC.max(-1)) & (seg_BxNxC[..., 0] != 0)
+
+
+def q_block_ranges(
+    segment_ids_BxS: jax.Array, *, block_q: int, block_k: int, causal: bool) -> jax.Array:
+  """Key/value block ranges of every query block.
+
+  Args:
+    segment_ids_BxS: segment ids, S a multiple of `block_q` and `block_k`.
+    block_q: query block.
+    block_k: key/value block.
+    causal: whether keys after the query are hidden.
+
+  Returns:
+    int32 `[B, S // block_q, 4]`: `kv_lo, kv_hi` (the key blocks to visit, `[kv_lo, kv_hi)`;
+    empty for an all-padding block) and `full_lo, full_hi` (the sub-range needing no mask; both
+    equal `kv_hi` when there is none).
+  """
+  b, s = segment_ids_BxS.shape
+  nq = s // block_q
+  start_BxS, end_BxS = segment_bounds(segment_ids_BxS)
+  pos_S = jnp.arange(s, dtype=jnp.int32)
+  valid_BxS = segment_ids_BxS != 0
+  reach_BxS = jnp.broadcast_to(pos_S + 1, (b, s)) if causal else end_BxS
+  lo_BxN = jnp.where(valid_BxS, start_BxS, _BIG).reshape(b, nq, block_q).min(-1)
+  hi_BxN = jnp.where(valid_BxS, reach_BxS, 0).reshape(b, nq, block_q).max(-1)
+  any_BxN = hi_BxN > 0
+  kv_lo_BxN = jnp.where(any_BxN, lo_BxN // block_k, 0)
+  kv_hi_BxN = jnp.where(any_BxN, _cdiv(hi_BxN, block_k), 0)
+  one_BxN = _one_segment(segment_ids_BxS.reshape(b, nq, block_q))
+  q0_N = jnp.arange(nq, dtype=jnp.int32) * block_q
+  seg_start_BxN = start_BxS[:, ::block_q]
+  seg_end_BxN = end_BxS[:, ::block_q]
+  full_lo_BxN = jnp.maximum(kv_lo_BxN, _cdiv(seg_start_BxN, block_k))
+  full_hi_BxN = jnp.minimum(kv_hi_BxN, seg_end_BxN // block_k)
+  if causal:
+    full_hi_BxN = jnp.minimum(full_hi_BxN, (q0_N + 1) // block_k)
+  has_full_BxN = one_BxN & (full_hi_BxN > full_lo_BxN)
+  full_lo_BxN = jnp.where(has_full_BxN, full_lo_BxN, kv_hi_BxN)
+  full_hi_BxN = jnp.where(has_full_BxN, full_hi_BxN, kv_hi_BxN)
+  return jnp.stack([kv_lo_BxN, kv_hi_BxN, full_lo_BxN, full_hi_BxN], axis=-1).astype(jnp.int32)
+
+
+def kv_block_ranges(
+    segment_ids_BxS: jax.Array, *, block_q: int, block_k: int, causal: bool) -> jax.Array:
+  """Query block ranges of every key/value block (for the dK/dV kernel).
+
+  Args:
+    segment_ids_BxS: segment ids, S a multiple of `block_q` and `block_k`.
+    block_q: query block.
+    block_k: key/value block.
+    causal: whether keys after the query are hidden.
+
+  Returns:
+    int32 `[B, S // block_k, 4]`: `q_lo, q_hi` (the query blocks that see this key block) and
+    `full_lo, full_hi` (the sub-range needing no mask; both equal `q_hi` when there is none).
+  """
+  b, s = segment_ids_BxS.shape
+  nk = s // block_k
+  start_BxS, end_BxS = segment_bounds(segment_ids_BxS)
+  pos_S = jnp.arange(s, dtype=jnp.int32)
+  valid_BxS = segment_ids_BxS != 0
+  first_BxS = jnp.broadcast_to(pos_S, (b, s)) if causal else start_BxS
+  lo_BxN = jnp.where(valid_BxS, first_BxS, _BIG).reshape(b, nk, block_k).min(-1)
+  hi_BxN = jnp.where(valid_BxS, end_BxS, 0).reshape(b, nk, block_k).max(-1)
+  any_BxN = hi_BxN > 0
+  q_lo_BxN = jnp.where(any_BxN, lo_BxN // block_q, 0)
+  q_hi_BxN = jnp.where(any_BxN, _cdiv(hi_BxN, block_q), 0)
+  one_BxN = _one_segment(segment_ids_BxS.reshape(b, nk, block_k))
+  k0_N = jnp.arange(nk, dtype=jnp.int32) * block_k
+  seg_start_BxN = start_BxS[:, ::block_k]
+  seg_end_BxN = end_BxS[:, ::block_k]
+  full_lo_BxN = jnp.maximum(q_lo_BxN, _cdiv(seg_start_BxN, block_q))
+  if causal:
+    full_lo_BxN = jnp.maximum(full_lo_BxN, _cdiv(k0_N + block_k - 1, block_q))
+  full_hi_BxN = jnp.minimum(q_hi_BxN, seg_end_BxN // block_q)
+  has_full_BxN = one_BxN & (full_hi_BxN > full_lo_BxN)
+  full_lo_BxN = jnp.where(has_full_BxN, full_lo_BxN, q_hi_BxN)
+  full_hi_BxN = jnp.where(has_full_BxN, full_hi_BxN, q_hi_BxN)
+  return jnp.stack([q_lo_BxN, q_hi_BxN, full_lo_BxN, full_hi_BxN], axis=-1).astype(jnp.int32)
+
+
+def tiles_computed(segment_ids_BxS: jax.Array, *, block_q: int, block_k: int,
+                   causal: bool) -> jax.Array:
+  """Number of (query block, key block) tiles the forward kernel visits, per row `[B]`."""
+  r = q_block_ranges(segment_ids_BxS, block_q=block_q, block_k=block_k, causal=causal)
+  return (r[..., 1] - r[..., 0]).sum(-1)

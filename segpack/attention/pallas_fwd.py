@@ -1,0 +1,114 @@
+"""Forward Pallas kernel of segment flash attention (Triton on a GPU, interpret on the CPU).
+
+Grid `(S // block_q, B, H)`. A program owns one query block of one head and walks the key/value
+blocks `[kv_lo, kv_hi)` precomputed by `blocks.q_block_ranges`, in three loops: masked blocks
+`[kv_lo, full_lo)`, mask-free blocks `[full_lo, full_hi)` (inside the query block's segment and at
+or below the diagonal), masked blocks `[full_hi, kv_hi)`. The kv head is `h // G`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+if TYPE_CHECKING:
+  from segpack.attention.pallas import KernelConfig
+
+MASK_VALUE = -1e30
+
+
+def compiler_params(cfg: "KernelConfig") -> pltriton.CompilerParams:
+  """Triton compiler parameters (selects the Triton lowering on a GPU)."""
+  return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool) -> jax.Array:
+  """`[block_q, block_k]` mask: same non-padding segment and, if causal, key not after query."""
+  mask_QxC = (seg_q_Q[:, None] == seg_k_C[None, :]) & (seg_q_Q[:, None] != 0)
+  if causal:
+    mask_QxC &= q_pos_Q[:, None] >= k_pos_C[None, :]
+  return mask_QxC
+
+
+def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                cfg: "KernelConfig"):
+  bq, bk = cfg.block_q, cfg.block_k
+  qi = pl.program_id(0)
+  kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
+  full_lo, full_hi = ranges_ref[qi, 2], ranges_ref[qi, 3]
+  q_QxD = q_ref[...]
+  seg_q_Q = seg_q_ref[...]
+  q_pos_Q = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  d = q_QxD.shape[-1]
+
+  def body(j, carry, *, masked: bool):
+    acc_QxD, m_Q, l_Q = carry
+    k_CxD = k_ref[pl.ds(j * bk, bk), :]
+    v_CxD = v_ref[pl.ds(j * bk, bk), :]
+    s_QxC = jnp.dot(q_QxD, k_CxD.T, preferred_element_type=jnp.float32) * cfg.scale
+    if masked:
+      seg_k_C = seg_k_ref[pl.ds(j * bk, bk)]
+      k_pos_C = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+      mask_QxC = element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal)
+      s_QxC = jnp.where(mask_QxC, s_QxC, MASK_VALUE)
+    m_new_Q = jnp.maximum(m_Q, s_QxC.max(axis=-1))
+    alpha_Q = jnp.exp(m_Q - m_new_Q)
+    p_QxC = jnp.exp(s_QxC - m_new_Q[:, None])
+    l_Q = l_Q * alpha_Q + p_QxC.sum(axis=-1)
+    acc_QxD = acc_QxD * alpha_Q[:, None] + jnp.dot(
+        p_QxC.astype(v_CxD.dtype), v_CxD, preferred_element_type=jnp.float32)
+    return acc_QxD, m_new_Q, l_Q
+
+  carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
+           jnp.zeros((bq,), jnp.float32))
+  masked_body = functools.partial(body, masked=True)
+  carry = jax.lax.fori_loop(kv_lo, full_lo, masked_body, carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  acc_QxD, m_Q, l_Q = jax.lax.fori_loop(full_hi, kv_hi, masked_body, carry)
+  valid_Q = seg_q_Q != 0
+  l_safe_Q = jnp.where(valid_Q, l_Q, 1.0)
+  out_QxD = jnp.where(valid_Q[:, None], acc_QxD / l_safe_Q[:, None], 0.0)
+  o_ref[...] = out_QxD.astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(valid_Q, m_Q + jnp.log(l_safe_Q), jnp.inf)
+
+
+def forward(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, *,
+            cfg: "KernelConfig"):
+  """Runs the forward kernel.
+
+  Returns:
+    `(out_BxSxHxD, lse_BxHxS)`; `lse` is the float32 log-sum-exp of the scaled logits, `+inf` at
+    padding queries (so the backward gives them zero probability).
+  """
+  b, s, h, d = q_BxSxHxD.shape
+  g = h // k_BxSxKxD.shape[2]
+  nq = s // cfg.block_q
+  in_specs = [
+      pl.BlockSpec((None, nq, 4), lambda i, bi, hi: (bi, 0, 0)),
+      pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i)),
+      pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
+      pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
+      pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
+      pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
+      pl.BlockSpec((None, None, cfg.block_q), lambda i, bi, hi: (bi, hi, i)),
+  ]
+  out_shape = [jax.ShapeDtypeStruct(q_BxSxHxD.shape, q_BxSxHxD.dtype),
+               jax.ShapeDtypeStruct((b, h, s), jnp.float32)]
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg),
+      grid=(nq, b, h),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=compiler_params(cfg),
+      interpret=cfg.interpret,
+      name="segment_flash_fwd",
+  )(q_ranges_BxNx4, segment_ids_BxS, segment_ids_BxS, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD)
