@@ -1,0 +1,439 @@
+"""`pack_dataset`: a Grain `MapDataset` of packed, segment-annotated rows.
+
+The packing plan is computed once per data set (or loaded from the plan cache); the dataset then
+maps a global step index to (epoch, row of this process) and builds that row from memory-mapped
+token slices. Everything is a pure function of the index, so Grain's iterator checkpoints
+(`get_state` / `set_state`) resume exactly, and `.batch`, `.to_iter_dataset`, `.mp_prefetch`
+compose as with any `MapDataset`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import sys
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from segpack import rows as rows_lib
+
+STRATEGIES_FALLBACK = ("ffd", "bfd", "greedy", "pad", "sorted_pad")
+LONG_DOCS = ("split", "truncate")
+
+
+class PipelineConfigError(ValueError):
+  """An argument of `pack_dataset` is invalid (the message names it and echoes the value)."""
+
+
+def _strategies() -> tuple[str, ...]:
+  from segpack import packing  # pylint: disable=g-import-not-at-top
+  return tuple(getattr(packing, "STRATEGIES", STRATEGIES_FALLBACK))
+
+
+def _epoch_seed(seed: int, epoch: int) -> np.random.Generator:
+  return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch)]))
+
+
+class PackedDataset(grain.MapDataset):
+  """Packed rows, shuffled per epoch, split across processes, as a random-access dataset.
+
+  Algorithm for element `i` of process `shard_index` out of `shard_count`:
+
+  1. The plan has `R` rows per epoch. It is padded with all-padding rows to
+     `R' = shard_count * ceil(R / shard_count)` (or cut to `shard_count * floor(R / shard_count)`
+     with `drop_remainder`), so every process gets `P = R' / shard_count` rows per epoch.
+  2. `epoch, j = divmod(i, P)`; the epoch's global position is `g = j * shard_count + shard_index`
+     (processes interleave, so the processes' step-`j` rows are consecutive epoch rows).
+  3. The epoch's row order is a permutation of the `R` plan rows drawn from a generator seeded by
+     `(seed, epoch)` (identity without `shuffle`); positions `g >= R` are all-padding rows.
+  4. The row is built by `segpack.rows.RowBuilder`.
+
+  Example: R = 5 rows, shard_count 2, so R' = 6 and P = 3; with epoch permutation [3, 0, 4, 1, 2],
+  process 0 reads rows 3, 4, 2 and process 1 reads rows 0, 1 and a padding row; element 3 of
+  process 0 is the first row of epoch 1's permutation.
+
+  `num_epochs=None` makes the dataset infinite (`len == sys.maxsize`, as Grain's `repeat()`);
+  otherwise `len == num_epochs * P` and indices wrap around modulo the length.
+  """
+
+  def __init__(self, builder: rows_lib.RowBuilder, *, seed: int, shuffle: bool,
+               num_epochs: int | None, shard_index: int, shard_count: int,
+               drop_remainder: bool = False):
+    super().__init__()
+    self._builder = builder
+    self._seed = seed
+    self._shuffle = shuffle
+    self._num_epochs = num_epochs
+    self._shard_index = shard_index
+    self._shard_count = shard_count
+    rows = builder.num_rows
+    if drop_remainder:
+      self._rows_per_process = rows // shard_count
+    else:
+      self._rows_per_process = -(-rows // shard_count)
+    if num_epochs is None:
+      self._length = sys.maxsize if self._rows_per_process else 0
+    else:
+      self._length = num_epochs * self._rows_per_process
+    self._perm_cache: dict[int, np.ndarray] = {}
+
+  @property
+  def seq_len(self) -> int:
+    return self._builder.seq_len
+
+  @property
+  def num_plan_rows(self) -> int:
+    """Rows of one epoch over all processes (before padding to a multiple of shard_count)."""
+    return self._builder.num_rows
+
+  @property
+  def rows_per_epoch(self) -> int:
+    """Rows one process reads per epoch."""
+    return self._rows_per_process
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __str__(self) -> str:
+    return (f"PackedDataset(seq_len={self.seq_len}, plan_rows={self.num_plan_rows}, "
+            f"rows_per_epoch={self._rows_per_process}, num_epochs={self._num_epochs}, "
+            f"shard={self._shard_index}/{self._shard_count})")
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    perm = self._perm_cache.get(epoch)
+    if perm is None:
+      perm = _epoch_seed(self._seed, epoch).permutation(self._builder.num_rows)
+      if len(self._perm_cache) >= 2:
+        self._perm_cache.pop(next(iter(self._perm_cache)))
+      self._perm_cache[epoch] = perm
+    return perm
+
+  def plan_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Maps element indices of this dataset to plan row indices (-1: an all-padding row).
+
+    Args:
+      indices: element indices (non-negative, or negative from the end of a finite dataset).
+
+    Returns:
+      int64 array of plan rows, the same shape as `indices`.
+    """
+    idx = np.asarray(indices, dtype=np.int64)
+    if not self._length:
+      raise IndexError(f"PackedDataset is empty; index {indices!r} is out of range")
+    if self._num_epochs is not None:
+      idx = idx % self._length
+    elif (idx < 0).any():
+      raise IndexError(f"negative index into an infinite PackedDataset: {indices!r}")
+    epoch, j = np.divmod(idx, self._rows_per_process)
+    g = j * self._shard_count + self._shard_index
+    out = np.full(idx.shape, rows_lib.PADDING_ROW, dtype=np.int64)
+    real = g < self._builder.num_rows
+    for e in np.unique(epoch[real]).tolist():
+      sel = real & (epoch == e)
+      out[sel] = self._permutation(e)[g[sel]] if self._shuffle else g[sel]
+    return out
+
+  def __getitem__(self, index):
+    if isinstance(index, builtins.slice):
+      return self.slice(index)
+    with self._stats.record_self_time():
+      features = self._builder.build(self.plan_rows([index]))
+      return self._stats.record_output_spec({k: v[0] for k, v in features.items()})
+
+  def _getitems(self, indices: Sequence[int]):
+    features = self._builder.build(self.plan_rows(list(indices)))
+    return [{k: v[n] for k, v in features.items()} for n in range(len(indices))]
+
+  def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    """Builds the rows of `indices` at once, as int32 `[len(indices), seq_len]` arrays.
+
+    This is the fast path (one vectorized build per batch); `batch()` uses it.
+    """
+    return self._builder.build(self.plan_rows(indices))
+
+  def batch(self, batch_size: int, *, drop_remainder: bool = False,
+            batch_fn=None) -> grain.MapDataset:
+    """Like `grain.MapDataset.batch`, with a vectorized path when `batch_fn` is None.
+
+    The result equals `grain.MapDataset.batch` on this dataset (same elements, same grouping;
+    each pass over a finite dataset is batched on its own), but every batch is built with one
+    vectorized call instead of `batch_size` row builds and a stack.
+    """
+    if batch_fn is not None:
+      return super().batch(batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
+    return PackedBatchDataset(self, batch_size=batch_size, drop_remainder=drop_remainder)
+
+
+class PackedBatchDataset(grain.MapDataset):
+  """Batches of a `PackedDataset`, each built by one vectorized `get_batch` call.
+
+  Element `b` holds parent elements `[b * batch_size, (b + 1) * batch_size)` (the last batch of a
+  finite parent may be short, or dropped with `drop_remainder`), exactly as Grain's
+  `BatchMapDataset` groups them.
+  """
+
+  def __init__(self, parent: PackedDataset, *, batch_size: int, drop_remainder: bool):
+    super().__init__(parent)
+    if not isinstance(batch_size, int) or batch_size <= 0:
+      raise PipelineConfigError(f"batch: batch_size must be a positive int, got {batch_size!r}")
+    self._batch_size = batch_size
+    self._drop_remainder = drop_remainder
+    n = len(parent)
+    if n >= sys.maxsize:
+      self._length = sys.maxsize
+    elif drop_remainder:
+      self._length = n // batch_size
+    else:
+      self._length = -(-n // batch_size)
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __str__(self) -> str:
+    return f"PackedBatchDataset(batch_size={self._batch_size})"
+
+  def __getitem__(self, index):
+    if isinstance(index, builtins.slice):
+      return self.slice(index)
+    parent = self._parent
+    n = len(parent)
+    if not self._length:
+      raise IndexError("PackedBatchDataset is empty")
+    epoch, b = divmod(index, self._length)
+    start = b * self._batch_size
+    stop = min(start + self._batch_size, n)
+    if n < sys.maxsize:
+      start, stop = start + epoch * n, stop + epoch * n
+    with self._stats.record_self_time():
+      return self._stats.record_output_spec(parent.get_batch(np.arange(start, stop)))
+
+
+def _open_source(source: Any) -> Any:
+  """Opens a dataset directory as a ShardSource; passes other sources through."""
+  if isinstance(source, (str, os.PathLike)):
+    from segpack import shards  # pylint: disable=g-import-not-at-top
+    return shards.ShardSource(os.fspath(source))
+  if isinstance(source, (bytes, np.ndarray)) or not hasattr(source, "__getitem__"):
+    raise PipelineConfigError(
+        "pack_dataset: source must be a dataset directory, a ShardSource or a random-access "
+        f"sequence of 1-D integer arrays, got {type(source).__name__}")
+  return source
+
+
+def _document_lengths(source: Any) -> np.ndarray:
+  """`source.lengths` when present, else one pass over the source (checking every document)."""
+  lengths = getattr(source, "lengths", None)
+  if lengths is not None:
+    return np.asarray(lengths, dtype=np.int64)
+  try:
+    n = len(source)
+  except TypeError as e:
+    raise PipelineConfigError(
+        f"pack_dataset: source {type(source).__name__} has no len(); it must be random-access"
+    ) from e
+  out = np.empty(n, dtype=np.int64)
+  for d in range(n):
+    doc = np.asarray(source[d])
+    if doc.ndim != 1 or not np.issubdtype(doc.dtype, np.integer):
+      raise PipelineConfigError(
+          f"pack_dataset: source[{d}] must be a 1-D integer array, got dtype {doc.dtype} and "
+          f"shape {doc.shape}")
+    out[d] = doc.shape[0]
+  return out
+
+
+def _special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
+  """The id given by the caller, else the source's tokenizer's, else an error when needed."""
+  if given is None:
+    given = getattr(source, name, None)
+    if given is None:
+      tokenizer = getattr(source, "tokenizer", None)
+      given = (tokenizer.get(name) if isinstance(tokenizer, dict)
+               else getattr(tokenizer, name, None))
+  if given is None:
+    if needed:
+      flag = "add_bos" if name == "bos_id" else "add_eos"
+      raise PipelineConfigError(
+          f"pack_dataset: {flag}=True but {name} was not given and the source carries no "
+          f"tokenizer {name}; pass {name}=... or {flag}=False")
+    return -1
+  if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 0:
+    raise PipelineConfigError(f"pack_dataset: {name} must be a non-negative int, got {given!r}")
+  vocab = getattr(source, "vocab_size", None)
+  if needed and vocab is not None and given >= vocab:
+    raise PipelineConfigError(
+        f"pack_dataset: {name}={given} is outside the source's vocabulary (vocab_size={vocab})")
+  return int(given)
+
+
+def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_epochs,
+                max_segments_per_row) -> None:
+  """Validates the scalar arguments of `pack_dataset` (before any pass over the data)."""
+  if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
+    raise PipelineConfigError(f"pack_dataset: seq_len must be an int, got {seq_len!r}")
+  if seq_len <= extra:
+    raise PipelineConfigError(
+        f"pack_dataset: seq_len={seq_len} leaves no slot for a token next to the {extra} "
+        f"BOS/EOS slot(s) of every document; use seq_len > {extra}")
+  valid = _strategies()
+  if strategy not in valid:
+    raise PipelineConfigError(
+        f"pack_dataset: unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}")
+  if long_docs not in LONG_DOCS:
+    raise PipelineConfigError(
+        f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(LONG_DOCS)}")
+  if not isinstance(min_len, (int, np.integer)) or min_len < 0:
+    raise PipelineConfigError(f"pack_dataset: min_len must be an int >= 0, got {min_len!r}")
+  if not isinstance(overlap, (int, np.integer)) or not 0 <= overlap < seq_len - 1:
+    raise PipelineConfigError(
+        f"pack_dataset: overlap must be an int in [0, seq_len - 1) = [0, {seq_len - 1}), "
+        f"got {overlap!r}")
+  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer))
+                                 or num_epochs <= 0):
+    raise PipelineConfigError(
+        f"pack_dataset: num_epochs must be None (infinite) or a positive int, got {num_epochs!r}")
+  if max_segments_per_row is not None and (
+      not isinstance(max_segments_per_row, (int, np.integer)) or max_segments_per_row < 1):
+    raise PipelineConfigError(
+        f"pack_dataset: max_segments_per_row must be None or an int >= 1, got "
+        f"{max_segments_per_row!r}")
+
+
+def _shard(shard_index: int | None, shard_count: int | None,
+           shard_options: Any) -> tuple[int, int, bool]:
+  """Resolves (shard_index, shard_count, drop_remainder); defaults to the JAX process."""
+  if shard_options is not None:
+    if shard_index is not None or shard_count is not None:
+      raise PipelineConfigError(
+          "pack_dataset: pass either shard_options or shard_index/shard_count, not both")
+    return (int(shard_options.shard_index), int(shard_options.shard_count),
+            bool(shard_options.drop_remainder))
+  if shard_index is None and shard_count is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    return jax.process_index(), jax.process_count(), False
+  if shard_index is None or shard_count is None:
+    raise PipelineConfigError(
+        f"pack_dataset: give both shard_index and shard_count, got shard_index={shard_index!r}, "
+        f"shard_count={shard_count!r}")
+  if not isinstance(shard_count, (int, np.integer)) or shard_count < 1:
+    raise PipelineConfigError(f"pack_dataset: shard_count must be an int >= 1, got {shard_count!r}")
+  if not isinstance(shard_index, (int, np.integer)) or not 0 <= shard_index < shard_count:
+    raise PipelineConfigError(
+        f"pack_dataset: shard_index must be in [0, {shard_count}), got {shard_index!r}")
+  return int(shard_index), int(shard_count), False
+
+
+def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
+               long_docs: str, min_len: int, overlap: int, extra: int,
+               plan_cache_dir: str | os.PathLike | None) -> Any:
+  """Computes the plan, or loads it from the plan cache when the source has a fingerprint."""
+  from segpack import packing  # pylint: disable=g-import-not-at-top
+  kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len, overlap=overlap,
+                extra_tokens=extra)
+  fingerprint = getattr(source, "fingerprint", None)
+  if plan_cache_dir is None and fingerprint is not None:
+    root = getattr(source, "path", None) or getattr(source, "root", None)
+    if root is not None:
+      plan_cache_dir = os.path.join(os.fspath(root), "plans")
+  load_or_plan = getattr(packing, "load_or_plan", None)
+  if plan_cache_dir is not None and load_or_plan is not None:
+    if fingerprint is None:
+      # No fingerprint: key the cache by the lengths themselves.
+      import hashlib  # pylint: disable=g-import-not-at-top
+      fingerprint = "lengths-" + hashlib.sha256(
+          np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()
+    return load_or_plan(lengths, seq_len, cache_dir=os.fspath(plan_cache_dir),
+                        key=str(fingerprint), **kwargs)
+  return packing.plan(lengths, seq_len, **kwargs)
+
+
+def pack_dataset(
+    source: Any,
+    *,
+    seq_len: int,
+    strategy: str = "ffd",
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    add_bos: bool = True,
+    add_eos: bool = True,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int = 0,
+    long_docs: str = "split",
+    min_len: int = 0,
+    overlap: int = 0,
+    max_segments_per_row: int | None = None,
+    plan_cache_dir: str | os.PathLike | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    shard_options: Any = None,
+) -> PackedDataset:
+  """Returns a `grain.MapDataset` of packed rows (see docs/architecture.md, "Rows").
+
+  Every element is a dict of int32 `[seq_len]` arrays `input_ids`, `labels`, `segment_ids`,
+  `segment_positions`. The plan is computed once for the whole data set (cached beside the
+  shards for a shard directory); each epoch is a permutation of the plan's rows seeded by
+  `(seed, epoch)`, so no row mixes epochs; each process reads every `shard_count`-th row of the
+  epoch (padded with all-padding rows to a multiple of `shard_count`).
+
+  Args:
+    source: a dataset directory, a `segpack.ShardSource`, or any random-access sequence of 1-D
+      integer arrays (a `grain.MapDataset` included).
+    seq_len: slots per row.
+    strategy: planner, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
+      "sorted_pad").
+    seed: shuffling seed; epoch `e` uses a generator seeded by `(seed, e)`.
+    shuffle: shuffle the row order of every epoch (else plan order).
+    num_epochs: None for an infinite dataset, else the number of epochs.
+    add_bos: put `bos_id` before every document.
+    add_eos: put `eos_id` after every document.
+    bos_id: BOS id; default the source's tokenizer's `bos_id` (required with `add_bos`).
+    eos_id: EOS id; default the source's tokenizer's `eos_id` (required with `add_eos`).
+    pad_id: `input_ids` value on padding slots.
+    long_docs: "split" (chunks of `seq_len`, nothing dropped) or "truncate" (first chunk only).
+    min_len: documents with fewer tokens are dropped.
+    overlap: slots a continuation chunk repeats from the previous one (no loss on them).
+    max_segments_per_row: cap on segments per row (pieces beyond it go to other rows).
+    plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
+    shard_index: this process's shard; default `jax.process_index()`.
+    shard_count: number of shards; default `jax.process_count()`.
+    shard_options: a `grain.sharding.ShardOptions` instead of shard_index/shard_count;
+      `drop_remainder=True` drops an epoch's last `R mod shard_count` rows instead of padding.
+
+  Returns:
+    A `PackedDataset` (a `grain.MapDataset`).
+
+  Raises:
+    PipelineConfigError: an argument is invalid, the source is empty, or no document survives.
+  """
+  extra = int(bool(add_bos)) + int(bool(add_eos))
+  _check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
+              overlap=overlap, extra=extra, num_epochs=num_epochs,
+              max_segments_per_row=max_segments_per_row)
+  index, count, drop_remainder = _shard(shard_index, shard_count, shard_options)
+  source = _open_source(source)
+  special = rows_lib.SpecialTokens(
+      add_bos=bool(add_bos), add_eos=bool(add_eos),
+      bos_id=_special_id(source, "bos_id", bos_id, bool(add_bos)),
+      eos_id=_special_id(source, "eos_id", eos_id, bool(add_eos)), pad_id=int(pad_id))
+  lengths = _document_lengths(source)
+  if lengths.size == 0:
+    raise PipelineConfigError(f"pack_dataset: source {source!r:.200} holds no documents")
+  plan = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
+                    long_docs=long_docs, min_len=int(min_len), overlap=int(overlap),
+                    extra=extra, plan_cache_dir=plan_cache_dir)
+  arrays = rows_lib.PlanArrays(seq_len=int(seq_len), overlap=int(overlap),
+                               row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
+                               length=plan.length)
+  if arrays.num_rows == 0 or len(arrays.doc) == 0:
+    raise PipelineConfigError(
+        f"pack_dataset: no document of the {lengths.size} in the source survives min_len="
+        f"{min_len}; nothing to pack")
+  if max_segments_per_row is not None:
+    arrays = rows_lib.cap_segments_per_row(arrays, int(max_segments_per_row))
+  builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths)
+  return PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
+                       shard_index=index, shard_count=count, drop_remainder=drop_remainder)

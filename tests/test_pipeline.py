@@ -1,0 +1,323 @@
+"""Tests for segpack.pipeline.pack_dataset against independent, naive oracles.
+
+The oracles never use the plan or the row builder: they rebuild every document's expected chunks
+directly from the contract (virtual sequence = [BOS] + tokens + [EOS], chunk c covers
+[c * (seq_len - overlap), c * (seq_len - overlap) + seq_len)) and check every slot of every row
+with plain Python loops.
+"""
+
+import collections
+import os
+import sys
+
+import grain
+import numpy as np
+import pytest
+
+import segpack
+from segpack import pipeline
+
+BOS, EOS, PAD = 1, 2, 0
+FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
+
+
+def make_docs(n, *, seed=0, max_len=40, min_len=1):
+  """Random documents with tokens >= 3 (so BOS/EOS/PAD never occur inside a document)."""
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 60000, size=int(rng.integers(min_len, max_len + 1))).astype(np.uint16)
+          for _ in range(n)]
+
+
+def expected_chunks(docs, seq_len, *, add_bos=True, add_eos=True, overlap=0, long_docs="split",
+                    min_len=0):
+  """The contract's chunks of every document, as tuples (naive, independent of the planner)."""
+  out = []
+  for doc in docs:
+    if len(doc) < min_len:
+      continue
+    virtual = [BOS] * add_bos + [int(t) for t in doc] + [EOS] * add_eos
+    stride = seq_len - overlap
+    c = 0
+    while True:
+      chunk = virtual[c * stride:c * stride + seq_len]
+      out.append(tuple(chunk))
+      if c * stride + seq_len >= len(virtual) or long_docs == "truncate":
+        break
+      c += 1
+  return out
+
+
+def segments_of(row):
+  """The token tuples of a row's segments, read slot by slot."""
+  segs = collections.OrderedDict()
+  for tok, seg in zip(row["input_ids"].tolist(), row["segment_ids"].tolist()):
+    if seg:
+      segs.setdefault(seg, []).append(tok)
+  return [tuple(v) for v in segs.values()]
+
+
+def check_row(row, seq_len, *, overlap=0, add_bos=True):
+  """Checks the label/segment/position contract on every slot with a naive loop."""
+  assert set(row) == set(FEATURES)
+  for k in FEATURES:
+    assert row[k].dtype == np.int32 and row[k].shape == (seq_len,), k
+  ids, labels = row["input_ids"].tolist(), row["labels"].tolist()
+  seg, pos = row["segment_ids"].tolist(), row["segment_positions"].tolist()
+  seg_start = {}
+  prev = 0
+  for i in range(seq_len):
+    if seg[i] == 0:
+      assert ids[i] == PAD and labels[i] == -100 and pos[i] == 0, i
+      continue
+    if seg[i] != prev:
+      assert seg[i] == max([0] + list(seg_start)) + 1, (i, seg)  # 1..k in row order
+      assert seg[i] not in seg_start
+      seg_start[seg[i]] = i
+    assert pos[i] == i - seg_start[seg[i]], (i, pos)
+    prev = seg[i]
+  for i in range(seq_len):
+    same = i + 1 < seq_len and seg[i] != 0 and seg[i + 1] == seg[i]
+    if same and overlap and not (add_bos and ids[seg_start[seg[i]]] == BOS):
+      # A continuation chunk: targets at its slots 1..overlap-1 repeat the previous chunk.
+      if i + 1 - seg_start[seg[i]] < overlap:
+        same = False
+    assert labels[i] == (ids[i + 1] if same else -100), (i, labels, ids, seg)
+
+
+def epoch_rows(ds, epoch=0):
+  n = ds.rows_per_epoch
+  return [ds[i] for i in range(epoch * n, (epoch + 1) * n)]
+
+
+def rows_equal(a, b):
+  return all(np.array_equal(a[k], b[k]) for k in FEATURES)
+
+
+def row_key(row):
+  return tuple(row["input_ids"].tolist()) + tuple(row["segment_ids"].tolist())
+
+
+def pack(docs, **kwargs):
+  kwargs.setdefault("bos_id", BOS)
+  kwargs.setdefault("eos_id", EOS)
+  kwargs.setdefault("shard_index", 0)
+  kwargs.setdefault("shard_count", 1)
+  return segpack.pack_dataset(docs, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["ffd", "bfd", "greedy", "pad", "sorted_pad"])
+@pytest.mark.parametrize("seq_len,overlap,add_bos,add_eos", [
+    (16, 0, True, True), (32, 4, True, True), (24, 0, False, True), (64, 0, True, False)])
+def test_every_token_once_in_order(strategy, seq_len, overlap, add_bos, add_eos):
+  docs = make_docs(60, seed=seq_len, max_len=90)  # many documents longer than seq_len
+  ds = pack(docs, seq_len=seq_len, strategy=strategy, overlap=overlap, add_bos=add_bos,
+            add_eos=add_eos, num_epochs=1)
+  assert isinstance(ds, grain.MapDataset)
+  rows = list(ds)
+  assert len(rows) == len(ds) == ds.num_plan_rows
+  got = []
+  for row in rows:
+    check_row(row, seq_len, overlap=overlap, add_bos=add_bos)
+    got.extend(segments_of(row))
+  want = expected_chunks(docs, seq_len, add_bos=add_bos, add_eos=add_eos, overlap=overlap)
+  assert sorted(got) == sorted(want)
+
+
+def test_truncate_and_min_len():
+  docs = make_docs(40, seed=3, max_len=100)
+  ds = pack(docs, seq_len=32, long_docs="truncate", min_len=5, num_epochs=1)
+  got = [s for row in ds for s in segments_of(row)]
+  for row in ds:
+    check_row(row, 32)
+  want = expected_chunks(docs, 32, long_docs="truncate", min_len=5)
+  assert sorted(got) == sorted(want)
+  assert any(len(d) + 2 > 32 for d in docs) and any(len(d) < 5 for d in docs)
+
+
+def test_max_segments_per_row():
+  docs = make_docs(200, seed=4, max_len=6)  # tiny documents: many segments per row
+  free = pack(docs, seq_len=64, num_epochs=1, shuffle=False)
+  assert max(int(r["segment_ids"].max()) for r in free) > 4
+  ds = pack(docs, seq_len=64, num_epochs=1, max_segments_per_row=4)
+  got = []
+  for row in ds:
+    check_row(row, 64)
+    assert int(row["segment_ids"].max()) <= 4
+    got.extend(segments_of(row))
+  assert sorted(got) == sorted(expected_chunks(docs, 64))
+
+
+def test_cap_post_pass_example():
+  from segpack import rows
+  plan = rows.PlanArrays(seq_len=8, overlap=0, row_splits=np.array([0, 3, 4]),
+                         doc=np.array([0, 1, 2, 3]), start=np.zeros(4, np.int32),
+                         length=np.array([3, 2, 1, 4], np.int32))
+  capped = rows.cap_segments_per_row(plan, 2)
+  assert capped.row_splits.tolist() == [0, 2, 4]
+  assert capped.doc.tolist() == [0, 1, 3, 2]
+
+
+def test_determinism_and_seeds():
+  docs = make_docs(80, seed=5)
+  a = epoch_rows(pack(docs, seq_len=32, seed=7))
+  b = epoch_rows(pack(docs, seq_len=32, seed=7))
+  c = epoch_rows(pack(docs, seq_len=32, seed=8))
+  assert all(rows_equal(x, y) for x, y in zip(a, b))
+  assert not all(rows_equal(x, y) for x, y in zip(a, c))
+  assert sorted(map(row_key, a)) == sorted(map(row_key, c))  # same rows, other order
+  plain = epoch_rows(pack(docs, seq_len=32, shuffle=False))
+  assert sorted(map(row_key, a)) == sorted(map(row_key, plain))
+
+
+def test_epochs_are_bounded_permutations():
+  docs = make_docs(50, seed=6)
+  ds = pack(docs, seq_len=32, num_epochs=3, seed=1)
+  n = ds.rows_per_epoch
+  assert len(ds) == 3 * n
+  epochs = [[row_key(ds[i]) for i in range(e * n, (e + 1) * n)] for e in range(3)]
+  for e in range(3):
+    assert sorted(epochs[e]) == sorted(epochs[0])  # each epoch: exactly the plan's rows
+  assert epochs[0] != epochs[1] and epochs[1] != epochs[2]  # reshuffled every epoch
+  assert [row_key(r) for r in ds] == epochs[0] + epochs[1] + epochs[2]
+  infinite = pack(docs, seq_len=32, seed=1)
+  assert len(infinite) == sys.maxsize
+  assert row_key(infinite[2 * n + 3]) == epochs[2][3]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_multiprocess_union(count):
+  docs = make_docs(61, seed=count)
+  whole = pack(docs, seq_len=32, seed=3, num_epochs=2)
+  n = whole.rows_per_epoch
+  procs = [pack(docs, seq_len=32, seed=3, num_epochs=2, shard_index=p, shard_count=count)
+           for p in range(count)]
+  per = procs[0].rows_per_epoch
+  assert all(len(p) == 2 * per for p in procs) and per == -(-n // count)
+  for epoch in range(2):
+    got = []
+    for p, ds in enumerate(procs):
+      for j in range(per):
+        row = ds[epoch * per + j]
+        g = j * count + p
+        if g < n:  # process p reads every count-th row of the epoch's order
+          assert rows_equal(row, whole[epoch * n + g])
+          got.append(row_key(row))
+        else:
+          assert not row["segment_ids"].any() and (row["labels"] == -100).all()
+    assert sorted(got) == sorted(row_key(whole[epoch * n + i]) for i in range(n))
+  options = grain.sharding.ShardOptions(shard_index=1, shard_count=count, drop_remainder=True)
+  dropped = pack(docs, seq_len=32, seed=3, num_epochs=1, shard_index=None, shard_count=None,
+                 shard_options=options)
+  assert len(dropped) == n // count
+
+
+def test_default_sharding_is_jax_process():
+  ds = segpack.pack_dataset(make_docs(10), seq_len=32, bos_id=BOS, eos_id=EOS, num_epochs=1)
+  assert len(ds) == ds.num_plan_rows  # one process
+
+
+def test_batch_fast_path_equals_grain_batch():
+  docs = make_docs(45, seed=9)
+  ds = pack(docs, seq_len=32, num_epochs=2)
+  fast = ds.batch(4)
+  slow = grain.MapDataset.batch(ds, 4)
+  assert len(fast) == len(slow)
+  for i in range(len(fast) + 2):  # includes the short last batch and wrap-around
+    a, b = fast[i], slow[i]
+    assert all(np.array_equal(a[k], b[k]) for k in FEATURES)
+    assert a["input_ids"].dtype == np.int32
+  inf = pack(docs, seq_len=32)
+  for i in (0, 5, 17):
+    a, b = inf.batch(3)[i], grain.MapDataset.batch(inf, 3)[i]
+    assert all(np.array_equal(a[k], b[k]) for k in FEATURES)
+  assert len(ds.batch(4, drop_remainder=True)) == len(ds) // 4
+
+
+def test_restore_at_every_step():
+  docs = make_docs(40, seed=10)
+  ds = pack(docs, seq_len=32, num_epochs=2, seed=4).batch(3).to_iter_dataset()
+  it = iter(ds)
+  states, batches = [], []
+  for _ in range(12):
+    states.append(it.get_state())
+    batches.append(next(it))
+  for k, state in enumerate(states):
+    it2 = iter(ds)
+    it2.set_state(state)
+    for want in batches[k:k + 4]:
+      got = next(it2)
+      assert all(np.array_equal(got[f], want[f]) for f in FEATURES), k
+
+
+def test_composes_with_mp_prefetch():
+  from absl import flags  # grain's worker processes read absl flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  docs = make_docs(30, seed=11)
+  ds = pack(docs, seq_len=32, num_epochs=1).batch(2)
+  want = [ds[i] for i in range(len(ds))]
+  got = list(ds.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    assert all(np.array_equal(a[f], b[f]) for f in FEATURES)
+
+
+def test_grain_map_dataset_and_sharding_slices_as_source():
+  docs = make_docs(30, seed=12)
+  ds = pack(grain.MapDataset.source(docs), seq_len=32, num_epochs=1)
+  got = sorted(s for row in ds for s in segments_of(row))
+  assert got == sorted(expected_chunks(docs, 32))
+  # Grain-style sharding of the element stream composes too (a strided slice).
+  half = ds[1::2]
+  assert len(half) == len(ds) // 2 and rows_equal(half[0], ds[1])
+
+
+def test_shard_source_input(tmp_path):
+  shards = pytest.importorskip("segpack.shards")
+  if not hasattr(shards, "ShardWriter"):
+    pytest.skip("segpack.shards.ShardWriter not available")
+  docs = make_docs(50, seed=13, max_len=80)
+  path = tmp_path / "data"
+  with shards.ShardWriter(str(path), vocab_size=65536, tokenizer_fingerprint="test") as w:
+    for d in docs:
+      w.write(d)
+  for src in (str(path), shards.ShardSource(str(path))):
+    ds = pack(src, seq_len=32, num_epochs=1, plan_cache_dir=str(tmp_path / "plans"))
+    got = sorted(s for row in ds for s in segments_of(row))
+    assert got == sorted(expected_chunks(docs, 32))
+
+
+def test_bad_inputs():
+  docs = make_docs(10)
+  with pytest.raises(ValueError, match="seq_len=2"):
+    pack(docs, seq_len=2)
+  with pytest.raises(ValueError, match="'fdd'.*ffd.*bfd.*greedy"):
+    pack(docs, seq_len=32, strategy="fdd")
+  with pytest.raises(ValueError, match="no documents"):
+    pack([], seq_len=32)
+  with pytest.raises(ValueError, match="long_docs 'drop'"):
+    pack(docs, seq_len=32, long_docs="drop")
+  with pytest.raises(ValueError, match="bos_id"):
+    segpack.pack_dataset(docs, seq_len=32, eos_id=EOS, shard_index=0, shard_count=1)
+  with pytest.raises(ValueError, match="eos_id"):
+    segpack.pack_dataset(docs, seq_len=32, bos_id=BOS, shard_index=0, shard_count=1)
+  with pytest.raises(ValueError, match="overlap"):
+    pack(docs, seq_len=32, overlap=31)
+  with pytest.raises(ValueError, match="shard_index"):
+    pack(docs, seq_len=32, shard_index=2, shard_count=2)
+  with pytest.raises(ValueError, match="source\\[1\\]"):
+    pack([np.arange(3), np.ones((2, 2), np.int32)], seq_len=32)
+  with pytest.raises(ValueError, match="min_len"):
+    pack(docs, seq_len=32, min_len=10**6)
+  ok = pack(docs, seq_len=32, add_bos=False, add_eos=False, bos_id=None, eos_id=None)
+  assert ok.num_plan_rows >= 1
+
+
+def test_long_documents_each_mode():
+  docs = [np.arange(3, 3 + n, dtype=np.uint32) for n in (5, 70, 31)]  # 70 + 2 > 2 * 32
+  split = pack(docs, seq_len=32, long_docs="split", num_epochs=1, shuffle=False)
+  assert sorted(s for r in split for s in segments_of(r)) == sorted(expected_chunks(docs, 32))
+  trunc = pack(docs, seq_len=32, long_docs="truncate", num_epochs=1, shuffle=False)
+  got = sorted(s for r in trunc for s in segments_of(r))
+  assert got == sorted(expected_chunks(docs, 32, long_docs="truncate"))
+  assert sum(len(s) for s in got) == 7 + 32 + 32
