@@ -1,0 +1,238 @@
+"""A Llama-like decoder-only transformer in Flax NNX that runs on packed, segment-annotated rows.
+
+Pieces: token embedding, `L` blocks of (RMSNorm -> grouped-query attention with rotary position
+embeddings -> residual, RMSNorm -> SwiGLU feed-forward -> residual), a final RMSNorm and an output
+projection (optionally tied to the embedding). Attention goes through
+`segpack.attention.segment_attention`, and the rotary angles come from `segment_positions`, so
+every document of a packed row sees exactly what it would see alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from segpack import attention as attention_lib
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ModelConfigError(ValueError):
+  """The model hyper-parameters are inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Hyper-parameters of `Decoder` (plain, typed: no ml_collections in the model)."""
+
+  vocab_size: int
+  num_layers: int = 4
+  d_model: int = 256
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 64
+  d_ff: int = 704
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  dtype: str = "float32"  # compute dtype of activations and matmuls
+  param_dtype: str = "float32"  # storage dtype of the parameters
+  attention_implementation: str | None = None  # None: best available for the platform
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
+                 "d_ff"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ModelConfigError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ModelConfigError(
+          f"DecoderConfig.num_heads={self.num_heads} must be a multiple of "
+          f"num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ModelConfigError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ModelConfigError(
+            f"DecoderConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+
+
+def rope_angles(positions_BxS: jax.Array, *, head_dim: int, theta: float) -> jax.Array:
+  """Rotary angles `[B, S, D/2]` for integer positions (float32)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  return positions_BxS.astype(jnp.float32)[..., None] * inv_freq
+
+
+def apply_rope(x_BxSxHxD: jax.Array, angles_BxSxD2: jax.Array) -> jax.Array:
+  """Rotates the two halves of every head vector by the per-position angles (rotate-half form)."""
+  x1, x2 = jnp.split(x_BxSxHxD.astype(jnp.float32), 2, axis=-1)
+  cos, sin = jnp.cos(angles_BxSxD2)[:, :, None], jnp.sin(angles_BxSxD2)[:, :, None]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxSxHxD.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square layer norm with a learned scale; statistics in float32."""
+
+  def __init__(self, dim: int, *, eps: float, dtype: Any, param_dtype: Any):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x_BxSxE: jax.Array) -> jax.Array:
+    x = x_BxSxE.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float) -> nnx.Linear:
+  return nnx.Linear(
+      d_in, d_out, use_bias=False, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype],
+      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE, restricted to each token's own segment."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    self.q = _linear(cfg.d_model, cfg.num_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
+    self.k = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
+    self.v = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
+    self.o = _linear(cfg.num_heads * cfg.head_dim, cfg.d_model, cfg, rngs, std=out_std)
+    self.cfg = cfg
+
+  def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
+               segment_ids_BxS: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    b, s, _ = x_BxSxE.shape
+    q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
+    k_BxSxKxD = self.k(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
+    k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
+    out_BxSxHxD = attention_lib.segment_attention(
+        q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True,
+        implementation=cfg.attention_implementation)
+    return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
+
+
+class SwiGLU(nnx.Module):
+  """Feed-forward `down(silu(gate(x)) * up(x))`."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+    self.gate = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, std=cfg.init_std)
+    self.up = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, std=cfg.init_std)
+    self.down = _linear(cfg.d_ff, cfg.d_model, cfg, rngs, std=out_std)
+
+  def __call__(self, x_BxSxE: jax.Array) -> jax.Array:
+    h_BxSxF = jax.nn.silu(self.gate(x_BxSxE)) * self.up(x_BxSxE)
+    return self.down(h_BxSxF)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: attention and SwiGLU, each with a residual connection."""
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    norm = dict(eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype])
+    self.attn_norm = RMSNorm(cfg.d_model, **norm)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, **norm)
+    self.mlp = SwiGLU(cfg, rngs=rngs)
+
+  def __call__(self, x_BxSxE, angles_BxSxD2, segment_ids_BxS):
+    x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), angles_BxSxD2, segment_ids_BxS)
+    return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
+
+
+class Decoder(nnx.Module):
+  """Decoder-only language model over packed rows.
+
+  Algorithm:
+    1. Embed `input_ids` (`[B, S]` -> `[B, S, E]`).
+    2. Compute rotary angles from `segment_positions`, which restart at 0 in every segment, so a
+       document's positions do not depend on where it was packed.
+    3. Run `L` pre-norm blocks; attention only lets a token see earlier tokens of its own segment
+       (`segment_ids`, 0 = padding, which attends to nothing).
+    4. Final RMSNorm, then project to `V` logits (float32).
+
+  Example: a row `[a b c | d e | pad]` has `segment_ids = [1 1 1 2 2 0]` and `segment_positions =
+  [0 1 2 0 1 0]`; the logits at `d e` equal those of the row `[d e]` alone.
+  """
+
+  def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=_DTYPES[cfg.dtype],
+        param_dtype=_DTYPES[cfg.param_dtype],
+        embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype],
+                              param_dtype=_DTYPES[cfg.param_dtype])
+    if not cfg.tie_embeddings:
+      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, std=cfg.init_std)
+
+  def embed_tokens(self, input_ids_BxS: jax.Array) -> jax.Array:
+    """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them)."""
+    return self.embed(input_ids_BxS)
+
+  def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
+                      segment_positions: jax.Array) -> jax.Array:
+    """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
+    angles_BxSxD2 = rope_angles(segment_positions, head_dim=self.cfg.head_dim,
+                                theta=self.cfg.rope_theta)
+    for block in self.layers:
+      x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids)
+    x_BxSxE = self.final_norm(x_BxSxE)
+    if self.cfg.tie_embeddings:
+      logits_BxSxV = self.embed.attend(x_BxSxE)
+    else:
+      logits_BxSxV = self.lm_head(x_BxSxE)
+    return logits_BxSxV.astype(jnp.float32)
+
+  def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
+               segment_positions: jax.Array) -> jax.Array:
+    """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions."""
+    if input_ids.shape != segment_ids.shape or input_ids.shape != segment_positions.shape:
+      raise ValueError(
+          f"Decoder: input_ids {tuple(input_ids.shape)}, segment_ids {tuple(segment_ids.shape)} "
+          f"and segment_positions {tuple(segment_positions.shape)} must have one [B, S] shape")
+    return self.from_embeddings(self.embed_tokens(input_ids), segment_ids=segment_ids,
+                                segment_positions=segment_positions)
+
+
+def default_compute_dtype(platform: str | None = None) -> str:
+  """`bfloat16` on GPU/TPU, `float32` on CPU."""
+  platform = platform or jax.default_backend()
+  return "float32" if platform == "cpu" else "bfloat16"
+
+
+def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int) -> DecoderConfig:
+  """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`."""
+  dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
+  return DecoderConfig(
+      vocab_size=vocab_size, num_layers=model_cfg.num_layers, d_model=model_cfg.d_model,
+      num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
+      head_dim=model_cfg.head_dim, d_ff=model_cfg.d_ff, rope_theta=model_cfg.rope_theta,
+      norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
+      init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
+      attention_implementation=attention_cfg.implementation)
+
+
+def build(config: Any, seed: int, *, vocab_size: int | None = None) -> Decoder:
+  """Builds the `Decoder` that a trainer config (its `model` and `attention` groups) describes.
+
+  Args:
+    config: a trainer config (`configs/packed.py`) or any object with `model` and `attention`.
+    seed: parameter initialisation seed.
+    vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
+  """
+  vocab = vocab_size if vocab_size is not None else config.model.vocab_size
+  cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab))
+  return Decoder(cfg, rngs=nnx.Rngs(params=seed))
