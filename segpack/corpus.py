@@ -1,0 +1,220 @@
+"""The built-in corpus: the running Python's own documentation and standard-library sources.
+
+Every Python install ships a few tens of megabytes of real English prose and real code, so segpack
+can tokenize, pack and train out of the box with no download. The corpus has three kinds of
+documents, all read statically (nothing from the standard library is imported except
+`pydoc_data.topics`, a plain dict, so no module with import side effects ever runs):
+
+* `topic:<name>`: the pydoc help topics (`pydoc_data.topics.topics`), e.g. the language reference
+  pages shown by `help("if")`;
+* `doc:<module>.<qualname>`: one document per module, class and function docstring, found by parsing
+  the source with `ast` (the text is the qualified name, a blank line and the cleaned docstring);
+* `source:<relative path>`: the text of each standard-library `.py` file.
+
+Kept out: `site-packages`, the test suites (`test/`, `tests/`, `idle_test/`: a lot of
+machine-generated data and deliberately odd encodings, about two thirds of the bytes),
+`__pycache__`, and `pydoc_data/topics.py` (its text already is the topic documents).
+
+Order is deterministic for a given Python install: topics sorted by name, then the modules sorted
+by relative path, each one's docstrings in source order followed by its source. The held-out split
+is by *group*, so that no text of an evaluation document leaks into training through a copy: a
+module's docstrings and its source share the module's group, and each topic is its own group. A
+group is held out when the first 8 bytes of the SHA-256 of its name, as an integer modulo 1000, are
+below `EVAL_PER_MILLE` (about 2%).
+
+`ensure_builtin` tokenizes both splits with a SentencePiece model trained on the training split and
+caches the result (see `segpack.spm` for the cache and the tokenizer).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import os
+import sys
+import sysconfig
+import tokenize as py_tokenize
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "BuiltinDataset",
+    "CORPUS_VERSION",
+    "EVAL_PER_MILLE",
+    "SIZES",
+    "builtin_documents",
+    "ensure_builtin",
+    "is_eval_group",
+]
+
+# Bump when the document set or texts change: part of the cache key.
+CORPUS_VERSION = 1
+# Held-out share of groups, in thousandths.
+EVAL_PER_MILLE = 20
+# Vocabulary size per corpus size.
+SIZES = {"full": 8192, "small": 2048}
+# `size="small"` keeps the modules whose group hash modulo this is 0 (plus all topics).
+_SMALL_MODULO = 10
+_SPLITS = ("train", "eval")
+_SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
+_SKIP_FILES = frozenset({"pydoc_data/topics.py"})
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinDataset:
+  """A tokenized built-in corpus in the cache.
+
+  Attributes:
+    train_dir: shard dataset of the training split (open with `segpack.ShardSource`).
+    eval_dir: shard dataset of the held-out split.
+    spm_model: the SentencePiece model both were tokenized with.
+    vocab_size: its vocabulary size.
+  """
+
+  train_dir: Path
+  eval_dir: Path
+  spm_model: Path
+  vocab_size: int
+
+
+def _hash_int(name: str) -> int:
+  return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
+
+
+def is_eval_group(group: str) -> bool:
+  """Whether the documents of `group` belong to the held-out split."""
+  return _hash_int(group) % 1000 < EVAL_PER_MILLE
+
+
+def stdlib_dir() -> Path:
+  """The directory of the running Python's pure-Python standard library."""
+  return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _module_files(root: Path) -> list[Path]:
+  """Sorted relative paths of the corpus's `.py` files under `root`."""
+  found = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+    for filename in filenames:
+      if filename.endswith(".py"):
+        rel = (Path(dirpath) / filename).relative_to(root)
+        if rel.as_posix() not in _SKIP_FILES:
+          found.append(rel)
+  return sorted(found, key=lambda p: p.as_posix())
+
+
+def _module_name(rel: Path) -> str:
+  parts = list(rel.with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def _docstrings(tree: ast.Module, module: str) -> Iterator[tuple[str, str]]:
+  """Yields (qualified name, cleaned docstring) for the module and its classes and functions."""
+  stack: list[tuple[ast.AST, str]] = [(tree, module)]
+  while stack:
+    node, qualname = stack.pop()
+    doc = ast.get_docstring(node, clean=True)  # type: ignore[arg-type]
+    if doc and doc.strip():
+      yield qualname, doc
+    children = [
+        child for child in ast.iter_child_nodes(node)
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    # Reversed so that the stack pops them in source order.
+    stack.extend((child, f"{qualname}.{child.name}") for child in reversed(children))
+
+
+def _read_source(path: Path) -> str | None:
+  """The text of a Python file, honouring its coding cookie; None when it does not decode."""
+  try:
+    with py_tokenize.open(path) as f:
+      return f.read()
+  except (SyntaxError, UnicodeDecodeError, LookupError):
+    return None
+
+
+def _module_documents(root: Path, rel: Path) -> Iterator[tuple[str, str]]:
+  text = _read_source(root / rel)
+  if text is None:
+    return
+  module = _module_name(rel)
+  try:
+    tree = ast.parse(text, filename=str(root / rel))
+  except (SyntaxError, ValueError):
+    tree = None
+  if tree is not None:
+    for qualname, doc in _docstrings(tree, module):
+      yield f"doc:{qualname}", f"{qualname}\n\n{doc}"
+  yield f"source:{rel.as_posix()}", text
+
+
+def _topics() -> dict[str, str]:
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+
+  return topics.topics
+
+
+def builtin_documents(*, split: str, size: str = "full") -> Iterator[tuple[str, str]]:
+  """The documents of one split of the built-in corpus, in deterministic order.
+
+  Args:
+    split: "train" or "eval" (the held-out groups, about 2%).
+    size: "full" (every module) or "small" (all topics and about a tenth of the modules, a few MB).
+
+  Yields:
+    (name, text) pairs; names are unique, texts are non-empty.
+
+  Raises:
+    ValueError: for an unknown `split` or `size`.
+  """
+  if split not in _SPLITS:
+    raise ValueError(f"builtin_documents: split must be one of {_SPLITS}, got {split!r}")
+  if size not in SIZES:
+    raise ValueError(f"builtin_documents: size must be one of {sorted(SIZES)}, got {size!r}")
+  want_eval = split == "eval"
+  topics = _topics()
+  for key in sorted(topics):
+    text = topics[key]
+    if text.strip() and is_eval_group(f"topic:{key}") == want_eval:
+      yield f"topic:{key}", text
+  root = stdlib_dir()
+  for rel in _module_files(root):
+    group = f"module:{rel.as_posix()}"
+    if size == "small" and _hash_int(group + ":small") % _SMALL_MODULO:
+      continue
+    if is_eval_group(group) != want_eval:
+      continue
+    yield from _module_documents(root, rel)
+
+
+def corpus_key(size: str) -> str:
+  """A short hash naming this Python's built-in corpus of `size` (keys the cache)."""
+  ident = f"{CORPUS_VERSION}|{size}|{SIZES.get(size)}|{sys.version}|{stdlib_dir()}"
+  return hashlib.sha256(ident.encode("utf-8")).hexdigest()[:16]
+
+
+def ensure_builtin(
+    *, size: str = "full", cache_dir: str | os.PathLike[str] | None = None, workers: int | None = None
+) -> BuiltinDataset:
+  """Returns the tokenized built-in corpus, building and caching it on first use.
+
+  The first call trains a SentencePiece model (`SIZES[size]` pieces) on the training split and
+  tokenizes both splits into shard datasets; later calls (also from other processes, which wait
+  on a lock while one builds) return the cached result.
+
+  Args:
+    size: "full" (vocabulary 8192, a few minutes on 2 cores) or "small" (vocabulary 2048, a few
+      seconds; for tests and smoke runs).
+    cache_dir: cache root; default: `$SEGPACK_CACHE`, else `~/.cache/segpack`.
+    workers: tokenizer processes; default: the number of CPUs.
+
+  Returns:
+    The dataset directories, the model and its vocabulary size.
+  """
+  from segpack import tokenize  # pylint: disable=g-import-not-at-top
+
+  return tokenize.build_builtin(size=size, cache_dir=cache_dir, workers=workers)

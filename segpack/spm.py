@@ -1,0 +1,167 @@
+"""SentencePiece: deterministic training, a small tokenizer wrapper, and the cache directory.
+
+Training settings aim at an exact round trip of both prose and source code:
+
+* `normalization_rule_name="identity"`, `remove_extra_whitespaces=False`, `add_dummy_prefix=False`:
+  no Unicode normalisation, no whitespace collapsing, no leading space added;
+* `"\\n"` and `"\\t"` are user-defined symbols (always one piece each) and
+  `allow_whitespace_only_pieces=True` lets runs of spaces (indentation) become single pieces;
+* `byte_fallback=True`: any character outside the vocabulary is spelled as UTF-8 byte pieces, so
+  no text ever maps to `<unk>`.
+
+With these, `decode(encode(text)) == text` for every text that does not contain U+2581 ("▁",
+SentencePiece's internal space marker, which decodes as a plain space); that is the only
+normalisation left. Reserved ids: pad=0 (packed rows put 0 on padding), unk=1, bos=2, eos=3.
+
+Training is deterministic: the input sentences are the first `max_sentences` non-blank lines in
+input order (no sampling) and the thread count is fixed (SentencePiece's result depends on it), so
+the same text and settings give a byte-identical model file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+# SentencePiece's unigram trainer gives different models for different thread counts: fixed.
+TRAIN_THREADS = 4
+# Lines longer than this (in bytes) are left out of training (they are still encoded).
+MAX_SENTENCE_BYTES = 16384
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+  """The cache directory: `cache_dir`, else `$SEGPACK_CACHE`, else `~/.cache/segpack`."""
+  if cache_dir is not None:
+    return Path(cache_dir).expanduser()
+  env = os.environ.get("SEGPACK_CACHE")
+  if env:
+    return Path(env).expanduser()
+  return Path("~/.cache/segpack").expanduser()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(1 << 20):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+class SpmTokenizer:
+  """A SentencePiece model with segpack's id conventions.
+
+  Encoding and decoding delegate to SentencePiece; the wrapper adds the reserved ids, NumPy
+  output in the shard dtype and a fingerprint (the SHA-256 of the model file) that shard
+  manifests record, so tokens are never decoded with the wrong model.
+
+  Example: `tok.encode("def f():\\n")` gives e.g. [612, 265, 23, 4] and
+  `tok.decode([612, 265, 23, 4]) == "def f():\\n"`.
+  """
+
+  def __init__(self, model_file: str | os.PathLike[str]):
+    """Loads a SentencePiece model file; raises FileNotFoundError / ValueError naming it."""
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+
+    self.model_file = Path(model_file)
+    if not self.model_file.is_file():
+      raise FileNotFoundError(f"SentencePiece model {str(self.model_file)!r} does not exist")
+    try:
+      self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.model_file))
+    except (RuntimeError, OSError) as e:
+      raise ValueError(f"{self.model_file}: not a SentencePiece model ({e})") from e
+    self.fingerprint = "sha256:" + sha256_file(self.model_file)
+    self.vocab_size: int = self._sp.get_piece_size()
+    self.pad_id: int = self._sp.pad_id()
+    self.unk_id: int = self._sp.unk_id()
+    self.bos_id: int = self._sp.bos_id()
+    self.eos_id: int = self._sp.eos_id()
+    from segpack.shards import dtype_for_vocab  # pylint: disable=g-import-not-at-top
+
+    self.dtype = dtype_for_vocab(self.vocab_size)
+
+  def encode(self, text: str) -> np.ndarray:
+    """Token ids of `text` (no BOS/EOS: the packing pipeline adds those) in the shard dtype."""
+    return np.asarray(self._sp.encode(text), dtype=self.dtype)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """`encode` of each text."""
+    return [np.asarray(ids, dtype=self.dtype) for ids in self._sp.encode(list(texts))]
+
+  def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+    """The text of token ids; pad/bos/eos ids decode to nothing."""
+    return self._sp.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+  def id_to_piece(self, token_id: int) -> str:
+    return self._sp.id_to_piece(int(token_id))
+
+  def __repr__(self) -> str:
+    return f"SpmTokenizer({str(self.model_file)!r}, vocab_size={self.vocab_size})"
+
+
+def _write_training_text(texts: Iterable[str], path: Path, max_sentences: int) -> int:
+  """Writes the first `max_sentences` non-blank lines of `texts`; returns how many."""
+  count = 0
+  with open(path, "w", encoding="utf-8", newline="\n") as f:
+    for text in texts:
+      for line in text.split("\n"):
+        if line.strip() and len(line.encode("utf-8")) <= MAX_SENTENCE_BYTES:
+          f.write(line)
+          f.write("\n")
+          count += 1
+          if count >= max_sentences:
+            return count
+  return count
+
+
+def train_spm(
+    texts: Iterable[str],
+    model_file: str | os.PathLike[str],
+    *,
+    vocab_size: int,
+    max_sentences: int = 4_000_000,
+    model_type: str = "unigram",
+) -> SpmTokenizer:
+  """Trains a SentencePiece model on `texts` and writes it atomically to `model_file`.
+
+  Args:
+    texts: documents; their non-blank lines are the training sentences.
+    model_file: where the `.model` file goes (its directory is created).
+    vocab_size: number of pieces, including the 4 reserved ids and 256 byte pieces.
+    max_sentences: train on the first this many lines (deterministic, no sampling).
+    model_type: "unigram" or "bpe".
+
+  Returns:
+    The trained tokenizer.
+  """
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(vocab_size, int) or vocab_size < 300:
+    raise ValueError(f"train_spm: vocab_size must be an int >= 300 (4 reserved ids + 256 byte "
+                     f"pieces + some), got {vocab_size!r}")
+  model_file = Path(model_file)
+  model_file.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=model_file.parent, prefix=".spm-train-") as tmp:
+    text_path = Path(tmp) / "sentences.txt"
+    n = _write_training_text(texts, text_path, max_sentences)
+    if n == 0:
+      raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
+    prefix = Path(tmp) / "model"
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(text_path), model_prefix=str(prefix), vocab_size=vocab_size,
+        model_type=model_type, character_coverage=0.9995, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+        add_dummy_prefix=False, split_by_whitespace=True, allow_whitespace_only_pieces=True,
+        user_defined_symbols=["\n", "\t"], pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+        eos_id=EOS_ID, num_threads=TRAIN_THREADS, shuffle_input_sentence=False,
+        input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES, minloglevel=2,
+        hard_vocab_limit=False)
+    os.replace(prefix.with_suffix(".model"), model_file)
+  return SpmTokenizer(model_file)
