@@ -89,7 +89,7 @@ class BestFitDecreasing:
 
 
 def best_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Exact BFD of chunks with `1 <= length <= seq_len`; returns `(bins, order)` as FFD does."""
+  """Exact BFD of chunks with `1 <= length <= seq_len`; returns `(order, bins)` as FFD does."""
   order = decreasing_order(length, seq_len)
   sorted_len = length[order]
   bins_sorted = np.empty(len(length), np.int64)
@@ -97,6 +97,4 @@ def best_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, n
   starts, ends = length_runs(sorted_len)
   for s, e in zip(starts.tolist(), ends.tolist()):
     bins_sorted[s:e] = packer.place_run(int(sorted_len[s]), e - s)
-  bins = np.empty_like(bins_sorted)
-  bins[order] = bins_sorted
-  return bins, order
+  return order, bins_sorted

@@ -98,33 +98,65 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   """
   check_args(seq_len, long_docs=long_docs, min_len=min_len, overlap=overlap,
              extra_tokens=extra_tokens)
-  virtual = lengths + extra_tokens
-  keep = (lengths >= min_len) & (virtual > 0)
-  kept = np.flatnonzero(keep)
-  vkept = virtual[kept]
+  virtual = lengths + extra_tokens if extra_tokens else lengths
+  keep = virtual > 0
+  if min_len > 0:
+    keep &= lengths >= min_len
+  kept = None if keep.all() else np.flatnonzero(keep)
+  vkept = virtual if kept is None else virtual[kept]
+  long = np.flatnonzero(vkept > seq_len)
   stride = seq_len - overlap
-  long = vkept > seq_len
-  if long_docs == "split":
-    per_doc = np.ones(len(kept), np.int64)
-    per_doc[long] += -(-(vkept[long] - seq_len) // stride)
-  else:
-    per_doc = np.ones(len(kept), np.int64)
-  num_chunks = int(per_doc.sum())
-  doc = np.repeat(kept, per_doc)
-  first = np.cumsum(per_doc) - per_doc
-  index_in_doc = np.arange(num_chunks, dtype=np.int64) - np.repeat(first, per_doc)
-  start = index_in_doc * stride
-  length = np.minimum(seq_len, np.repeat(vkept, per_doc) - start)
-  tokens = int(length.sum())
+  extra_chunks = np.zeros(len(long), np.int64)
+  if long_docs == "split" and len(long):
+    extra_chunks = -(-(vkept[long] - seq_len) // stride)
+  doc, start, length = _lay_out(kept, vkept, long, extra_chunks, seq_len, stride)
+  tokens = int(length.sum(dtype=np.int64))
+  dropped_tokens = 0 if kept is None else int(virtual[~keep].sum())
+  if long_docs == "truncate":
+    dropped_tokens += int((vkept[long] - seq_len).sum())
   stats = {
       "documents": int(len(lengths)),
-      "dropped": int(len(lengths) - len(kept)),
-      "split": int(long.sum()) if long_docs == "split" else 0,
-      "truncated": int(long.sum()) if long_docs == "truncate" else 0,
-      "chunks": num_chunks,
+      "dropped": 0 if kept is None else int(len(lengths) - len(kept)),
+      "split": int(len(long)) if long_docs == "split" else 0,
+      "truncated": int(len(long)) if long_docs == "truncate" else 0,
+      "chunks": int(len(length)),
       "tokens": tokens,
-      "dropped_tokens": int(virtual[~keep].sum())
-                        + (int((vkept[long] - seq_len).sum()) if long_docs == "truncate" else 0),
+      "dropped_tokens": dropped_tokens,
   }
-  return Chunks(doc=doc, start=start.astype(np.int32), length=length.astype(np.int32),
-                stats=stats)
+  return Chunks(doc=doc, start=start, length=length, stats=stats)
+
+
+def _lay_out(kept: np.ndarray | None, vkept: np.ndarray, long: np.ndarray,
+             extra_chunks: np.ndarray, seq_len: int, stride: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Chunk arrays in document order; only the `long` documents get more than one chunk.
+
+  `kept` holds the kept document indices (None: all of them), `vkept` their virtual lengths,
+  `long` the positions (in `kept`) of documents longer than `seq_len`, `extra_chunks` the chunks
+  each of those gets beyond its first.
+  """
+  n = len(vkept)
+  doc_ids = np.arange(n, dtype=np.int64) if kept is None else kept
+  length = np.minimum(vkept, seq_len).astype(np.int32)
+  if not extra_chunks.any():
+    return doc_ids, np.zeros(n, np.int32), length
+  per_doc = np.ones(n, np.int64)
+  per_doc[long] += extra_chunks
+  first = np.cumsum(per_doc) - per_doc
+  total = int(first[-1] + per_doc[-1])
+  # Continuation chunks of the long documents, in document order.
+  cont_first = np.cumsum(extra_chunks) - extra_chunks
+  cont_k = (np.arange(int(extra_chunks.sum()), dtype=np.int64)
+            - np.repeat(cont_first, extra_chunks) + 1)
+  cont_doc = np.repeat(long, extra_chunks)
+  cont_pos = first[cont_doc] + cont_k
+  cont_start = cont_k * stride
+  out_doc = np.empty(total, np.int64)
+  out_start = np.zeros(total, np.int32)
+  out_len = np.empty(total, np.int32)
+  out_doc[first] = doc_ids
+  out_len[first] = length
+  out_doc[cont_pos] = doc_ids[cont_doc]
+  out_start[cont_pos] = cont_start
+  out_len[cont_pos] = np.minimum(seq_len, vkept[cont_doc] - cont_start)
+  return out_doc, out_start, out_len

@@ -111,8 +111,9 @@ def first_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, 
   """Exact FFD of chunks with `1 <= length <= seq_len`.
 
   Returns:
-    `(bins, order)`: `bins[i]` is the row of chunk `i` (rows numbered in opening order) and
-    `order` the processing order (longest first), which is the order of pieces inside a row.
+    `(order, bins)`: `order` is the processing order (longest first, ties by index), which is
+    also the order of pieces inside a row, and `bins[i]` the row of chunk `order[i]` (rows
+    numbered in opening order).
   """
   order = decreasing_order(length, seq_len)
   sorted_len = length[order]
@@ -121,6 +122,4 @@ def first_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, 
   starts, ends = length_runs(sorted_len)
   for s, e in zip(starts.tolist(), ends.tolist()):
     bins_sorted[s:e] = packer.place_run(int(sorted_len[s]), e - s)
-  bins = np.empty_like(bins_sorted)
-  bins[order] = bins_sorted
-  return bins, order
+  return order, bins_sorted

@@ -18,7 +18,7 @@ def next_fit(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   after 4 + 5 and next fit never goes back, unlike first fit).
 
   Returns:
-    `(bins, order)`: the row of each chunk and the identity order.
+    `(order, bins)`: the identity order and the row of each chunk.
   """
   n = len(length)
   prefix = np.zeros(n + 1, np.int64)
@@ -31,4 +31,4 @@ def next_fit(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     i = nxt[i]
   counts = np.diff(np.asarray(row_starts + [n], np.int64))
   bins = np.repeat(np.arange(len(row_starts), dtype=np.int64), counts)
-  return bins, np.arange(n, dtype=np.int64)
+  return np.arange(n, dtype=np.int64), bins

@@ -8,7 +8,7 @@ from segpack.packing.ffd import decreasing_order
 
 
 def one_per_row(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """`pad`: chunk `i` alone in row `i`; returns `(bins, order)`."""
+  """`pad`: chunk `i` alone in row `i`; returns `(order, bins)`, both the identity."""
   del seq_len
   ids = np.arange(len(length), dtype=np.int64)
   return ids, ids
@@ -16,10 +16,7 @@ def one_per_row(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarra
 
 def sorted_one_per_row(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   """`sorted_pad`: one chunk per row, rows sorted by length, longest first (ties by index)."""
-  order = decreasing_order(length, seq_len)
-  bins = np.empty(len(length), np.int64)
-  bins[order] = np.arange(len(length), dtype=np.int64)
-  return bins, order
+  return decreasing_order(length, seq_len), np.arange(len(length), dtype=np.int64)
 
 
 def sorted_pad_slots(row_len: np.ndarray, *, batch_size: int, pad_multiple: int,

@@ -14,6 +14,8 @@ from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_s
 from segpack.packing.plan import Plan
 from segpack.packing.sorting import stable_argsort
 
+# A planner maps (chunk lengths, seq_len) to (order, bins): the order in which it placed the
+# chunks and the row of each chunk in that order, rows numbered 0, 1, ... in opening order.
 Planner = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 STRATEGIES: dict[str, Planner] = {
@@ -80,8 +82,8 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     raise PackingArgumentError(
         f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
         f"or empty")
-  bins, order = planner(chunks.length, seq_len)
-  perm = order[stable_argsort(bins[order])]
+  order, bins = planner(chunks.length, seq_len)
+  perm = order[stable_argsort(bins)]
   per_row = np.bincount(bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])

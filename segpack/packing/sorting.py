@@ -18,6 +18,10 @@ def stable_argsort(keys: np.ndarray) -> np.ndarray:
   high = int(keys.max())
   if int(keys.min()) < 0:
     raise ValueError(f"stable_argsort needs non-negative keys, got min {int(keys.min())}")
+  if high <= 0xFFFF:
+    return np.argsort(keys.astype(np.uint16, copy=False), kind="stable").astype(np.int64)
+  if np.all(keys[1:] >= keys[:-1]):
+    return np.arange(len(keys), dtype=np.int64)
   perm = None
   shift = 0
   while True:
