@@ -134,3 +134,229 @@ def test_decreasing_planners_equal_oracle_on_medium_inputs(strategy):
     expected = [[chunks[i] for i in b]
                 for b in NAIVE[strategy]([c[2] for c in chunks], seq_len)]
     assert plan_rows(packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=2)) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants of every plan
+
+
+def check_plan_invariants(p, lengths, *, extra_tokens, overlap, long_docs, min_len):
+  seq_len = p.seq_len
+  assert p.row_splits[0] == 0 and p.row_splits[-1] == p.num_pieces
+  assert np.all(np.diff(p.row_splits) >= 1)
+  assert np.all(p.row_lengths() <= seq_len)
+  assert np.all((p.length >= 1) & (p.length <= seq_len))
+  # Every chunk of the naive chunking appears exactly once.
+  expected = sorted(naive_chunks(list(lengths), seq_len, long_docs=long_docs, min_len=min_len,
+                                 overlap=overlap, extra_tokens=extra_tokens))
+  got = sorted(zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()))
+  assert got == expected
+
+
+@pytest.mark.parametrize("strategy", sorted(packing.STRATEGIES))
+def test_every_chunk_placed_once_and_rows_fit(strategy):
+  rng = np.random.default_rng(7)
+  for _ in range(40):
+    seq_len = int(rng.integers(3, 80))
+    lengths = random_lengths(rng, int(rng.integers(1, 300)), seq_len)
+    extra = int(rng.integers(0, min(3, seq_len)))
+    overlap = int(rng.integers(0, seq_len))
+    long_docs = str(rng.choice(packing.LONG_DOCS))
+    if not np.any(lengths + extra > 0):
+      continue
+    p = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra, overlap=overlap,
+                     long_docs=long_docs)
+    check_plan_invariants(p, lengths, extra_tokens=extra, overlap=overlap,
+                          long_docs=long_docs, min_len=0)
+    assert p.stats["tokens"] == int(p.length.sum())
+    assert p.stats["rows"] == p.num_rows
+
+
+def test_split_covers_every_slot_exactly_once_without_overlap():
+  rng = np.random.default_rng(3)
+  lengths = rng.integers(0, 200, 500)
+  p = packing.plan(lengths, 17, strategy="ffd", extra_tokens=2)
+  covered = [np.zeros(n + 2, np.int64) for n in lengths]
+  for d, s, n in zip(p.doc, p.start, p.length):
+    covered[d][s:s + n] += 1
+  assert all(np.all(c == 1) for c in covered)
+  assert p.stats["split"] == int(np.sum(lengths + 2 > 17))
+
+
+def test_split_with_overlap_covers_everything_and_overlaps_exactly():
+  rng = np.random.default_rng(4)
+  seq_len, overlap = 16, 5
+  lengths = rng.integers(1, 120, 300)
+  p = packing.plan(lengths, seq_len, strategy="bfd", overlap=overlap, extra_tokens=1)
+  pieces = {}
+  for d, s, n in zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()):
+    pieces.setdefault(d, []).append((s, n))
+  for d, chunks in pieces.items():
+    chunks.sort()
+    v = int(lengths[d]) + 1
+    assert chunks[0][0] == 0
+    assert chunks[-1][0] + chunks[-1][1] == v  # the last chunk reaches the end
+    for (s0, n0), (s1, n1) in zip(chunks, chunks[1:]):
+      assert s0 + n0 - s1 == overlap  # consecutive chunks share exactly `overlap` slots
+      assert n0 == seq_len  # only the last chunk is short
+      assert s1 + n1 > s0 + n0  # and every chunk brings new slots
+    covered = np.zeros(v, bool)
+    for s, n in chunks:
+      covered[s:s + n] = True
+    assert covered.all()
+
+
+def test_truncate_keeps_only_the_first_row_of_long_documents():
+  lengths = np.array([3, 40, 10, 100, 9])
+  p = packing.plan(lengths, 10, strategy="ffd", long_docs="truncate", extra_tokens=1)
+  got = sorted(zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()))
+  assert got == [(0, 0, 4), (1, 0, 10), (2, 0, 10), (3, 0, 10), (4, 0, 10)]
+  assert p.stats["truncated"] == 3 and p.stats["split"] == 0
+  assert p.stats["dropped_tokens"] == (41 - 10) + (11 - 10) + (101 - 10)
+
+
+def test_min_len_drops_short_documents():
+  lengths = np.array([5, 1, 0, 7, 2, 3])
+  p = packing.plan(lengths, 8, min_len=3)
+  assert sorted(set(p.doc.tolist())) == [0, 3, 5]
+  assert p.stats["dropped"] == 3 and p.stats["documents"] == 6
+  # Without extra tokens, empty documents have nothing to pack and are dropped too.
+  p = packing.plan(np.array([0, 4, 0]), 8)
+  assert p.doc.tolist() == [1] and p.stats["dropped"] == 2
+  # With BOS/EOS an empty document still has its two slots.
+  p = packing.plan(np.array([0, 4, 0]), 8, extra_tokens=2)
+  assert sorted(p.doc.tolist()) == [0, 1, 2]
+
+
+def test_utilization_and_lower_bound():
+  rng = np.random.default_rng(5)
+  lengths = np.round(rng.lognormal(np.log(200) - 0.5, 1.0, 20000)).astype(np.int64)
+  for strategy in ("ffd", "bfd"):
+    p = packing.plan(lengths, 1024, strategy=strategy, extra_tokens=2)
+    assert p.stats["lower_bound"] == -(-int((lengths + 2).sum()) // 1024)
+    assert p.num_rows <= 1.001 * p.stats["lower_bound"]
+  pad = packing.plan(lengths, 1024, strategy="pad", extra_tokens=2)
+  srt = packing.plan(lengths, 1024, strategy="sorted_pad", extra_tokens=2, batch_size=8,
+                     pad_multiple=64)
+  greedy = packing.plan(lengths, 1024, strategy="greedy", extra_tokens=2)
+  assert pad.stats["utilization"] < srt.stats["utilization"] <= 1.0
+  assert greedy.stats["utilization"] < p.stats["utilization"]
+
+
+def test_sorted_pad_slots_follow_the_batch_definition():
+  lengths = np.array([2, 9, 7, 3, 30])  # virtual lengths with seq_len 16: 2, 9, 7, 3, 16, 14
+  p = packing.plan(lengths, 16, strategy="sorted_pad", batch_size=2, pad_multiple=4)
+  assert p.length.tolist() == [16, 14, 9, 7, 3, 2]
+  # Batches (16, 14) -> 16 slots, (9, 7) -> 12, (3, 2) -> 4: 2 * (16 + 12 + 4) slots.
+  assert p.stats["slots"] == 64
+  assert p.stats["utilization"] == pytest.approx(51 / 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(lengths=[3, 4], seq_len=2, extra_tokens=2), "seq_len=2"),
+    (dict(lengths=[3, 4], seq_len=8, strategy="best"), "'best'"),
+    (dict(lengths=[], seq_len=8), "lengths is empty"),
+    (dict(lengths=[3, -1, 4], seq_len=8), "lengths[1] = -1"),
+    (dict(lengths=[3, 4], seq_len=8, overlap=8), "overlap=8"),
+    (dict(lengths=[3, 4], seq_len=8, overlap=-1), "overlap=-1"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs="drop"), "'drop'"),
+    (dict(lengths=[3, 4], seq_len=0), "seq_len=0"),
+    (dict(lengths=[3, 4], seq_len=8, min_len=-2), "min_len=-2"),
+    (dict(lengths=[1.5, 2.0], seq_len=8), "float64"),
+    (dict(lengths=[[1, 2]], seq_len=8), "1-D"),
+    (dict(lengths=[1, 2], seq_len=8, min_len=5), "min_len=5"),
+    (dict(lengths=[1, 2], seq_len=8, strategy="sorted_pad", batch_size=0), "batch_size=0"),
+])
+def test_bad_arguments_name_the_argument_and_value(kwargs, needle):
+  kwargs = dict(kwargs)
+  lengths = kwargs.pop("lengths")
+  seq_len = kwargs.pop("seq_len")
+  with pytest.raises(ValueError) as err:
+    packing.plan(np.asarray(lengths), seq_len, **kwargs)
+  assert needle in str(err.value)
+  assert isinstance(err.value, packing.PackingArgumentError)
+
+
+def test_unknown_strategy_lists_the_valid_ones():
+  with pytest.raises(ValueError) as err:
+    packing.plan(np.array([1, 2]), 8, strategy="nope")
+  for name in packing.STRATEGIES:
+    assert repr(name) in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Save / load and the cache
+
+
+def test_save_and_load_round_trip(tmp_path):
+  p = packing.plan(np.arange(1, 50), 16, strategy="bfd", overlap=2, extra_tokens=2)
+  p.save(tmp_path / "plan")
+  p.save(tmp_path / "plan")  # replacing an existing plan works
+  q = packing.Plan.load(tmp_path / "plan", mmap=True)
+  assert isinstance(q.doc, np.memmap)
+  for name in ("row_splits", "doc", "start", "length"):
+    np.testing.assert_array_equal(getattr(p, name), getattr(q, name))
+  assert (q.seq_len, q.overlap, q.extra_tokens, q.strategy) == (16, 2, 2, "bfd")
+  assert q.stats == p.stats
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary left over
+
+
+def test_load_errors_name_the_file(tmp_path):
+  with pytest.raises(packing.PlanError, match="plan.json"):
+    packing.Plan.load(tmp_path / "missing")
+  p = packing.plan(np.arange(1, 10), 16)
+  p.save(tmp_path / "plan")
+  os.remove(tmp_path / "plan" / "doc.npy")
+  with pytest.raises(packing.PlanError, match="doc.npy"):
+    packing.Plan.load(tmp_path / "plan")
+
+
+def test_cache_second_call_loads_instead_of_planning(tmp_path, monkeypatch):
+  lengths = np.random.default_rng(0).integers(1, 100, 1000)
+  first = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="fp-1", extra_tokens=2)
+
+  def boom(*args, **kwargs):
+    raise AssertionError("planned again instead of loading the cache")
+
+  monkeypatch.setattr(cache_mod._planner, "plan", boom)
+  second = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="fp-1", extra_tokens=2)
+  assert isinstance(second.doc, np.memmap)
+  np.testing.assert_array_equal(first.doc, second.doc)
+  np.testing.assert_array_equal(first.row_splits, second.row_splits)
+  # Another key (changed shards) must plan again.
+  with pytest.raises(AssertionError, match="planned again"):
+    packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="fp-2", extra_tokens=2)
+
+
+def test_cache_key_changes_with_every_parameter():
+  base = dict(strategy="ffd", long_docs="split", min_len=0, overlap=0, extra_tokens=0)
+  keys = {packing.plan_key("fp", 64, **base), packing.plan_key("fp2", 64, **base),
+          packing.plan_key("fp", 128, **base)}
+  for name, value in (("strategy", "bfd"), ("long_docs", "truncate"), ("min_len", 1),
+                      ("overlap", 1), ("extra_tokens", 2)):
+    keys.add(packing.plan_key("fp", 64, **{**base, name: value}))
+  assert len(keys) == 8
+  sp = dict(base, strategy="sorted_pad")
+  assert (packing.plan_key("fp", 64, **sp, batch_size=4)
+          != packing.plan_key("fp", 64, **sp, batch_size=8))
+
+
+def test_cache_without_key_hashes_the_lengths(tmp_path):
+  a = packing.load_or_plan(np.array([5, 6, 7]), 16, cache_dir=tmp_path)
+  b = packing.load_or_plan(np.array([5, 6, 8]), 16, cache_dir=tmp_path)
+  assert a.length.tolist() != b.length.tolist()
+  assert len(os.listdir(tmp_path)) == 2
+
+
+def test_corrupt_cache_is_replanned(tmp_path):
+  lengths = np.arange(1, 17)
+  packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
+  (entry,) = os.listdir(tmp_path)
+  (tmp_path / entry / "plan.json").write_text("{not json")
+  p = packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
+  assert p.num_pieces == 16
+  packing.Plan.load(tmp_path / entry)  # repaired on disk
