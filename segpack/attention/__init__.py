@@ -24,6 +24,7 @@ from segpack.attention.checks import (
     default_scale,
     validate_inputs,
 )
+from segpack.attention.sharded import shard_attention
 from segpack.attention.xla import segment_attention_xla
 
 Implementation = Literal["xla", "pallas", "cudnn"]
@@ -58,6 +59,9 @@ def segment_attention(
     interpret: bool = False,
     check_segments: bool = False,
     max_segments_per_row: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    batch_axis: str | None = "data",
+    head_axis: str | None = "model",
 ) -> jax.Array:
   """Attention in which a query sees only keys of its own segment (document).
 
@@ -77,6 +81,10 @@ def segment_attention(
       cuDNN backends silently assume it. Concrete inputs are checked now; traced inputs when the
       computation runs (host callback).
     max_segments_per_row: cuDNN only, the static bound N on segments per row (default S).
+    mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
+      inputs): the batch split over `batch_axis`, the heads over `head_axis`.
+    batch_axis: mesh axis for the batch (None: replicated).
+    head_axis: mesh axis for the heads (None: replicated); must divide H and K.
 
   Returns:
     `[B, S, H, D]` in the dtype of `q`; zeros at padding queries.
@@ -93,17 +101,21 @@ def segment_attention(
     check_contiguous(segment_ids)
   impl = default_implementation() if implementation is None else implementation
   if impl == "xla":
-    return segment_attention_xla(q, k, v, segment_ids, causal=causal, scale=scale)
-  if impl == "pallas":
+    fn, kwargs = segment_attention_xla, {}
+  elif impl == "pallas":
     from segpack.attention import pallas  # pylint: disable=g-import-not-at-top
-    return pallas.segment_attention_pallas(
-        q, k, v, segment_ids, causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-        interpret=interpret)
-  if impl == "cudnn":
+    fn = pallas.segment_attention_pallas
+    kwargs = dict(block_q=block_q, block_k=block_k, interpret=interpret)
+  elif impl == "cudnn":
     from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
-    return cudnn.segment_attention_cudnn(
-        q, k, v, segment_ids, causal=causal, scale=scale,
-        max_segments_per_row=max_segments_per_row)
-  raise AttentionInputError(
-      f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
-      f"{implementation!r}")
+    fn = cudnn.segment_attention_cudnn
+    kwargs = dict(max_segments_per_row=max_segments_per_row)
+  else:
+    raise AttentionInputError(
+        f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
+        f"{implementation!r}")
+  kwargs.update(causal=causal, scale=scale)
+  if mesh is None:
+    return fn(q, k, v, segment_ids, **kwargs)
+  return shard_attention(fn, q, k, v, segment_ids, mesh=mesh, batch_axis=batch_axis,
+                         head_axis=head_axis, **kwargs)

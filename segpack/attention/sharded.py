@@ -1,0 +1,78 @@
+"""Sharded segment attention: the per-device call wrapped in `jax.shard_map`.
+
+Rows are independent and so are heads, so attention needs no communication when the batch is
+split over a data axis and the heads over a model axis: every device runs the kernel on its
+`[B / data, S, H / model, D]` block (and `[B / data, S, K / model, D]` keys and values; the
+grouped-query pairing `h // G` is preserved because both head dims are split into contiguous
+chunks). The sequence axis is never split: a segment's keys must stay on the device of its queries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from segpack.attention.checks import AttentionInputError
+
+
+def _axis_size(mesh: Mesh, axis: str | None, arg: str) -> int:
+  if axis is None:
+    return 1
+  if axis not in mesh.shape:
+    raise AttentionInputError(
+        f"segment_attention: `{arg}`={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh.shape[axis]
+
+
+def shard_attention(
+    attention_fn: Callable[..., jax.Array],
+    q_BxSxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    segment_ids_BxS: jax.Array,
+    *,
+    mesh: Mesh,
+    batch_axis: str | None = "data",
+    head_axis: str | None = "model",
+    **kwargs: Any,
+) -> jax.Array:
+  """Runs `attention_fn(q, k, v, segment_ids, **kwargs)` per device under `shard_map`.
+
+  Args:
+    attention_fn: a single-device backend, e.g. `segment_attention_pallas`.
+    q_BxSxHxD: queries; B divisible by the `batch_axis` size, H by the `head_axis` size.
+    k_BxSxKxD: keys; K divisible by the `head_axis` size.
+    v_BxSxKxD: values.
+    segment_ids_BxS: segment ids.
+    mesh: the device mesh.
+    batch_axis: mesh axis splitting the batch, or None.
+    head_axis: mesh axis splitting the heads, or None.
+    **kwargs: passed to `attention_fn`.
+
+  Returns:
+    `out_BxSxHxD`, sharded like `q` (`P(batch_axis, None, head_axis, None)`).
+
+  Raises:
+    AttentionInputError: an unknown axis, or a dimension its axis does not divide.
+  """
+  b, _, h, _ = q_BxSxHxD.shape
+  kh = k_BxSxKxD.shape[2]
+  n_batch = _axis_size(mesh, batch_axis, "batch_axis")
+  n_head = _axis_size(mesh, head_axis, "head_axis")
+  for name, size, n, axis in (("batch B", b, n_batch, batch_axis),
+                              ("query heads H", h, n_head, head_axis),
+                              ("key/value heads K", kh, n_head, head_axis)):
+    if size % n:
+      raise AttentionInputError(
+          f"segment_attention: {name}={size} is not divisible by mesh axis {axis!r} of size {n}")
+  heads_spec = P(batch_axis, None, head_axis, None)
+  seg_spec = P(batch_axis, None)
+
+  def per_device(q, k, v, seg):
+    return attention_fn(q, k, v, seg, **kwargs)
+
+  return jax.shard_map(
+      per_device, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, seg_spec),
+      out_specs=heads_spec, check_vma=False)(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS)

@@ -1,0 +1,186 @@
+"""segment_attention: the XLA reference against the per-document oracle, block ranges, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from segpack.attention import (AttentionInputError, AttentionTypeError,
+                               NonContiguousSegmentsError, segment_attention)
+from segpack.attention import blocks
+from test_attention_oracle import reference
+
+
+def layouts(s: int) -> np.ndarray:
+  """Rows: one segment; length-1 segments; block-crossing segments + padding tail; all padding."""
+  rows = np.zeros((4, s), np.int32)
+  rows[0] = 1
+  rows[1, : s // 2] = np.arange(1, s // 2 + 1)
+  lengths = [50, 100, 3, 1, 37]
+  pos = 0
+  for i, n in enumerate(lengths):
+    rows[2, pos:pos + n] = i + 1
+    pos += n
+  return rows
+
+
+def random_inputs(seed, b, s, h, kh, d, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  return mk(b, s, h, d), mk(b, s, kh, d), mk(b, s, kh, d), mk(b, s, h, d)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_xla_matches_per_document_oracle_forward_and_grads(causal):
+  seg = layouts(64)
+  q, k, v, dout = random_inputs(0, 4, 64, 4, 2, 16)
+  f = lambda q, k, v: segment_attention(q, k, v, jnp.asarray(seg), causal=causal,
+                                        implementation="xla")
+  out, vjp = jax.vjp(f, q, k, v)
+  want, grads_want = reference(q, k, v, seg, causal=causal, dout=dout)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  for got, ref in zip(vjp(dout), grads_want):
+    np.testing.assert_allclose(got, ref, atol=5e-5)
+  assert np.all(np.asarray(out)[3] == 0)
+
+
+def test_default_implementation_on_cpu_is_xla():
+  seg = layouts(32)
+  q, k, v, _ = random_inputs(1, 4, 32, 2, 2, 16)
+  np.testing.assert_array_equal(
+      segment_attention(q, k, v, jnp.asarray(seg)),
+      segment_attention(q, k, v, jnp.asarray(seg), implementation="xla"))
+
+
+def _needed_tiles(seg_row, bq, bk, causal):
+  s = len(seg_row)
+  mask = (seg_row[:, None] == seg_row[None, :]) & (seg_row[:, None] != 0)
+  if causal:
+    mask &= np.tril(np.ones((s, s), bool))
+  tiles = mask.reshape(s // bq, bq, s // bk, bk)
+  return tiles.any(axis=(1, 3)), tiles.all(axis=(1, 3))
+
+
+def _random_rows(rng, n, s):
+  rows = np.zeros((n, s), np.int32)
+  for r in range(n):
+    pos, sid = int(rng.integers(0, 3)), 1
+    while pos < s:
+      ln = int(rng.choice([1, 2, 7, 30, 64, 100, 200]))
+      rows[r, pos:pos + ln] = sid if rng.random() > 0.1 else 0
+      pos += ln + int(rng.random() < 0.2)
+      sid += 1
+  return rows
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bq,bk", [(64, 64), (32, 64), (64, 16)])
+def test_block_ranges_are_sound_and_tight(causal, bq, bk):
+  """Every needed tile is visited, the range ends are needed, mask-free tiles need no mask."""
+  rng = np.random.default_rng(bq + bk + causal)
+  seg = np.concatenate([layouts(256), _random_rows(rng, 12, 256)])
+  qr = np.asarray(blocks.q_block_ranges(jnp.asarray(seg), block_q=bq, block_k=bk, causal=causal))
+  kr = np.asarray(blocks.kv_block_ranges(jnp.asarray(seg), block_q=bq, block_k=bk, causal=causal))
+  for r in range(len(seg)):
+    needed, unmasked = _needed_tiles(seg[r], bq, bk, causal)
+    for ranges, need, full in ((qr[r], needed, unmasked), (kr[r], needed.T, unmasked.T)):
+      for i, (lo, hi, flo, fhi) in enumerate(ranges):
+        cols = np.flatnonzero(need[i])
+        if len(cols) == 0:
+          assert lo == hi
+          continue
+        assert lo == cols[0] and hi == cols[-1] + 1, (r, i, lo, hi, cols)
+        assert lo <= flo <= fhi <= hi
+        assert np.all(full[i, flo:fhi]), (r, i, flo, fhi)
+        if fhi == flo:
+          assert flo == hi
+
+
+def test_block_ranges_use_mask_free_blocks_inside_one_segment():
+  seg = jnp.ones((1, 512), jnp.int32)
+  qr = np.asarray(blocks.q_block_ranges(seg, block_q=64, block_k=64, causal=True))[0]
+  # Query block i visits key blocks 0..i; all but the diagonal one are mask-free.
+  np.testing.assert_array_equal(qr[:, 0], 0)
+  np.testing.assert_array_equal(qr[:, 1], np.arange(1, 9))
+  np.testing.assert_array_equal(qr[:, 3] - qr[:, 2], np.arange(8))
+  np.testing.assert_array_equal(qr[1:, 2], 0)
+
+
+def test_tiles_computed_follow_segments():
+  seg = np.zeros((1, 1024), np.int32)
+  for i in range(8):
+    seg[0, i * 128:(i + 1) * 128] = i + 1
+  got = blocks.tiles_computed(jnp.asarray(seg), block_q=128, block_k=128, causal=True)
+  assert int(got[0]) == 8  # one diagonal tile per document, versus 36 for a dense causal mask
+
+
+def test_segment_bounds_example():
+  start, end = blocks.segment_bounds(jnp.array([[1, 1, 2, 0, 0, 3]]))
+  np.testing.assert_array_equal(start, [[0, 0, 2, 3, 3, 5]])
+  np.testing.assert_array_equal(end, [[2, 2, 3, 5, 5, 6]])
+
+
+class TestBadInput:
+  q, k, v, _ = random_inputs(0, 2, 32, 4, 2, 16)
+  seg = jnp.ones((2, 32), jnp.int32)
+
+  def test_rank(self):
+    with pytest.raises(AttentionInputError, match=r"`q` must have rank 4.*\(2, 32, 64\)"):
+      segment_attention(self.q.reshape(2, 32, 64), self.k, self.v, self.seg)
+
+  def test_kv_shape_mismatch(self):
+    with pytest.raises(AttentionInputError, match=r"`k` shape \(2, 32, 2, 16\) != `v` shape"):
+      segment_attention(self.q, self.k, self.v[:, :16], self.seg)
+
+  def test_seq_mismatch(self):
+    with pytest.raises(AttentionInputError, match=r"`k` shape \(2, 16, 2, 16\)"):
+      segment_attention(self.q, self.k[:, :16], self.v[:, :16], self.seg)
+
+  def test_heads_not_multiple(self):
+    k3 = jnp.zeros((2, 32, 3, 16))
+    with pytest.raises(AttentionInputError, match="H=4 must be a multiple of .* K=3"):
+      segment_attention(self.q, k3, k3, self.seg)
+
+  def test_segment_ids_shape(self):
+    with pytest.raises(AttentionInputError, match=r"`segment_ids` shape \(2, 31\)"):
+      segment_attention(self.q, self.k, self.v, self.seg[:, :31])
+
+  def test_dtype_mismatch(self):
+    with pytest.raises(AttentionTypeError, match="float32, bfloat16, float32"):
+      segment_attention(self.q, self.k.astype(jnp.bfloat16), self.v, self.seg)
+
+  def test_unsupported_dtype(self):
+    with pytest.raises(AttentionTypeError, match="`q` dtype .* got int32"):
+      segment_attention(self.q.astype(jnp.int32), self.k, self.v, self.seg)
+
+  def test_float_segment_ids(self):
+    with pytest.raises(AttentionTypeError, match="`segment_ids` must be an integer array"):
+      segment_attention(self.q, self.k, self.v, self.seg.astype(jnp.float32))
+
+  def test_unknown_implementation(self):
+    with pytest.raises(AttentionInputError, match="got 'flash'"):
+      segment_attention(self.q, self.k, self.v, self.seg, implementation="flash")
+
+  def test_bad_block(self):
+    with pytest.raises(AttentionInputError, match="`block_q` must be a power of two >= 16, got 48"):
+      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas", block_q=48,
+                        interpret=True)
+
+  def test_head_dim_too_large(self):
+    q = jnp.zeros((1, 16, 1, 320))
+    with pytest.raises(AttentionInputError, match="D=320 is above 256"):
+      segment_attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="pallas",
+                        interpret=True)
+
+  def test_noncontiguous_segments_concrete(self):
+    seg = jnp.array([[1] * 8 + [2] * 8 + [1] * 16, [1] * 32])
+    with pytest.raises(NonContiguousSegmentsError, match="row 0 reopens segment 1 at position 16"):
+      segment_attention(self.q, self.k, self.v, seg, check_segments=True)
+    segment_attention(self.q, self.k, self.v, self.seg, check_segments=True)  # contiguous: fine
+
+  def test_noncontiguous_segments_under_jit(self):
+    seg = jnp.array([[1] * 32, [3] * 4 + [0] * 4 + [3] * 24])
+    f = jax.jit(lambda s: segment_attention(self.q, self.k, self.v, s, check_segments=True))
+    with pytest.raises(Exception, match="row 1 reopens segment 3 at position 8"):
+      jax.block_until_ready(f(seg))
+    jax.block_until_ready(f(self.seg))
