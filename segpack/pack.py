@@ -1,0 +1,188 @@
+"""`python -m segpack.pack`: packing statistics of a data set.
+
+Examples:
+  python -m segpack.pack --data DIR --seq-len 4096 --strategy ffd
+  python -m segpack.pack --data builtin --compare            # the built-in corpus
+  python -m segpack.pack --data lengths.npy --compare --json
+
+`--data` is a shard dataset directory, a `.npy` file of document lengths, or `builtin` /
+`builtin:small` for the built-in corpus (built on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from segpack import packing
+
+COMPARE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+class DataArgumentError(ValueError):
+  """`--data` names nothing this CLI can read; the message echoes the value."""
+
+
+def load_lengths(data: str) -> tuple[np.ndarray, str]:
+  """Document lengths of `data` and a fingerprint for the plan cache.
+
+  Args:
+    data: a shard dataset directory, a `.npy` file of lengths, or `builtin[:full|small]`.
+
+  Returns:
+    `(lengths, fingerprint)`.
+  """
+  if data.startswith("builtin"):
+    size = data.partition(":")[2] or "full"
+    from segpack import corpus  # pylint: disable=g-import-not-at-top
+    data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
+  if data.endswith(".npy") and os.path.isfile(data):
+    lengths = np.load(data)
+    return lengths, packing.cache.lengths_fingerprint(lengths)
+  if not os.path.isdir(data):
+    raise DataArgumentError(
+        f"--data must be a shard dataset directory, a .npy file of lengths or 'builtin', got "
+        f"{data!r}")
+  from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
+  source = ShardSource(data)
+  return np.asarray(source.lengths), source.fingerprint
+
+
+def summarize(p: packing.Plan, *, seconds: float | None = None) -> dict[str, Any]:
+  """The statistics the CLI prints for one plan."""
+  s = p.stats
+  out = {
+      "strategy": p.strategy, "seq_len": p.seq_len, "documents": s["documents"],
+      "rows": p.num_rows, "lower_bound": s["lower_bound"],
+      # Slot-equivalent rows over the bound: rows / lower bound for the packed strategies.
+      "slots_over_lower_bound": s["slots"] / (p.seq_len * s["lower_bound"]),
+      "tokens": s["tokens"], "slots": s["slots"], "utilization": s["utilization"],
+      "segments_per_row_mean": s["segments_per_row_mean"],
+      "segments_per_row_max": s["segments_per_row_max"],
+      "split": s["split"], "truncated": s["truncated"], "dropped": s["dropped"],
+      "dropped_tokens": s["dropped_tokens"], "plan_bytes_per_document":
+          p.nbytes / max(1, s["documents"]),
+  }
+  if seconds is not None:
+    out["plan_seconds"] = seconds
+  return out
+
+
+def format_summary(row: dict[str, Any]) -> str:
+  lines = [f"strategy {row['strategy']}, seq_len {row['seq_len']}"]
+  lines += [
+      f"  documents           {row['documents']:>14,}",
+      f"  rows                {row['rows']:>14,}",
+      f"  lower bound         {row['lower_bound']:>14,}   ceil(tokens / seq_len)",
+      f"  slots / bound slots {row['slots_over_lower_bound']:>14.6f}   rows / lower bound when packed",
+      f"  tokens (slots used) {row['tokens']:>14,}   BOS/EOS and overlap included",
+      f"  slots               {row['slots']:>14,}",
+      f"  utilization         {100 * row['utilization']:>13.3f}%",
+      f"  segments per row    {row['segments_per_row_mean']:>14.2f}   mean"
+      f" (max {row['segments_per_row_max']})",
+      f"  split documents     {row['split']:>14,}",
+      f"  truncated documents {row['truncated']:>14,}",
+      f"  dropped documents   {row['dropped']:>14,}   ({row['dropped_tokens']:,} slots)",
+      f"  plan size           {row['plan_bytes_per_document']:>14.1f}   bytes per document",
+  ]
+  if "plan_seconds" in row:
+    lines.append(f"  planning time       {row['plan_seconds']:>14.3f}   s")
+  return "\n".join(lines)
+
+
+def compare(lengths: np.ndarray, *, strategies: Sequence[str], seq_lens: Sequence[int],
+            **plan_kwargs: Any) -> list[dict[str, Any]]:
+  """Plans every strategy at every seq_len; returns one summary per pair."""
+  rows = []
+  for seq_len in seq_lens:
+    for strategy in strategies:
+      t0 = time.perf_counter()
+      p = packing.plan(lengths, seq_len, strategy=strategy, **plan_kwargs)
+      rows.append(summarize(p, seconds=time.perf_counter() - t0))
+  return rows
+
+
+def format_compare(rows: list[dict[str, Any]]) -> str:
+  """Tables strategy x seq_len of utilization, rows over the lower bound, segments per row."""
+  seq_lens = sorted({r["seq_len"] for r in rows})
+  strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+  cell = {(r["strategy"], r["seq_len"]): r for r in rows}
+  out = []
+  for title, key, fmt in (("utilization (real tokens / slots)", "utilization",
+                           lambda v: f"{100 * v:.2f}%"),
+                          ("slots / (seq_len x ceil(tokens / seq_len)): rows over the lower bound",
+                           "slots_over_lower_bound",
+                           lambda v: f"{v:.4f}"),
+                          ("segments per row (mean)", "segments_per_row_mean",
+                           lambda v: f"{v:.2f}"),
+                          ("split documents", "split", lambda v: f"{v:,}")):
+    out.append(title)
+    out.append(f"  {'strategy':<11}" + "".join(f"{s:>11}" for s in seq_lens))
+    for strategy in strategies:
+      out.append(f"  {strategy:<11}" + "".join(
+          f"{fmt(cell[strategy, s][key]):>11}" for s in seq_lens))
+    out.append("")
+  return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m segpack.pack", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--data", required=True,
+                  help="shard dataset directory, .npy file of lengths, or builtin[:small]")
+  ap.add_argument("--seq-len", type=int, default=4096)
+  ap.add_argument("--strategy", default="ffd", help=f"one of {sorted(packing.STRATEGIES)}")
+  ap.add_argument("--long-docs", default="split", help="split or truncate")
+  ap.add_argument("--min-len", type=int, default=0)
+  ap.add_argument("--overlap", type=int, default=0)
+  ap.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=True)
+  ap.add_argument("--add-eos", action=argparse.BooleanOptionalAction, default=True)
+  ap.add_argument("--batch-size", type=int, default=8, help="sorted_pad batch rows")
+  ap.add_argument("--pad-multiple", type=int, default=128, help="sorted_pad batch granularity")
+  ap.add_argument("--compare", action="store_true",
+                  help="table of every strategy x seq_len (--seq-lens)")
+  ap.add_argument("--seq-lens", default=",".join(map(str, COMPARE_SEQ_LENS)),
+                  help="comma-separated seq_lens for --compare")
+  ap.add_argument("--save-plan", action="store_true",
+                  help="also cache the plan in DATA/plans (shard directories only)")
+  ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+  return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  kwargs = dict(long_docs=args.long_docs, min_len=args.min_len, overlap=args.overlap,
+                extra_tokens=int(args.add_bos) + int(args.add_eos))
+  try:
+    packing.planner.check_strategy(args.strategy)
+    lengths, key = load_lengths(args.data)
+    if args.compare:
+      seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
+      rows = compare(lengths, strategies=list(packing.STRATEGIES), seq_lens=seq_lens,
+                     batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+      print(json.dumps(rows, indent=1) if args.json else format_compare(rows))
+      return 0
+    t0 = time.perf_counter()
+    if args.save_plan and os.path.isdir(args.data):
+      p = packing.load_or_plan(lengths, args.seq_len, cache_dir=os.path.join(args.data, "plans"),
+                               key=key, strategy=args.strategy, batch_size=args.batch_size,
+                               pad_multiple=args.pad_multiple, **kwargs)
+    else:
+      p = packing.plan(lengths, args.seq_len, strategy=args.strategy,
+                       batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+    row = summarize(p, seconds=time.perf_counter() - t0)
+  except ValueError as e:
+    print(f"python -m segpack.pack: error: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(row, indent=1) if args.json else format_summary(row))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
