@@ -19,8 +19,6 @@ import numpy as np
 
 from segpack import rows as rows_lib
 
-STRATEGIES_FALLBACK = ("ffd", "bfd", "greedy", "pad", "sorted_pad")
-LONG_DOCS = ("split", "truncate")
 
 
 class PipelineConfigError(ValueError):
@@ -29,7 +27,7 @@ class PipelineConfigError(ValueError):
 
 def _strategies() -> tuple[str, ...]:
   from segpack import packing  # pylint: disable=g-import-not-at-top
-  return tuple(getattr(packing, "STRATEGIES", STRATEGIES_FALLBACK))
+  return tuple(packing.STRATEGIES)
 
 
 def _epoch_seed(seed: int, epoch: int) -> np.random.Generator:
@@ -244,14 +242,28 @@ def _document_lengths(source: Any) -> np.ndarray:
   return out
 
 
+def _source_special_id(source: Any, name: str) -> int | None:
+  """`name` ("bos_id"/"eos_id") as the source carries it: an attribute, a `tokenizer` attribute
+  or dict, or the shard manifest's metadata (top level or its "tokenizer" dict)."""
+  value = getattr(source, name, None)
+  if value is not None:
+    return value
+  places = [getattr(source, "tokenizer", None)]
+  manifest = getattr(source, "manifest", None)
+  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
+  if isinstance(metadata, dict):
+    places += [metadata, metadata.get("tokenizer")]
+  for place in places:
+    value = place.get(name) if isinstance(place, dict) else getattr(place, name, None)
+    if value is not None:
+      return value
+  return None
+
+
 def _special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
   """The id given by the caller, else the source's tokenizer's, else an error when needed."""
   if given is None:
-    given = getattr(source, name, None)
-    if given is None:
-      tokenizer = getattr(source, "tokenizer", None)
-      given = (tokenizer.get(name) if isinstance(tokenizer, dict)
-               else getattr(tokenizer, name, None))
+    given = _source_special_id(source, name)
   if given is None:
     if needed:
       flag = "add_bos" if name == "bos_id" else "add_eos"
@@ -281,9 +293,10 @@ def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_ep
   if strategy not in valid:
     raise PipelineConfigError(
         f"pack_dataset: unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}")
-  if long_docs not in LONG_DOCS:
+  from segpack import packing  # pylint: disable=g-import-not-at-top
+  if long_docs not in packing.LONG_DOCS:
     raise PipelineConfigError(
-        f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(LONG_DOCS)}")
+        f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(packing.LONG_DOCS)}")
   if not isinstance(min_len, (int, np.integer)) or min_len < 0:
     raise PipelineConfigError(f"pack_dataset: min_len must be an int >= 0, got {min_len!r}")
   if not isinstance(overlap, (int, np.integer)) or not 0 <= overlap < seq_len - 1:
@@ -328,25 +341,21 @@ def _shard(shard_index: int | None, shard_count: int | None,
 def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
                long_docs: str, min_len: int, overlap: int, extra: int,
                plan_cache_dir: str | os.PathLike | None) -> Any:
-  """Computes the plan, or loads it from the plan cache when the source has a fingerprint."""
+  """Loads the plan from the plan cache, or computes (and caches) it.
+
+  The cache is keyed by the source's fingerprint (a hash of the lengths when it has none) and all
+  packing parameters; for a shard directory it defaults to `<dataset dir>/plans`.
+  """
   from segpack import packing  # pylint: disable=g-import-not-at-top
-  kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len, overlap=overlap,
-                extra_tokens=extra)
   fingerprint = getattr(source, "fingerprint", None)
   if plan_cache_dir is None and fingerprint is not None:
     root = getattr(source, "path", None) or getattr(source, "root", None)
     if root is not None:
       plan_cache_dir = os.path.join(os.fspath(root), "plans")
-  load_or_plan = getattr(packing, "load_or_plan", None)
-  if plan_cache_dir is not None and load_or_plan is not None:
-    if fingerprint is None:
-      # No fingerprint: key the cache by the lengths themselves.
-      import hashlib  # pylint: disable=g-import-not-at-top
-      fingerprint = "lengths-" + hashlib.sha256(
-          np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()
-    return load_or_plan(lengths, seq_len, cache_dir=os.fspath(plan_cache_dir),
-                        key=str(fingerprint), **kwargs)
-  return packing.plan(lengths, seq_len, **kwargs)
+  return packing.load_or_plan(
+      lengths, seq_len, cache_dir=None if plan_cache_dir is None else os.fspath(plan_cache_dir),
+      key=None if fingerprint is None else str(fingerprint), strategy=strategy,
+      long_docs=long_docs, min_len=min_len, overlap=overlap, extra_tokens=extra)
 
 
 def pack_dataset(

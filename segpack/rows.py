@@ -10,6 +10,8 @@ reads the tokens of those pieces (memory-mapped slices, never whole files) and b
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -62,6 +64,127 @@ class PlanArrays:
   def num_rows(self) -> int:
     return int(self.row_splits.shape[0]) - 1
 
+  def __reduce__(self):
+    # Memory-mapped arrays (a cached plan) travel to Grain workers as file references.
+    arrays = [_pickle_array(getattr(self, f)) for f in ("row_splits", "doc", "start", "length")]
+    return _restore_plan_arrays, (self.seq_len, self.overlap, *arrays)
+
+
+def _pickle_array(array: np.ndarray) -> Any:
+  if (isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.filename
+      and array.flags.c_contiguous):
+    return ("memmap", array.filename, array.dtype.str, array.shape, array.offset)
+  return np.asarray(array)
+
+
+def _unpickle_array(value: Any) -> np.ndarray:
+  if isinstance(value, tuple) and value[0] == "memmap":
+    _, filename, dtype, shape, offset = value
+    if not int(np.prod(shape)):
+      return np.zeros(shape, dtype=dtype)
+    return np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
+  return value
+
+
+def _restore_plan_arrays(seq_len, overlap, row_splits, doc, start, length) -> "PlanArrays":
+  return PlanArrays(seq_len=seq_len, overlap=overlap, row_splits=_unpickle_array(row_splits),
+                    doc=_unpickle_array(doc), start=_unpickle_array(start),
+                    length=_unpickle_array(length))
+
+
+class SequenceTokenReader:
+  """Reads document slices through `source[d]` (any random-access sequence of 1-D arrays)."""
+
+  def __init__(self, source: Any):
+    self._source = source
+
+  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
+           dst_P: np.ndarray) -> None:
+    """Copies `source[doc][lo:hi]` to `out[dst:]` for every piece."""
+    source = self._source
+    for d, lo, hi, dst in zip(doc_P.tolist(), lo_P.tolist(), hi_P.tolist(), dst_P.tolist()):
+      if hi > lo:
+        out[dst:dst + hi - lo] = np.asarray(source[d])[lo:hi]
+
+
+class ShardTokenReader:
+  """Reads document slices straight from the token files of a `segpack.ShardSource`.
+
+  Algorithm:
+    1. From the manifest (shard token file names, documents per shard) and `source.lengths`,
+       compute each document's first token inside its shard file: the exclusive cumulative sum
+       of the lengths, restarted at every shard (exactly the shard's offsets file, which
+       `ShardSource` checked on open). 4 bytes per document (8 when a shard exceeds 2**31 tokens).
+    2. Open each token file once per process as a read-only memory map, viewed as a plain ndarray
+       (slicing a plain view is ~10x cheaper than slicing `np.memmap` objects); nothing is read
+       until a slice is copied.
+    3. For a batch of pieces, find the shards with one `searchsorted`, then copy each piece's
+       slice into the output.
+
+  Example: shards of 2 and 1 documents with lengths [3, 2, 4] give starts [0, 3, 0]; document 2,
+  tokens [1, 3) is shard 1's file slice [1, 3).
+  """
+
+  def __init__(self, source: Any):
+    shards = source.manifest["shards"]
+    self._path = os.fspath(source.path)
+    self._files = [str(shard["tokens"]) for shard in shards]
+    self._dtype = np.dtype(source.dtype)
+    counts = np.asarray([int(shard["num_documents"]) for shard in shards], dtype=np.int64)
+    self._doc_starts = np.zeros(len(shards) + 1, dtype=np.int64)
+    np.cumsum(counts, out=self._doc_starts[1:])
+    lengths = np.asarray(source.lengths, dtype=np.int64)
+    if lengths.shape[0] != self._doc_starts[-1]:
+      raise ValueError(f"{self._path}: manifest lists {self._doc_starts[-1]} documents but the "
+                       f"source has {lengths.shape[0]} lengths")
+    token_start = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=token_start[1:])
+    local = token_start[:-1] - np.repeat(token_start[self._doc_starts[:-1]], counts)
+    small = local.size == 0 or int(local.max()) < 2**31
+    self._local_start = local.astype(np.int32 if small else np.int64)
+    self._arrays: list[np.ndarray] | None = None
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state["_arrays"] = None  # Reopened lazily in every process.
+    return state
+
+  def _open(self) -> list[np.ndarray]:
+    if self._arrays is None:
+      arrays = []
+      for name in self._files:
+        file = os.path.join(self._path, name)
+        if os.path.getsize(file) == 0:
+          arrays.append(np.zeros(0, dtype=self._dtype))
+        else:
+          arrays.append(np.asarray(np.memmap(file, dtype=self._dtype, mode="r")))
+      self._arrays = arrays
+    return self._arrays
+
+  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
+           dst_P: np.ndarray) -> None:
+    """Copies tokens `[lo, hi)` of every piece's document to `out[dst:]`."""
+    arrays = self._open()
+    shard_P = np.searchsorted(self._doc_starts, doc_P, side="right") - 1
+    base_P = self._local_start[doc_P].astype(np.int64)
+    for s, a, b, dst in zip(shard_P.tolist(), (base_P + lo_P).tolist(), (base_P + hi_P).tolist(),
+                            dst_P.tolist()):
+      if b > a:
+        out[dst:dst + b - a] = arrays[s][a:b]
+
+
+def make_token_reader(source: Any) -> SequenceTokenReader | ShardTokenReader:
+  """A `ShardTokenReader` for a shard source (has `path`, `manifest`, `dtype`, `lengths`), else a
+  `SequenceTokenReader`."""
+  manifest = getattr(source, "manifest", None)
+  if (isinstance(manifest, dict) and isinstance(manifest.get("shards"), list)
+      and hasattr(source, "path") and hasattr(source, "dtype") and hasattr(source, "lengths")):
+    try:
+      return ShardTokenReader(source)
+    except (KeyError, TypeError):
+      pass
+  return SequenceTokenReader(source)
+
 
 class RowBuilder:
   """Builds packed rows (dicts of int32 arrays) from plan rows and a token source.
@@ -96,7 +219,7 @@ class RowBuilder:
       special: BOS/EOS/padding ids.
       doc_lengths: int64 `[num_docs]` token counts of the source documents.
     """
-    self._source = source
+    self._reader = make_token_reader(source)
     self._plan = plan
     self._special = special
     self._doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
@@ -123,39 +246,45 @@ class RowBuilder:
     lo_B = np.where(real_B, plan.row_splits[safe_B], 0).astype(np.int64)
     count_B = np.where(real_B, plan.row_splits[safe_B + 1] - lo_B, 0).astype(np.int64)
     num_pieces = int(count_B.sum())
-    first_B = np.cumsum(count_B) - count_B  # rank of each row's first piece in the gathered list
+    first_B = np.cumsum(count_B) - count_B  # index of each row's first piece among the gathered
     rank_P = np.arange(num_pieces, dtype=np.int64) - np.repeat(first_B, count_B)
     piece_P = np.repeat(lo_B, count_B) + rank_P
     doc_P = np.asarray(plan.doc[piece_P], dtype=np.int64)
     start_P = np.asarray(plan.start[piece_P], dtype=np.int64)
     length_P = np.asarray(plan.length[piece_P], dtype=np.int64)
-    row_P = np.repeat(np.arange(batch, dtype=np.int64), count_B)
-    cum_P = np.cumsum(length_P) - length_P  # flat offset among real slots
-    row_used_first = cum_P[first_B[count_B > 0]] if num_pieces else cum_P[:0]
-    row_base_P = np.repeat(row_used_first, count_B[count_B > 0])
-    offset_P = row_P * seq_len + (cum_P - row_base_P)  # flat output offset of each piece
+    cum_P = np.zeros(num_pieces + 1, dtype=np.int64)
+    np.cumsum(length_P, out=cum_P[1:])
+    used_B = cum_P[first_B + count_B] - cum_P[first_B]  # occupied slots of each row
+    col_P = cum_P[:-1] - np.repeat(cum_P[first_B], count_B)  # piece offset inside its row
+    offset_P = np.repeat(np.arange(batch, dtype=np.int64) * seq_len, count_B) + col_P
 
     input_ids = np.full(batch * seq_len, self._special.pad_id, dtype=np.int32)
     self._copy_tokens(input_ids, doc_P, start_P, length_P, offset_P)
-
-    segment_ids = np.zeros(batch * seq_len, dtype=np.int32)
-    positions = np.zeros(batch * seq_len, dtype=np.int32)
-    num_real = int(length_P.sum())
-    if num_real:
-      piece_of_slot = np.repeat(np.arange(num_pieces, dtype=np.int64), length_P)
-      within = np.arange(num_real, dtype=np.int64) - cum_P[piece_of_slot]
-      slot = offset_P[piece_of_slot] + within
-      segment_ids[slot] = (rank_P + 1)[piece_of_slot]
-      positions[slot] = within
+    # Real slots fill a prefix of every row: build them contiguously, then copy row prefixes.
+    num_real = int(cum_P[-1])
+    segment_real = np.repeat((rank_P + 1).astype(np.int32), length_P)
+    position_real = np.arange(num_real, dtype=np.int32)
+    position_real -= np.repeat(cum_P[:-1].astype(np.int32), length_P)
+    segment_ids_BxS = np.zeros((batch, seq_len), dtype=np.int32)
+    positions_BxS = np.zeros((batch, seq_len), dtype=np.int32)
+    src_B = cum_P[first_B].tolist()
+    for b, (a, n) in enumerate(zip(src_B, used_B.tolist())):
+      segment_ids_BxS[b, :n] = segment_real[a:a + n]
+      positions_BxS[b, :n] = position_real[a:a + n]
     input_ids_BxS = input_ids.reshape(batch, seq_len)
-    segment_ids_BxS = segment_ids.reshape(batch, seq_len)
-    labels_BxS = self._labels(input_ids_BxS, segment_ids_BxS)
+    # Labels: the next slot's token, then -100 at every piece's last slot and on padding.
+    labels_BxS = np.empty((batch, seq_len), dtype=np.int32)
+    labels_BxS[:, :-1] = input_ids_BxS[:, 1:]
+    labels_BxS[:, -1] = IGNORE_LABEL
+    labels_BxS.reshape(-1)[offset_P + length_P - 1] = IGNORE_LABEL
+    for b, n in enumerate(used_B.tolist()):
+      labels_BxS[b, n:] = IGNORE_LABEL
     self._mask_overlap(labels_BxS.reshape(-1), start_P, length_P, offset_P)
     return {
         "input_ids": input_ids_BxS,
         "labels": labels_BxS,
         "segment_ids": segment_ids_BxS,
-        "segment_positions": positions.reshape(batch, seq_len),
+        "segment_positions": positions_BxS,
     }
 
   def _copy_tokens(self, out: np.ndarray, doc_P: np.ndarray, start_P: np.ndarray,
@@ -167,25 +296,12 @@ class RowBuilder:
     token_lo_P = np.maximum(start_P - bos, 0)
     token_hi_P = np.minimum(start_P + length_P - bos, doc_len_P)
     dst_P = offset_P + (start_P < bos)  # a BOS slot comes first
-    source = self._source
-    for d, lo, hi, dst in zip(doc_P.tolist(), token_lo_P.tolist(), token_hi_P.tolist(),
-                              dst_P.tolist()):
-      if hi > lo:
-        out[dst:dst + hi - lo] = source[d][lo:hi]
+    self._reader.copy(out, doc_P, token_lo_P, token_hi_P, dst_P)
     if special.add_bos:
       out[offset_P[start_P == 0]] = special.bos_id
     if special.add_eos:
       ends_eos = start_P + length_P == doc_len_P + bos + 1
       out[(offset_P + length_P - 1)[ends_eos]] = special.eos_id
-
-  @staticmethod
-  def _labels(input_ids_BxS: np.ndarray, segment_ids_BxS: np.ndarray) -> np.ndarray:
-    """Next-token targets within a segment, -100 elsewhere."""
-    labels_BxS = np.full_like(input_ids_BxS, IGNORE_LABEL)
-    same_BxS = ((segment_ids_BxS[:, 1:] == segment_ids_BxS[:, :-1])
-                & (segment_ids_BxS[:, :-1] != 0))
-    labels_BxS[:, :-1] = np.where(same_BxS, input_ids_BxS[:, 1:], IGNORE_LABEL)
-    return labels_BxS
 
   def _mask_overlap(self, labels: np.ndarray, start_P: np.ndarray, length_P: np.ndarray,
                     offset_P: np.ndarray) -> None:
