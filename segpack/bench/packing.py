@@ -1,0 +1,228 @@
+"""`python -m segpack.bench.packing`: planning speed and quality, Grain's packers, loading speed.
+
+Prints a table (or JSON with `--json`). Sections:
+
+- `plan`: segpack's exact planners on lognormal document lengths (mean 800, sigma 1.0 by
+  default: mu = ln(800) - sigma^2 / 2) at seq_len 4096: wall and CPU seconds (best of
+  `--repeats`), documents/s, rows against the lower bound ceil(tokens / seq_len), plan bytes per
+  document.
+- `grain`: `grain.experimental.FirstFitPackIterDataset` / `BestFitPackIterDataset` on the first
+  `--grain-docs` documents, against segpack's planner on the same documents (the ratio).
+- `load`: batches of `--batch-size` x seq_len with all four features through
+  `segpack.pipeline.pack_dataset` from a memory-mapped synthetic shard dataset.
+- `builtin`: the planners on the built-in corpus (`segpack.corpus.ensure_builtin`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from segpack import packing
+
+
+def lognormal_lengths(n: int, *, mean: float = 800.0, sigma: float = 1.0,
+                      seed: int = 0) -> np.ndarray:
+  """`n` document lengths, lognormal with the given mean, rounded, at least 1."""
+  mu = math.log(mean) - sigma * sigma / 2
+  lengths = np.round(np.random.default_rng(seed).lognormal(mu, sigma, n)).astype(np.int64)
+  return np.maximum(lengths, 1)
+
+
+def bench_plan(lengths: np.ndarray, *, seq_len: int, strategies: Sequence[str],
+               repeats: int, extra_tokens: int, label: str) -> list[dict[str, Any]]:
+  """Times `packing.plan` per strategy (best of `repeats`)."""
+  out = []
+  for strategy in strategies:
+    walls, cpus = [], []
+    for _ in range(repeats):
+      c0, w0 = time.process_time(), time.perf_counter()
+      p = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra_tokens)
+      walls.append(time.perf_counter() - w0)
+      cpus.append(time.process_time() - c0)
+    s = p.stats
+    out.append({
+        "section": "plan", "data": label, "case": strategy, "documents": len(lengths),
+        "seq_len": seq_len, "seconds": min(walls), "cpu_seconds": min(cpus),
+        "docs_per_s": len(lengths) / min(walls), "rows": p.num_rows,
+        "lower_bound": s["lower_bound"], "rows_over_bound": s["slots"] / seq_len
+                                                          / s["lower_bound"],
+        "utilization": s["utilization"], "bytes_per_doc": p.nbytes / len(lengths),
+    })
+  return out
+
+
+def _grain_docs(lengths: np.ndarray, seq_len: int) -> list[dict[str, np.ndarray]]:
+  return [{"tokens": np.ones(min(int(n), seq_len), np.int32)} for n in lengths]
+
+
+def bench_grain(lengths: np.ndarray, *, seq_len: int, num_bins: int) -> list[dict[str, Any]]:
+  """Grain's first-fit and best-fit packers over `lengths` (clipped to seq_len), vs segpack."""
+  import grain  # pylint: disable=g-import-not-at-top
+  import grain.experimental as gexp  # pylint: disable=g-import-not-at-top
+
+  docs = _grain_docs(lengths, seq_len)
+  tokens = sum(len(d["tokens"]) for d in docs)
+  out = []
+  for name, cls, ours in (("FirstFitPackIterDataset", gexp.FirstFitPackIterDataset, "ffd"),
+                          ("BestFitPackIterDataset", gexp.BestFitPackIterDataset, "bfd")):
+    ds = cls(grain.MapDataset.source(docs).to_iter_dataset(), length_struct={"tokens": seq_len},
+             num_packing_bins=num_bins, shuffle_bins=False)
+    t0 = time.perf_counter()
+    rows = sum(1 for _ in ds)
+    grain_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    packing.plan(np.minimum(lengths, seq_len), seq_len, strategy=ours)
+    ours_s = time.perf_counter() - t0
+    out.append({
+        "section": "grain", "data": f"lognormal {len(lengths):,}", "case": name,
+        "documents": len(lengths), "seq_len": seq_len, "seconds": grain_s,
+        "docs_per_s": len(lengths) / grain_s, "rows": rows,
+        "lower_bound": -(-tokens // seq_len), "rows_over_bound": rows / -(-tokens // seq_len),
+        "num_packing_bins": num_bins, "segpack_strategy": ours, "segpack_seconds": ours_s,
+        "segpack_over_grain": grain_s / ours_s,
+    })
+  return out
+
+
+def write_synthetic_shards(path: str, lengths: np.ndarray, *, vocab_size: int,
+                           seed: int = 0) -> None:
+  """A shard dataset of random tokens with the given document lengths."""
+  from segpack.shards import ShardWriter  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(seed)
+  pool = rng.integers(3, vocab_size, int(lengths.max()) + 1 << 4, dtype=np.int64)
+  with ShardWriter(path, vocab_size=vocab_size, tokenizer_fingerprint="synthetic-bench",
+                   shard_tokens=1 << 24, metadata={"bos_id": 1, "eos_id": 2}) as writer:
+    for n, off in zip(lengths.tolist(), rng.integers(0, len(pool) // 2, len(lengths)).tolist()):
+      writer.write(pool[off:off + n])
+
+
+def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
+               work_dir: str | None, strategy: str) -> dict[str, Any]:
+  """Tokens/s of `pack_dataset(...).batch(batch_size)` from memory-mapped shards."""
+  from segpack.pipeline import pack_dataset  # pylint: disable=g-import-not-at-top
+
+  with tempfile.TemporaryDirectory(dir=work_dir, prefix="segpack-bench-") as tmp:
+    data = os.path.join(tmp, "data")
+    write_synthetic_shards(data, lengths, vocab_size=32000)
+    t0 = time.perf_counter()
+    ds = pack_dataset(data, seq_len=seq_len, strategy=strategy, seed=0, bos_id=1, eos_id=2,
+                      shard_index=0, shard_count=1).batch(batch_size, drop_remainder=True)
+    setup_s = time.perf_counter() - t0
+    n = min(num_batches, len(ds))
+    ds[0]  # warm up (page cache, first-call costs)
+    t0 = time.perf_counter()
+    real = 0
+    for i in range(n):
+      batch = ds[i]
+      real += int(np.count_nonzero(batch["segment_ids"]))
+    seconds = time.perf_counter() - t0
+  slots = n * batch_size * seq_len
+  return {"section": "load", "data": f"synthetic shards, {len(lengths):,} docs",
+          "case": f"pack_dataset.batch({batch_size})", "documents": len(lengths),
+          "seq_len": seq_len, "seconds": seconds, "batches": n,
+          "tokens_per_s": slots / seconds, "real_tokens_per_s": real / seconds,
+          "setup_seconds": setup_s, "features": sorted(batch)}
+
+
+def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
+                  repeats: int) -> list[dict[str, Any]]:
+  """The planners on the built-in corpus; an empty list (and a note) when unavailable."""
+  try:
+    from segpack import corpus  # pylint: disable=g-import-not-at-top
+    from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
+    built = corpus.ensure_builtin(size=size)
+    lengths = np.asarray(ShardSource(built.train_dir).lengths)
+  except Exception as e:  # pylint: disable=broad-except
+    print(f"note: built-in corpus ({size}) unavailable, skipped: {type(e).__name__}: {e}",
+          file=sys.stderr)
+    return []
+  return bench_plan(lengths, seq_len=seq_len, strategies=strategies, repeats=repeats,
+                    extra_tokens=2, label=f"builtin {size}")
+
+
+_COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
+            ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("docs_per_s", "{:,.0f}", 13),
+            ("rows_over_bound", "{:.6f}", 10), ("bytes_per_doc", "{:.1f}", 7),
+            ("tokens_per_s", "{:,.0f}", 14))
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+  head = "".join(f"{name:>{w}} " if i > 2 else f"{name:<{w}} "
+                 for i, (name, _, w) in enumerate(_COLUMNS))
+  lines = [head]
+  for r in results:
+    cells = []
+    for i, (name, fmt, w) in enumerate(_COLUMNS):
+      text = fmt.format(r[name]) if name in r else "-"
+      cells.append(f"{text:>{w}} " if i > 2 else f"{text:<{w}} ")
+    lines.append("".join(cells))
+  notes = [f"{r['case']}: segpack {r['segpack_strategy']} is {r['segpack_over_grain']:,.0f}x "
+           f"faster (num_packing_bins={r['num_packing_bins']})"
+           for r in results if r["section"] == "grain"]
+  notes += [f"load: {r['real_tokens_per_s']:,.0f} real tokens/s; setup "
+            f"{r['setup_seconds']:.2f} s" for r in results if r["section"] == "load"]
+  return "\n".join(lines + notes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m segpack.bench.packing", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--num-docs", type=int, default=10_000_000)
+  ap.add_argument("--seq-len", type=int, default=4096)
+  ap.add_argument("--mean", type=float, default=800.0)
+  ap.add_argument("--sigma", type=float, default=1.0)
+  ap.add_argument("--strategies", default="ffd,bfd")
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--grain-docs", type=int, default=100_000, help="0 skips the Grain section")
+  ap.add_argument("--grain-bins", type=int, default=64, help="Grain's num_packing_bins")
+  ap.add_argument("--load-docs", type=int, default=100_000, help="0 skips the loading section")
+  ap.add_argument("--load-batches", type=int, default=300)
+  ap.add_argument("--batch-size", type=int, default=8)
+  ap.add_argument("--work-dir", default=None, help="where the synthetic shards go (temporary)")
+  ap.add_argument("--builtin", default="full", help="full, small or none")
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  strategies = [s for s in args.strategies.split(",") if s]
+  for s in strategies:
+    packing.planner.check_strategy(s)
+  results = []
+  if args.num_docs:
+    lengths = lognormal_lengths(args.num_docs, mean=args.mean, sigma=args.sigma)
+    label = f"lognormal({args.mean:g}, {args.sigma:g})"
+    results += bench_plan(lengths, seq_len=args.seq_len, strategies=strategies,
+                          repeats=args.repeats, extra_tokens=0, label=label)
+    del lengths
+  if args.grain_docs:
+    results += bench_grain(lognormal_lengths(args.grain_docs, mean=args.mean, sigma=args.sigma),
+                           seq_len=args.seq_len, num_bins=args.grain_bins)
+  if args.load_docs:
+    results.append(bench_load(lognormal_lengths(args.load_docs, mean=args.mean,
+                                                sigma=args.sigma),
+                              seq_len=args.seq_len, batch_size=args.batch_size,
+                              num_batches=args.load_batches, work_dir=args.work_dir,
+                              strategy=strategies[0]))
+  if args.builtin != "none":
+    results += bench_builtin(args.builtin, strategies=strategies, seq_len=args.seq_len,
+                             repeats=args.repeats)
+  results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  if args.json:
+    print(json.dumps({"results": results, **results_meta}, indent=1))
+  else:
+    print(format_table(results))
+    print(f"max RSS {results_meta['max_rss_mb']:.0f} MB")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
