@@ -1,0 +1,93 @@
+"""Run metrics: a printed line and a JSON line in `WORKDIR/metrics.jsonl` per log step and eval.
+
+Records carry a `kind`: `train` (step, loss, lr, grad_norm, real_tokens_per_s, slot_utilization,
+elapsed_s, eta_s, ...), `eval` (step, eval_loss, eval_tokens) and `summary` (the final one). Only
+process 0 writes. Each line is written with one `write` call on a file opened in append mode and
+flushed, so a killed run leaves whole lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _format(record: dict[str, Any]) -> str:
+  kind = record.get("kind", "train")
+  if kind == "train":
+    return (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"gnorm {record['grad_norm']:.3f} | {record['real_tokens_per_s']:,.0f} real tok/s | "
+            f"util {record['slot_utilization']:.1%} | {record['elapsed_s']:.0f}s elapsed, "
+            f"ETA {record['eta_s']:.0f}s")
+  if kind == "eval":
+    return (f"step {record['step']:>6} | eval loss {record['eval_loss']:.4f} over "
+            f"{record['eval_tokens']:,} tokens")
+  body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in record.items() if k != "kind")
+  return f"{kind}: {body}"
+
+
+class MetricsWriter:
+  """Prints records and appends them as JSON lines (process 0 only)."""
+
+  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True, echo: bool = True):
+    self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+    self.enabled = enabled
+    self.echo = echo
+
+  def write(self, record: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    record = {k: (float(v) if hasattr(v, "dtype") and getattr(v, "ndim", 1) == 0 else v)
+              for k, v in record.items()}
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(record, sort_keys=True) + "\n")
+      f.flush()
+    if self.echo:
+      print(_format(record), flush=True)
+
+
+def read(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+  """All records of `WORKDIR/metrics.jsonl` (a truncated last line is skipped)."""
+  path = os.path.join(os.fspath(workdir), METRICS_FILE)
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return out
+
+
+class Throughput:
+  """Tokens per second and ETA between log steps (wall clock, excluding nothing)."""
+
+  def __init__(self, *, start_step: int, num_steps: int):
+    self.t0 = self.t_last = time.perf_counter()
+    self.start_step = self.last_step = start_step
+    self.num_steps = num_steps
+    self.real_tokens = 0.0
+    self.slots = 0.0
+
+  def add(self, *, real_tokens: float, slots: float) -> None:
+    self.real_tokens += real_tokens
+    self.slots += slots
+
+  def report(self, step: int) -> dict[str, float]:
+    """Rates since the last report and elapsed/ETA since start; resets the window."""
+    now = time.perf_counter()
+    window = max(now - self.t_last, 1e-9)
+    elapsed = now - self.t0
+    done = max(step - self.start_step, 1)
+    out = dict(real_tokens_per_s=self.real_tokens / window,
+               slot_utilization=self.real_tokens / max(self.slots, 1.0),
+               elapsed_s=elapsed, eta_s=elapsed / done * (self.num_steps - step),
+               steps_per_s=(step - self.last_step) / window)
+    self.t_last, self.last_step = now, step
+    self.real_tokens = self.slots = 0.0
+    return out

@@ -1,0 +1,154 @@
+"""The device mesh and the shardings of parameters, optimizer state and batches.
+
+One mesh with axes `data`, `fsdp` and `tensor`. Batches are split over `data` x `fsdp` (rows);
+parameters are split over `fsdp` (ZeRO-3 style: gathered for the matmul) and `tensor` (Megatron
+style: the head/feed-forward dimension) by explicit rules on the parameter path; a dimension that
+does not divide by its mesh axis is replicated instead. The shardings are derived from abstract
+shapes (`jax.eval_shape` / `nnx.eval_shape`), never from materialised arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+class MeshConfigError(ValueError):
+  """The mesh shape does not fit the devices, or the batch does not fit the mesh."""
+
+
+def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+  """Resolves a `-1` (at most one) to fill `num_devices` and checks the product.
+
+  Raises:
+    MeshConfigError: more than one `-1`, a non-positive size, or a product != `num_devices`.
+  """
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  free = [k for k, v in sizes.items() if v == -1]
+  if len(free) > 1:
+    raise MeshConfigError(f"mesh: at most one axis may be -1, got {sizes}")
+  bad = {k: v for k, v in sizes.items() if v != -1 and (not isinstance(v, int) or v < 1)}
+  if bad:
+    raise MeshConfigError(f"mesh: axis sizes must be positive ints or -1, got {bad}")
+  fixed = math.prod(v for v in sizes.values() if v != -1)
+  if free:
+    if num_devices % fixed:
+      raise MeshConfigError(
+          f"mesh: {num_devices} devices are not divisible by the fixed axes {sizes} "
+          f"(product {fixed})")
+    sizes[free[0]] = num_devices // fixed
+  if math.prod(sizes.values()) != num_devices:
+    raise MeshConfigError(
+        f"mesh: axes {sizes} need {math.prod(sizes.values())} devices, but there are "
+        f"{num_devices}")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
+              devices: Sequence[Any] | None = None) -> Mesh:
+  """Builds the `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, num_devices=len(devices))
+  auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # GSPMD propagation inside the step
+  if devices == list(jax.devices()):
+    return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
+  return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=auto)
+
+
+def batch_partitions(mesh: Mesh) -> int:
+  """Number of row shards of a batch (`data` x `fsdp`)."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
+                process_count: int = 1) -> None:
+  """Checks that the global batch splits evenly over processes, micro-batches and devices.
+
+  Raises:
+    MeshConfigError: naming the batch size and the number it must divide by.
+  """
+  parts = batch_partitions(mesh)
+  if batch_size % process_count:
+    raise MeshConfigError(
+        f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
+  if batch_size % grad_accum_steps:
+    raise MeshConfigError(
+        f"train.batch_size={batch_size} is not divisible by "
+        f"train.grad_accum_steps={grad_accum_steps}")
+  micro = batch_size // grad_accum_steps
+  if micro % parts:
+    raise MeshConfigError(
+        f"micro-batch of {micro} rows (train.batch_size={batch_size} / grad_accum_steps="
+        f"{grad_accum_steps}) is not divisible by the {parts} batch shards of the mesh "
+        f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}; {jax.device_count()} devices)")
+
+
+# (path substring, spec per dimension). The first matching rule wins; paths look like
+# "layers/0/attn/q/kernel". Kernels are [in, out].
+_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    ("embed/embedding", ("tensor", "fsdp")),  # [V, E]
+    ("attn/o/kernel", ("tensor", "fsdp")),  # [H*D, E]
+    ("attn/", ("fsdp", "tensor")),  # q, k, v: [E, H*D] / [E, K*D]
+    ("mlp/down/kernel", ("tensor", "fsdp")),  # [F, E]
+    ("mlp/", ("fsdp", "tensor")),  # gate, up: [E, F]
+    ("lm_head/kernel", ("fsdp", "tensor")),  # [E, V]
+)
+
+
+def param_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+  """The `PartitionSpec` of the parameter at `path` (dims not divisible by the axis replicate)."""
+  for pattern, axes in _RULES:
+    if pattern in path and len(axes) == len(shape):
+      spec = [a if a is not None and dim % mesh.shape[a] == 0 and mesh.shape[a] > 1 else None
+              for a, dim in zip(axes, shape)]
+      return P(*spec)
+  return P()  # norms' scales and anything unknown: replicated
+
+
+def _path_str(path) -> str:
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
+  """`NamedSharding`s for a pytree of parameter shapes (e.g. from `nnx.eval_shape`)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, param_spec(_path_str(path), x.shape, mesh)),
+      abstract_params)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
+                        params_sharding: Any, mesh: Mesh) -> Any:
+  """Shardings of `tx.init(params)`: moment trees follow their parameters, the rest replicates."""
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract_opt, params_sharding,
+      transform_non_params=lambda _: replicated)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows over `data` x `fsdp`, slots replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Assembles the global batch from every process's rows (this process's part is `local_batch`)."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+          for k, v in local_batch.items()}

@@ -1,0 +1,291 @@
+"""`train_and_evaluate(config, workdir)`: the training loop on packed, sharded batches.
+
+Algorithm:
+  1. Check the workdir; build the mesh; pack the data (each process its own rows).
+  2. Derive parameter and optimizer-state shardings from abstract shapes (`nnx.eval_shape`,
+     `jax.eval_shape`), then initialise the state directly into them under `jax.jit`.
+  3. Restore the latest checkpoint if there is one (state + data iterator position), after
+     checking that its config matches.
+  4. Loop: fetch this process's rows, assemble the global batch, run the jitted step (gradient
+     accumulation over micro-batches with one global token count, AdamW, clipping), log metrics,
+     evaluate on the held-out split, checkpoint every N steps and at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from segpack import loss as loss_lib
+from train import checkpoint as ckpt_lib
+from train import data as data_lib
+from train import metrics as metrics_lib
+from train import model as model_lib
+from train import sharding as sharding_lib
+
+
+class WorkdirError(OSError):
+  """The workdir cannot be created or written."""
+
+
+def check_workdir(workdir: str | os.PathLike) -> str:
+  """Creates `workdir` if needed and proves it writable with an atomic probe file."""
+  path = os.path.abspath(os.fspath(workdir))
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+    os.close(fd)
+    os.replace(probe, probe + ".done")
+    os.remove(probe + ".done")
+  except OSError as e:
+    raise WorkdirError(f"--workdir {path!r} is not writable: {e}") from e
+  return path
+
+
+def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warmup then cosine decay, after global-norm gradient clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=train_cfg.learning_rate,
+      warmup_steps=train_cfg.warmup_steps,
+      decay_steps=max(train_cfg.num_steps, train_cfg.warmup_steps + 1),
+      end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
+  tx = optax.chain(
+      optax.clip_by_global_norm(train_cfg.grad_clip) if train_cfg.grad_clip > 0
+      else optax.identity(),
+      optax.adamw(schedule, b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
+                  weight_decay=train_cfg.weight_decay,
+                  mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
+  return tx, schedule
+
+
+def _micro_batches(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]:
+  """`[A*M, S]` -> `[A, M, S]` with micro-batch `a` = rows `a, A + a, ...`, so each device's
+  contiguous block of rows splits evenly over the micro-batches (no resharding)."""
+  return {k: jnp.swapaxes(v.reshape(-1, accum, v.shape[-1]), 0, 1) for k, v in batch.items()}
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    *, accum: int) -> Callable[..., Any]:
+  """The (unjitted) step `(state, batch) -> (state, metrics)`.
+
+  The loss of every micro-batch is divided by the trained-token count of the *whole* batch, so
+  the summed gradients are exactly those of the full batch's loss.
+  """
+
+  def loss_fn(params, micro, total):
+    model = nnx.merge(graphdef, params)
+    logits = model(micro["input_ids"], segment_ids=micro["segment_ids"],
+                   segment_positions=micro["segment_positions"])
+    return loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total)[0]
+
+  def step(state, batch):
+    total = loss_lib.count_trained_tokens(batch["labels"])
+    params = state["params"]
+
+    def accumulate(carry, micro):
+      grads_acc, loss_acc = carry
+      loss, grads = jax.value_and_grad(loss_fn)(params, micro, total)
+      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0)),
+                                    _micro_batches(batch, accum))
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
+                     step=state["step"] + 1)
+    real = jnp.sum(batch["segment_ids"] != 0, dtype=jnp.float32)
+    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]),
+                   trained_tokens=total, real_tokens=real,
+                   slots=jnp.float32(batch["segment_ids"].size))
+    return new_state, metrics
+
+  return step
+
+
+def make_eval_step(graphdef: Any) -> Callable[..., Any]:
+  """`(params, batch) -> (loss_sum, trained_tokens)` for one held-out batch."""
+
+  def step(params, batch):
+    model = nnx.merge(graphdef, params)
+    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"],
+                   segment_positions=batch["segment_positions"])
+    return loss_lib.cross_entropy_sum(logits, batch["labels"])
+
+  return step
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything `train_and_evaluate` sets up before the loop."""
+
+  config: Any
+  config_dict: dict[str, Any]
+  workdir: str
+  mesh: Any
+  data: data_lib.Data
+  state: Any
+  state_shardings: Any
+  train_step: Callable[..., Any]
+  eval_step: Callable[..., Any]
+  checkpointer: ckpt_lib.Checkpointer
+  iterator: Any
+  start_step: int
+  num_params: int
+
+
+def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation):
+  abstract_model = nnx.eval_shape(lambda: model_lib.build(config, config.train.seed,
+                                                          vocab_size=vocab_size))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  return graphdef, dict(params=abstract_params, opt_state=jax.eval_shape(tx.init, abstract_params),
+                        step=jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def setup(config: Any, workdir: str) -> Run:
+  """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
+  workdir = check_workdir(workdir)
+  t = config.train
+  mesh = sharding_lib.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp,
+                                tensor=config.mesh.tensor)
+  sharding_lib.check_batch(t.batch_size, mesh=mesh, grad_accum_steps=t.grad_accum_steps,
+                           process_count=jax.process_count())
+  data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
+                            process_index=jax.process_index(), process_count=jax.process_count())
+  tx, schedule = make_optimizer(t)
+  graphdef, abstract = _abstract_state(config, data.vocab_size, tx)
+  replicated = NamedSharding(mesh, P())
+  params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
+  state_sh = dict(params=params_sh,
+                  opt_state=sharding_lib.opt_state_shardings(tx, abstract["params"], params_sh,
+                                                             mesh),
+                  step=replicated)
+  config_dict = json.loads(config.to_json())
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                       every=t.checkpoint_every, max_to_keep=t.max_checkpoints)
+  iterator = data.train.to_iter_dataset(
+      grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+  abstract_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             abstract, state_sh)
+  restored = checkpointer.restore_or_none(abstract_sh, config_dict)
+  if restored is None:
+    def init():
+      params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size))[1]
+      return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
+    state, start_step = jax.jit(init, out_shardings=state_sh)(), 0
+  else:
+    state, data_state, start_step = restored
+    if data_state is not None:
+      iterator.set_state(data_state)
+  batch_sh = sharding_lib.batch_sharding(mesh)
+  train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps),
+                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                       donate_argnames=("state",))
+  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(params_sh, batch_sh),
+                      out_shardings=(replicated, replicated))
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))
+  return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
+             state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
+             checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
+             num_params=num_params)
+
+
+def evaluate(run: Run) -> dict[str, float]:
+  """Held-out loss over the first `train.eval_batches` eval batches (all of them if <= 0)."""
+  limit = run.config.train.eval_batches
+  n = len(run.data.eval) if limit <= 0 else min(limit, len(run.data.eval))
+  rows = run.config.train.batch_size // jax.process_count()
+  loss_sum, count = 0.0, 0.0
+  for i in range(n):
+    local = data_lib.pad_batch(run.data.eval[i], rows)
+    s, c = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
+    loss_sum, count = loss_sum + float(s), count + float(c)
+  return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(count))
+
+
+def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray]) -> None:
+  if path is None:
+    return
+  whole, rows = data_lib.fingerprint(local)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps(dict(step=step, fingerprint=whole, rows=rows)) + "\n")
+    f.flush()
+
+
+def _train_record(step: int, window: list[dict[str, Any]],
+                  meter: metrics_lib.Throughput) -> dict[str, Any]:
+  window = jax.device_get(window)
+  for m in window:
+    meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]))
+  tokens = sum(float(m["trained_tokens"]) for m in window)
+  loss = sum(float(m["loss"]) * float(m["trained_tokens"]) for m in window) / max(tokens, 1.0)
+  last = window[-1]
+  return dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
+              grad_norm=float(last["grad_norm"]), **meter.report(step))
+
+
+def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any]:
+  """Trains the model `config` describes, resuming from `workdir` if it holds a checkpoint.
+
+  Args:
+    config: a trainer config (`configs/packed.py:get_config()`).
+    workdir: checkpoints, `metrics.jsonl` and `batches*.jsonl` go here.
+
+  Returns:
+    The summary record (also printed and appended to `metrics.jsonl`).
+  """
+  run = setup(config, os.fspath(workdir))
+  t = config.train
+  is_main = jax.process_index() == 0
+  writer = metrics_lib.MetricsWriter(run.workdir, enabled=is_main)
+  suffix = "" if jax.process_count() == 1 else f".p{jax.process_index()}"
+  batches_path = os.path.join(run.workdir, f"batches{suffix}.jsonl") if t.log_batches else None
+  if is_main:
+    print(f"{run.data.description}; {run.num_params:,} parameters; mesh {dict(run.mesh.shape)}; "
+          f"{'resuming at step ' + str(run.start_step) if run.start_step else 'from scratch'}",
+          flush=True)
+  t0, first_loss, last_loss, eval_rec, real_total = time.perf_counter(), None, None, None, 0.0
+  if run.start_step == 0 and t.eval_every > 0:
+    eval_rec = dict(kind="eval", step=0, **evaluate(run))
+    writer.write(eval_rec)
+  meter = metrics_lib.Throughput(start_step=run.start_step, num_steps=t.num_steps)
+  window = []
+  for step in range(run.start_step + 1, t.num_steps + 1):
+    local = next(run.iterator)
+    _log_batch(batches_path, step, local)
+    run.state, step_metrics = run.train_step(run.state, sharding_lib.global_batch(local, run.mesh))
+    window.append(step_metrics)
+    last_step = step == t.num_steps
+    if step % t.log_every == 0 or last_step:
+      record = _train_record(step, window, meter)
+      real_total += sum(float(m["real_tokens"]) for m in jax.device_get(window))
+      window = []
+      first_loss = record["loss"] if first_loss is None else first_loss
+      last_loss = record["loss"]
+      writer.write(record)
+    if t.eval_every > 0 and (step % t.eval_every == 0 or last_step):
+      eval_rec = dict(kind="eval", step=step, **evaluate(run))
+      writer.write(eval_rec)
+    run.checkpointer.maybe_save(step, run.state, run.iterator.get_state(), run.config_dict,
+                                force=last_step)
+  run.checkpointer.close()
+  elapsed = time.perf_counter() - t0
+  summary = dict(kind="summary", steps=t.num_steps, resumed_from=run.start_step,
+                 first_logged_loss=first_loss, final_loss=last_loss,
+                 final_eval_loss=None if eval_rec is None else eval_rec["eval_loss"],
+                 real_tokens=int(real_total), wall_s=elapsed,
+                 real_tokens_per_s=real_total / max(elapsed, 1e-9), params=run.num_params,
+                 workdir=run.workdir)
+  writer.write(summary)
+  return summary
