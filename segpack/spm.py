@@ -21,9 +21,11 @@ the same text and settings give a byte-identical model file.
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import os
-import tempfile
-from collections.abc import Iterable, Sequence
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -106,19 +108,16 @@ class SpmTokenizer:
     return f"SpmTokenizer({str(self.model_file)!r}, vocab_size={self.vocab_size})"
 
 
-def _write_training_text(texts: Iterable[str], path: Path, max_sentences: int) -> int:
-  """Writes the first `max_sentences` non-blank lines of `texts`; returns how many."""
+def _training_sentences(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
+  """The first `max_sentences` non-blank lines of `texts` (longer lines left out)."""
   count = 0
-  with open(path, "w", encoding="utf-8", newline="\n") as f:
-    for text in texts:
-      for line in text.split("\n"):
-        if line.strip() and len(line.encode("utf-8")) <= MAX_SENTENCE_BYTES:
-          f.write(line)
-          f.write("\n")
-          count += 1
-          if count >= max_sentences:
-            return count
-  return count
+  for text in texts:
+    for line in text.split("\n"):
+      if line.strip() and len(line.encode("utf-8")) <= MAX_SENTENCE_BYTES:
+        yield line
+        count += 1
+        if count >= max_sentences:
+          return
 
 
 def train_spm(
@@ -148,20 +147,26 @@ def train_spm(
                      f"pieces + some), got {vocab_size!r}")
   model_file = Path(model_file)
   model_file.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=model_file.parent, prefix=".spm-train-") as tmp:
-    text_path = Path(tmp) / "sentences.txt"
-    n = _write_training_text(texts, text_path, max_sentences)
-    if n == 0:
-      raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
-    prefix = Path(tmp) / "model"
-    sentencepiece.SentencePieceTrainer.train(
-        input=str(text_path), model_prefix=str(prefix), vocab_size=vocab_size,
-        model_type=model_type, character_coverage=0.9995, byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        add_dummy_prefix=False, split_by_whitespace=True, allow_whitespace_only_pieces=True,
-        user_defined_symbols=["\n", "\t"], pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID,
-        eos_id=EOS_ID, num_threads=TRAIN_THREADS, shuffle_input_sentence=False,
-        input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES, minloglevel=2,
-        hard_vocab_limit=False)
-    os.replace(prefix.with_suffix(".model"), model_file)
+  sentences = _training_sentences(texts, max_sentences)
+  first = next(sentences, None)
+  if first is None:
+    raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
+  model = io.BytesIO()
+  # Sentences from an iterator and the model into memory: the model file then records no
+  # temporary paths in its trainer spec, so it is byte-identical from run to run.
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=itertools.chain([first], sentences), model_writer=model,
+      vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
+      byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+      add_dummy_prefix=False, split_by_whitespace=True, allow_whitespace_only_pieces=True,
+      user_defined_symbols=["\n", "\t"], pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID,
+      eos_id=EOS_ID, num_threads=TRAIN_THREADS, shuffle_input_sentence=False,
+      input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES, minloglevel=2,
+      hard_vocab_limit=False)
+  tmp = model_file.parent / f"{model_file.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+  try:
+    tmp.write_bytes(model.getvalue())
+    os.replace(tmp, model_file)
+  finally:
+    tmp.unlink(missing_ok=True)
   return SpmTokenizer(model_file)

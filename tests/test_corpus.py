@@ -1,0 +1,155 @@
+"""Tests for the built-in corpus (segpack.corpus) and SentencePiece training (segpack.spm)."""
+
+import ast
+import hashlib
+
+import numpy as np
+import pytest
+
+from segpack import corpus
+from segpack import spm
+from segpack.shards import ShardSource
+
+
+@pytest.fixture(scope="session")
+def small(tmp_path_factory):
+  """The small built-in corpus, built once per test session in a temporary cache."""
+  cache = tmp_path_factory.getbasetemp() / "segpack-cache"
+  return corpus.ensure_builtin(size="small", cache_dir=cache, workers=1), cache
+
+
+def test_documents_are_deterministic_unique_and_non_empty():
+  first = list(corpus.builtin_documents(split="train", size="small"))
+  second = list(corpus.builtin_documents(split="train", size="small"))
+  assert first == second
+  names = [n for n, _ in first]
+  assert len(set(names)) == len(names)
+  assert all(t.strip() for _, t in first)
+  kinds = {n.split(":")[0] for n in names}
+  assert kinds == {"topic", "doc", "source"}
+
+
+def _top_level_docstring_names(rel, text):
+  """Names of the docstring documents of a module's top level (an independent oracle)."""
+  module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+  tree = ast.parse(text)
+  names = [f"doc:{module}"] if (ast.get_docstring(tree) or "").strip() else []
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and (
+        ast.get_docstring(node) or "").strip():
+      names.append(f"doc:{module}.{node.name}")
+  return names
+
+
+def test_full_corpus_split_is_by_module_and_about_two_percent():
+  train = dict(corpus.builtin_documents(split="train"))
+  held = dict(corpus.builtin_documents(split="eval"))
+  assert not set(train) & set(held)
+  held_sources = [n for n in held if n.startswith("source:")]
+  assert held_sources
+  for name in held_sources:  # A module's docstrings follow its source into the held-out split.
+    for doc_name in _top_level_docstring_names(name[7:], held[name]):
+      assert doc_name in held and doc_name not in train
+  for name in [n for n in train if n.startswith("source:")][:50]:
+    for doc_name in _top_level_docstring_names(name[7:], train[name]):
+      assert doc_name in train
+  share = len(held) / (len(held) + len(train))
+  assert 0.005 < share < 0.06, share
+  assert sum(len(t) for t in train.values()) > 5_000_000  # Megabytes of real docs and code.
+  assert "topic:if" in train or "topic:if" in held
+  assert not any("site-packages" in n or "/test/" in n for n in train)
+  assert "source:pydoc_data/topics.py" not in train  # Already there as the topics.
+
+
+def test_docstrings_match_ast_of_the_source():
+  docs = dict(corpus.builtin_documents(split="train", size="small"))
+  source_name = next(n for n in docs if n.startswith("source:") and not n.endswith("__init__.py"))
+  rel = source_name.split(":", 1)[1]
+  module = rel.removesuffix(".py").replace("/", ".")
+  tree = ast.parse(docs[source_name])
+  expected = []
+  if ast.get_docstring(tree):
+    expected.append(module)
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and \
+        ast.get_docstring(node) and ast.get_docstring(node).strip():
+      expected.append(f"{module}.{node.name}")
+  got = [n[4:] for n in docs if n.startswith(f"doc:{module}.") or n == f"doc:{module}"]
+  assert set(expected) <= set(got)
+  for qual in expected:
+    node_doc = docs[f"doc:{qual}"]
+    assert node_doc.startswith(qual + "\n\n")
+
+
+def test_bad_split_or_size():
+  with pytest.raises(ValueError, match="split must be one of .* got 'test'"):
+    next(corpus.builtin_documents(split="test"))
+  with pytest.raises(ValueError, match="size must be one of .* got 'huge'"):
+    next(corpus.builtin_documents(split="train", size="huge"))
+
+
+def test_small_builtin_round_trips_every_document(small):
+  built, _ = small
+  tok = spm.SpmTokenizer(built.spm_model)
+  assert built.vocab_size == tok.vocab_size == corpus.SIZES["small"]
+  for split, path in (("train", built.train_dir), ("eval", built.eval_dir)):
+    src = ShardSource(path)
+    src.verify()
+    assert src.tokenizer_fingerprint == tok.fingerprint
+    docs = list(corpus.builtin_documents(split=split, size="small"))
+    assert len(src) == len(docs) > 0
+    for i, (name, text) in enumerate(docs):
+      # The only normalisation left: U+2581 decodes as a space.
+      assert tok.decode(src[i]) == text.replace("\u2581", " "), name
+
+
+def test_ensure_builtin_reuses_the_cache(small):
+  built, cache = small
+  stamp = (built.train_dir / "manifest.json").stat().st_mtime_ns
+  again = corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
+  assert again == built
+  assert (built.train_dir / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_cache_root_follows_environment(monkeypatch, tmp_path):
+  monkeypatch.setenv("SEGPACK_CACHE", str(tmp_path / "c"))
+  assert spm.cache_root() == tmp_path / "c"
+  monkeypatch.delenv("SEGPACK_CACHE")
+  assert str(spm.cache_root()).endswith(".cache/segpack")
+  assert spm.cache_root(tmp_path) == tmp_path
+
+
+def test_tokenizer_conventions_and_exact_round_trip(small):
+  built, _ = small
+  tok = spm.SpmTokenizer(built.spm_model)
+  assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
+  assert tok.dtype == np.uint16
+  for text in ["def f(x):\n\tif x:\n        return  x  # two spaces\r\n", "  leading\n\n\n",
+               "naïve café → ∑ 😀 \x00 \x0c", "", "   ", "\n"]:
+    ids = tok.encode(text)
+    assert ids.dtype == np.uint16
+    assert 1 not in ids.tolist()  # Byte fallback: never <unk>.
+    assert tok.decode(ids) == text
+  assert tok.decode([2, *tok.encode("ab").tolist(), 3, 0, 0]) == "ab"
+
+
+def test_training_is_deterministic(tmp_path):
+  texts = [t for n, t in corpus.builtin_documents(split="train", size="small")
+           if n.startswith("topic:")][:30]
+  a = spm.train_spm(texts, tmp_path / "a.model", vocab_size=600)
+  b = spm.train_spm(texts, tmp_path / "b.model", vocab_size=600)
+  digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+  assert digest(tmp_path / "a.model") == digest(tmp_path / "b.model")
+  assert a.fingerprint == b.fingerprint == "sha256:" + digest(tmp_path / "a.model")
+  assert a.vocab_size == 600
+  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_bad_model_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="nope.model"):
+    spm.SpmTokenizer(tmp_path / "nope.model")
+  (tmp_path / "junk.model").write_bytes(b"not a model")
+  with pytest.raises(ValueError, match="junk.model: not a SentencePiece model"):
+    spm.SpmTokenizer(tmp_path / "junk.model")
+  with pytest.raises(ValueError, match="vocab_size must be an int >= 300.* 10"):
+    spm.train_spm(["abc"], tmp_path / "x.model", vocab_size=10)
