@@ -77,8 +77,9 @@ def segment_attention(
       `max(block_q, block_k)` with padding slots.
     block_k: Pallas key/value block (a power of two).
     interpret: run the Pallas kernel in interpret mode (CPU).
-    check_segments: verify that every non-zero segment id forms one contiguous run; the Pallas and
-      cuDNN backends silently assume it. Concrete inputs are checked now; traced inputs when the
+    check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
+      cuDNN backends silently assume it) and, for cuDNN, that no row has more than
+      `max_segments_per_row` segments. Concrete inputs are checked now; traced inputs when the
       computation runs (host callback).
     max_segments_per_row: cuDNN only, the static bound N on segments per row (default S).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
@@ -109,7 +110,7 @@ def segment_attention(
   elif impl == "cudnn":
     from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
     fn = cudnn.segment_attention_cudnn
-    kwargs = dict(max_segments_per_row=max_segments_per_row)
+    kwargs = dict(max_segments_per_row=max_segments_per_row, check_segments=check_segments)
   else:
     raise AttentionInputError(
         f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from segpack.attention import blocks
 from segpack.attention.checks import AttentionInputError
@@ -45,7 +46,7 @@ def packed_layout(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
   prev_BxS = jnp.pad(segment_ids_BxS[:, :-1], ((0, 0), (1, 0)))
   is_start_BxS = (segment_ids_BxS != 0) & (segment_ids_BxS != prev_BxS)
   rank_BxS = jnp.cumsum(is_start_BxS, axis=1) - 1
-  slot_BxS = jnp.where(is_start_BxS, rank_BxS, n + 1)  # out of range: dropped
+  slot_BxS = jnp.where(is_start_BxS & (rank_BxS < n), rank_BxS, n + 1)  # n + 1: dropped
   rows_BxS = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
   seqlen_BxN = jnp.full((b, n), -1, jnp.int32).at[rows_BxS, slot_BxS].set(
       (end_BxS - start_BxS).astype(jnp.int32), mode="drop")
@@ -58,6 +59,24 @@ def count_segments(segment_ids_BxS: jax.Array) -> jax.Array:
   """Number of segments (non-zero runs) in every row, `[B]`."""
   prev_BxS = jnp.pad(segment_ids_BxS[:, :-1], ((0, 0), (1, 0)))
   return ((segment_ids_BxS != 0) & (segment_ids_BxS != prev_BxS)).sum(axis=1)
+
+
+def _raise_if_too_many(counts, n: int) -> None:
+  counts = np.asarray(counts)
+  if counts.max(initial=0) > n:
+    row = int(np.argmax(counts))
+    raise AttentionInputError(
+        f"segment_attention(implementation='cudnn', check_segments=True): row {row} has "
+        f"{int(counts[row])} segments, more than `max_segments_per_row`={n}")
+
+
+def check_segment_count(segment_ids_BxS: jax.Array, *, max_segments_per_row: int) -> None:
+  """Raises `AttentionInputError` if a row has more than N segments (now, or when run under jit)."""
+  counts_B = count_segments(segment_ids_BxS)
+  if isinstance(counts_B, jax.core.Tracer):
+    jax.debug.callback(_raise_if_too_many, counts_B, max_segments_per_row)
+  else:
+    _raise_if_too_many(counts_B, max_segments_per_row)
 
 
 def _fused_attention_module():
@@ -79,6 +98,7 @@ def segment_attention_cudnn(
     causal: bool,
     scale: float,
     max_segments_per_row: int | None = None,
+    check_segments: bool = False,
 ) -> jax.Array:
   """Segment attention through cuDNN's packed layout (Hopper or newer, cuDNN >= 9.x).
 
@@ -89,7 +109,9 @@ def segment_attention_cudnn(
     segment_ids_BxS: contiguous segment ids, 0 = padding.
     causal: causal within each segment.
     scale: logit scale.
-    max_segments_per_row: static N (default S); at least 2 is passed to cuDNN.
+    max_segments_per_row: static N (default S); at least 2 is passed to cuDNN. Segments past the
+      N-th of a row are silently dropped unless `check_segments`.
+    check_segments: raise if a row has more than N segments.
 
   Returns:
     `out_BxSxHxD`, zero at padding slots.
@@ -111,6 +133,8 @@ def segment_attention_cudnn(
     raise CudnnUnavailableError(
         "segment_attention(implementation='cudnn') needs a CUDA GPU with cuDNN (install "
         f"jax[cuda12]); default backend is {jax.default_backend()!r}: {e}") from e
+  if check_segments:
+    check_segment_count(segment_ids_BxS, max_segments_per_row=n)
   seqlen_BxN, offsets_BxN1 = packed_layout(segment_ids_BxS, max_segments_per_row=max(n, 2))
   mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
   try:

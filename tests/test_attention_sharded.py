@@ -1,0 +1,55 @@
+"""segment_attention under jit with NamedSharding on the 8 forced CPU devices (shard_map)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from segpack.attention import AttentionInputError, segment_attention
+from test_attention import layouts, random_inputs
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  assert len(jax.devices()) == 8, "tests/conftest.py forces 8 CPU devices"
+  return jax.make_mesh((4, 2), ("data", "model"))
+
+
+def test_sharded_pallas_matches_unsharded_xla_forward_and_grads(mesh):
+  s = 128
+  seg = jnp.asarray(np.concatenate([layouts(s), layouts(s)[::-1]]))  # B = 8
+  q, k, v, dout = random_inputs(11, 8, s, 4, 2, 64)
+  heads = NamedSharding(mesh, P("data", None, "model", None))
+  rows = NamedSharding(mesh, P("data", None))
+  qs, ks, vs, dos = (jax.device_put(x, heads) for x in (q, k, v, dout))
+  segs = jax.device_put(seg, rows)
+
+  def fwd_bwd(impl, mesh_arg):
+    def f(q, k, v, seg, dout):
+      fn = lambda q, k, v: segment_attention(
+          q, k, v, seg, implementation=impl, interpret=True, block_q=64, block_k=64,
+          mesh=mesh_arg)
+      out, vjp = jax.vjp(fn, q, k, v)
+      return out, vjp(dout)
+    return jax.jit(f)
+
+  out, grads = fwd_bwd("pallas", mesh)(qs, ks, vs, segs, dos)
+  assert out.sharding.is_equivalent_to(heads, 4)
+  out_x, grads_x = fwd_bwd("xla", None)(q, k, v, seg, dout)
+  np.testing.assert_allclose(out, out_x, atol=2e-5)
+  for got, want in zip(grads, grads_x):
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_sharded_rejects_indivisible_heads(mesh):
+  q, k, v, _ = random_inputs(0, 4, 32, 2, 1, 16)
+  with pytest.raises(AttentionInputError, match="key/value heads K=1 is not divisible by mesh "
+                     "axis 'model' of size 2"):
+    segment_attention(q, k, v, jnp.ones((4, 32), jnp.int32), mesh=mesh)
+
+
+def test_sharded_rejects_unknown_axis(mesh):
+  q, k, v, _ = random_inputs(0, 4, 32, 2, 2, 16)
+  with pytest.raises(AttentionInputError, match="`head_axis`='tensor' is not an axis"):
+    segment_attention(q, k, v, jnp.ones((4, 32), jnp.int32), mesh=mesh, head_axis="tensor")
