@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from segpack.packing.ffd import decreasing_order, length_runs, open_new_bins
+from segpack.packing.runs import Placement, open_new_bins, run_decreasing
 
 
 class BestFitDecreasing:
@@ -47,8 +47,8 @@ class BestFitDecreasing:
       return parts[0]
     return np.sort(np.concatenate(parts), kind="stable")
 
-  def place_run(self, size: int, m: int) -> np.ndarray:
-    """Places a run of `m` chunks of `size` slots; returns the bin of each, in order."""
+  def place_run(self, size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Places a run of `m` chunks of `size` slots; returns `(bins, counts)` in order."""
     rooms = np.flatnonzero(self.count[size:]) + size
     out_bins, out_counts = [], []
     left = m
@@ -76,25 +76,17 @@ class BestFitDecreasing:
         self._add(room, bins[full + (rest > 0):])
         left = 0
         break
-    placed = (np.repeat(np.concatenate(out_bins), np.concatenate(out_counts))
-              if out_bins else np.zeros(0, np.int64))
+    bins = np.concatenate(out_bins) if out_bins else np.zeros(0, np.int64)
+    counts = np.concatenate(out_counts) if out_counts else np.zeros(0, np.int64)
     if left == 0:
-      return placed
-    new_bins, new_caps = open_new_bins(left, size, self.seq_len, self.num_bins)
-    ids = self.num_bins + np.arange(len(new_caps), dtype=np.int64)
-    self._add(int(new_caps[0]), ids[:-1])
-    self._add(int(new_caps[-1]), ids[-1:])
-    self.num_bins += len(new_caps)
-    return np.concatenate([placed, new_bins])
+      return bins, counts
+    new_bins, new_counts, new_rooms = open_new_bins(left, size, self.seq_len, self.num_bins)
+    self._add(int(new_rooms[0]), new_bins[:-1])
+    self._add(int(new_rooms[-1]), new_bins[-1:])
+    self.num_bins += len(new_bins)
+    return np.concatenate([bins, new_bins]), np.concatenate([counts, new_counts])
 
 
-def best_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Exact BFD of chunks with `1 <= length <= seq_len`; returns `(order, bins)` as FFD does."""
-  order = decreasing_order(length, seq_len)
-  sorted_len = length[order]
-  bins_sorted = np.empty(len(length), np.int64)
-  packer = BestFitDecreasing(seq_len)
-  starts, ends = length_runs(sorted_len)
-  for s, e in zip(starts.tolist(), ends.tolist()):
-    bins_sorted[s:e] = packer.place_run(int(sorted_len[s]), e - s)
-  return order, bins_sorted
+def best_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
+  """Exact BFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
+  return run_decreasing(BestFitDecreasing(seq_len), length, seq_len)

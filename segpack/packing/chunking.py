@@ -19,8 +19,9 @@ class Chunks:
   """Chunks in document order: chunk `i` is `length[i]` virtual slots of `doc[i]` from `start[i]`.
 
   Attributes:
-    doc: int64 `[num_chunks]`, non-decreasing.
-    start: int32 `[num_chunks]`.
+    doc: int64 `[num_chunks]`, non-decreasing; None when it is `arange(num_chunks)` (nothing
+      dropped or split).
+    start: int32 `[num_chunks]`; None when all zeros (nothing split).
     length: int32 `[num_chunks]`, each in `[1, seq_len]`.
     stats: `documents`, `dropped` (by `min_len` or empty), `split` (documents cut into more than
       one chunk), `truncated` (documents cut short under `long_docs="truncate"`), `chunks`,
@@ -28,8 +29,8 @@ class Chunks:
       (virtual slots of dropped documents and of truncated tails).
   """
 
-  doc: np.ndarray
-  start: np.ndarray
+  doc: np.ndarray | None
+  start: np.ndarray | None
   length: np.ndarray
   stats: dict[str, Any]
 
@@ -128,7 +129,7 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
 
 def _lay_out(kept: np.ndarray | None, vkept: np.ndarray, long: np.ndarray,
              extra_chunks: np.ndarray, seq_len: int, stride: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
   """Chunk arrays in document order; only the `long` documents get more than one chunk.
 
   `kept` holds the kept document indices (None: all of them), `vkept` their virtual lengths,
@@ -136,10 +137,10 @@ def _lay_out(kept: np.ndarray | None, vkept: np.ndarray, long: np.ndarray,
   each of those gets beyond its first.
   """
   n = len(vkept)
-  doc_ids = np.arange(n, dtype=np.int64) if kept is None else kept
   length = np.minimum(vkept, seq_len).astype(np.int32)
   if not extra_chunks.any():
-    return doc_ids, np.zeros(n, np.int32), length
+    return kept, None, length
+  doc_ids = np.arange(n, dtype=np.int64) if kept is None else kept
   per_doc = np.ones(n, np.int64)
   per_doc[long] += extra_chunks
   first = np.cumsum(per_doc) - per_doc

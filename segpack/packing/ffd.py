@@ -4,38 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from segpack.packing.sorting import stable_argsort
+from segpack.packing.runs import Placement, open_new_bins, run_decreasing
 
 _BLOCK = 128
-
-
-def decreasing_order(length: np.ndarray, seq_len: int) -> np.ndarray:
-  """Chunk indices sorted by length, longest first, ties by index (a stable sort)."""
-  return stable_argsort(seq_len - length.astype(np.int64))
-
-
-def length_runs(sorted_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`(starts, ends)` of the runs of equal values in `sorted_len`."""
-  change = np.flatnonzero(sorted_len[1:] != sorted_len[:-1]) + 1
-  starts = np.concatenate([[0], change])
-  ends = np.concatenate([change, [len(sorted_len)]])
-  return starts, ends
-
-
-def open_new_bins(m: int, size: int, seq_len: int, first_bin: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-  """Places `m` chunks of `size` slots into fresh bins `first_bin, first_bin + 1, ...`.
-
-  With every open bin too full for the run, both FFD and BFD put `seq_len // size` chunks into
-  each fresh bin before opening the next. Returns the bin of each chunk and the capacities left
-  in the new bins.
-  """
-  per_bin = seq_len // size
-  bins = first_bin + np.arange(m, dtype=np.int64) // per_bin
-  num_new = -(-m // per_bin)
-  caps = np.full(num_new, seq_len - per_bin * size, np.int64)
-  caps[-1] = seq_len - (m - (num_new - 1) * per_bin) * size
-  return bins, caps
 
 
 class FirstFitDecreasing:
@@ -90,36 +61,21 @@ class FirstFitDecreasing:
     self.block_max[blocks] = self.cap[blocks].max(axis=1)
     return bins, counts
 
-  def place_run(self, size: int, m: int) -> np.ndarray:
-    """Places a run of `m` chunks of `size` slots; returns the bin of each, in order."""
+  def place_run(self, size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Places a run of `m` chunks of `size` slots; returns `(bins, counts)` in order."""
     bins, counts = self._fill_open_bins(size, m)
-    placed = np.repeat(bins, counts)
-    rest = m - len(placed)
+    rest = m - int(counts.sum())
     if rest == 0:
-      return placed
-    new_bins, new_caps = open_new_bins(rest, size, self.seq_len, self.num_bins)
-    flat = self.cap.reshape(-1)
-    lo, hi = self.num_bins, self.num_bins + len(new_caps)
-    flat[lo:hi] = new_caps
+      return bins, counts
+    new_bins, new_counts, new_rooms = open_new_bins(rest, size, self.seq_len, self.num_bins)
+    lo, hi = self.num_bins, self.num_bins + len(new_bins)
+    self.cap.reshape(-1)[lo:hi] = new_rooms
     self.num_bins = hi
     b0, b1 = lo // _BLOCK, -(-hi // _BLOCK)
     self.block_max[b0:b1] = self.cap[b0:b1].max(axis=1)
-    return np.concatenate([placed, new_bins])
+    return np.concatenate([bins, new_bins]), np.concatenate([counts, new_counts])
 
 
-def first_fit_decreasing(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Exact FFD of chunks with `1 <= length <= seq_len`.
-
-  Returns:
-    `(order, bins)`: `order` is the processing order (longest first, ties by index), which is
-    also the order of pieces inside a row, and `bins[i]` the row of chunk `order[i]` (rows
-    numbered in opening order).
-  """
-  order = decreasing_order(length, seq_len)
-  sorted_len = length[order]
-  bins_sorted = np.empty(len(length), np.int64)
-  packer = FirstFitDecreasing(seq_len, len(length))
-  starts, ends = length_runs(sorted_len)
-  for s, e in zip(starts.tolist(), ends.tolist()):
-    bins_sorted[s:e] = packer.place_run(int(sorted_len[s]), e - s)
-  return order, bins_sorted
+def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
+  """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
+  return run_decreasing(FirstFitDecreasing(seq_len, len(length)), length, seq_len)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from segpack.packing.runs import Placement
 
-def next_fit(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+
+def next_fit(length: np.ndarray, seq_len: int) -> Placement:
   """Packs chunks in their order; a row is closed as soon as the next chunk does not fit.
 
   Algorithm:
@@ -18,7 +20,7 @@ def next_fit(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
   after 4 + 5 and next fit never goes back, unlike first fit).
 
   Returns:
-    `(order, bins)`: the identity order and the row of each chunk.
+    The identity order and the row of each chunk (non-decreasing).
   """
   n = len(length)
   prefix = np.zeros(n + 1, np.int64)
@@ -31,4 +33,4 @@ def next_fit(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     i = nxt[i]
   counts = np.diff(np.asarray(row_starts + [n], np.int64))
   bins = np.repeat(np.arange(len(row_starts), dtype=np.int64), counts)
-  return np.arange(n, dtype=np.int64), bins
+  return Placement(order=np.arange(n, dtype=np.int64), bins=bins)

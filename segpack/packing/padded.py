@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from segpack.packing.ffd import decreasing_order
+from segpack.packing.runs import Placement, decreasing_order
 
 
-def one_per_row(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """`pad`: chunk `i` alone in row `i`; returns `(order, bins)`, both the identity."""
+def one_per_row(length: np.ndarray, seq_len: int) -> Placement:
+  """`pad`: chunk `i` alone in row `i`."""
   del seq_len
   ids = np.arange(len(length), dtype=np.int64)
-  return ids, ids
+  return Placement(order=ids, bins=ids)
 
 
-def sorted_one_per_row(length: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def sorted_one_per_row(length: np.ndarray, seq_len: int) -> Placement:
   """`sorted_pad`: one chunk per row, rows sorted by length, longest first (ties by index)."""
-  return decreasing_order(length, seq_len), np.arange(len(length), dtype=np.int64)
+  return Placement(order=decreasing_order(length, seq_len),
+                   bins=np.arange(len(length), dtype=np.int64))
 
 
 def sorted_pad_slots(row_len: np.ndarray, *, batch_size: int, pad_multiple: int,

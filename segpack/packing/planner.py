@@ -12,11 +12,10 @@ from segpack.packing.ffd import first_fit_decreasing
 from segpack.packing.greedy import next_fit
 from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
 from segpack.packing.plan import Plan
-from segpack.packing.sorting import stable_argsort
+from segpack.packing.runs import Placement
 
-# A planner maps (chunk lengths, seq_len) to (order, bins): the order in which it placed the
-# chunks and the row of each chunk in that order, rows numbered 0, 1, ... in opening order.
-Planner = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+# A planner maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
+Planner = Callable[[np.ndarray, int], Placement]
 
 STRATEGIES: dict[str, Planner] = {
     "ffd": first_fit_decreasing,
@@ -82,11 +81,11 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     raise PackingArgumentError(
         f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
         f"or empty")
-  order, bins = planner(chunks.length, seq_len)
-  perm = order[stable_argsort(bins)]
-  per_row = np.bincount(bins)
+  placement = planner(chunks.length, seq_len)
+  per_row = np.bincount(placement.bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
+  perm = _row_major(placement, row_splits)
   stats = dict(chunks.stats)
   tokens = stats["tokens"]
   num_rows = len(per_row)
@@ -99,6 +98,19 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
   stats.update(rows=num_rows, slots=slots, lower_bound=-(-tokens // seq_len),
                utilization=tokens / slots, segments_per_row_mean=float(per_row.mean()),
                segments_per_row_max=int(per_row.max()))
+  doc = perm if chunks.doc is None else chunks.doc[perm]
+  start = np.zeros(len(perm), np.int32) if chunks.start is None else chunks.start[perm]
   return Plan(seq_len=int(seq_len), overlap=int(overlap), extra_tokens=int(extra_tokens),
-              strategy=strategy, row_splits=row_splits, doc=chunks.doc[perm],
-              start=chunks.start[perm], length=chunks.length[perm], stats=stats)
+              strategy=strategy, row_splits=row_splits, doc=doc, start=start,
+              length=chunks.length[perm], stats=stats)
+
+
+def _row_major(placement: Placement, row_splits: np.ndarray) -> np.ndarray:
+  """Chunk indices row by row: a counting sort by (bin, rank)."""
+  if placement.rank is None:
+    return placement.order
+  pos = row_splits[placement.bins]
+  pos += placement.rank
+  perm = np.empty(len(pos), np.int64)
+  perm[pos] = placement.order
+  return perm
