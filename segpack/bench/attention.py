@@ -1,0 +1,312 @@
+"""Segment attention benchmark: tiles computed versus dense and ideal; GPU time and TFLOP/s.
+
+    python -m segpack.bench.attention [--json] [--plot out.png]
+
+Rows come from real packing (`segpack.packing.plan`, first-fit-decreasing; a local FFD if that
+module is unavailable) of lognormal document lengths (mean 800, sigma 1.0). For every
+(seq_len, head_dim) it reports, summed over the benchmark rows and per head:
+
+- `tiles_computed`: (query block, key block) tiles the segment kernel's forward visits;
+- `tiles_dense`: tiles a causal dense-mask flash kernel visits (every block at or below the
+  diagonal);
+- `tiles_ideal`: the causal tiles each segment needs on its own (block-aligned), summed;
+- `tiles_masked`: of the computed tiles, those that need the element-wise mask.
+
+On a GPU it also times forward and forward+backward of the segment kernel, the XLA dense mask,
+the dense-mask kernel of the same family (`skip_blocks=False`), JAX's Pallas `mha` with
+`segment_ids` and (if it runs) cuDNN, and reports TFLOP/s on useful FLOPs (the causal
+per-document attention FLOPs). Elsewhere those columns say "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from segpack.attention import blocks
+
+NOT_MEASURED = "not measured"
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def lognormal_lengths(n: int, *, mean: float, sigma: float, seed: int) -> np.ndarray:
+  """`n` lengths, lognormal with the given mean (not median), rounded, at least 1."""
+  mu = np.log(mean) - sigma**2 / 2
+  return np.maximum(1, np.round(np.random.default_rng(seed).lognormal(mu, sigma, n))).astype(
+      np.int64)
+
+
+def _ffd_rows(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+  """Fallback first-fit-decreasing (long documents split into seq_len chunks)."""
+  pieces = []
+  for n in lengths:
+    pieces += [seq_len] * int(n // seq_len) + ([int(n % seq_len)] if n % seq_len else [])
+  rows, free = [], []
+  for p in sorted(pieces, reverse=True):
+    fits = [i for i, f in enumerate(free) if f >= p]
+    if fits:
+      rows[fits[0]].append(p)
+      free[fits[0]] -= p
+    else:
+      rows.append([p])
+      free.append(seq_len - p)
+  return rows
+
+
+def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float,
+                seed: int) -> tuple[np.ndarray, str]:
+  """`[num_rows, seq_len]` segment ids of rows sampled from a real packing plan."""
+  lengths = lognormal_lengths(max(64, 8 * num_rows * seq_len // int(mean)), mean=mean,
+                              sigma=sigma, seed=seed)
+  try:
+    from segpack import packing  # pylint: disable=g-import-not-at-top
+    p = packing.plan(lengths, seq_len, strategy="ffd")
+    splits = np.asarray(p.row_splits)
+    piece_len = np.asarray(p.length)
+    rows = [list(piece_len[splits[r]:splits[r + 1]]) for r in range(p.num_rows)]
+    source = "segpack.packing.plan(ffd)"
+  except ImportError:
+    rows, source = _ffd_rows(lengths, seq_len), "local ffd"
+  picks = np.random.default_rng(seed).choice(len(rows), size=num_rows, replace=False)
+  seg = np.zeros((num_rows, seq_len), np.int32)
+  for out_row, r in enumerate(sorted(picks)):
+    seg[out_row, :sum(rows[r])] = np.repeat(np.arange(1, len(rows[r]) + 1), rows[r])
+  return seg, source
+
+
+def _runs(row: np.ndarray) -> np.ndarray:
+  change = np.flatnonzero(np.diff(row)) + 1
+  starts = np.concatenate([[0], change])
+  ends = np.concatenate([change, [len(row)]])
+  keep = row[starts] != 0
+  return ends[keep] - starts[keep]
+
+
+def ideal_tiles(length: int, block_q: int, block_k: int) -> int:
+  """Causal tiles of one block-aligned segment: sum over its query blocks of key blocks needed."""
+  q_ends = np.minimum(np.arange(1, -(-length // block_q) + 1) * block_q, length)
+  return int((-(-q_ends // block_k)).sum())
+
+
+def tile_counts(seg: np.ndarray, *, block_q: int, block_k: int) -> dict[str, int]:
+  """Tile counts of the benchmark rows (per head), causal."""
+  seg_j = jnp.asarray(seg)
+  ranges = np.asarray(blocks.q_block_ranges(seg_j, block_q=block_q, block_k=block_k,
+                                            causal=True))
+  computed = int((ranges[..., 1] - ranges[..., 0]).sum())
+  masked = computed - int((ranges[..., 3] - ranges[..., 2]).sum())
+  nq = seg.shape[1] // block_q
+  dense_row = int((-(-(np.arange(1, nq + 1) * block_q) // block_k)).sum())
+  ideal = sum(ideal_tiles(int(n), block_q, block_k) for row in seg for n in _runs(row))
+  return dict(tiles_computed=computed, tiles_dense=dense_row * len(seg), tiles_ideal=ideal,
+              tiles_masked=masked)
+
+
+def useful_flops(seg: np.ndarray, *, heads: int, head_dim: int) -> float:
+  """Forward FLOPs of causal per-document attention: 2 matmuls x 2 FLOPs x l(l+1)/2 x D."""
+  pairs = sum(int(n) * (int(n) + 1) // 2 for row in seg for n in _runs(row))
+  return 4.0 * pairs * head_dim * heads
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+  jax.block_until_ready(fn())  # compile and warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t0)
+  return 1e3 * float(np.median(times))
+
+
+def _implementations(seg_max: int, block: int) -> dict[str, Callable[..., jax.Array]]:
+  """The attention functions timed on a GPU, each `(q, k, v, seg) -> out`, causal."""
+  from segpack.attention import segment_attention  # pylint: disable=g-import-not-at-top
+  from segpack.attention.pallas import segment_attention_pallas  # pylint: disable=g-import-not-at-top
+
+  def jax_mha(q, k, v, seg):
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention  # pylint: disable=g-import-not-at-top
+    g = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # mha has no grouped-query heads
+    sizes = jax_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=block // 2,
+                                     block_kv_dkv=block // 2, block_q_dq=block // 2,
+                                     block_kv_dq=block // 2)
+    return jax_attention.mha(q, k, v, seg, sm_scale=q.shape[-1]**-0.5, causal=True,
+                             block_sizes=sizes)
+
+  return {
+      "segment": lambda q, k, v, seg: segment_attention(
+          q, k, v, seg, implementation="pallas", block_q=block, block_k=block),
+      "pallas_dense": lambda q, k, v, seg: segment_attention_pallas(
+          q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, block_q=block, block_k=block,
+          skip_blocks=False),
+      "xla_dense": lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla"),
+      "jax_mha": jax_mha,
+      "cudnn": lambda q, k, v, seg: segment_attention(
+          q, k, v, seg, implementation="cudnn", max_segments_per_row=seg_max),
+  }
+
+
+def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, block: int,
+                repeats: int, peak_tflops: float | None) -> dict[str, Any]:
+  """Forward and forward+backward times (ms) and useful TFLOP/s of every implementation."""
+  b, s = seg.shape
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (b, s, heads, head_dim), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, s, kv_heads, head_dim), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, s, kv_heads, head_dim), jnp.bfloat16)
+  dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+  seg_j = jnp.asarray(seg)
+  flops = useful_flops(seg, heads=heads, head_dim=head_dim)
+  seg_max = int(max(len(_runs(r)) for r in seg))
+  rec: dict[str, Any] = {}
+  for name, fn in _implementations(seg_max, block).items():
+    fwd = jax.jit(fn)
+
+    @jax.jit
+    def fwd_bwd(q, k, v, seg, dout, fn=fn):
+      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+      return out, vjp(dout)
+
+    try:
+      rec[f"{name}_fwd_ms"] = _median_ms(lambda: fwd(q, k, v, seg_j), repeats)
+      ms = _median_ms(lambda: fwd_bwd(q, k, v, seg_j, dout), repeats)
+      rec[f"{name}_fwdbwd_ms"] = ms
+      tflops = 3.5 * flops / (ms * 1e-3) / 1e12  # backward = 2.5 x forward FLOPs
+      rec[f"{name}_fwdbwd_tflops"] = tflops
+      if peak_tflops:
+        rec[f"{name}_fwdbwd_peak_frac"] = tflops / peak_tflops
+    except Exception as e:  # pylint: disable=broad-except
+      msg = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+      rec[f"{name}_fwd_ms"] = rec.get(f"{name}_fwd_ms", msg)
+      rec[f"{name}_fwdbwd_ms"] = msg
+  return rec
+
+
+def _peak_tflops(device: jax.Device) -> float | None:
+  kind = device.device_kind
+  return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), None)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """Every (seq_len, head_dim) config: one record."""
+  on_gpu = jax.default_backend() == "gpu"
+  device = jax.devices()[0]
+  results = []
+  for s in args.seq_lens:
+    seg, source = packed_rows(s, num_rows=args.rows, mean=args.mean, sigma=args.sigma,
+                              seed=args.seed)
+    counts = tile_counts(seg, block_q=args.block, block_k=args.block)
+    for d in args.head_dims:
+      rec = dict(seq_len=s, head_dim=d, block_q=args.block, block_k=args.block, rows=len(seg),
+                 packing=source, **counts)
+      rec["computed_over_ideal"] = counts["tiles_computed"] / counts["tiles_ideal"]
+      rec["dense_over_computed"] = counts["tiles_dense"] / counts["tiles_computed"]
+      if on_gpu:
+        b = max(1, min(len(seg), args.tokens // s))
+        rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind)
+        rec.update(time_config(seg[:b], heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
+                               block=args.block, repeats=args.repeats,
+                               peak_tflops=_peak_tflops(device)))
+      else:
+        rec.update(device=f"{device.platform} ({device.device_kind})", timings=NOT_MEASURED)
+      rec["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+      results.append(rec)
+  return results
+
+
+def _fmt(x: Any, spec: str) -> str:
+  return format(x, spec) if isinstance(x, (int, float)) else NOT_MEASURED
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+  """A fixed-width table: tile counts for every config; GPU times where measured."""
+  head = (f"{'S':>6} {'D':>4} {'blk':>4} {'computed':>9} {'dense':>9} {'ideal':>9} "
+          f"{'comp/ideal':>10} {'dense/comp':>10} {'masked%':>7} | {'seg f+b ms':>12} "
+          f"{'TFLOP/s':>12} {'x xla':>12} {'x dense':>12} {'x mha':>12}")
+  lines = [head, "-" * len(head)]
+  for r in results:
+    seg_ms = r.get("segment_fwdbwd_ms")
+    speed = lambda other: (_fmt(r[other] / seg_ms, ".2f") if isinstance(seg_ms, float)
+                           and isinstance(r.get(other), float) else NOT_MEASURED)
+    lines.append(
+        f"{r['seq_len']:>6} {r['head_dim']:>4} {r['block_q']:>4} {r['tiles_computed']:>9} "
+        f"{r['tiles_dense']:>9} {r['tiles_ideal']:>9} {r['computed_over_ideal']:>10.3f} "
+        f"{r['dense_over_computed']:>10.2f} "
+        f"{100 * r['tiles_masked'] / r['tiles_computed']:>7.1f} | {_fmt(seg_ms, '.3f'):>12} "
+        f"{_fmt(r.get('segment_fwdbwd_tflops'), '.1f'):>12} {speed('xla_dense_fwdbwd_ms'):>12} "
+        f"{speed('pallas_dense_fwdbwd_ms'):>12} {speed('jax_mha_fwdbwd_ms'):>12}")
+  return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+  """Tiles (computed, dense, ideal) against S and, if measured, forward+backward times."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  timed = any(isinstance(r.get("segment_fwdbwd_ms"), float) for r in results)
+  fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 6, 4.5), squeeze=False)
+  ax = axes[0, 0]
+  d0 = results[0]["head_dim"]
+  rows = [r for r in results if r["head_dim"] == d0]
+  s = [r["seq_len"] for r in rows]
+  for key in ("tiles_dense", "tiles_computed", "tiles_ideal"):
+    ax.plot(s, [r[key] / r["rows"] for r in rows], marker="o", label=key[6:])
+  ax.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="KV tiles per row and head",
+         title=f"block {rows[0]['block_q']}, lognormal(mean 800) packed rows")
+  ax.legend()
+  if timed:
+    ax = axes[0, 1]
+    for r_d in sorted({r["head_dim"] for r in results}):
+      sub = [r for r in results if r["head_dim"] == r_d]
+      for impl in ("segment", "pallas_dense", "xla_dense", "jax_mha", "cudnn"):
+        pts = [(r["seq_len"], r.get(f"{impl}_fwdbwd_ms")) for r in sub]
+        pts = [(x, y) for x, y in pts if isinstance(y, float)]
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=f"{impl} D={r_d}")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="fwd+bwd ms",
+           title=results[0]["device"])
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m segpack.bench.attention", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+  ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+  ap.add_argument("--block", type=int, default=128, help="block_q = block_k")
+  ap.add_argument("--rows", type=int, default=32, help="packed rows per config for tile counts")
+  ap.add_argument("--tokens", type=int, default=32768, help="GPU timing: B = tokens // S rows")
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--kv-heads", type=int, default=16)
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--mean", type=float, default=800.0)
+  ap.add_argument("--sigma", type=float, default=1.0)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--json", action="store_true", help="one JSON record per config, one a line")
+  ap.add_argument("--plot", default=None, help="write a PNG plot here")
+  args = ap.parse_args(argv)
+  results = run(args)
+  if args.json:
+    for r in results:
+      print(json.dumps(r))
+  else:
+    print(format_table(results))
+    if results and results[0].get("timings") == NOT_MEASURED:
+      print(f"\nGPU timings: {NOT_MEASURED} (backend: {jax.default_backend()}).")
+  if args.plot:
+    plot(results, args.plot)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
