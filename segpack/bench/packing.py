@@ -44,7 +44,9 @@ def bench_plan(lengths: np.ndarray, *, seq_len: int, strategies: Sequence[str],
   out = []
   for strategy in strategies:
     walls, cpus = [], []
+    p = None
     for _ in range(repeats):
+      del p  # free the previous plan before timing the next
       c0, w0 = time.process_time(), time.perf_counter()
       p = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra_tokens)
       walls.append(time.perf_counter() - w0)
@@ -77,15 +79,16 @@ def bench_grain(lengths: np.ndarray, *, seq_len: int, num_bins: int) -> list[dic
                           ("BestFitPackIterDataset", gexp.BestFitPackIterDataset, "bfd")):
     ds = cls(grain.MapDataset.source(docs).to_iter_dataset(), length_struct={"tokens": seq_len},
              num_packing_bins=num_bins, shuffle_bins=False)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     rows = sum(1 for _ in ds)
-    grain_s = time.perf_counter() - t0
+    grain_s, grain_cpu = time.perf_counter() - t0, time.process_time() - c0
     t0 = time.perf_counter()
     packing.plan(np.minimum(lengths, seq_len), seq_len, strategy=ours)
     ours_s = time.perf_counter() - t0
     out.append({
         "section": "grain", "data": f"lognormal {len(lengths):,}", "case": name,
         "documents": len(lengths), "seq_len": seq_len, "seconds": grain_s,
+        "cpu_seconds": grain_cpu,
         "docs_per_s": len(lengths) / grain_s, "rows": rows,
         "lower_bound": -(-tokens // seq_len), "rows_over_bound": rows / -(-tokens // seq_len),
         "num_packing_bins": num_bins, "segpack_strategy": ours, "segpack_seconds": ours_s,
@@ -121,16 +124,16 @@ def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batche
     setup_s = time.perf_counter() - t0
     n = min(num_batches, len(ds))
     ds[0]  # warm up (page cache, first-call costs)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     real = 0
     for i in range(n):
       batch = ds[i]
       real += int(np.count_nonzero(batch["segment_ids"]))
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
   slots = n * batch_size * seq_len
   return {"section": "load", "data": f"synthetic shards, {len(lengths):,} docs",
           "case": f"pack_dataset.batch({batch_size})", "documents": len(lengths),
-          "seq_len": seq_len, "seconds": seconds, "batches": n,
+          "seq_len": seq_len, "seconds": seconds, "cpu_seconds": cpu, "batches": n,
           "tokens_per_s": slots / seconds, "real_tokens_per_s": real / seconds,
           "setup_seconds": setup_s, "features": sorted(batch)}
 
@@ -152,7 +155,8 @@ def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
 
 
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
-            ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("docs_per_s", "{:,.0f}", 13),
+            ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 9),
+            ("docs_per_s", "{:,.0f}", 13),
             ("rows_over_bound", "{:.6f}", 10), ("bytes_per_doc", "{:.1f}", 7),
             ("tokens_per_s", "{:,.0f}", 14))
 
@@ -215,12 +219,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.builtin != "none":
     results += bench_builtin(args.builtin, strategies=strategies, seq_len=args.seq_len,
                              repeats=args.repeats)
-  results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+  results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "load_average": os.getloadavg(), "cpus": os.cpu_count()}
   if args.json:
     print(json.dumps({"results": results, **results_meta}, indent=1))
   else:
     print(format_table(results))
-    print(f"max RSS {results_meta['max_rss_mb']:.0f} MB")
+    print(f"max RSS {results_meta['max_rss_mb']:.0f} MB; load average "
+          f"{results_meta['load_average'][0]:.1f} on {results_meta['cpus']} CPUs (wall seconds "
+          f"are inflated when it exceeds the CPU count; cpu_seconds much less so)")
   return 0
 
 
