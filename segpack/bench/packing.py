@@ -155,7 +155,7 @@ def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
 
 
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
-            ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 9),
+            ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 11),
             ("docs_per_s", "{:,.0f}", 13),
             ("rows_over_bound", "{:.6f}", 10), ("bytes_per_doc", "{:.1f}", 7),
             ("tokens_per_s", "{:,.0f}", 14))
