@@ -166,6 +166,12 @@ class TestBadInput:
       segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas", block_q=48,
                         interpret=True)
 
+  def test_bad_backward_block(self):
+    with pytest.raises(AttentionInputError, match="`block_k_bwd` must be a power of two >= 16, "
+                       "got 8"):
+      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas", block_k_bwd=8,
+                        interpret=True)
+
   def test_head_dim_too_large(self):
     q = jnp.zeros((1, 16, 1, 320))
     with pytest.raises(AttentionInputError, match="D=320 is above 256"):

@@ -54,15 +54,25 @@ def test_pallas_matches_oracle_and_xla_forward_and_grads(causal, dtype):
 
 
 def test_pallas_grouped_query_g4_uneven_blocks_and_padded_shapes():
-  """G = 4, block_q != block_k, S = 200 (padded to 256 inside), D = 48 (padded to 64)."""
+  """G = 4, block_q != block_k, own backward blocks, S = 200 (padded to 256), D = 48 (to 64)."""
   seg = jnp.asarray(layouts(200)[:3])
   q, k, v, dout = random_inputs(7, 3, 200, 4, 1, 48)
-  fn = _pallas(True, block_q=32, block_k=64)
+  fn = _pallas(True, block_q=32, block_k=64, block_q_bwd=64, block_k_bwd=16)
   out, grads = jax.jit(lambda *a: _fwd_bwd(fn, *a))(q, k, v, seg, dout)
   want, grads_want = reference(q, k, v, seg, causal=True, dout=dout)
   np.testing.assert_allclose(out, want, atol=2e-5)
   for got, ref in zip(grads, grads_want):
     np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_pallas_float16_forward():
+  seg = jnp.asarray(layouts(S))
+  q, k, v, _ = random_inputs(9, 4, S, 2, 1, 64, jnp.float16)
+  out = jax.jit(_pallas(True))(q, k, v, seg)
+  assert out.dtype == jnp.float16
+  want, _ = reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg,
+                      causal=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=5e-3)
 
 
 def test_pallas_skips_blocks_of_other_documents():

@@ -56,6 +56,8 @@ def segment_attention(
     implementation: Implementation | None = None,
     block_q: int = 128,
     block_k: int = 128,
+    block_q_bwd: int | None = None,
+    block_k_bwd: int | None = None,
     interpret: bool = False,
     check_segments: bool = False,
     max_segments_per_row: int | None = None,
@@ -74,8 +76,10 @@ def segment_attention(
     scale: logit scale, default `1/sqrt(D)`.
     implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
     block_q: Pallas query block (a power of two); S is padded internally to a multiple of
-      `max(block_q, block_k)` with padding slots.
+      the largest block with padding slots.
     block_k: Pallas key/value block (a power of two).
+    block_q_bwd: Pallas backward query block (default `min(block_q, 64)`).
+    block_k_bwd: Pallas backward key/value block (default `min(block_k, 64)`).
     interpret: run the Pallas kernel in interpret mode (CPU).
     check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
       cuDNN backends silently assume it) and, for cuDNN, that no row has more than
@@ -106,7 +110,8 @@ def segment_attention(
   elif impl == "pallas":
     from segpack.attention import pallas  # pylint: disable=g-import-not-at-top
     fn = pallas.segment_attention_pallas
-    kwargs = dict(block_q=block_q, block_k=block_k, interpret=interpret)
+    kwargs = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
+                  block_k_bwd=block_k_bwd, interpret=interpret)
   elif impl == "cudnn":
     from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
     fn = cudnn.segment_attention_cudnn

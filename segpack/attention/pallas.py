@@ -28,8 +28,10 @@ class KernelConfig:
   Attributes:
     causal: hide keys after the query.
     scale: logit scale.
-    block_q: query block.
-    block_k: key/value block.
+    block_q: forward query block.
+    block_k: forward key/value block.
+    block_q_bwd: backward (dQ and dK/dV kernels) query block.
+    block_k_bwd: backward key/value block.
     interpret: run in interpret mode.
     skip_blocks: visit only the key blocks of the query block's segments (False visits every
       block, or every block at or below the diagonal when causal: the dense-mask kernel of the same
@@ -42,6 +44,8 @@ class KernelConfig:
   scale: float
   block_q: int
   block_k: int
+  block_q_bwd: int
+  block_k_bwd: int
   interpret: bool = False
   skip_blocks: bool = True
   num_warps: int = 4
@@ -80,13 +84,16 @@ def dense_ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) 
   return jnp.broadcast_to(r_Nx4, (b, n, 4)).astype(jnp.int32)
 
 
-def _ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
+def _ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) -> jax.Array:
+  """Per query block (`per_q`) or per key block ranges for the blocks of `cfg`."""
   if not cfg.skip_blocks:
-    return (dense_ranges(segment_ids_BxS, cfg, per_q=True),
-            dense_ranges(segment_ids_BxS, cfg, per_q=False))
-  kw = dict(block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal)
-  return (blocks.q_block_ranges(segment_ids_BxS, **kw),
-          blocks.kv_block_ranges(segment_ids_BxS, **kw))
+    return dense_ranges(segment_ids_BxS, cfg, per_q=per_q)
+  fn = blocks.q_block_ranges if per_q else blocks.kv_block_ranges
+  return fn(segment_ids_BxS, block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal)
+
+
+def _backward_config(cfg: KernelConfig) -> KernelConfig:
+  return dataclasses.replace(cfg, block_q=cfg.block_q_bwd, block_k=cfg.block_k_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -96,17 +103,18 @@ def _flash(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, cfg: KernelConfig):
 
 
 def _flash_fwd(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, cfg: KernelConfig):
-  q_ranges_BxNx4, kv_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg)
+  q_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=True)
   out_BxSxHxD, lse_BxHxS = pallas_fwd.forward(
       q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, cfg=cfg)
-  residuals = (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4,
-               kv_ranges_BxNx4, out_BxSxHxD, lse_BxHxS)
+  residuals = (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, out_BxSxHxD, lse_BxHxS)
   return out_BxSxHxD, residuals
 
 
 def _flash_bwd(cfg: KernelConfig, residuals, dout_BxSxHxD):
-  (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, kv_ranges_BxNx4,
-   out_BxSxHxD, lse_BxHxS) = residuals
+  q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, out_BxSxHxD, lse_BxHxS = residuals
+  cfg = _backward_config(cfg)
+  q_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=True)
+  kv_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=False)
   delta_BxHxS = pallas_bwd.backward_delta(out_BxSxHxD, dout_BxSxHxD, cfg=cfg)
   dq_BxSxHxD = pallas_bwd.backward_dq(
       q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, dout_BxSxHxD, lse_BxHxS,
@@ -130,6 +138,8 @@ def segment_attention_pallas(
     scale: float,
     block_q: int = 128,
     block_k: int = 128,
+    block_q_bwd: int | None = None,
+    block_k_bwd: int | None = None,
     interpret: bool = False,
     skip_blocks: bool = True,
     num_warps: int | None = None,
@@ -137,8 +147,8 @@ def segment_attention_pallas(
 ) -> jax.Array:
   """Segment flash attention (forward and backward in Pallas), with native grouped-query heads.
 
-  Padding: S is padded to a multiple of `max(block_q, block_k)` with padding slots (segment 0);
-  blocks larger than the next power of two of S are shrunk to it. A head dim that is not a power of
+  Padding: S is padded to a multiple of the largest block with padding slots (segment 0); blocks
+  larger than the next power of two of S are shrunk to it. A head dim that is not a power of
   two (>= 16) is zero-padded to the next one, which leaves the logits unchanged; head dims above
   256 are refused.
 
@@ -151,6 +161,8 @@ def segment_attention_pallas(
     scale: logit scale.
     block_q: query block, a power of two >= 16.
     block_k: key/value block, a power of two >= 16.
+    block_q_bwd: query block of the backward kernels (default `min(block_q, 64)`).
+    block_k_bwd: key/value block of the backward kernels (default `min(block_k, 64)`).
     interpret: run the kernels in interpret mode (CPU).
     skip_blocks: False gives the dense-mask kernel of the same family (benchmark baseline).
     num_warps: Triton warps (default 4 for D <= 64, else 8).
@@ -159,21 +171,27 @@ def segment_attention_pallas(
   Returns:
     `out_BxSxHxD`.
   """
-  _check_block("block_q", block_q)
-  _check_block("block_k", block_k)
+  block_q_bwd = min(block_q, 64) if block_q_bwd is None else block_q_bwd
+  block_k_bwd = min(block_k, 64) if block_k_bwd is None else block_k_bwd
+  for name, block in (("block_q", block_q), ("block_k", block_k), ("block_q_bwd", block_q_bwd),
+                      ("block_k_bwd", block_k_bwd)):
+    _check_block(name, block)
   b, s, h, d = q_BxSxHxD.shape
   if d > MAX_HEAD_DIM:
     raise AttentionInputError(
         f"segment_attention(implementation='pallas'): head dim D={d} is above {MAX_HEAD_DIM}")
   cap = max(16, _next_pow2(s))
-  block_q, block_k = min(block_q, cap), min(block_k, cap)
-  s_pad = -(-s // max(block_q, block_k)) * max(block_q, block_k)
+  block_q, block_k, block_q_bwd, block_k_bwd = (
+      min(x, cap) for x in (block_q, block_k, block_q_bwd, block_k_bwd))
+  multiple = max(block_q, block_k, block_q_bwd, block_k_bwd)
+  s_pad = -(-s // multiple) * multiple
   d_pad = max(16, _next_pow2(d))
   pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
   q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
   seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
   cfg = KernelConfig(
-      causal=causal, scale=scale, block_q=block_q, block_k=block_k, interpret=interpret,
+      causal=causal, scale=scale, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
+      block_k_bwd=block_k_bwd, interpret=interpret,
       skip_blocks=skip_blocks, num_warps=num_warps or (4 if d_pad <= 64 else 8),
       num_stages=num_stages)
   out = _flash(q_p, k_p, v_p, seg_p, cfg)
