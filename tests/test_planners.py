@@ -360,3 +360,158 @@ def test_corrupt_cache_is_replanned(tmp_path):
   p = packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
   assert p.num_pieces == 16
   packing.Plan.load(tmp_path / entry)  # repaired on disk
+
+
+# ---------------------------------------------------------------------------------------------
+# Larger inputs against per-item oracles that are fast enough for thousands of bins
+
+
+def tree_ffd(sizes, cap):
+  """First fit, one item at a time, with a max segment tree over bins (leftmost room >= s)."""
+  order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+  size = 1
+  while size < len(sizes):
+    size *= 2
+  tree = [-1] * (2 * size)  # room of bin b at leaf size + b; -1 = not open
+  bins, num_bins = [], 0
+  for i in order:
+    s = sizes[i]
+    if tree[1] >= s:
+      node = 1
+      while node < size:
+        node = 2 * node if tree[2 * node] >= s else 2 * node + 1
+      b = node - size
+      bins[b].append(i)
+    else:
+      b, num_bins = num_bins, num_bins + 1
+      bins.append([i])
+      node = size + b
+      tree[node] = cap
+    tree[size + b] -= s
+    node = (size + b) // 2
+    while node:
+      tree[node] = max(tree[2 * node], tree[2 * node + 1])
+      node //= 2
+  return bins
+
+
+def bisect_bfd(sizes, cap):
+  """Best fit, one item at a time, with a sorted list of (room, bin)."""
+  import bisect
+  order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+  rooms, bins = [], []
+  for i in order:
+    s = sizes[i]
+    j = bisect.bisect_left(rooms, (s, -1))
+    if j < len(rooms):
+      room, b = rooms.pop(j)
+      bins[b].append(i)
+    else:
+      room, b = cap, len(bins)
+      bins.append([i])
+    bisect.insort(rooms, (room - s, b))
+  return bins
+
+
+def test_per_item_oracles_agree_with_the_naive_loops():
+  rng = np.random.default_rng(11)
+  for _ in range(30):
+    sizes = rng.integers(1, 20, int(rng.integers(1, 200))).tolist()
+    assert tree_ffd(sizes, 20) == naive_ffd(sizes, 20)
+    assert bisect_bfd(sizes, 20) == naive_bfd(sizes, 20)
+
+
+@pytest.mark.parametrize("strategy, oracle", [("ffd", tree_ffd), ("bfd", bisect_bfd)])
+def test_decreasing_planners_equal_oracle_with_thousands_of_rows(strategy, oracle):
+  rng = np.random.default_rng(21)
+  for seq_len, n in ((64, 20000), (1000, 8000)):
+    lengths = np.round(rng.lognormal(np.log(seq_len / 5), 1.2, n)).astype(np.int64)
+    chunks = naive_chunks(lengths.tolist(), seq_len, extra_tokens=1, overlap=3)
+    expected = [[chunks[i] for i in b] for b in oracle([c[2] for c in chunks], seq_len)]
+    got = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=1, overlap=3)
+    assert got.num_rows == len(expected) > 1000
+    assert plan_rows(got) == expected
+
+
+def test_stable_argsort_matches_numpy_on_wide_keys():
+  from segpack.packing.sorting import stable_argsort
+  rng = np.random.default_rng(2)
+  for high in (10, 70000, 5_000_000_000):
+    keys = rng.integers(0, high, 50000)
+    np.testing.assert_array_equal(stable_argsort(keys), np.argsort(keys, kind="stable"))
+  np.testing.assert_array_equal(stable_argsort(np.arange(100000)), np.arange(100000))
+
+
+# ---------------------------------------------------------------------------------------------
+# The statistics CLI and the benchmark's plumbing
+
+
+def _write_shards(path, lengths):
+  from segpack.shards import ShardWriter
+  rng = np.random.default_rng(0)
+  with ShardWriter(path, vocab_size=100, tokenizer_fingerprint="test-tok", shard_tokens=500) as w:
+    for n in lengths:
+      w.write(rng.integers(3, 100, int(n)))
+
+
+def test_pack_cli_reports_one_plan(tmp_path, capsys):
+  import json
+  from segpack import pack
+  lengths = np.random.default_rng(1).integers(1, 150, 300)
+  _write_shards(tmp_path / "data", lengths)
+  assert pack.main(["--data", str(tmp_path / "data"), "--seq-len", "64", "--json",
+                    "--save-plan"]) == 0
+  row = json.loads(capsys.readouterr().out)
+  tokens = int((lengths + 2).sum())  # BOS and EOS are on by default
+  assert row["tokens"] == tokens and row["lower_bound"] == -(-tokens // 64)
+  expected = packing.plan(lengths, 64, extra_tokens=2)
+  assert row["rows"] == expected.num_rows
+  assert row["split"] == int(np.sum(lengths + 2 > 64))
+  assert row["segments_per_row_max"] == int(np.diff(expected.row_splits).max())
+  assert len(os.listdir(tmp_path / "data" / "plans")) == 1
+  assert pack.main(["--data", str(tmp_path / "data"), "--seq-len", "64", "--no-add-bos",
+                    "--no-add-eos", "--strategy", "greedy"]) == 0
+  text = capsys.readouterr().out
+  assert "strategy greedy" in text and f"{int(lengths.sum()):,}" in text
+
+
+def test_pack_cli_compare_table(tmp_path, capsys):
+  import json
+  from segpack import pack
+  lengths = np.random.default_rng(2).integers(1, 300, 500)
+  np.save(tmp_path / "lengths.npy", lengths)
+  assert pack.main(["--data", str(tmp_path / "lengths.npy"), "--compare", "--seq-lens",
+                    "64,256", "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)
+  assert {(r["strategy"], r["seq_len"]) for r in rows} == {
+      (s, n) for s in packing.STRATEGIES for n in (64, 256)}
+  util = {(r["strategy"], r["seq_len"]): r["utilization"] for r in rows}
+  assert util["ffd", 256] > util["greedy", 256] > util["pad", 256]
+  assert pack.main(["--data", str(tmp_path / "lengths.npy"), "--compare", "--seq-lens",
+                    "64,256"]) == 0
+  assert "utilization" in capsys.readouterr().out
+
+
+def test_pack_cli_errors_name_the_flag(tmp_path, capsys):
+  from segpack import pack
+  assert pack.main(["--data", str(tmp_path / "nope")]) == 2
+  assert "--data" in capsys.readouterr().err
+  np.save(tmp_path / "l.npy", np.array([1, 2]))
+  assert pack.main(["--data", str(tmp_path / "l.npy"), "--strategy", "bestest"]) == 2
+  assert "'bestest'" in capsys.readouterr().err
+
+
+def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
+  import json
+  from segpack.bench import packing as bench
+  assert bench.main(["--num-docs", "2000", "--seq-len", "512", "--mean", "100", "--repeats", "1",
+                     "--grain-docs", "50",
+                     "--load-docs", "300", "--load-batches", "3", "--builtin", "none",
+                     "--work-dir", str(tmp_path), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  sections = [r["section"] for r in out["results"]]
+  assert sections == ["plan", "plan", "grain", "grain", "load"]
+  plan_rows_ = [r for r in out["results"] if r["section"] == "plan"]
+  assert all(r["rows"] >= r["lower_bound"] for r in plan_rows_)
+  load = out["results"][-1]
+  assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
