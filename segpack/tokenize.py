@@ -28,11 +28,13 @@ import fcntl
 import gzip
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from segpack import spm as spm_lib
 __all__ = ["InputFormatError", "Summary", "build_builtin", "iter_documents", "main",
            "tokenize_files", "write_dataset"]
 
+_LOG = logging.getLogger(__name__)
 _SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 512
@@ -143,11 +146,22 @@ def _read_txt(path: Path, doc_separator: str) -> Iterator[str]:
     raise InputFormatError(f"{path}: not UTF-8 text ({e})") from e
 
 
+def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+  """(line number, line) pairs; a corrupt or truncated gzip stream becomes an InputFormatError."""
+  lineno = 0
+  try:
+    for lineno, raw in enumerate(f, start=1):
+      yield lineno, raw
+  except (OSError, EOFError, zlib.error) as e:
+    raise InputFormatError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})"
+                           ) from e
+
+
 def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
                 counters: _Counters) -> Iterator[str]:
   opener = gzip.open if path.name.endswith(".gz") else open
   with opener(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
+    for lineno, raw in _numbered_lines(f, path):
       if not raw.strip():
         continue
       try:
@@ -204,11 +218,11 @@ def _worker_encode(texts: list[str]) -> list[np.ndarray]:
 
 
 def _chunks(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
-  """Groups texts into chunks of about `_CHUNK_BYTES` (or `_CHUNK_DOCS` documents)."""
+  """Groups texts into chunks of about `_CHUNK_BYTES` UTF-8 bytes (or `_CHUNK_DOCS` documents)."""
   chunk, size = [], 0
   for text in texts:
     chunk.append(text)
-    size += len(text)
+    size += len(text.encode("utf-8"))
     if size >= _CHUNK_BYTES or len(chunk) >= _CHUNK_DOCS:
       yield chunk, size
       chunk, size = [], 0
@@ -295,16 +309,16 @@ def write_dataset(
     if next(texts, None) is None:
       raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
                              f"documents but the input has fewer; rerun with --overwrite")
-  text_bytes = 0
+  text_bytes = tokens = 0
   with writer, _progress(f"tokenize {output.name}", progress) as bar:
     for arrays, size in _encoded_chunks(texts, tokenizer, workers):
       for doc in arrays:
         writer.write(doc)
+        tokens += doc.size
       text_bytes += size
       if bar is not None:
         bar.update(size)
-        bar.set_postfix(docs=f"{writer.inputs:,}", shards=len(writer._records),  # pylint: disable=protected-access
-                        refresh=False)
+        bar.set_postfix(docs=f"{writer.inputs:,}", tokens=f"{tokens:,}", refresh=False)
   manifest = json.loads(manifest_path.read_text("utf-8"))
   return manifest, writer.resumed_shards, text_bytes
 
@@ -361,9 +375,12 @@ def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: in
     except ValueError:
       pass
   record.unlink(missing_ok=True)
+  _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
+  start = time.perf_counter()
   tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size)
   shards_lib._atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,  # pylint: disable=protected-access
                                          "fingerprint": tokenizer.fingerprint})
+  _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
   return tokenizer
 
 
@@ -408,6 +425,16 @@ def _builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *,
   return summaries
 
 
+def _intact(root: Path) -> bool:
+  """Whether both cached splits pass the structural checks."""
+  try:
+    shards_lib.ShardSource(root / "train")
+    shards_lib.ShardSource(root / "eval")
+  except shards_lib.ShardFormatError:
+    return False
+  return True
+
+
 def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | None = None,
                   workers: int | None = None, progress: bool = False):
   """Implements `segpack.corpus.ensure_builtin` (see there)."""
@@ -416,6 +443,11 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
   root = builtin_dir(size, cache_dir)
   tokenizer = builtin_tokenizer(size, cache_dir)
   with _file_lock(root / ".lock"):
+    if (root / "complete.json").exists() and not _intact(root):
+      _LOG.warning("cached built-in corpus %s is damaged; rebuilding it", root)
+      for path in (root / "complete.json", root / "train" / shards_lib.MANIFEST_NAME,
+                   root / "eval" / shards_lib.MANIFEST_NAME):
+        path.unlink(missing_ok=True)
     if not (root / "complete.json").exists():
       _builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
                       shard_tokens=_DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
@@ -455,7 +487,7 @@ def tokenize_files(
     One summary per dataset written (two for `builtin`: train and eval).
   """
   output = Path(output)
-  workers = os.cpu_count() or 1 if workers is None else workers
+  workers = (os.cpu_count() or 1) if workers is None else workers
   if not isinstance(workers, int) or workers < 1:
     raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
   if not isinstance(shard_tokens, int) or shard_tokens < 1:
@@ -537,6 +569,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
   args = _parser().parse_args(argv)
+  if not logging.getLogger().handlers:
+    logging.basicConfig(level=logging.INFO, format="segpack.tokenize: %(message)s")
   try:
     summaries = tokenize_files(
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,

@@ -111,6 +111,14 @@ def test_ensure_builtin_reuses_the_cache(small):
   assert (built.train_dir / "manifest.json").stat().st_mtime_ns == stamp
 
 
+def test_ensure_builtin_rebuilds_a_damaged_cache(small):
+  built, cache = small
+  (built.eval_dir / "shard-00000.tokens").unlink()
+  again = corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
+  assert again == built
+  ShardSource(built.eval_dir).verify()
+
+
 def test_cache_root_follows_environment(monkeypatch, tmp_path):
   monkeypatch.setenv("SEGPACK_CACHE", str(tmp_path / "c"))
   assert spm.cache_root() == tmp_path / "c"

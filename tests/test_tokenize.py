@@ -193,6 +193,14 @@ def test_skip_bad_lines_counts_and_continues(tmp_path, model):
   assert _decoded(tmp_path / "out", model) == ["one", "two"]
 
 
+def test_corrupt_gzip(tmp_path, model):
+  good = gzip.compress(b'{"text": "a"}\n' * 1000)
+  inp = tmp_path / "cut.jsonl.gz"
+  inp.write_bytes(good[: len(good) // 2])
+  with pytest.raises(tokenize.InputFormatError, match="cut.jsonl.gz: unreadable after line"):
+    tokenize.tokenize_files([inp], tmp_path / "o", spm_model=model, workers=1)
+
+
 def test_bad_files_and_arguments(tmp_path, model):
   with pytest.raises(tokenize.InputFormatError, match="'.*missing.txt': no such file"):
     tokenize.tokenize_files([tmp_path / "missing.txt"], tmp_path / "o", spm_model=model)
