@@ -1,0 +1,72 @@
+"""Draws a run's curves: `python -m train.plot WORKDIR [--out PATH]` -> `WORKDIR/curves.png`.
+
+Panels: train and eval loss, learning rate, gradient norm, real tokens/s, all against the step.
+Needs matplotlib (`pip install segpack[plot]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from train import metrics as metrics_lib
+
+
+def plot(workdir: str, *, out: str | None = None) -> str:
+  """Writes the PNG (atomically) and returns its path.
+
+  Raises:
+    FileNotFoundError: `WORKDIR/metrics.jsonl` does not exist.
+    ValueError: it holds no train records.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  records = metrics_lib.read(workdir)
+  train = [r for r in records if r.get("kind") == "train"]
+  evals = [r for r in records if r.get("kind") == "eval"]
+  if not train:
+    raise ValueError(f"{os.path.join(workdir, metrics_lib.METRICS_FILE)} holds no train records")
+  steps = [r["step"] for r in train]
+  fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+  axes[0].plot(steps, [r["loss"] for r in train], label="train")
+  if evals:
+    axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+  axes[0].set_title("loss")
+  axes[0].legend()
+  for ax, key in zip(axes[1:], ("lr", "grad_norm", "real_tokens_per_s")):
+    ax.plot(steps, [r[key] for r in train])
+    ax.set_title(key)
+  for ax in axes:
+    ax.set_xlabel("step")
+  fig.tight_layout()
+  out = out or os.path.join(workdir, "curves.png")
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)), suffix=".png")
+  os.close(fd)
+  fig.savefig(tmp, dpi=100)
+  plt.close(fig)
+  os.replace(tmp, out)
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__)
+  parser.add_argument("workdir", help="a run directory holding metrics.jsonl")
+  parser.add_argument("--out", default=None, help="PNG path (default WORKDIR/curves.png)")
+  args = parser.parse_args(argv)
+  try:
+    print(plot(args.workdir, out=args.out))
+  except ModuleNotFoundError as e:
+    print(f"train.plot needs matplotlib ({e}); pip install 'segpack[plot]'", file=sys.stderr)
+    return 1
+  except (FileNotFoundError, ValueError) as e:
+    print(f"train.plot: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
