@@ -199,7 +199,10 @@ def corpus_key(size: str) -> str:
 
 
 def ensure_builtin(
-    *, size: str = "full", cache_dir: str | os.PathLike[str] | None = None, workers: int | None = None
+    *,
+    size: str = "full",
+    cache_dir: str | os.PathLike[str] | None = None,
+    workers: int | None = None,
 ) -> BuiltinDataset:
   """Returns the tokenized built-in corpus, building and caching it on first use.
 

@@ -36,6 +36,8 @@ __all__ = [
     "ShardFormatError",
     "ShardSource",
     "ShardWriter",
+    "atomic_write_bytes",
+    "atomic_write_json",
     "dtype_for_vocab",
 ]
 
@@ -44,7 +46,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _OFFSET_DTYPE = np.dtype("<i8")
 # Every file the writer may own in a dataset directory (finished or temporary).
-_OWNED_FILE = re.compile(r"^(shard-\d{5,}\.(tokens|offsets|done\.json)|manifest\.json)(\..*\.tmp)?$")
+_OWNED_FILE = re.compile(
+    r"^(shard-\d{5,}\.(tokens|offsets|done\.json)|manifest\.json)(\..*\.tmp)?$")
 _HASH_BLOCK = 1 << 24
 
 
@@ -66,7 +69,7 @@ def _shard_names(index: int) -> tuple[str, str, str]:
   return f"{stem}.tokens", f"{stem}.offsets", f"{stem}.done.json"
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes) -> None:
   """Writes `data` to `path` through a temporary file in the same directory and a rename."""
   # Not tempfile.mkstemp: its files are mode 0600, these should follow the umask like any other.
   tmp = path.parent / f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
@@ -81,8 +84,9 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     raise
 
 
-def _atomic_write_json(path: Path, obj: Any) -> None:
-  _atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+def atomic_write_json(path: Path, obj: Any) -> None:
+  """Writes `obj` as indented, key-sorted JSON to `path`, atomically."""
+  atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def _sha256_file(path: Path) -> str:
@@ -256,7 +260,7 @@ class ShardWriter:
     index = len(self._records)
     tokens_name, offsets_name, done_name = _shard_names(index)
     offsets = np.asarray(self._offsets, dtype=_OFFSET_DTYPE).tobytes()
-    _atomic_write_bytes(self.path / offsets_name, offsets)
+    atomic_write_bytes(self.path / offsets_name, offsets)
     os.replace(tmp, self.path / tokens_name)
     record = {
         "index": index,
@@ -272,7 +276,7 @@ class ShardWriter:
         "input_end": self.inputs,
         "skipped_empty": self._shard_skipped,
     }
-    _atomic_write_json(self.path / done_name, record)
+    atomic_write_json(self.path / done_name, record)
     self._records.append(record)
     self._offsets = [0]
     self._hash = hashlib.sha256()
@@ -312,7 +316,7 @@ class ShardWriter:
         "metadata": self.metadata,
         "shards": shards,
     }
-    _atomic_write_json(self.path / MANIFEST_NAME, manifest)
+    atomic_write_json(self.path / MANIFEST_NAME, manifest)
     for record in self._records:
       (self.path / _shard_names(record["index"])[2]).unlink(missing_ok=True)
     return manifest
@@ -367,8 +371,8 @@ def _load_manifest(root: Path) -> dict[str, Any]:
   _require(isinstance(shards, list), path, f"shards must be a list, got {shards!r:.80}")
   for i, shard in enumerate(shards):
     ok = (isinstance(shard, dict)
-          and all(isinstance(shard.get(k), str) and "/" not in shard[k] and shard[k] not in ("", ".", "..")
-                  for k in ("tokens", "offsets"))
+          and all(isinstance(shard.get(k), str) and "/" not in shard[k]
+                  and shard[k] not in ("", ".", "..") for k in ("tokens", "offsets"))
           and all(isinstance(shard.get(k), int) and shard[k] >= 0
                   for k in ("num_documents", "num_tokens"))
           and isinstance(shard.get("sha256"), dict)
@@ -507,7 +511,7 @@ class ShardSource:
     return int(self._doc_starts[-1])
 
   def __getitem__(self, index: Any) -> np.ndarray:
-    """Document `index` (an int or NumPy integer; negative counts from the end) as a read-only view."""
+    """Document `index` (int or NumPy integer; negative counts from the end), a read-only view."""
     try:
       i = operator.index(index)
     except TypeError:
@@ -546,7 +550,8 @@ class ShardSource:
         p = self.path / shard[kind]
         digest = _sha256_file(p)
         _require(digest == shard["sha256"][kind], p,
-                 f"checksum mismatch: sha256 {digest} but the manifest says {shard['sha256'][kind]}")
+                 f"checksum mismatch: sha256 {digest} but the manifest says "
+                 f"{shard['sha256'][kind]}")
       mm = tokens[s]
       for lo in range(0, mm.size, _HASH_BLOCK):
         block = mm[lo:lo + _HASH_BLOCK]

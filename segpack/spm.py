@@ -24,7 +24,6 @@ import hashlib
 import io
 import itertools
 import os
-import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -163,10 +162,7 @@ def train_spm(
       eos_id=EOS_ID, num_threads=TRAIN_THREADS, shuffle_input_sentence=False,
       input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES, minloglevel=2,
       hard_vocab_limit=False)
-  tmp = model_file.parent / f"{model_file.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-  try:
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, model_file)
-  finally:
-    tmp.unlink(missing_ok=True)
+  from segpack.shards import atomic_write_bytes  # pylint: disable=g-import-not-at-top
+
+  atomic_write_bytes(model_file, model.getvalue())
   return SpmTokenizer(model_file)

@@ -44,8 +44,9 @@ import numpy as np
 from segpack import shards as shards_lib
 from segpack import spm as spm_lib
 
-__all__ = ["InputFormatError", "Summary", "build_builtin", "iter_documents", "main",
-           "tokenize_files", "write_dataset"]
+__all__ = ["InputFormatError", "ReadCounters", "Summary", "build_builtin", "builtin_dir",
+           "builtin_tokenizer", "expand_inputs", "iter_documents", "main", "tokenize_files",
+           "write_dataset"]
 
 _LOG = logging.getLogger(__name__)
 _SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
@@ -102,7 +103,9 @@ class Summary:
 
 
 @dataclasses.dataclass
-class _Counters:
+class ReadCounters:
+  """What `iter_documents` skipped: `bad_lines` (with `skip_bad_lines`)."""
+
   bad_lines: int = 0
 
 
@@ -158,7 +161,7 @@ def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
-                counters: _Counters) -> Iterator[str]:
+                counters: ReadCounters) -> Iterator[str]:
   opener = gzip.open if path.name.endswith(".gz") else open
   with opener(path, "rb") as f:
     for lineno, raw in _numbered_lines(f, path):
@@ -171,8 +174,8 @@ def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
         problem = f"not JSON ({e}): {raw[:80]!r}"
       if problem is None:
         if not isinstance(record, dict) or text_field not in record:
-          problem = (f"no field {text_field!r} (keys: "
-                     f"{sorted(record)[:10] if isinstance(record, dict) else type(record).__name__})")
+          found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+          problem = f"no field {text_field!r} (found: {found})"
         elif not isinstance(record[text_field], str):
           problem = (f"field {text_field!r} is {type(record[text_field]).__name__}, not a string: "
                      f"{record[text_field]!r:.80}")
@@ -187,13 +190,25 @@ def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
 
 def iter_documents(
     files: Sequence[Path], *, doc_separator: str = "file", text_field: str = "text",
-    skip_bad_lines: bool = False, counters: _Counters | None = None,
+    skip_bad_lines: bool = False, counters: ReadCounters | None = None,
 ) -> Iterator[str]:
-  """The documents of `files`, in order (see the module docstring for the formats)."""
+  """The documents of `files`, in order (see the module docstring for the formats).
+
+  Args:
+    files: input files (`expand_inputs` turns CLI paths into these).
+    doc_separator: `.txt`: "file" (a file is a document) or "blank-line".
+    text_field: `.jsonl[.gz]`: the field holding the text.
+    skip_bad_lines: `.jsonl[.gz]`: count lines that are not JSON objects with a string
+      `text_field` in `counters` and go on, instead of raising InputFormatError.
+    counters: where skipped lines are counted.
+
+  Yields:
+    Document texts (possibly empty: the writer counts and skips those).
+  """
   if doc_separator not in ("file", "blank-line"):
     raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
                            f"{doc_separator!r}")
-  counters = counters if counters is not None else _Counters()
+  counters = counters if counters is not None else ReadCounters()
   for path in files:
     if path.name.endswith(".txt"):
       yield from _read_txt(path, doc_separator)
@@ -378,13 +393,13 @@ def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: in
   _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
   start = time.perf_counter()
   tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size)
-  shards_lib._atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,  # pylint: disable=protected-access
+  shards_lib.atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,
                                          "fingerprint": tokenizer.fingerprint})
   _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
   return tokenizer
 
 
-def builtin_dir(size: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def builtin_dir(*, size: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
   """The cache directory of the built-in corpus of `size` for this Python."""
   from segpack import corpus  # pylint: disable=g-import-not-at-top
 
@@ -394,12 +409,12 @@ def builtin_dir(size: str, cache_dir: str | os.PathLike[str] | None = None) -> P
   return spm_lib.cache_root(cache_dir) / f"builtin-{size}-{corpus.corpus_key(size)}"
 
 
-def builtin_tokenizer(size: str, cache_dir: str | os.PathLike[str] | None = None
+def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None
                       ) -> spm_lib.SpmTokenizer:
   """The cached SentencePiece model of the built-in corpus, trained on first use."""
   from segpack import corpus  # pylint: disable=g-import-not-at-top
 
-  root = builtin_dir(size, cache_dir)
+  root = builtin_dir(size=size, cache_dir=cache_dir)
   with _file_lock(root / ".lock"):
     return _trained_tokenizer((t for _, t in corpus.builtin_documents(split="train", size=size)),
                               root / "spm.model", vocab_size=corpus.SIZES[size],
@@ -440,8 +455,8 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
   """Implements `segpack.corpus.ensure_builtin` (see there)."""
   from segpack import corpus  # pylint: disable=g-import-not-at-top
 
-  root = builtin_dir(size, cache_dir)
-  tokenizer = builtin_tokenizer(size, cache_dir)
+  root = builtin_dir(size=size, cache_dir=cache_dir)
+  tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir)
   with _file_lock(root / ".lock"):
     if (root / "complete.json").exists() and not _intact(root):
       _LOG.warning("cached built-in corpus %s is damaged; rebuilding it", root)
@@ -451,7 +466,7 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
     if not (root / "complete.json").exists():
       _builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
                       shard_tokens=_DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
-      shards_lib._atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint})  # pylint: disable=protected-access
+      shards_lib.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint})
   return corpus.BuiltinDataset(train_dir=root / "train", eval_dir=root / "eval",
                                spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)
 
@@ -462,7 +477,7 @@ def _copy_model(tokenizer: spm_lib.SpmTokenizer, output: Path) -> spm_lib.SpmTok
   if target.exists() and spm_lib.sha256_file(target) == tokenizer.fingerprint.split(":", 1)[1]:
     return spm_lib.SpmTokenizer(target)
   output.mkdir(parents=True, exist_ok=True)
-  shards_lib._atomic_write_bytes(target, tokenizer.model_file.read_bytes())  # pylint: disable=protected-access
+  shards_lib.atomic_write_bytes(target, tokenizer.model_file.read_bytes())
   return spm_lib.SpmTokenizer(target)
 
 
@@ -495,7 +510,7 @@ def tokenize_files(
   if spm_model is not None and vocab_size is not None:
     raise InputFormatError(f"pass --spm-model ({spm_model}) or --vocab-size ({vocab_size}), "
                            f"not both")
-  builtin = [str(p) for p in inputs if str(p).startswith("builtin")]
+  builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
   if builtin:
     if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
       raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
@@ -506,11 +521,11 @@ def tokenize_files(
     elif vocab_size is not None:
       from segpack import corpus  # pylint: disable=g-import-not-at-top
 
-      tokenizer = _trained_tokenizer((t for _, t in corpus.builtin_documents(split="train", size=size)),
-                                     output / "spm.model", vocab_size=vocab_size,
+      train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
+      tokenizer = _trained_tokenizer(train_texts, output / "spm.model", vocab_size=vocab_size,
                                      key={"builtin": corpus.corpus_key(size)})
     else:
-      tokenizer = builtin_tokenizer(size, cache_dir)
+      tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir)
     tokenizer = _copy_model(tokenizer, output)
     return _builtin_splits(output, size, tokenizer, workers=workers, shard_tokens=shard_tokens,
                            progress=progress, overwrite=overwrite)
@@ -528,7 +543,7 @@ def tokenize_files(
   else:
     raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
   start = time.perf_counter()
-  counters = _Counters()
+  counters = ReadCounters()
   manifest, resumed, nbytes = write_dataset(
       iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
       resume_key=_resume_key(dict(ident, tokenizer=tokenizer.fingerprint,

@@ -134,7 +134,8 @@ def test_empty_dataset(tmp_path):
 def test_writer_rejects_bad_documents(tmp_path):
   with ShardWriter(tmp_path, vocab_size=10, tokenizer_fingerprint="x") as w:
     w.write([1, 2])
-    with pytest.raises(ValueError, match=r"document 1 has token id 10 outside \[0, vocab_size=10\)"):
+    with pytest.raises(ValueError,
+                       match=r"document 1 has token id 10 outside \[0, vocab_size=10\)"):
       w.write([3, 10])
     with pytest.raises(ValueError, match="-1"):
       w.write([-1])
@@ -245,7 +246,8 @@ def test_corrupt_manifest(dataset):
   path, _ = dataset
   text = (path / "manifest.json").read_text()
   (path / "manifest.json").write_text(text[: len(text) // 2])
-  with pytest.raises(ShardFormatError, match=r"manifest.json: corrupt manifest, invalid JSON at line"):
+  with pytest.raises(ShardFormatError,
+                     match=r"manifest.json: corrupt manifest, invalid JSON at line"):
     ShardSource(path)
 
 
