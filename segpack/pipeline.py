@@ -340,22 +340,60 @@ def _shard(shard_index: int | None, shard_count: int | None,
 
 def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
                long_docs: str, min_len: int, overlap: int, extra: int,
-               plan_cache_dir: str | os.PathLike | None) -> Any:
-  """Loads the plan from the plan cache, or computes (and caches) it.
+               max_segments_per_row: int | None,
+               plan_cache_dir: str | os.PathLike | None) -> rows_lib.PlanArrays:
+  """Loads the plan from the plan cache, or computes (and caches) it; applies the segment cap.
 
   The cache is keyed by the source's fingerprint (a hash of the lengths when it has none) and all
-  packing parameters; for a shard directory it defaults to `<dataset dir>/plans`.
+  packing parameters; for a shard directory it defaults to `<dataset dir>/plans`. A capped plan is
+  cached too, next to the uncapped one (`<plan key>-maxseg<N>`).
   """
   from segpack import packing  # pylint: disable=g-import-not-at-top
+  from segpack.packing import cache as plan_cache  # pylint: disable=g-import-not-at-top
   fingerprint = getattr(source, "fingerprint", None)
   if plan_cache_dir is None and fingerprint is not None:
     root = getattr(source, "path", None) or getattr(source, "root", None)
     if root is not None:
       plan_cache_dir = os.path.join(os.fspath(root), "plans")
-  return packing.load_or_plan(
-      lengths, seq_len, cache_dir=None if plan_cache_dir is None else os.fspath(plan_cache_dir),
-      key=None if fingerprint is None else str(fingerprint), strategy=strategy,
-      long_docs=long_docs, min_len=min_len, overlap=overlap, extra_tokens=extra)
+  cache_dir = None if plan_cache_dir is None else os.fspath(plan_cache_dir)
+  key = str(fingerprint) if fingerprint is not None else (
+      plan_cache.lengths_fingerprint(lengths) if cache_dir is not None else None)
+  params = dict(strategy=strategy, long_docs=long_docs, min_len=min_len, overlap=overlap,
+                extra_tokens=extra)
+  capped_path = None
+  if cache_dir is not None and max_segments_per_row is not None:
+    capped_path = os.path.join(cache_dir, packing.plan_key(key, seq_len, **params)
+                               + f"-maxseg{int(max_segments_per_row)}")
+    if os.path.isdir(capped_path):
+      try:
+        cached = packing.Plan.load(capped_path, mmap=True)
+        if cached.stats.get("documents") == len(lengths) and cached.seq_len == seq_len:
+          return _plan_arrays(cached)
+      except packing.PlanError:
+        pass  # Recomputed and replaced below.
+  plan = packing.load_or_plan(lengths, seq_len, cache_dir=cache_dir, key=key, **params)
+  if max_segments_per_row is None:
+    return _plan_arrays(plan)
+  arrays = rows_lib.cap_segments_per_row(_plan_arrays(plan), int(max_segments_per_row))
+  if capped_path is None or arrays.num_rows == 0:
+    return arrays
+  capped = packing.Plan(
+      seq_len=plan.seq_len, overlap=plan.overlap, extra_tokens=plan.extra_tokens,
+      strategy=plan.strategy, row_splits=arrays.row_splits, doc=arrays.doc, start=arrays.start,
+      length=arrays.length,
+      stats=dict(plan.stats, max_segments_per_row=int(max_segments_per_row),
+                 rows_before_cap=plan.num_rows))
+  try:
+    capped.save(capped_path)
+    return _plan_arrays(packing.Plan.load(capped_path, mmap=True))
+  except OSError:
+    return arrays  # A read-only data set: use the capped plan uncached.
+
+
+def _plan_arrays(plan: Any) -> rows_lib.PlanArrays:
+  return rows_lib.PlanArrays(seq_len=int(plan.seq_len), overlap=int(plan.overlap),
+                             row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
+                             length=plan.length)
 
 
 def pack_dataset(
@@ -431,18 +469,14 @@ def pack_dataset(
   lengths = _document_lengths(source)
   if lengths.size == 0:
     raise PipelineConfigError(f"pack_dataset: source {source!r:.200} holds no documents")
-  plan = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
-                    long_docs=long_docs, min_len=int(min_len), overlap=int(overlap),
-                    extra=extra, plan_cache_dir=plan_cache_dir)
-  arrays = rows_lib.PlanArrays(seq_len=int(seq_len), overlap=int(overlap),
-                               row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
-                               length=plan.length)
+  arrays = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
+                      long_docs=long_docs, min_len=int(min_len), overlap=int(overlap),
+                      extra=extra, max_segments_per_row=max_segments_per_row,
+                      plan_cache_dir=plan_cache_dir)
   if arrays.num_rows == 0 or len(arrays.doc) == 0:
     raise PipelineConfigError(
         f"pack_dataset: no document of the {lengths.size} in the source survives min_len="
         f"{min_len}; nothing to pack")
-  if max_segments_per_row is not None:
-    arrays = rows_lib.cap_segments_per_row(arrays, int(max_segments_per_row))
   builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths)
   return PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
                        shard_index=index, shard_count=count, drop_remainder=drop_remainder)

@@ -321,6 +321,38 @@ class RowBuilder:
     labels[base + within] = IGNORE_LABEL
 
 
+class _FirstFitTree:
+  """A max-tree over row capacities: the leftmost row with capacity >= need in O(log rows)."""
+
+  def __init__(self, capacity: np.ndarray):
+    size = 1 << max(0, int(capacity.size - 1).bit_length())
+    tree = np.full(2 * size, -1, dtype=np.int64)
+    tree[size:size + capacity.size] = capacity
+    level = size
+    while level > 1:
+      tree[level // 2:level] = np.maximum(tree[level:2 * level:2], tree[level + 1:2 * level:2])
+      level //= 2
+    self._size = size
+    self._tree = tree.tolist()
+
+  def find(self, need: int) -> int:
+    """Leftmost leaf with capacity >= need, or -1."""
+    tree, i = self._tree, 1
+    if tree[1] < need:
+      return -1
+    while i < self._size:
+      i = 2 * i if tree[2 * i] >= need else 2 * i + 1
+    return i - self._size
+
+  def set(self, leaf: int, value: int) -> None:
+    tree, i = self._tree, leaf + self._size
+    tree[i] = value
+    i //= 2
+    while i:
+      tree[i] = max(tree[2 * i], tree[2 * i + 1])
+      i //= 2
+
+
 def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
   """Returns a plan in which no row holds more than `max_segments` pieces.
 
@@ -328,8 +360,9 @@ def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
 
   1. Every row keeps its first `max_segments` pieces (in plan order); the rest overflow.
   2. The overflow pieces, sorted by decreasing length (ties by plan order), are placed first-fit
-     into the rows that still have both free slots and a free segment slot, in row order; a piece
-     that fits nowhere opens a new row at the end of the plan.
+     (a max-tree over row capacities, O(log rows) per piece) into the rows that still have a free
+     segment slot and enough free slots, in row order; a piece that fits nowhere opens a new row
+     at the end of the plan.
   3. Pieces keep their (doc, start, length); the plan is rebuilt row by row, kept pieces first.
 
   Example: seq_len 8, cap 2, rows [[a:3, b:2, c:1], [d:4]] -> c overflows and goes to row 1,
@@ -345,48 +378,37 @@ def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
   counts = np.diff(np.asarray(plan.row_splits, dtype=np.int64))
   if counts.size == 0 or int(counts.max()) <= max_segments:
     return plan
-  row_of_piece = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+  num_rows = counts.size
+  row_of_piece = np.repeat(np.arange(num_rows, dtype=np.int64), counts)
   rank = np.arange(row_of_piece.size, dtype=np.int64) - np.repeat(
       np.asarray(plan.row_splits[:-1], dtype=np.int64), counts)
   length = np.asarray(plan.length, dtype=np.int64)
-  overflow = np.flatnonzero(rank >= max_segments)
   kept = rank < max_segments
-  used = np.bincount(row_of_piece[kept], weights=length[kept], minlength=counts.size)
-  free = plan.seq_len - used.astype(np.int64)
-  slots = max_segments - np.minimum(counts, max_segments)
-  free = np.where(slots > 0, free, 0)
-  order = overflow[np.argsort(-length[overflow], kind="stable")]
-  new_row = row_of_piece.copy()
-  new_rank = rank.copy()
-  extra_free: list[int] = []
-  extra_slots: list[int] = []
-  for p in order.tolist():
-    need = int(length[p])
-    fits = np.flatnonzero(free >= need)
-    if fits.size:
-      r = int(fits[0])
-      new_row[p] = r
-      new_rank[p] = max_segments - slots[r]
-      free[r] -= need
-      slots[r] -= 1
-      if slots[r] == 0:
-        free[r] = 0
-      continue
-    for j, (f, s) in enumerate(zip(extra_free, extra_slots)):
-      if f >= need and s > 0:
-        break
-    else:
-      j = len(extra_free)
-      extra_free.append(plan.seq_len)
-      extra_slots.append(max_segments)
-    new_row[p] = counts.size + j
-    new_rank[p] = max_segments - extra_slots[j]
-    extra_free[j] -= need
-    extra_slots[j] -= 1
+  overflow = np.flatnonzero(~kept)
+  overflow = overflow[np.argsort(-length[overflow], kind="stable")]
+  used = np.bincount(row_of_piece[kept], weights=length[kept], minlength=num_rows)
+  # Candidate rows: existing rows with a free segment slot and free slots, then fresh rows.
+  cand = np.flatnonzero((counts < max_segments) & (used < plan.seq_len))
+  targets = np.concatenate([cand, num_rows + np.arange(overflow.size, dtype=np.int64)])
+  free = np.concatenate([plan.seq_len - used[cand].astype(np.int64),
+                         np.full(overflow.size, plan.seq_len, dtype=np.int64)]).tolist()
+  slots = np.concatenate([max_segments - counts[cand],
+                          np.full(overflow.size, max_segments, dtype=np.int64)]).tolist()
+  tree = _FirstFitTree(np.asarray(free, dtype=np.int64))
+  new_row, new_rank = row_of_piece.copy(), rank.copy()
+  placed = np.empty(overflow.size, dtype=np.int64)
+  for n, (p, need) in enumerate(zip(overflow.tolist(), length[overflow].tolist())):
+    t = tree.find(need)
+    placed[n] = t
+    new_rank[p] = max_segments - slots[t]
+    free[t] -= need
+    slots[t] -= 1
+    tree.set(t, free[t] if slots[t] else -1)
+  new_row[overflow] = targets[placed]
+  total_rows = max(num_rows, int(new_row.max()) + 1)
   perm = np.lexsort((new_rank, new_row))
-  num_rows = counts.size + len(extra_free)
-  row_splits = np.zeros(num_rows + 1, dtype=np.int64)
-  row_splits[1:] = np.cumsum(np.bincount(new_row, minlength=num_rows))
+  row_splits = np.zeros(total_rows + 1, dtype=np.int64)
+  row_splits[1:] = np.cumsum(np.bincount(new_row, minlength=total_rows))
   return dataclasses.replace(
       plan, row_splits=row_splits, doc=np.asarray(plan.doc)[perm],
       start=np.asarray(plan.start)[perm], length=np.asarray(plan.length)[perm])

@@ -321,3 +321,79 @@ def test_long_documents_each_mode():
   got = sorted(s for r in trunc for s in segments_of(r))
   assert got == sorted(expected_chunks(docs, 32, long_docs="truncate"))
   assert sum(len(s) for s in got) == 7 + 32 + 32
+
+
+def write_shards(path, docs, **metadata):
+  shards = pytest.importorskip("segpack.shards")
+  with shards.ShardWriter(str(path), vocab_size=65536, tokenizer_fingerprint="test",
+                          shard_tokens=300, metadata=metadata) as w:
+    for d in docs:
+      w.write(d)
+  return shards.ShardSource(str(path))
+
+
+def test_plan_cache_beside_shards_and_capped_plan_cache(tmp_path, monkeypatch):
+  from segpack import packing, rows
+  docs = make_docs(120, seed=14, max_len=20)
+  src = write_shards(tmp_path / "data", docs)
+  first = pack(src, seq_len=32, num_epochs=1, max_segments_per_row=2)
+  assert os.path.isdir(tmp_path / "data" / "plans")
+  assert any(name.endswith("-maxseg2") for name in os.listdir(tmp_path / "data" / "plans"))
+
+  def boom(*args, **kwargs):
+    raise AssertionError("replanned instead of loading the cache")
+
+  monkeypatch.setattr(packing.planner, "plan", boom)
+  monkeypatch.setattr(rows, "cap_segments_per_row", boom)
+  again = pack(src, seq_len=32, num_epochs=1, max_segments_per_row=2)
+  assert len(again) == len(first)
+  assert all(rows_equal(again[i], first[i]) for i in range(len(first)))
+  assert all(int(r["segment_ids"].max()) <= 2 for r in again)
+  plain = pack(src, seq_len=32, num_epochs=1)  # the uncapped plan was cached by the first call
+  assert sorted(s for r in plain for s in segments_of(r)) == sorted(expected_chunks(docs, 32))
+
+
+def test_special_ids_from_manifest_and_pickling(tmp_path):
+  import pickle
+  docs = make_docs(30, seed=15, max_len=50)
+  src = write_shards(tmp_path / "data", docs, bos_id=BOS, eos_id=EOS)
+  ds = segpack.pack_dataset(str(tmp_path / "data"), seq_len=32, shard_index=0, shard_count=1,
+                            num_epochs=1)
+  assert sorted(s for r in ds for s in segments_of(r)) == sorted(expected_chunks(docs, 32))
+  blob = pickle.dumps(ds)
+  assert len(blob) < 20_000 + 16 * len(docs)  # plan arrays travel as file references
+  clone = pickle.loads(blob)
+  assert all(rows_equal(clone[i], ds[i]) for i in range(len(ds)))
+  from segpack import packing, rows
+  plans = tmp_path / "data" / "plans"
+  plan = packing.Plan.load(str(plans / os.listdir(plans)[0]), mmap=True)
+  arrays = rows.PlanArrays(seq_len=32, overlap=0, row_splits=plan.row_splits, doc=plan.doc,
+                           start=plan.start, length=plan.length)
+  back = pickle.loads(pickle.dumps(arrays))
+  assert isinstance(back.doc, np.memmap) and np.array_equal(back.doc, plan.doc)
+  assert np.array_equal(back.row_splits, plan.row_splits)
+  assert src.fingerprint
+
+
+def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  docs = make_docs(50, seed=16, max_len=60)
+  write_shards(tmp_path / "data", docs)
+  ds = pack(str(tmp_path / "data"), seq_len=32, num_epochs=2, shard_index=1, shard_count=3)
+  iter_ds = ds.to_iter_dataset()
+  it = iter(iter_ds)
+  states, items = [], []
+  for _ in range(len(ds)):  # crosses the epoch boundary
+    states.append(it.get_state())
+    items.append(next(it))
+  for k in range(0, len(states), 2):
+    it2 = iter(iter_ds)
+    it2.set_state(states[k])
+    assert all(rows_equal(next(it2), want) for want in items[k:k + 3]), k
+  got = list(ds.batch(4).to_iter_dataset().mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=2)))
+  want = [ds.batch(4)[i] for i in range(len(ds.batch(4)))]
+  assert len(got) == len(want)
+  assert all(all(np.array_equal(a[f], b[f]) for f in FEATURES) for a, b in zip(got, want))
