@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import json
+import multiprocessing
 import pickle
 
 import grain
@@ -92,6 +93,23 @@ def test_is_a_grain_source_and_pickles_without_token_data(dataset):
   assert clone.fingerprint == src.fingerprint
   ds = grain.MapDataset.source(src).map(lambda x: int(x.sum()))
   assert [ds[i] for i in range(len(docs))] == [int(d.sum()) for d in docs]
+
+
+def _sum_in_worker(args):
+  src, index = args
+  opened_before = src._tokens is not None
+  return opened_before, int(src[index].astype(np.int64).sum())
+
+
+def test_reads_in_spawned_worker_processes(dataset):
+  path, docs = dataset
+  src = ShardSource(path)
+  src[0]
+  ctx = multiprocessing.get_context("spawn")
+  with ctx.Pool(2) as pool:
+    got = pool.map(_sum_in_worker, [(src, i) for i in range(0, len(docs), 4)], chunksize=1)
+  assert not any(opened for opened, _ in got)  # Each copy opened its own memmaps.
+  assert [s for _, s in got] == [int(d.sum()) for d in docs[::4]]
 
 
 def test_concurrent_reads_from_threads(dataset):
