@@ -51,5 +51,16 @@ def test_sharded_rejects_indivisible_heads(mesh):
 
 def test_sharded_rejects_unknown_axis(mesh):
   q, k, v, _ = random_inputs(0, 4, 32, 2, 2, 16)
-  with pytest.raises(AttentionInputError, match="`head_axis`='tensor' is not an axis"):
+  with pytest.raises(AttentionInputError, match="'tensor', not an axis of the mesh"):
     segment_attention(q, k, v, jnp.ones((4, 32), jnp.int32), mesh=mesh, head_axis="tensor")
+
+
+def test_batch_over_a_tuple_of_axes_and_replicated_heads(mesh):
+  """Batch split over both mesh axes (8 ways), heads not split; XLA backend under shard_map."""
+  seg = jnp.asarray(np.concatenate([layouts(32), layouts(32)]))
+  q, k, v, _ = random_inputs(2, 8, 32, 2, 1, 16)
+  f = jax.jit(lambda q, k, v, s: segment_attention(
+      q, k, v, s, mesh=mesh, batch_axis=("data", "model"), head_axis=None))
+  rows = NamedSharding(mesh, P(("data", "model")))
+  out = f(*(jax.device_put(x, rows) for x in (q, k, v, seg)))
+  np.testing.assert_allclose(out, segment_attention(q, k, v, seg), atol=1e-6)

@@ -62,8 +62,8 @@ def segment_attention(
     check_segments: bool = False,
     max_segments_per_row: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    batch_axis: str | None = "data",
-    head_axis: str | None = "model",
+    batch_axis: str | tuple[str, ...] | None = "data",
+    head_axis: str | tuple[str, ...] | None = "model",
 ) -> jax.Array:
   """Attention in which a query sees only keys of its own segment (document).
 
@@ -88,8 +88,8 @@ def segment_attention(
     max_segments_per_row: cuDNN only, the static bound N on segments per row (default S).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
       inputs): the batch split over `batch_axis`, the heads over `head_axis`.
-    batch_axis: mesh axis for the batch (None: replicated).
-    head_axis: mesh axis for the heads (None: replicated); must divide H and K.
+    batch_axis: mesh axis, or tuple of axes, for the batch (None: replicated).
+    head_axis: mesh axis, or tuple of axes, for the heads (None: replicated); must divide H and K.
 
   Returns:
     `[B, S, H, D]` in the dtype of `q`; zeros at padding queries.

@@ -17,13 +17,20 @@ from jax.sharding import Mesh, PartitionSpec as P
 from segpack.attention.checks import AttentionInputError
 
 
-def _axis_size(mesh: Mesh, axis: str | None, arg: str) -> int:
-  if axis is None:
-    return 1
-  if axis not in mesh.shape:
-    raise AttentionInputError(
-        f"segment_attention: `{arg}`={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
-  return mesh.shape[axis]
+AxisNames = str | tuple[str, ...] | None
+
+
+def _axis_size(mesh: Mesh, axis: AxisNames, arg: str) -> int:
+  """Devices along one mesh axis name, or the product over a tuple of names."""
+  names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+  size = 1
+  for name in names:
+    if name not in mesh.shape:
+      raise AttentionInputError(
+          f"segment_attention: `{arg}`={axis!r} names {name!r}, not an axis of the mesh "
+          f"{dict(mesh.shape)}")
+    size *= mesh.shape[name]
+  return size
 
 
 def shard_attention(
@@ -34,8 +41,8 @@ def shard_attention(
     segment_ids_BxS: jax.Array,
     *,
     mesh: Mesh,
-    batch_axis: str | None = "data",
-    head_axis: str | None = "model",
+    batch_axis: AxisNames = "data",
+    head_axis: AxisNames = "model",
     **kwargs: Any,
 ) -> jax.Array:
   """Runs `attention_fn(q, k, v, segment_ids, **kwargs)` per device under `shard_map`.
@@ -47,8 +54,9 @@ def shard_attention(
     v_BxSxKxD: values.
     segment_ids_BxS: segment ids.
     mesh: the device mesh.
-    batch_axis: mesh axis splitting the batch, or None.
-    head_axis: mesh axis splitting the heads, or None.
+    batch_axis: mesh axis (or tuple of axes, e.g. `("data", "fsdp")`) splitting the batch, or
+      None.
+    head_axis: mesh axis (or tuple of axes) splitting the heads, or None.
     **kwargs: passed to `attention_fn`.
 
   Returns:
