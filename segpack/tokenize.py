@@ -31,7 +31,7 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
+import signal
 import sys
 import time
 import zlib
@@ -224,6 +224,7 @@ _WORKER_TOKENIZER: spm_lib.SpmTokenizer | None = None
 
 def _worker_init(model_file: str) -> None:
   global _WORKER_TOKENIZER
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
   _WORKER_TOKENIZER = spm_lib.SpmTokenizer(model_file)
 
 
