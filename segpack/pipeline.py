@@ -12,13 +12,13 @@ from __future__ import annotations
 import builtins
 import os
 import sys
+import threading
 from typing import Any, Sequence
 
 import grain
 import numpy as np
 
 from segpack import rows as rows_lib
-
 
 
 class PipelineConfigError(ValueError):
@@ -31,7 +31,7 @@ def _strategies() -> tuple[str, ...]:
 
 
 def _epoch_seed(seed: int, epoch: int) -> np.random.Generator:
-  return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(epoch)]))
+  return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
 
 
 class PackedDataset(grain.MapDataset):
@@ -76,6 +76,17 @@ class PackedDataset(grain.MapDataset):
     else:
       self._length = num_epochs * self._rows_per_process
     self._perm_cache: dict[int, np.ndarray] = {}
+    self._perm_lock = threading.Lock()
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state["_perm_cache"] = {}
+    del state["_perm_lock"]
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._perm_lock = threading.Lock()
 
   @property
   def seq_len(self) -> int:
@@ -100,13 +111,15 @@ class PackedDataset(grain.MapDataset):
             f"shard={self._shard_index}/{self._shard_count})")
 
   def _permutation(self, epoch: int) -> np.ndarray:
-    perm = self._perm_cache.get(epoch)
-    if perm is None:
-      perm = _epoch_seed(self._seed, epoch).permutation(self._builder.num_rows)
-      if len(self._perm_cache) >= 2:
-        self._perm_cache.pop(next(iter(self._perm_cache)))
-      self._perm_cache[epoch] = perm
-    return perm
+    """The row order of `epoch` (the last two epochs' orders are kept; thread-safe)."""
+    with self._perm_lock:
+      perm = self._perm_cache.get(epoch)
+      if perm is None:
+        perm = _epoch_seed(self._seed, epoch).permutation(self._builder.num_rows)
+        if len(self._perm_cache) >= 2:
+          self._perm_cache.pop(next(iter(self._perm_cache)))
+        self._perm_cache[epoch] = perm
+      return perm
 
   def plan_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """Maps element indices of this dataset to plan row indices (-1: an all-padding row).
@@ -281,8 +294,10 @@ def _special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
 
 
 def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_epochs,
-                max_segments_per_row) -> None:
+                max_segments_per_row, seed) -> None:
   """Validates the scalar arguments of `pack_dataset` (before any pass over the data)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise PipelineConfigError(f"pack_dataset: seed must be an int >= 0, got {seed!r}")
   if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
     raise PipelineConfigError(f"pack_dataset: seq_len must be an int, got {seq_len!r}")
   if seq_len <= extra:
@@ -459,7 +474,7 @@ def pack_dataset(
   extra = int(bool(add_bos)) + int(bool(add_eos))
   _check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
               overlap=overlap, extra=extra, num_epochs=num_epochs,
-              max_segments_per_row=max_segments_per_row)
+              max_segments_per_row=max_segments_per_row, seed=seed)
   index, count, drop_remainder = _shard(shard_index, shard_count, shard_options)
   source = _open_source(source)
   special = rows_lib.SpecialTokens(
@@ -478,5 +493,10 @@ def pack_dataset(
         f"pack_dataset: no document of the {lengths.size} in the source survives min_len="
         f"{min_len}; nothing to pack")
   builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths)
-  return PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
-                       shard_index=index, shard_count=count, drop_remainder=drop_remainder)
+  dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
+                          shard_index=index, shard_count=count, drop_remainder=drop_remainder)
+  if dataset.rows_per_epoch == 0:
+    raise PipelineConfigError(
+        f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
+        f"drop_remainder=True: every process would get no rows")
+  return dataset

@@ -309,6 +309,11 @@ def test_bad_inputs():
     pack([np.arange(3), np.ones((2, 2), np.int32)], seq_len=32)
   with pytest.raises(ValueError, match="min_len"):
     pack(docs, seq_len=32, min_len=10**6)
+  with pytest.raises(ValueError, match="seed"):
+    pack(docs, seq_len=32, seed=-1)
+  with pytest.raises(ValueError, match="fewer than shard_count=1000"):
+    pack(docs[:2], seq_len=32, shard_index=None, shard_count=None,
+         shard_options=grain.sharding.ShardOptions(0, 1000, drop_remainder=True))
   ok = pack(docs, seq_len=32, add_bos=False, add_eos=False, bos_id=None, eos_id=None)
   assert ok.num_plan_rows >= 1
 
