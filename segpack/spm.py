@@ -26,6 +26,7 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,6 +103,13 @@ class SpmTokenizer:
 
   def id_to_piece(self, token_id: int) -> str:
     return self._sp.id_to_piece(int(token_id))
+
+  def describe(self) -> dict[str, Any]:
+    """JSON-ready description (stored as the shard manifest's `metadata["tokenizer"]`)."""
+    return {"type": "sentencepiece", "model_file": self.model_file.name,
+            "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id, "unk_id": self.unk_id, "bos_id": self.bos_id,
+            "eos_id": self.eos_id}
 
   def __repr__(self) -> str:
     return f"SpmTokenizer({str(self.model_file)!r}, vocab_size={self.vocab_size})"

@@ -298,7 +298,8 @@ def write_dataset(
       key are kept, a complete dataset with the same key is returned as is.
     workers: tokenizer processes (1: tokenize in this process).
     shard_tokens: target tokens per shard.
-    metadata: stored in the manifest.
+    metadata: stored in the manifest, with `tokenizer` (`SpmTokenizer.describe()`: special ids
+      such as `bos_id` and `eos_id` that the packing pipeline reads) added.
     progress: show a progress bar on stderr.
     overwrite: replace a complete dataset made with a different key (else InputFormatError).
 
@@ -318,6 +319,7 @@ def write_dataset(
       raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
                              f"inputs or settings; pass --overwrite to replace it")
   texts = iter(texts)
+  metadata = dict(metadata or {}, tokenizer=tokenizer.describe())
   writer = shards_lib.ShardWriter(
       output, vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint,
       shard_tokens=shard_tokens, metadata=metadata, resume_key=resume_key)

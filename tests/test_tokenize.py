@@ -59,6 +59,9 @@ def test_txt_jsonl_and_gz_inputs_round_trip_in_order(tmp_path, model, texts):
   lengths = ShardSource(tmp_path / "out2").lengths
   assert s.tokens == lengths.sum() and s.median_length == np.median(lengths)
   assert s.dtype == "uint16"
+  tok = ShardSource(tmp_path / "out2").manifest["metadata"]["tokenizer"]
+  assert (tok["pad_id"], tok["bos_id"], tok["eos_id"]) == (0, 2, 3)
+  assert tok["fingerprint"] == spm.SpmTokenizer(model).fingerprint
 
 
 def test_blank_line_separator_and_directories(tmp_path, model):
