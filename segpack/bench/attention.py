@@ -126,8 +126,12 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
   return 1e3 * float(np.median(times))
 
 
-def _implementations(seg_max: int, block: int) -> dict[str, Callable[..., jax.Array]]:
-  """The attention functions timed on a GPU, each `(q, k, v, seg) -> out`, causal."""
+def _implementations(seg_max: int, block: int, interpret: bool = False
+                     ) -> dict[str, Callable[..., jax.Array]]:
+  """The attention functions timed on a GPU, each `(q, k, v, seg) -> out`, causal.
+
+  `interpret=True` runs the Pallas ones in interpret mode (to check this code on a CPU).
+  """
   from segpack.attention import segment_attention  # pylint: disable=g-import-not-at-top
   from segpack.attention.pallas import segment_attention_pallas  # pylint: disable=g-import-not-at-top
 
@@ -139,14 +143,15 @@ def _implementations(seg_max: int, block: int) -> dict[str, Callable[..., jax.Ar
                                      block_kv_dkv=block // 2, block_q_dq=block // 2,
                                      block_kv_dq=block // 2)
     return jax_attention.mha(q, k, v, seg, sm_scale=q.shape[-1]**-0.5, causal=True,
-                             block_sizes=sizes)
+                             block_sizes=sizes, interpret=interpret)
 
   return {
       "segment": lambda q, k, v, seg: segment_attention(
-          q, k, v, seg, implementation="pallas", block_q=block, block_k=block),
+          q, k, v, seg, implementation="pallas", block_q=block, block_k=block,
+          interpret=interpret),
       "pallas_dense": lambda q, k, v, seg: segment_attention_pallas(
           q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, block_q=block, block_k=block,
-          skip_blocks=False),
+          skip_blocks=False, interpret=interpret),
       "xla_dense": lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla"),
       "jax_mha": jax_mha,
       "cudnn": lambda q, k, v, seg: segment_attention(
@@ -155,7 +160,8 @@ def _implementations(seg_max: int, block: int) -> dict[str, Callable[..., jax.Ar
 
 
 def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, block: int,
-                repeats: int, peak_tflops: float | None) -> dict[str, Any]:
+                repeats: int, peak_tflops: float | None, interpret: bool = False
+                ) -> dict[str, Any]:
   """Forward and forward+backward times (ms) and useful TFLOP/s of every implementation."""
   b, s = seg.shape
   keys = jax.random.split(jax.random.key(0), 4)
@@ -167,7 +173,7 @@ def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, bl
   flops = useful_flops(seg, heads=heads, head_dim=head_dim)
   seg_max = int(max(len(_runs(r)) for r in seg))
   rec: dict[str, Any] = {}
-  for name, fn in _implementations(seg_max, block).items():
+  for name, fn in _implementations(seg_max, block, interpret).items():
     fwd = jax.jit(fn)
 
     @jax.jit
@@ -209,12 +215,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                  packing=source, **counts)
       rec["computed_over_ideal"] = counts["tiles_computed"] / counts["tiles_ideal"]
       rec["dense_over_computed"] = counts["tiles_dense"] / counts["tiles_computed"]
-      if on_gpu:
+      if on_gpu or args.interpret:
         b = max(1, min(len(seg), args.tokens // s))
         rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind)
         rec.update(time_config(seg[:b], heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
                                block=args.block, repeats=args.repeats,
-                               peak_tflops=_peak_tflops(device)))
+                               peak_tflops=_peak_tflops(device), interpret=args.interpret))
       else:
         rec.update(device=f"{device.platform} ({device.device_kind})", timings=NOT_MEASURED)
       rec["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
@@ -292,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--mean", type=float, default=800.0)
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--interpret", action="store_true",
+                  help="run the GPU timing path in Pallas interpret mode (checks the code on a "
+                  "CPU; the times mean nothing)")
   ap.add_argument("--json", action="store_true", help="one JSON record per config, one a line")
   ap.add_argument("--plot", default=None, help="write a PNG plot here")
   args = ap.parse_args(argv)
