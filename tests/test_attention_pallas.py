@@ -65,6 +65,20 @@ def test_pallas_grouped_query_g4_uneven_blocks_and_padded_shapes():
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
+def test_pallas_random_layouts_small_blocks():
+  """Random packings (padding between documents, short and long runs), blocks of 16 and 32."""
+  from test_attention import _random_rows
+  seg = jnp.asarray(_random_rows(np.random.default_rng(4), 3, 128))
+  q, k, v, dout = random_inputs(4, 3, 128, 2, 1, 32)
+  for causal in (True, False):
+    fn = _pallas(causal, block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    out, grads = jax.jit(lambda *a, fn=fn: _fwd_bwd(fn, *a))(q, k, v, seg, dout)
+    want, grads_want = reference(q, k, v, seg, causal=causal, dout=dout)
+    np.testing.assert_allclose(out, want, atol=2e-5)
+    for got, ref in zip(grads, grads_want):
+      np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
 def test_pallas_float16_forward():
   seg = jnp.asarray(layouts(S))
   q, k, v, _ = random_inputs(9, 4, S, 2, 1, 64, jnp.float16)
