@@ -314,9 +314,9 @@ def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_ep
         f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(packing.LONG_DOCS)}")
   if not isinstance(min_len, (int, np.integer)) or min_len < 0:
     raise PipelineConfigError(f"pack_dataset: min_len must be an int >= 0, got {min_len!r}")
-  if not isinstance(overlap, (int, np.integer)) or not 0 <= overlap < seq_len - 1:
+  if not isinstance(overlap, (int, np.integer)) or not 0 <= overlap < seq_len:
     raise PipelineConfigError(
-        f"pack_dataset: overlap must be an int in [0, seq_len - 1) = [0, {seq_len - 1}), "
+        f"pack_dataset: overlap must be an int in [0, seq_len) = [0, {seq_len}), "
         f"got {overlap!r}")
   if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer))
                                  or num_epochs <= 0):

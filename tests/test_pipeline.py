@@ -107,7 +107,8 @@ def pack(docs, **kwargs):
 
 @pytest.mark.parametrize("strategy", ["ffd", "bfd", "greedy", "pad", "sorted_pad"])
 @pytest.mark.parametrize("seq_len,overlap,add_bos,add_eos", [
-    (16, 0, True, True), (32, 4, True, True), (24, 0, False, True), (64, 0, True, False)])
+    (16, 0, True, True), (32, 4, True, True), (24, 0, False, True), (64, 0, True, False),
+    (16, 15, True, True)])
 def test_every_token_once_in_order(strategy, seq_len, overlap, add_bos, add_eos):
   docs = make_docs(60, seed=seq_len, max_len=90)  # many documents longer than seq_len
   ds = pack(docs, seq_len=seq_len, strategy=strategy, overlap=overlap, add_bos=add_bos,
@@ -302,7 +303,7 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="eos_id"):
     segpack.pack_dataset(docs, seq_len=32, bos_id=BOS, shard_index=0, shard_count=1)
   with pytest.raises(ValueError, match="overlap"):
-    pack(docs, seq_len=32, overlap=31)
+    pack(docs, seq_len=32, overlap=32)
   with pytest.raises(ValueError, match="shard_index"):
     pack(docs, seq_len=32, shard_index=2, shard_count=2)
   with pytest.raises(ValueError, match="source\\[1\\]"):
