@@ -53,6 +53,9 @@ _SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 512
 _DEFAULT_SHARD_TOKENS = 1 << 27
+# Bump when the cached built-in shards change (not the model): a cache with another layout is
+# re-tokenized (seconds), keeping its SentencePiece model (minutes).
+_BUILTIN_LAYOUT = 2
 
 
 class InputFormatError(ValueError):
@@ -432,7 +435,8 @@ def _builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *,
   for split in ("train", "eval"):
     start = time.perf_counter()
     key = _resume_key({"builtin": corpus.corpus_key(size), "split": split,
-                       "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens})
+                       "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens,
+                       "layout": _BUILTIN_LAYOUT})
     manifest, resumed, nbytes = write_dataset(
         (text for _, text in corpus.builtin_documents(split=split, size=size)), output / split,
         tokenizer=tokenizer, resume_key=key, workers=workers, shard_tokens=shard_tokens,
@@ -444,7 +448,13 @@ def _builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *,
 
 
 def _intact(root: Path) -> bool:
-  """Whether both cached splits pass the structural checks."""
+  """Whether both cached splits pass the structural checks and have the current layout."""
+  try:
+    done = json.loads((root / "complete.json").read_text("utf-8"))
+    if not isinstance(done, dict) or done.get("layout") != _BUILTIN_LAYOUT:
+      return False
+  except (OSError, ValueError):
+    return False
   try:
     shards_lib.ShardSource(root / "train")
     shards_lib.ShardSource(root / "eval")
@@ -462,14 +472,15 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
   tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir)
   with _file_lock(root / ".lock"):
     if (root / "complete.json").exists() and not _intact(root):
-      _LOG.warning("cached built-in corpus %s is damaged; rebuilding it", root)
+      _LOG.warning("cached built-in corpus %s is damaged or outdated; re-tokenizing it", root)
       for path in (root / "complete.json", root / "train" / shards_lib.MANIFEST_NAME,
                    root / "eval" / shards_lib.MANIFEST_NAME):
         path.unlink(missing_ok=True)
     if not (root / "complete.json").exists():
       _builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
                       shard_tokens=_DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
-      shards_lib.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint})
+      shards_lib.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint,
+                                                            "layout": _BUILTIN_LAYOUT})
   return corpus.BuiltinDataset(train_dir=root / "train", eval_dir=root / "eval",
                                spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)
 
