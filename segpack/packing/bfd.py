@@ -22,10 +22,9 @@ class BestFitDecreasing:
        at once; only the last bin touched may take fewer and stay with room `>= L`.
     4. Chunks left when no bin has room open new bins, `seq_len // L` per bin.
 
-  Example: seq_len 10, lengths [7, 6, 3, 3, 3]. 7 -> bin 0 (room 3); 6 -> bin 1 (room 4). The
-  3s: bucket 3 = {0} takes one (room 0); bucket 4 = {1} takes one (room 1); the last opens
-  bin 2. First fit would have put the same chunks the same way here, but with lengths
-  [6, 7, 3] best fit picks bin 1 (room 3) for the 3 where first fit picks bin 0 (room 4).
+  Example: seq_len 100, lengths [60, 45, 42, 13]. 60 -> bin 0 (room 40); 45 -> bin 1 (room
+  55); 42 does not fit bin 0 -> bin 1 (room 13). For the 13, bucket 13 = {1} is the smallest
+  room that fits, so it goes to bin 1 (room 0), where first fit would pick bin 0 (room 40).
   """
 
   def __init__(self, seq_len: int):
