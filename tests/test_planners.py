@@ -515,3 +515,13 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
   assert all(r["rows"] >= r["lower_bound"] for r in plan_rows_)
   load = out["results"][-1]
   assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
+
+
+def test_unwritable_cache_returns_the_plan_uncached(tmp_path, monkeypatch, caplog):
+  def refuse(self, path):
+    raise PermissionError(f"read-only: {path}")
+
+  monkeypatch.setattr(packing.Plan, "save", refuse)
+  p = packing.load_or_plan(np.arange(1, 20), 16, cache_dir=tmp_path / "ro", key="k")
+  assert p.num_pieces == 19 + 3  # 17, 18 and 19 are split in two
+  assert "cannot write the plan cache" in caplog.text
