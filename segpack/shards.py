@@ -69,6 +69,20 @@ def _shard_names(index: int) -> tuple[str, str, str]:
   return f"{stem}.tokens", f"{stem}.offsets", f"{stem}.done.json"
 
 
+def _fsync_dir(path: Path) -> None:
+  """Makes a rename in `path` durable (best effort: some filesystems refuse directory fsync)."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
   """Writes `data` to `path` through a temporary file in the same directory and a rename."""
   # Not tempfile.mkstemp: its files are mode 0600, these should follow the umask like any other.
@@ -79,6 +93,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
   except BaseException:
     Path(tmp).unlink(missing_ok=True)
     raise

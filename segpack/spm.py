@@ -60,12 +60,17 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 class SpmTokenizer:
   """A SentencePiece model with segpack's id conventions.
 
-  Encoding and decoding delegate to SentencePiece; the wrapper adds the reserved ids, NumPy
-  output in the shard dtype and a fingerprint (the SHA-256 of the model file) that shard
-  manifests record, so tokens are never decoded with the wrong model.
+  Algorithm:
+    1. Load: the model file's SHA-256 becomes `fingerprint` (shard manifests record it, so
+       tokens are never decoded with another model); the reserved ids are read from the model.
+    2. `encode`: SentencePiece segments the text into the most likely pieces (spaces are the
+       marker "▁", characters outside the vocabulary become UTF-8 byte pieces) and the ids are
+       returned as a NumPy array in the shard dtype. No BOS/EOS is added.
+    3. `decode`: ids back to pieces, byte pieces back to characters, "▁" back to spaces; the
+       control ids (pad, bos, eos) decode to nothing.
 
-  Example: `tok.encode("def f():\\n")` gives e.g. [612, 265, 23, 4] and
-  `tok.decode([612, 265, 23, 4]) == "def f():\\n"`.
+  Example: with the built-in 8k model, `tok.encode("    return x\\n")` is the pieces
+  ["▁▁▁▁", "return", "▁", "x", "\\n"] and `tok.decode` of their ids gives the text back.
   """
 
   def __init__(self, model_file: str | os.PathLike[str]):
