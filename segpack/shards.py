@@ -507,7 +507,8 @@ class ShardSource:
           p = self.path / shard["tokens"]
           _require(p.stat().st_size == shard["num_tokens"] * self.dtype.itemsize, p,
                    "token file changed size since the dataset was opened")
-          toks.append(np.memmap(p, dtype=self.dtype, mode="r"))
+          toks.append(np.memmap(p, dtype=self.dtype, mode="r") if shard["num_tokens"]
+                      else np.zeros(0, dtype=self.dtype))  # An empty file cannot be mapped.
           offs.append(np.memmap(self.path / shard["offsets"], dtype=_OFFSET_DTYPE, mode="r"))
         self._offsets = offs
         self._tokens = toks

@@ -15,7 +15,8 @@ normalisation left. Reserved ids: pad=0 (packed rows put 0 on padding), unk=1, b
 
 Training is deterministic: the input sentences are the first `max_sentences` non-blank lines in
 input order (no sampling) and the thread count is fixed (SentencePiece's result depends on it), so
-the same text and settings give a byte-identical model file.
+the same text and settings give a byte-identical model file (the sentences are streamed from an
+iterator and the model returned in memory, so it records no temporary paths either).
 """
 
 from __future__ import annotations

@@ -149,6 +149,20 @@ def test_empty_dataset(tmp_path):
   src.verify()
 
 
+def test_hand_made_empty_shard_is_readable(tmp_path):
+  _write(tmp_path, [[1, 2]], vocab=10)
+  (tmp_path / "empty.tokens").write_bytes(b"")
+  np.zeros(1, "<i8").tofile(tmp_path / "empty.offsets")
+  empty_hash = __import__("hashlib").sha256(b"").hexdigest()
+  zero_hash = __import__("hashlib").sha256(bytes(8)).hexdigest()
+  _edit_manifest(tmp_path, lambda m: m["shards"].insert(0, {
+      "tokens": "empty.tokens", "offsets": "empty.offsets", "num_documents": 0, "num_tokens": 0,
+      "sha256": {"tokens": empty_hash, "offsets": zero_hash}}))
+  src = ShardSource(tmp_path)
+  np.testing.assert_array_equal(src[0], [1, 2])
+  src.verify()
+
+
 def test_writer_rejects_bad_documents(tmp_path):
   with ShardWriter(tmp_path, vocab_size=10, tokenizer_fingerprint="x") as w:
     w.write([1, 2])
