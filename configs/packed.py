@@ -27,7 +27,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.synthetic_vocab = 512  # synthetic source: vocabulary size
 
   c.packing = ml_collections.ConfigDict()
-  c.packing.seq_len = 512  # slots per row
+  c.packing.seq_len = 256  # slots per row
   c.packing.strategy = "ffd"  # planner: ffd, bfd, greedy, pad (one document per row), sorted_pad
   c.packing.long_docs = "split"  # documents longer than a row: "split" into chunks or "truncate"
   c.packing.max_segments_per_row = config_dict.placeholder(int)  # cap on documents per row

@@ -88,24 +88,29 @@ print(json.dumps(T.train_and_evaluate(c, sys.argv[1])))
 
 
 def _child(workdir, kill_at):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, 'tests')]))
-  return subprocess.run([sys.executable, "-c", _CHILD, str(workdir), str(kill_at)], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=300)
+  """Starts a 1-device training subprocess that SIGKILLs itself after fetching batch `kill_at`."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.Popen([sys.executable, "-c", _CHILD, str(workdir), str(kill_at)], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc, returncode):
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == returncode, err[-3000:]
+  return out
 
 
 def test_kill_minus_9_then_resume_sees_the_same_batches(tmp_path):
+  work = tmp_path / "killed"
   straight = _child(tmp_path / "straight", 0)
-  assert straight.returncode == 0, straight.stderr[-3000:]
+  _wait(_child(work, 5), -9)  # killed between checkpoints 3 and 6 ...
+  _wait(_child(work, 7), -9)  # ... then again after resuming from 3
+  resumed = _wait(_child(work, 0), 0)
+  assert json.loads(resumed.strip().splitlines()[-1])["resumed_from"] == 6
+  _wait(straight, 0)
   want = {b["step"]: b["fingerprint"] for b in _batches(tmp_path / "straight" / "batches.jsonl")}
   assert sorted(want) == list(range(1, 10)) and len(set(want.values())) == 9
-
-  work = tmp_path / "killed"
-  for kill_at in (5, 7):  # killed between checkpoints, then again after the resume
-    killed = _child(work, kill_at)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-  resumed = _child(work, 0)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from"] == 6
 
   seen = _batches(work / "batches.jsonl")
   assert {b["step"] for b in seen} == set(want)  # nothing dropped
@@ -113,7 +118,7 @@ def test_kill_minus_9_then_resume_sees_the_same_batches(tmp_path):
     assert b["fingerprint"] == want[b["step"]], b["step"]
   # Steps after the last checkpoint are replayed: 4, 5 (ckpt 3), then 7 (ckpt 6).
   assert [b["step"] for b in seen] == [1, 2, 3, 4, 5, 4, 5, 6, 7, 7, 8, 9]
-  # Identical data + restored optimizer state: the same final losses as the straight run.
+  # Identical data + restored optimizer state: the same losses as the straight run.
   final = {r["step"]: r["loss"] for r in _records(tmp_path / "straight", "train")}
   for r in _records(work, "train"):
     np.testing.assert_allclose(r["loss"], final[r["step"]], rtol=1e-5)
