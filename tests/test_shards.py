@@ -1,6 +1,7 @@
 """Tests for segpack.shards: the writer, the reader and every structural error."""
 
 import concurrent.futures
+import hashlib
 import json
 import multiprocessing
 import pickle
@@ -153,8 +154,8 @@ def test_hand_made_empty_shard_is_readable(tmp_path):
   _write(tmp_path, [[1, 2]], vocab=10)
   (tmp_path / "empty.tokens").write_bytes(b"")
   np.zeros(1, "<i8").tofile(tmp_path / "empty.offsets")
-  empty_hash = __import__("hashlib").sha256(b"").hexdigest()
-  zero_hash = __import__("hashlib").sha256(bytes(8)).hexdigest()
+  empty_hash = hashlib.sha256(b"").hexdigest()
+  zero_hash = hashlib.sha256(bytes(8)).hexdigest()
   _edit_manifest(tmp_path, lambda m: m["shards"].insert(0, {
       "tokens": "empty.tokens", "offsets": "empty.offsets", "num_documents": 0, "num_tokens": 0,
       "sha256": {"tokens": empty_hash, "offsets": zero_hash}}))
