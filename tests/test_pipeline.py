@@ -309,11 +309,11 @@ def test_shard_source_input(tmp_path):
 
 def test_bad_inputs():
   docs = make_docs(10)
-  with pytest.raises(ValueError, match="seq_len=2"):
+  with pytest.raises(pipeline.PipelineConfigError, match="seq_len=2"):
     pack(docs, seq_len=2)
   with pytest.raises(ValueError, match="'fdd'.*ffd.*bfd.*greedy"):
     pack(docs, seq_len=32, strategy="fdd")
-  with pytest.raises(ValueError, match="no documents"):
+  with pytest.raises(pipeline.PipelineConfigError, match="no documents"):
     pack([], seq_len=32)
   with pytest.raises(ValueError, match="long_docs 'drop'"):
     pack(docs, seq_len=32, long_docs="drop")
