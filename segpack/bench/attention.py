@@ -28,10 +28,13 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.experimental.pallas.ops.gpu import attention as jax_attention
 import jax.numpy as jnp
 import numpy as np
 
 from segpack.attention import blocks
+from segpack.attention import segment_attention
+from segpack.attention.pallas import segment_attention_pallas
 
 NOT_MEASURED = "not measured"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -132,11 +135,8 @@ def _implementations(seg_max: int, block: int, interpret: bool = False
 
   `interpret=True` runs the Pallas ones in interpret mode (to check this code on a CPU).
   """
-  from segpack.attention import segment_attention  # pylint: disable=g-import-not-at-top
-  from segpack.attention.pallas import segment_attention_pallas  # pylint: disable=g-import-not-at-top
 
   def jax_mha(q, k, v, seg):
-    from jax.experimental.pallas.ops.gpu import attention as jax_attention  # pylint: disable=g-import-not-at-top
     g = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)  # mha has no grouped-query heads
     sizes = jax_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=block // 2,
