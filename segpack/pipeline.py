@@ -121,6 +121,21 @@ class PackedDataset(grain.MapDataset):
         self._perm_cache[epoch] = perm
       return perm
 
+  def _plan_row(self, index: int) -> int:
+    """`plan_rows` for one index, with Python integers (the per-element path)."""
+    index = int(index)
+    if not self._length:
+      raise IndexError(f"PackedDataset is empty; index {index} is out of range")
+    if self._num_epochs is not None:
+      index %= self._length
+    elif index < 0:
+      raise IndexError(f"negative index into an infinite PackedDataset: {index}")
+    epoch, j = divmod(index, self._rows_per_process)
+    g = j * self._shard_count + self._shard_index
+    if g >= self._builder.num_rows:
+      return rows_lib.PADDING_ROW
+    return int(self._permutation(epoch)[g]) if self._shuffle else g
+
   def plan_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """Maps element indices of this dataset to plan row indices (-1: an all-padding row).
 
@@ -150,8 +165,7 @@ class PackedDataset(grain.MapDataset):
     if isinstance(index, builtins.slice):
       return self.slice(index)
     with self._stats.record_self_time():
-      features = self._builder.build(self.plan_rows([index]))
-      return self._stats.record_output_spec({k: v[0] for k, v in features.items()})
+      return self._stats.record_output_spec(self._builder.build_row(self._plan_row(index)))
 
   def _getitems(self, indices: Sequence[int]):
     features = self._builder.build(self.plan_rows(list(indices)))

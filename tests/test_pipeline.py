@@ -122,6 +122,11 @@ def test_every_token_once_in_order(strategy, seq_len, overlap, add_bos, add_eos)
     got.extend(segments_of(row))
   want = expected_chunks(docs, seq_len, add_bos=add_bos, add_eos=add_eos, overlap=overlap)
   assert sorted(got) == sorted(want)
+  batched = ds.batch(7)  # the vectorized batch path builds the same rows as the per-row path
+  for b in range(len(batched)):
+    batch = batched[b]
+    for n in range(batch["input_ids"].shape[0]):
+      assert rows_equal({k: v[n] for k, v in batch.items()}, rows[b * 7 + n])
 
 
 def test_truncate_and_min_len():
@@ -246,6 +251,14 @@ def test_batch_fast_path_equals_grain_batch():
     a, b = fast[i], slow[i]
     assert all(np.array_equal(a[k], b[k]) for k in FEATURES)
     assert a["input_ids"].dtype == np.int32
+  padding = 0
+  for p in range(4):  # with padding rows
+    sharded = pack(docs, seq_len=32, num_epochs=1, shard_index=p, shard_count=4)
+    batch = sharded.batch(len(sharded))[0]
+    for i in range(len(sharded)):
+      assert rows_equal({k: v[i] for k, v in batch.items()}, sharded[i])
+      padding += not sharded[i]["segment_ids"].any()
+  assert padding == 4 * sharded.rows_per_epoch - sharded.num_plan_rows > 0
   inf = pack(docs, seq_len=32)
   for i in (0, 5, 17):
     a, b = inf.batch(3)[i], grain.MapDataset.batch(inf, 3)[i]
