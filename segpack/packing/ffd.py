@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from segpack.packing.runs import Placement, open_new_bins, run_decreasing
+from segpack.packing.runs import Placement, max_bins, open_new_bins, run_decreasing
 
 _BLOCK = 128
 
@@ -78,4 +78,4 @@ class FirstFitDecreasing:
 
 def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
   """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
-  return run_decreasing(FirstFitDecreasing(seq_len, len(length)), length, seq_len)
+  return run_decreasing(FirstFitDecreasing(seq_len, max_bins(length, seq_len)), length, seq_len)

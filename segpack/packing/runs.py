@@ -65,6 +65,17 @@ def open_new_bins(m: int, size: int, seq_len: int, first_bin: int
   return bins, counts, seq_len - counts * size
 
 
+def max_bins(length: np.ndarray, seq_len: int) -> int:
+  """An upper bound on the bins any-fit packing (FFD, BFD) opens: `2 * ceil(total / seq_len) + 1`.
+
+  Any-fit opens a bin only when no open bin has room, so no two bins end at most half full (the
+  first chunk of the later one would have fit the earlier one): all bins but one hold more than
+  `seq_len / 2`.
+  """
+  total = int(length.sum(dtype=np.int64))
+  return min(len(length), 2 * -(-total // seq_len) + 1)
+
+
 def run_decreasing(packer: RunPacker, length: np.ndarray, seq_len: int) -> Placement:
   """Feeds the chunks to `packer` run by run, longest first, and records bins and ranks."""
   n = len(length)
@@ -72,7 +83,7 @@ def run_decreasing(packer: RunPacker, length: np.ndarray, seq_len: int) -> Place
   sorted_len = length[order]
   bins = np.empty(n, np.int64)
   rank = np.empty(n, np.int64)
-  fill = np.zeros(n + 1, np.int64)  # chunks in each bin so far
+  fill = np.zeros(max_bins(length, seq_len) + 1, np.int64)  # chunks in each bin so far
   starts, ends = length_runs(sorted_len)
   for s, e in zip(starts, ends):
     run_bins, counts = packer.place_run(int(sorted_len[s]), e - s)
