@@ -518,10 +518,21 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
 
 
 def test_unwritable_cache_returns_the_plan_uncached(tmp_path, monkeypatch, caplog):
-  def refuse(self, path):
+  def refuse(self, path, **kwargs):
     raise PermissionError(f"read-only: {path}")
 
   monkeypatch.setattr(packing.Plan, "save", refuse)
   p = packing.load_or_plan(np.arange(1, 20), 16, cache_dir=tmp_path / "ro", key="k")
   assert p.num_pieces == 19 + 3  # 17, 18 and 19 are split in two
   assert "cannot write the plan cache" in caplog.text
+
+
+def test_plan_docstring_example_and_save_without_overwrite(tmp_path):
+  p = packing.plan(np.array([5, 3, 6]), 8)
+  assert p.row_splits.tolist() == [0, 1, 3] and p.doc.tolist() == [2, 0, 1]
+  assert p.length.tolist() == [6, 5, 3] and p.start.tolist() == [0, 0, 0]
+  assert p.save(tmp_path / "plan", overwrite=False)
+  other = packing.plan(np.array([1, 2]), 8)
+  assert not other.save(tmp_path / "plan", overwrite=False)  # the first plan stays
+  assert packing.Plan.load(tmp_path / "plan").doc.tolist() == [2, 0, 1]
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]

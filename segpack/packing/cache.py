@@ -67,7 +67,8 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
   if key is None:
     key = lengths_fingerprint(lengths)
   path = os.path.join(os.fspath(cache_dir), plan_key(key, seq_len, **kwargs))
-  if os.path.isdir(path):
+  existing = os.path.isdir(path)
+  if existing:
     try:
       cached = Plan.load(path, mmap=True)
       if cached.stats.get("documents") == len(lengths) and cached.seq_len == seq_len:
@@ -77,7 +78,7 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
       _log.warning("plan cache %s is unreadable (%s); replanning", path, e)
   fresh = _planner.plan(lengths, seq_len, **kwargs)
   try:
-    fresh.save(path)
+    fresh.save(path, overwrite=existing)  # a concurrent writer's identical plan may win
   except OSError as e:
     _log.warning("cannot write the plan cache %s (%s); using the plan uncached", path, e)
     return fresh

@@ -29,6 +29,17 @@ class Plan:
   `segpack.packing.plan`). Pieces are stored in row order and, inside a row, in the order their
   segments appear.
 
+  Reading row `r`:
+    1. its pieces are `row_splits[r]:row_splits[r + 1]`;
+    2. piece `i` fills the next `length[i]` slots with virtual slots
+       `start[i]:start[i] + length[i]` of document `doc[i]`;
+    3. the slots after the last piece are padding.
+
+  Example: seq_len 8 and documents of 5, 3 and 6 virtual slots under `ffd`: the 6 opens row 0,
+  the 5 opens row 1, the 3 does not fit row 0 (room 2) and joins row 1. So `row_splits` =
+  [0, 1, 3], `doc` = [2, 0, 1], `start` = [0, 0, 0], `length` = [6, 5, 3]; row 0 is document 2
+  and 2 padding slots, row 1 is document 0 then document 1.
+
   Attributes:
     seq_len: slots per row.
     overlap: slots a continuation chunk (`start > 0`) repeats from the previous chunk.
@@ -97,8 +108,17 @@ class Plan:
             "strategy": self.strategy, "num_rows": self.num_rows,
             "num_pieces": self.num_pieces, "stats": self.stats}
 
-  def save(self, path: str | os.PathLike) -> None:
-    """Writes the plan to directory `path` atomically (temporary directory, then rename)."""
+  def save(self, path: str | os.PathLike, *, overwrite: bool = True) -> bool:
+    """Writes the plan to directory `path` atomically (temporary directory, then rename).
+
+    Args:
+      path: the plan directory.
+      overwrite: replace an existing plan at `path`; when False an existing plan is kept (a
+        concurrent writer of the same plan got there first).
+
+    Returns:
+      Whether this call's plan is now at `path`.
+    """
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -108,7 +128,17 @@ class Plan:
         np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(getattr(self, name)))
       with open(os.path.join(tmp, _META), "w") as f:
         json.dump(self.meta(), f, indent=1, sort_keys=True)
+      if not overwrite:
+        try:
+          os.rename(tmp, path)
+          return True
+        except OSError:
+          if not os.path.isdir(path):
+            raise
+          shutil.rmtree(tmp, ignore_errors=True)
+          return False
       _replace_dir(tmp, path)
+      return True
     except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
       raise
