@@ -25,7 +25,8 @@ def next_fit(length: np.ndarray, seq_len: int) -> Placement:
   n = len(length)
   prefix = np.zeros(n + 1, np.int64)
   np.cumsum(length, out=prefix[1:])
-  nxt = (np.searchsorted(prefix, prefix[:-1] + seq_len, side="right") - 1).tolist()
+  nxt = np.searchsorted(prefix, prefix[:-1] + seq_len, side="right") - 1
+  nxt = memoryview(nxt.astype(np.int64, copy=False))  # plain-int reads, no list of 10M ints
   row_starts = []
   i = 0
   while i < n:
