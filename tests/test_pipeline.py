@@ -426,12 +426,20 @@ def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
   for _ in range(len(ds)):  # crosses the epoch boundary
     states.append(it.get_state())
     items.append(next(it))
-  for k in range(0, len(states), 2):
+  for k in range(len(states)):
     it2 = iter(iter_ds)
     it2.set_state(states[k])
     assert all(rows_equal(next(it2), want) for want in items[k:k + 3]), k
-  got = list(ds.batch(4).to_iter_dataset().mp_prefetch(
-      grain.MultiprocessingOptions(num_workers=2)))
+  mp = ds.batch(4).to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
   want = [ds.batch(4)[i] for i in range(len(ds.batch(4)))]
+  it = iter(mp)
+  got = [next(it) for _ in range(3)]
+  state = it.get_state()
+  got += list(it)
   assert len(got) == len(want)
   assert all(all(np.array_equal(a[f], b[f]) for f in FEATURES) for a, b in zip(got, want))
+  resumed = iter(mp)
+  resumed.set_state(state)  # resume a multiprocess iterator mid-stream
+  rest = list(resumed)
+  assert len(rest) == len(want) - 3
+  assert all(all(np.array_equal(a[f], b[f]) for f in FEATURES) for a, b in zip(rest, want[3:]))
