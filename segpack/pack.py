@@ -29,14 +29,14 @@ class DataArgumentError(ValueError):
   """`--data` names nothing this CLI can read; the message echoes the value."""
 
 
-def load_lengths(data: str) -> tuple[np.ndarray, str]:
-  """Document lengths of `data` and a fingerprint for the plan cache.
+def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
+  """Document lengths of `data`, a fingerprint for the plan cache and the shard directory.
 
   Args:
     data: a shard dataset directory, a `.npy` file of lengths, or `builtin[:full|small]`.
 
   Returns:
-    `(lengths, fingerprint)`.
+    `(lengths, fingerprint, shard directory or None)`.
   """
   if data.startswith("builtin"):
     size = data.partition(":")[2] or "full"
@@ -44,14 +44,14 @@ def load_lengths(data: str) -> tuple[np.ndarray, str]:
     data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
   if data.endswith(".npy") and os.path.isfile(data):
     lengths = np.load(data)
-    return lengths, packing.cache.lengths_fingerprint(lengths)
+    return lengths, packing.cache.lengths_fingerprint(lengths), None
   if not os.path.isdir(data):
     raise DataArgumentError(
         f"--data must be a shard dataset directory, a .npy file of lengths or 'builtin', got "
         f"{data!r}")
   from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
   source = ShardSource(data)
-  return np.asarray(source.lengths), source.fingerprint
+  return np.asarray(source.lengths), source.fingerprint, data
 
 
 def summarize(p: packing.Plan, *, seconds: float | None = None) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra_tokens=int(args.add_bos) + int(args.add_eos))
   try:
     packing.planner.check_strategy(args.strategy)
-    lengths, key = load_lengths(args.data)
+    lengths, key, directory = load_lengths(args.data)
     if args.compare:
       seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
       rows = compare(lengths, strategies=list(packing.STRATEGIES), seq_lens=seq_lens,
@@ -169,8 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(json.dumps(rows, indent=1) if args.json else format_compare(rows))
       return 0
     t0 = time.perf_counter()
-    if args.save_plan and os.path.isdir(args.data):
-      p = packing.load_or_plan(lengths, args.seq_len, cache_dir=os.path.join(args.data, "plans"),
+    if args.save_plan and directory is not None:
+      p = packing.load_or_plan(lengths, args.seq_len, cache_dir=os.path.join(directory, "plans"),
                                key=key, strategy=args.strategy, batch_size=args.batch_size,
                                pad_multiple=args.pad_multiple, **kwargs)
     else:
