@@ -196,12 +196,16 @@ class RowBuilder:
      concatenated with one `np.repeat`/`arange` trick (no loop over rows).
   2. Give every piece its flat output offset: `row * seq_len + (cumulative length of the earlier
      pieces of its row)`, and its segment id: 1 + (rank of the piece within its row).
-  3. Copy tokens: one slice copy per piece from the memory-mapped document (`source[doc]`), plus
-     the BOS/EOS slots where the piece covers virtual slot 0 / the last virtual slot.
-  4. `segment_ids` and `segment_positions` for all real slots at once: `np.repeat` of the per-piece
-     segment id, and `arange` minus the repeated piece offsets.
-  5. `labels[i] = input_ids[i+1]` where slots `i` and `i+1` share a segment of the same row, else
-     -100; then -100 on targets that are repeated overlap tokens of a continuation chunk.
+  3. Copy tokens: one slice copy per piece from the memory-mapped token file (a
+     `ShardTokenReader`, or `source[doc]` for other sources), plus the BOS/EOS slots where the
+     piece covers virtual slot 0 / the last virtual slot.
+  4. The real slots of a row are a prefix of it: `segment_ids` and `segment_positions` of all
+     real slots are built contiguously (`np.repeat` of the per-piece segment id; `arange` minus
+     the repeated piece offsets), then copied into each row's prefix.
+  5. `labels` = `input_ids` shifted left by one, then -100 at every piece's last slot, on
+     padding, and on targets that are repeated overlap slots of a continuation chunk.
+
+  `build_row` does the same for a single row with a loop over its few pieces.
 
   Tiny example (seq_len 10, add_bos and add_eos, bos 1, eos 2, document 0 = [5, 6], document 1 =
   [7, 8], so both virtual sequences have 4 slots): the row with pieces (0, 0, 4) and (1, 0, 4) is
