@@ -28,9 +28,10 @@ class FirstFitDecreasing:
   Bins: {0: [6, 4], 1: [5, 4], 2: [3]}, as the one-by-one textbook loop gives.
   """
 
-  def __init__(self, seq_len: int, max_bins: int):
+  def __init__(self, seq_len: int, *, bins_bound: int):
+    """`bins_bound`: at most this many bins will be opened (see `runs.max_bins`)."""
     self.seq_len = seq_len
-    nblocks = max(1, -(-max_bins // _BLOCK))
+    nblocks = max(1, -(-bins_bound // _BLOCK))
     self.cap = np.zeros((nblocks, _BLOCK), np.int64)
     self.block_max = np.zeros(nblocks, np.int64)
     self.num_bins = 0
@@ -78,4 +79,4 @@ class FirstFitDecreasing:
 
 def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
   """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
-  return run_decreasing(FirstFitDecreasing(seq_len, max_bins(length, seq_len)), length, seq_len)
+  return run_decreasing(FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len)), length, seq_len)
