@@ -79,4 +79,5 @@ class FirstFitDecreasing:
 
 def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
   """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
-  return run_decreasing(FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len)), length, seq_len)
+  packer = FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len))
+  return run_decreasing(packer, length, seq_len)
