@@ -80,7 +80,8 @@ def format_summary(row: dict[str, Any]) -> str:
       f"  documents           {row['documents']:>14,}",
       f"  rows                {row['rows']:>14,}",
       f"  lower bound         {row['lower_bound']:>14,}   ceil(tokens / seq_len)",
-      f"  slots / bound slots {row['slots_over_lower_bound']:>14.6f}   rows / lower bound when packed",
+      f"  slots / bound slots {row['slots_over_lower_bound']:>14.6f}   "
+      f"rows / lower bound when packed",
       f"  tokens (slots used) {row['tokens']:>14,}   BOS/EOS and overlap included",
       f"  slots               {row['slots']:>14,}",
       f"  utilization         {100 * row['utilization']:>13.3f}%",

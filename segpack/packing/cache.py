@@ -1,4 +1,4 @@
-"""The plan cache: a plan is computed once per (data, packing parameters) and memory-mapped after."""
+"""The plan cache: a plan is computed once per (data, parameters) and memory-mapped after."""
 
 from __future__ import annotations
 
