@@ -7,7 +7,6 @@ import pytest
 
 from segpack import packing
 from segpack.packing import cache as cache_mod
-from segpack.packing import planner as planner_mod
 
 
 # ---------------------------------------------------------------------------------------------
