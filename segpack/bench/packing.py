@@ -190,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--strategies", default="ffd,bfd")
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--extra-tokens", type=int, default=0,
+                  help="virtual slots per document in the plan section (2 = BOS + EOS)")
   ap.add_argument("--grain-docs", type=int, default=100_000, help="0 skips the Grain section")
   ap.add_argument("--grain-bins", type=int, default=64, help="Grain's num_packing_bins")
   ap.add_argument("--load-docs", type=int, default=100_000, help="0 skips the loading section")
@@ -207,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = lognormal_lengths(args.num_docs, mean=args.mean, sigma=args.sigma)
     label = f"lognormal({args.mean:g}, {args.sigma:g})"
     results += bench_plan(lengths, seq_len=args.seq_len, strategies=strategies,
-                          repeats=args.repeats, extra_tokens=0, label=label)
+                          repeats=args.repeats, extra_tokens=args.extra_tokens, label=label)
     del lengths
   if args.grain_docs:
     results += bench_grain(lognormal_lengths(args.grain_docs, mean=args.mean, sigma=args.sigma),
