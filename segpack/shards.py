@@ -6,6 +6,7 @@ A dataset is a directory holding shards and one manifest:
     shard-00000.tokens      token ids of the shard's documents, back to back (little-endian
                             uint16 when the vocabulary fits, else uint32)
     shard-00000.offsets     int64 little-endian, documents + 1 entries: 0, end of doc 0, ...
+    shard-00000.mask        optional (`loss_mask=True`): uint8, one per token, 1 = trained
     shard-00000.done.json   while a dataset is being written: the record of a finished shard,
                             which lets an interrupted writer resume (removed once the manifest
                             is written)
@@ -47,7 +48,7 @@ MANIFEST_NAME = "manifest.json"
 _OFFSET_DTYPE = np.dtype("<i8")
 # Every file the writer may own in a dataset directory (finished or temporary).
 _OWNED_FILE = re.compile(
-    r"^(shard-\d{5,}\.(tokens|offsets|done\.json)|manifest\.json)(\..*\.tmp)?$")
+    r"^(shard-\d{5,}\.(tokens|offsets|mask|done\.json)|manifest\.json)(\..*\.tmp)?$")
 _HASH_BLOCK = 1 << 24
 
 
@@ -67,6 +68,10 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 def _shard_names(index: int) -> tuple[str, str, str]:
   stem = f"shard-{index:05d}"
   return f"{stem}.tokens", f"{stem}.offsets", f"{stem}.done.json"
+
+
+def _mask_name(index: int) -> str:
+  return f"shard-{index:05d}.mask"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -132,6 +137,10 @@ class ShardWriter:
   Example: with `shard_tokens=4`, writing [5, 6, 7], [], [8, 9], [1] gives shard 0 = tokens
   [5, 6, 7, 8, 9] offsets [0, 3, 5] and shard 1 = tokens [1] offsets [0, 1]; one empty document
   skipped; `inputs` 4.
+
+  With `loss_mask=True` every `write` also takes a per-token mask (1 = the token is trained as a
+  target, 0 = not), streamed to `shard-NNNNN.mask` (uint8) beside the token file: writing
+  [5, 6, 7] with mask [0, 1, 1] adds the bytes 00 01 01.
   """
 
   def __init__(
@@ -143,6 +152,7 @@ class ShardWriter:
       shard_tokens: int = 1 << 27,
       metadata: Mapping[str, Any] | None = None,
       resume_key: str | None = None,
+      loss_mask: bool = False,
   ):
     """Opens a dataset directory for writing.
 
@@ -154,6 +164,8 @@ class ShardWriter:
       metadata: JSON-serialisable extra information stored in the manifest.
       resume_key: when given, keep the finished shards of an interrupted writer with the same key
         (see `resumed_inputs`); when None, start from scratch.
+      loss_mask: every document comes with a per-token loss mask (`write(doc, loss_mask=...)`),
+        stored in `shard-NNNNN.mask` files.
     """
     if not isinstance(shard_tokens, (int, np.integer)) or shard_tokens < 1:
       raise ValueError(f"ShardWriter: shard_tokens must be a positive int, got {shard_tokens!r}")
@@ -168,6 +180,9 @@ class ShardWriter:
     self.metadata = dict(metadata or {})
     json.dumps(self.metadata)  # Fails early when not serialisable.
     self.resume_key = resume_key
+    self.loss_mask = bool(loss_mask)
+    self._open_mask: tuple[Any, Path] | None = None
+    self._mask_hash = hashlib.sha256()
     self.path.mkdir(parents=True, exist_ok=True)
     self._records: list[dict[str, Any]] = []
     self.inputs = 0
@@ -192,6 +207,8 @@ class ShardWriter:
     kept = set()
     for record in self._records:
       kept.update((record["tokens"], record["offsets"], _shard_names(record["index"])[2]))
+      if record.get("mask"):
+        kept.add(record["mask"])
     for entry in os.listdir(self.path):
       if _OWNED_FILE.match(entry) and entry not in kept:
         (self.path / entry).unlink()
@@ -211,11 +228,14 @@ class ShardWriter:
         return records
       if (record.get("resume_key") != self.resume_key or record.get("dtype") != self.dtype.name
           or record.get("index") != len(records) or record.get("tokens") != tokens_name
-          or record.get("offsets") != offsets_name):
+          or record.get("offsets") != offsets_name
+          or record.get("mask") != (_mask_name(len(records)) if self.loss_mask else None)):
         return records
       try:
         ok = (_sha256_file(self.path / tokens_name) == record["sha256"]["tokens"]
-              and _sha256_file(self.path / offsets_name) == record["sha256"]["offsets"])
+              and _sha256_file(self.path / offsets_name) == record["sha256"]["offsets"]
+              and (not self.loss_mask
+                   or _sha256_file(self.path / record["mask"]) == record["sha256"]["mask"]))
       except (OSError, KeyError, TypeError):
         ok = False
       if not ok:
@@ -234,10 +254,17 @@ class ShardWriter:
     else:
       self.abort()
 
-  def write(self, doc_tokens: Any) -> None:
-    """Appends one document (a 1-D array of integer token ids); empty documents are skipped."""
+  def write(self, doc_tokens: Any, loss_mask: Any = None) -> None:
+    """Appends one document (a 1-D array of integer token ids); empty documents are skipped.
+
+    Args:
+      doc_tokens: the token ids.
+      loss_mask: required exactly when the writer was opened with `loss_mask=True`: one 0/1 value
+        per token (1: the token is trained as a target).
+    """
     if self._closed:
       raise ValueError(f"ShardWriter({str(self.path)!r}): write() after close()")
+    mask = self._check_mask(doc_tokens, loss_mask)
     doc = np.asarray(doc_tokens)
     if doc.ndim != 1 or not (doc.dtype.kind in "iu" or doc.size == 0):
       raise TypeError(
@@ -261,9 +288,35 @@ class ShardWriter:
     data = doc.astype(self.dtype, copy=False).tobytes()
     self._open_shard[0].write(data)
     self._hash.update(data)
+    if mask is not None:
+      if self._open_mask is None:
+        tmp = self.path / f"{_mask_name(len(self._records))}.writing.tmp"
+        self._open_mask = (open(tmp, "wb"), tmp)
+      mask_bytes = mask.tobytes()
+      self._open_mask[0].write(mask_bytes)
+      self._mask_hash.update(mask_bytes)
     self._offsets.append(self._offsets[-1] + doc.size)
     if self._offsets[-1] >= self.shard_tokens:
       self._finish_shard()
+
+  def _check_mask(self, doc_tokens: Any, loss_mask: Any) -> np.ndarray | None:
+    """The mask as uint8 (None without `loss_mask`); raises when it does not fit the writer."""
+    where = f"ShardWriter({str(self.path)!r}): document {self.inputs}"
+    if not self.loss_mask:
+      if loss_mask is not None:
+        raise ValueError(f"{where}: got a loss_mask but the writer was opened with "
+                         f"loss_mask=False")
+      return None
+    if loss_mask is None:
+      raise ValueError(f"{where}: the writer was opened with loss_mask=True; pass loss_mask=...")
+    mask = np.asarray(loss_mask)
+    size = np.shape(doc_tokens)
+    if mask.shape != size:
+      raise ValueError(f"{where}: loss_mask has shape {mask.shape}, the tokens {size}")
+    if mask.size and not np.isin(mask, (0, 1)).all():
+      bad = mask.reshape(-1)[~np.isin(mask.reshape(-1), (0, 1))][0]
+      raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {bad!r}")
+    return mask.astype(np.uint8)
 
   def _finish_shard(self) -> None:
     assert self._open_shard is not None
@@ -276,6 +329,16 @@ class ShardWriter:
     tokens_name, offsets_name, done_name = _shard_names(index)
     offsets = np.asarray(self._offsets, dtype=_OFFSET_DTYPE).tobytes()
     atomic_write_bytes(self.path / offsets_name, offsets)
+    mask_name = None
+    if self.loss_mask:
+      assert self._open_mask is not None
+      mf, mtmp = self._open_mask
+      mf.flush()
+      os.fsync(mf.fileno())
+      mf.close()
+      self._open_mask = None
+      mask_name = _mask_name(index)
+      os.replace(mtmp, self.path / mask_name)
     os.replace(tmp, self.path / tokens_name)
     record = {
         "index": index,
@@ -285,26 +348,31 @@ class ShardWriter:
         "num_tokens": self._offsets[-1],
         "sha256": {"tokens": self._hash.hexdigest(),
                    "offsets": hashlib.sha256(offsets).hexdigest()},
+        "mask": mask_name,
         "dtype": self.dtype.name,
         "resume_key": self.resume_key,
         "input_start": self._shard_input_start,
         "input_end": self.inputs,
         "skipped_empty": self._shard_skipped,
     }
+    if mask_name is not None:
+      record["sha256"]["mask"] = self._mask_hash.hexdigest()
     atomic_write_json(self.path / done_name, record)
     self._records.append(record)
     self._offsets = [0]
     self._hash = hashlib.sha256()
+    self._mask_hash = hashlib.sha256()
     self._shard_input_start = self.inputs
     self._shard_skipped = 0
 
   def abort(self) -> None:
     """Drops the unfinished shard and writes no manifest; finished shards stay for a resume."""
-    if self._open_shard is not None:
-      f, tmp = self._open_shard
-      f.close()
-      tmp.unlink(missing_ok=True)
-      self._open_shard = None
+    for attr in ("_open_shard", "_open_mask"):
+      if getattr(self, attr) is not None:
+        f, tmp = getattr(self, attr)
+        f.close()
+        tmp.unlink(missing_ok=True)
+        setattr(self, attr, None)
     self._closed = True
 
   def close(self) -> dict[str, Any]:
@@ -314,8 +382,9 @@ class ShardWriter:
     if self._open_shard is not None:
       self._finish_shard()
     self._closed = True
-    shards = [{k: r[k] for k in ("tokens", "offsets", "num_documents", "num_tokens", "sha256")}
-              for r in self._records]
+    keys = ("tokens", "offsets", "num_documents", "num_tokens", "sha256") + (
+        ("mask",) if self.loss_mask else ())
+    shards = [{k: r[k] for k in keys} for r in self._records]
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -331,6 +400,8 @@ class ShardWriter:
         "metadata": self.metadata,
         "shards": shards,
     }
+    if self.loss_mask:
+      manifest["loss_mask"] = True
     atomic_write_json(self.path / MANIFEST_NAME, manifest)
     for record in self._records:
       (self.path / _shard_names(record["index"])[2]).unlink(missing_ok=True)
@@ -393,6 +464,13 @@ def _load_manifest(root: Path) -> dict[str, Any]:
           and isinstance(shard.get("sha256"), dict)
           and all(isinstance(shard["sha256"].get(k), str) for k in ("tokens", "offsets")))
     _require(ok, path, f"shards[{i}] is malformed: {shard!r:.200}")
+  has_mask = manifest.get("loss_mask", False)
+  _require(isinstance(has_mask, bool), path, f"loss_mask must be true or false, got {has_mask!r}")
+  for i, shard in enumerate(shards if has_mask else ()):
+    name = shard.get("mask")
+    _require(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+             and isinstance(shard["sha256"].get("mask"), str), path,
+             f"loss_mask is true but shards[{i}] has no valid mask file and sha256: {shard!r:.200}")
   for key in ("num_documents", "num_tokens"):
     total = sum(s[key] for s in shards)
     _require(manifest.get(key) == total, path,
@@ -446,6 +524,7 @@ class ShardSource:
     self.num_tokens: int = self.manifest["num_tokens"]
     shards = self.manifest["shards"]
     self.num_shards = len(shards)
+    self.has_loss_mask: bool = bool(self.manifest.get("loss_mask", False))
     self._doc_starts = np.zeros(len(shards) + 1, dtype=np.int64)
     np.cumsum([s["num_documents"] for s in shards], out=self._doc_starts[1:])
     self.fingerprint = hashlib.sha256(json.dumps({
@@ -454,11 +533,13 @@ class ShardSource:
         "vocab_size": self.vocab_size,
         "tokenizer_fingerprint": self.tokenizer_fingerprint,
         "shards": [[s["num_documents"], s["num_tokens"], s["sha256"]["tokens"],
-                    s["sha256"]["offsets"]] for s in shards],
+                    s["sha256"]["offsets"]] + ([s["sha256"]["mask"]] if self.has_loss_mask else [])
+                   for s in shards],
     }, sort_keys=True).encode("utf-8")).hexdigest()
     self._lock = threading.Lock()
     self._tokens: list[np.ndarray] | None = None
     self._offsets: list[np.ndarray] | None = None
+    self._masks: list[np.ndarray] | None = None
     self._lengths = self._structural_check()
 
   def _structural_check(self) -> np.ndarray:
@@ -473,6 +554,13 @@ class ShardSource:
       _require(size == want, tokens_path,
                f"token file is {size} bytes but the manifest says {shard['num_tokens']} "
                f"{self.dtype.name} tokens ({want} bytes)" + (" (truncated)" if size < want else ""))
+      if self.has_loss_mask:
+        mask_path = self.path / shard["mask"]
+        _require(mask_path.is_file(), mask_path, "mask file listed in the manifest is missing")
+        size = mask_path.stat().st_size
+        _require(size == shard["num_tokens"], mask_path,
+                 f"mask file is {size} bytes but the manifest says {shard['num_tokens']} tokens "
+                 f"(one uint8 per token)")
       size = offsets_path.stat().st_size
       want = (shard["num_documents"] + 1) * _OFFSET_DTYPE.itemsize
       _require(size == want, offsets_path,
@@ -486,14 +574,14 @@ class ShardSource:
   # Pickling: only the small state travels; memmaps and lengths are rebuilt on first use.
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
-    for key in ("_lock", "_tokens", "_offsets", "_lengths"):
+    for key in ("_lock", "_tokens", "_offsets", "_lengths", "_masks"):
       state.pop(key)
     return state
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
     self._lock = threading.Lock()
-    self._tokens = self._offsets = None
+    self._tokens = self._offsets = self._masks = None
     self._lengths = None
 
   def _open(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -514,6 +602,45 @@ class ShardSource:
         self._tokens = toks
       return self._tokens, self._offsets
 
+  def _open_masks(self) -> list[np.ndarray]:
+    masks = self._masks
+    if masks is not None:
+      return masks
+    if not self.has_loss_mask:
+      raise ShardFormatError(f"{self.path}: this dataset has no loss mask (manifest loss_mask is "
+                             f"not true)")
+    with self._lock:
+      if self._masks is None:
+        self._masks = [
+            np.memmap(self.path / shard["mask"], dtype=np.uint8, mode="r") if shard["num_tokens"]
+            else np.zeros(0, dtype=np.uint8) for shard in self.manifest["shards"]]
+      return self._masks
+
+  def _locate(self, index: Any) -> tuple[int, int, int]:
+    """(shard, start, stop) of document `index` inside its shard's token file."""
+    try:
+      i = operator.index(index)
+    except TypeError:
+      raise TypeError(
+          f"ShardSource({str(self.path)!r}): index must be an integer, got {index!r}") from None
+    n = len(self)
+    if i < 0:
+      i += n
+    if not 0 <= i < n:
+      raise IndexError(f"ShardSource({str(self.path)!r}): index {index} out of range for {n} "
+                       f"documents")
+    _, offsets = self._open()
+    shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
+    local = i - int(self._doc_starts[shard])
+    return shard, int(offsets[shard][local]), int(offsets[shard][local + 1])
+
+  def loss_mask(self, index: Any) -> np.ndarray:
+    """The uint8 loss mask of document `index` (1 = trained), a read-only view aligned with
+    `self[index]`; raises ShardFormatError when the dataset has no mask (`has_loss_mask`)."""
+    masks = self._open_masks()
+    shard, start, stop = self._locate(index)
+    return np.asarray(masks[shard][start:stop])
+
   @property
   def lengths(self) -> np.ndarray:
     """int64 [len(self)]: every document's token count (from the offsets files alone)."""
@@ -528,21 +655,8 @@ class ShardSource:
 
   def __getitem__(self, index: Any) -> np.ndarray:
     """Document `index` (int or NumPy integer; negative counts from the end), a read-only view."""
-    try:
-      i = operator.index(index)
-    except TypeError:
-      raise TypeError(
-          f"ShardSource({str(self.path)!r}): index must be an integer, got {index!r}") from None
-    n = len(self)
-    if i < 0:
-      i += n
-    if not 0 <= i < n:
-      raise IndexError(f"ShardSource({str(self.path)!r}): index {index} out of range for {n} "
-                       f"documents")
-    tokens, offsets = self._open()
-    shard = int(np.searchsorted(self._doc_starts, i, side="right")) - 1
-    local = i - int(self._doc_starts[shard])
-    start, stop = int(offsets[shard][local]), int(offsets[shard][local + 1])
+    shard, start, stop = self._locate(index)
+    tokens, _ = self._open()
     return np.asarray(tokens[shard][start:stop])
 
   def __iter__(self):
@@ -561,8 +675,9 @@ class ShardSource:
         document and value).
     """
     tokens, offsets = self._open()
+    kinds = ("tokens", "offsets") + (("mask",) if self.has_loss_mask else ())
     for s, shard in enumerate(self.manifest["shards"]):
-      for kind in ("tokens", "offsets"):
+      for kind in kinds:
         p = self.path / shard[kind]
         digest = _sha256_file(p)
         _require(digest == shard["sha256"][kind], p,
@@ -577,3 +692,16 @@ class ShardSource:
           raise ShardFormatError(
               f"{self.path / shard['tokens']}: token id {int(mm[pos])} at position {pos} "
               f"(document {int(self._doc_starts[s]) + local}) is >= vocab_size {self.vocab_size}")
+      if self.has_loss_mask:
+        self._verify_mask(s)
+
+  def _verify_mask(self, s: int) -> None:
+    """Every mask byte of shard `s` is 0 or 1."""
+    mm = self._open_masks()[s]
+    for lo in range(0, mm.size, _HASH_BLOCK):
+      block = mm[lo:lo + _HASH_BLOCK]
+      if int(block.max()) > 1:
+        pos = lo + int(np.argmax(block > 1))
+        raise ShardFormatError(
+            f"{self.path / self.manifest['shards'][s]['mask']}: loss mask value {int(mm[pos])} at "
+            f"position {pos} is not 0 or 1")

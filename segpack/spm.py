@@ -94,6 +94,7 @@ class SpmTokenizer:
     from segpack.shards import dtype_for_vocab  # pylint: disable=g-import-not-at-top
 
     self.dtype = dtype_for_vocab(self.vocab_size)
+    self._user_defined: dict[str, int] | None = None
 
   def encode(self, text: str) -> np.ndarray:
     """Token ids of `text` (no BOS/EOS: the packing pipeline adds those) in the shard dtype."""
@@ -109,6 +110,17 @@ class SpmTokenizer:
 
   def id_to_piece(self, token_id: int) -> str:
     return self._sp.id_to_piece(int(token_id))
+
+  def symbol_id(self, piece: str) -> int | None:
+    """The id of `piece` when it is a user-defined symbol of the model (always encoded as that
+    one piece, whatever surrounds it), else None."""
+    if self._user_defined is None:
+      from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
+      proto = sentencepiece_model_pb2.ModelProto()
+      proto.ParseFromString(self.model_file.read_bytes())
+      kind = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+      self._user_defined = {p.piece: i for i, p in enumerate(proto.pieces) if p.type == kind}
+    return self._user_defined.get(piece)
 
   def describe(self) -> dict[str, Any]:
     """JSON-ready description (stored as the shard manifest's `metadata["tokenizer"]`)."""
@@ -140,6 +152,7 @@ def train_spm(
     vocab_size: int,
     max_sentences: int = 4_000_000,
     model_type: str = "unigram",
+    user_defined_symbols: Sequence[str] = (),
 ) -> SpmTokenizer:
   """Trains a SentencePiece model on `texts` and writes it atomically to `model_file`.
 
@@ -149,6 +162,8 @@ def train_spm(
     vocab_size: number of pieces, including the 4 reserved ids and 256 byte pieces.
     max_sentences: train on the first this many lines (deterministic, no sampling).
     model_type: "unigram" or "bpe".
+    user_defined_symbols: extra strings that always become one piece each (e.g. the chat role
+      markers of `segpack.chat`); they get the ids right after "\\n" and "\\t" (6, 7, ...).
 
   Returns:
     The trained tokenizer.
@@ -158,6 +173,10 @@ def train_spm(
   if not isinstance(vocab_size, int) or vocab_size < 300:
     raise ValueError(f"train_spm: vocab_size must be an int >= 300 (4 reserved ids + 256 byte "
                      f"pieces + some), got {vocab_size!r}")
+  symbols = list(user_defined_symbols)
+  if any(not isinstance(x, str) or not x for x in symbols) or len(set(symbols)) != len(symbols):
+    raise ValueError(f"train_spm: user_defined_symbols must be distinct non-empty strings, got "
+                     f"{symbols!r}")
   model_file = Path(model_file)
   model_file.parent.mkdir(parents=True, exist_ok=True)
   sentences = _training_sentences(texts, max_sentences)
@@ -172,9 +191,10 @@ def train_spm(
       vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
       byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
       add_dummy_prefix=False, split_by_whitespace=True, allow_whitespace_only_pieces=True,
-      user_defined_symbols=["\n", "\t"], pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID,
-      eos_id=EOS_ID, num_threads=TRAIN_THREADS, shuffle_input_sentence=False,
-      input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES, minloglevel=2,
+      user_defined_symbols=["\n", "\t"] + [x for x in symbols if x not in ("\n", "\t")],
+      pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=TRAIN_THREADS,
+      shuffle_input_sentence=False, input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES,
+      minloglevel=2,
       hard_vocab_limit=False)
   from segpack.shards import atomic_write_bytes  # pylint: disable=g-import-not-at-top
 
