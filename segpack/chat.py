@@ -1,0 +1,293 @@
+"""Chat fine-tuning data: conversations to tokens plus a per-token loss mask.
+
+A conversation is a JSON object `{"messages": [{"role": ..., "content": ...}, ...]}` (one per line
+of a JSONL file). `ChatEncoder` renders it through a `ChatTemplate` into token ids and a mask of
+the same length (1 = the token is trained as a prediction target). The mask is stored beside the
+tokens in the shards (`segpack.shards.ShardWriter(loss_mask=True)`, docs/format.md) and the
+packing pipeline turns mask 0 into label -100 (docs/packing.md, "Loss masks").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
+           "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
+
+ROLES = ("system", "user", "assistant")
+TRAIN_ON = ("assistant", "last_assistant", "all")
+
+
+class ChatFormatError(ValueError):
+  """A conversation is malformed; the message names the file:line (or index), message and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+  """How a conversation is rendered into text pieces (each rendered and encoded on its own).
+
+  Algorithm (message `m` with role `r` and content `c`, of a conversation of `n` messages):
+    1. The role marker of `r` (`system`, `user` or `assistant` below), then `after_marker`.
+    2. The content `c`.
+    3. `end_of_turn`, then `after_turn` unless `m` is the last message (so that a conversation
+       ending with an assistant turn ends with its `end_of_turn`, and the EOS the pipeline adds
+       after it is trained).
+  Markers that are user-defined symbols of the tokenizer are one token each; otherwise they are
+  encoded as text. Content may not contain a marker (it would read as a turn boundary).
+
+  Example with the defaults, messages user "Hi" and assistant "Hello": the text pieces are
+  `<|user|>`, `\\n`, `Hi`, `<|end|>`, `\\n`, `<|assistant|>`, `\\n`, `Hello`, `<|end|>`, and with
+  `train_on="assistant"` only `Hello` and its `<|end|>` are trained.
+
+  Attributes:
+    system: marker opening a system message.
+    user: marker opening a user message.
+    assistant: marker opening an assistant message.
+    end_of_turn: marker closing every message.
+    after_marker: text between a role marker and the content.
+    after_turn: text between `end_of_turn` and the next message's marker.
+  """
+
+  system: str = "<|system|>"
+  user: str = "<|user|>"
+  assistant: str = "<|assistant|>"
+  end_of_turn: str = "<|end|>"
+  after_marker: str = "\n"
+  after_turn: str = "\n"
+
+  def __post_init__(self):
+    markers = self.markers
+    if any(not isinstance(m, str) or not m for m in markers) or len(set(markers)) != 4:
+      raise ValueError(f"ChatTemplate: system, user, assistant and end_of_turn must be distinct "
+                       f"non-empty strings, got {markers!r}")
+    for name in ("after_marker", "after_turn"):
+      if not isinstance(getattr(self, name), str):
+        raise ValueError(f"ChatTemplate: {name} must be a str, got {getattr(self, name)!r}")
+
+  @property
+  def markers(self) -> tuple[str, str, str, str]:
+    """The four markers (system, user, assistant, end_of_turn): the tokenizer's special symbols."""
+    return (self.system, self.user, self.assistant, self.end_of_turn)
+
+  def marker(self, role: str) -> str:
+    return {"system": self.system, "user": self.user, "assistant": self.assistant}[role]
+
+  def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+    """The whole conversation as one string (for reading; encoding goes piece by piece)."""
+    parts = []
+    for k, message in enumerate(messages):
+      parts += [self.marker(message["role"]), self.after_marker, message["content"],
+                self.end_of_turn]
+      if k + 1 < len(messages):
+        parts.append(self.after_turn)
+    return "".join(parts)
+
+
+DEFAULT_TEMPLATE = ChatTemplate()
+
+
+def _check_train_on(train_on: str) -> None:
+  if train_on not in TRAIN_ON:
+    raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+
+
+def validate_messages(messages: Any, *, where: str, template: ChatTemplate = DEFAULT_TEMPLATE,
+                      train_on: str = "assistant") -> list[dict[str, str]]:
+  """Checks one conversation's messages; returns them as plain dicts of role and content.
+
+  Rules: a non-empty list of objects, each with a `role` in `ROLES` and a string `content` (other
+  keys are refused, so that e.g. tool calls are not silently dropped); `system` only as the first
+  message; no template marker inside a content; at least one assistant message unless
+  `train_on="all"` (else nothing would be trained).
+
+  Args:
+    messages: the value of the conversation's `messages` field.
+    where: names the conversation in errors, e.g. "chats.jsonl:12".
+    template: its markers may not occur in contents.
+    train_on: "assistant", "last_assistant" or "all".
+
+  Raises:
+    ChatFormatError: naming `where`, the message index, role and field.
+  """
+  _check_train_on(train_on)
+  if not isinstance(messages, list) or not messages:
+    raise ChatFormatError(f"{where}: messages must be a non-empty list, got {messages!r:.80}")
+  out = []
+  for k, message in enumerate(messages):
+    at = f"{where}: messages[{k}]"
+    if not isinstance(message, dict):
+      raise ChatFormatError(f"{at} must be an object with role and content, got {message!r:.80}")
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+      raise ChatFormatError(f"{at}: unsupported field(s) {extra} (only role and content)")
+    role = message.get("role")
+    if role not in ROLES:
+      raise ChatFormatError(f"{at}: role must be one of {ROLES}, got {role!r:.80}")
+    if role == "system" and k:
+      raise ChatFormatError(f"{at}: role 'system' is only allowed as the first message")
+    content = message.get("content")
+    if not isinstance(content, str):
+      raise ChatFormatError(f"{at} (role {role!r}): content must be a string, got "
+                            f"{type(content).__name__}: {content!r:.80}")
+    for marker in template.markers:
+      if marker in content:
+        raise ChatFormatError(f"{at} (role {role!r}): content contains the template marker "
+                              f"{marker!r}")
+    out.append({"role": role, "content": content})
+  if train_on != "all" and not any(m["role"] == "assistant" for m in out):
+    raise ChatFormatError(f"{where}: no assistant message, so nothing would be trained with "
+                          f"train_on={train_on!r}")
+  return out
+
+
+class ChatEncoder:
+  """Encodes conversations into (tokens, loss mask) with a tokenizer and a `ChatTemplate`.
+
+  Algorithm:
+    1. Markers: each marker that is a user-defined symbol of the tokenizer (`symbol_id`) becomes
+       that one id; any other marker is encoded as text (`strict_markers=True` refuses that).
+    2. Every piece of `ChatTemplate.render` (marker, `after_marker`, content, `end_of_turn`,
+       `after_turn`) is encoded on its own and the ids are concatenated, so each token belongs to
+       exactly one piece and the mask follows piece boundaries exactly.
+    3. Mask: with `train_on="all"` every token is 1; otherwise the content and the `end_of_turn`
+       of the trained assistant messages (all of them, or only the last with
+       `"last_assistant"`) are 1 and everything else (markers, separators, system and user
+       messages) 0.
+
+  Example (markers are symbols, "Hello" one token h): user "Hi" then assistant "Hello" gives
+  ids [U, nl, hi, E, nl, A, nl, h, E] and mask [0, 0, 0, 0, 0, 0, 0, 1, 1]; the pipeline's EOS
+  after the final E is trained too (its mask is the last token's).
+  """
+
+  def __init__(self, tokenizer: Any, *, template: ChatTemplate = DEFAULT_TEMPLATE,
+               train_on: str = "assistant", strict_markers: bool = False):
+    """Creates the encoder.
+
+    Args:
+      tokenizer: has `encode(text) -> 1-D int array` and optionally `symbol_id(piece)` (a
+        `segpack.spm.SpmTokenizer`).
+      template: the chat template.
+      train_on: "assistant" (default), "last_assistant" or "all".
+      strict_markers: raise when a marker is not a single special symbol of the tokenizer.
+    """
+    _check_train_on(train_on)
+    self.tokenizer = tokenizer
+    self.template = template
+    self.train_on = train_on
+    self._ids: dict[str, np.ndarray] = {}
+    symbol_id = getattr(tokenizer, "symbol_id", None)
+    for marker in template.markers:
+      i = symbol_id(marker) if symbol_id is not None else None
+      if i is None:
+        if strict_markers:
+          raise ValueError(f"ChatEncoder: marker {marker!r} is not a special symbol of "
+                           f"{tokenizer!r}; train the model with user_defined_symbols="
+                           f"{list(template.markers)!r} or pass strict_markers=False")
+        ids = np.asarray(tokenizer.encode(marker), dtype=np.int64)
+      else:
+        ids = np.asarray([i], dtype=np.int64)
+      self._ids[marker] = ids
+    self.markers_are_symbols = all(self._ids[m].size == 1 and symbol_id is not None
+                                   and symbol_id(m) is not None for m in template.markers)
+
+  def _text(self, text: str) -> np.ndarray:
+    if not text:
+      return np.zeros(0, dtype=np.int64)
+    return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+  def encode(self, messages: Sequence[Mapping[str, str]], *,
+             where: str = "conversation") -> tuple[np.ndarray, np.ndarray]:
+    """Validates and encodes one conversation.
+
+    Args:
+      messages: the conversation's messages.
+      where: names the conversation in errors.
+
+    Returns:
+      (int64 token ids, uint8 loss mask), both 1-D of the same length.
+    """
+    messages = validate_messages(messages, where=where, template=self.template,
+                                 train_on=self.train_on)
+    t = self.template
+    assistants = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    trained = set(assistants[-1:] if self.train_on == "last_assistant" else assistants)
+    ids, mask = [], []
+    for k, message in enumerate(messages):
+      on = 1 if self.train_on == "all" or k in trained else 0
+      head = np.concatenate([self._ids[t.marker(message["role"])], self._text(t.after_marker)])
+      body = np.concatenate([self._text(message["content"]), self._ids[t.end_of_turn]])
+      ids += [head, body]
+      mask += [np.full(head.size, 1 if self.train_on == "all" else 0, np.uint8),
+               np.full(body.size, on, np.uint8)]
+      if k + 1 < len(messages):
+        tail = self._text(t.after_turn)
+        ids.append(tail)
+        mask.append(np.full(tail.size, 1 if self.train_on == "all" else 0, np.uint8))
+    return np.concatenate(ids), np.concatenate(mask)
+
+
+def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "messages",
+                       ) -> Iterator[tuple[str, Any]]:
+  """Yields (where, messages) for every non-blank line of a `.jsonl` / `.jsonl.gz` file.
+
+  `where` is "file:line"; the messages are not validated here (`ChatEncoder.encode` does).
+
+  Raises:
+    ChatFormatError: a line is not a JSON object with `messages_field`.
+  """
+  path = Path(path)
+  opener = gzip.open if path.name.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        record = json.loads(raw)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ChatFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
+      if not isinstance(record, dict) or messages_field not in record:
+        found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+        raise ChatFormatError(f"{where}: no field {messages_field!r} (found: {found})")
+      yield where, record[messages_field]
+
+
+def write_chat_dataset(
+    conversations: Iterable[tuple[str, Any]],
+    output: str | os.PathLike[str],
+    *,
+    encoder: ChatEncoder,
+    shard_tokens: int = 1 << 27,
+    metadata: Mapping[str, Any] | None = None,
+    resume_key: str | None = None,
+) -> dict[str, Any]:
+  """Encodes `(where, messages)` pairs into a shard dataset with a loss mask; returns the manifest.
+
+  The manifest's metadata gets `chat`: the template, `train_on` and whether the markers are
+  special symbols, and `tokenizer` (the tokenizer's `describe()`, where `pack_dataset` finds the
+  BOS/EOS ids) when the tokenizer has one.
+  """
+  from segpack import shards  # pylint: disable=g-import-not-at-top
+
+  tok = encoder.tokenizer
+  meta = dict(metadata or {})
+  meta["chat"] = {"template": dataclasses.asdict(encoder.template), "train_on": encoder.train_on,
+                  "markers_are_symbols": encoder.markers_are_symbols}
+  if hasattr(tok, "describe"):
+    meta["tokenizer"] = tok.describe()
+  with shards.ShardWriter(output, vocab_size=int(tok.vocab_size),
+                          tokenizer_fingerprint=str(getattr(tok, "fingerprint", "")),
+                          shard_tokens=shard_tokens, metadata=meta, resume_key=resume_key,
+                          loss_mask=True) as writer:
+    for where, messages in conversations:
+      ids, mask = encoder.encode(messages, where=where)
+      writer.write(ids, loss_mask=mask)
+  return json.loads((Path(output) / shards.MANIFEST_NAME).read_text("utf-8"))
