@@ -446,8 +446,19 @@ def pack_dataset(
     shard_index: int | None = None,
     shard_count: int | None = None,
     shard_options: Any = None,
-) -> PackedDataset:
+    loss_mask: bool | None = None,
+    mode: str = "global",
+    examples_per_batch: int | None = None,
+    tokens_per_batch: int | None = None,
+    rows_per_batch: int | None = None,
+    drop_remainder: bool = False,
+) -> PackedDataset | Any:
   """Returns a `grain.MapDataset` of packed rows (see docs/architecture.md, "Rows").
+
+  With `mode="minibatch"` it instead returns a `segpack.minibatch.MinibatchPackedDataset` whose
+  elements are whole batches (int32 `[rows_per_batch / shard_count, seq_len]` arrays): the
+  minibatches of examples that unpacked random sampling draws, each packed on its own (see
+  docs/packing.md, "Minibatch packing").
 
   Every element is a dict of int32 `[seq_len]` arrays `input_ids`, `labels`, `segment_ids`,
   `segment_positions`. The plan is computed once for the whole data set (cached beside the
@@ -478,9 +489,19 @@ def pack_dataset(
     shard_count: number of shards; default `jax.process_count()`.
     shard_options: a `grain.sharding.ShardOptions` instead of shard_index/shard_count;
       `drop_remainder=True` drops an epoch's last `R mod shard_count` rows instead of padding.
+    loss_mask: apply the source's per-token loss mask (label -100 where the target token has
+      mask 0); None: when the source has one (`has_loss_mask`).
+    mode: "global" (one plan for the whole data set, rows shuffled per epoch) or "minibatch".
+    examples_per_batch: minibatch mode: examples per minibatch (as unpacked training's batch
+      size); exactly one of it and `tokens_per_batch`.
+    tokens_per_batch: minibatch mode: a token budget; each batch has `tokens_per_batch //
+      seq_len` rows and takes examples while they fit.
+    rows_per_batch: minibatch mode: static rows per batch; None: the most any batch needs over
+      `num_epochs` epochs (a safe bound for an infinite dataset).
+    drop_remainder: minibatch mode: drop each epoch's last, short minibatch.
 
   Returns:
-    A `PackedDataset` (a `grain.MapDataset`).
+    A `PackedDataset` (a `grain.MapDataset`), or a `MinibatchPackedDataset` in minibatch mode.
 
   Raises:
     PipelineConfigError: an argument is invalid, the source is empty, or no document survives.
@@ -498,6 +519,26 @@ def pack_dataset(
   lengths = _document_lengths(source)
   if lengths.size == 0:
     raise PipelineConfigError(f"pack_dataset: source {source!r:.200} holds no documents")
+  has_mask = bool(getattr(source, "has_loss_mask", False))
+  if loss_mask is None:
+    loss_mask = has_mask
+  elif loss_mask and not has_mask:
+    raise PipelineConfigError(
+        f"pack_dataset: loss_mask=True but the source {source!r:.200} has no loss mask "
+        f"(has_loss_mask is not true)")
+  if mode != "global":
+    return _minibatch_dataset(
+        source, lengths, special=special, loss_mask=bool(loss_mask), mode=mode,
+        seq_len=int(seq_len), strategy=strategy, long_docs=long_docs, min_len=int(min_len),
+        overlap=int(overlap), extra=extra, seed=int(seed), shuffle=bool(shuffle),
+        num_epochs=num_epochs, examples_per_batch=examples_per_batch,
+        tokens_per_batch=tokens_per_batch, rows_per_batch=rows_per_batch,
+        drop_remainder=drop_remainder, max_segments_per_row=max_segments_per_row,
+        shard_index=index, shard_count=count)
+  for name, value in (("examples_per_batch", examples_per_batch),
+                      ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
+    if value is not None:
+      raise PipelineConfigError(f"pack_dataset: {name}={value!r} is only for mode='minibatch'")
   arrays = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
                       long_docs=long_docs, min_len=int(min_len), overlap=int(overlap),
                       extra=extra, max_segments_per_row=max_segments_per_row,
@@ -506,7 +547,8 @@ def pack_dataset(
     raise PipelineConfigError(
         f"pack_dataset: no document of the {lengths.size} in the source survives min_len="
         f"{min_len}; nothing to pack")
-  builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths)
+  builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths,
+                                loss_mask=bool(loss_mask))
   dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
                           shard_index=index, shard_count=count, drop_remainder=drop_remainder)
   if dataset.rows_per_epoch == 0:
@@ -514,3 +556,50 @@ def pack_dataset(
         f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
         f"drop_remainder=True: every process would get no rows")
   return dataset
+
+
+def _positive_or_none(name: str, value: Any) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                            or value < 1):
+    raise PipelineConfigError(f"pack_dataset: {name} must be None or an int >= 1, got {value!r}")
+
+
+def _minibatch_dataset(source: Any, lengths: np.ndarray, *, special: rows_lib.SpecialTokens,
+                       loss_mask: bool, mode: str, seq_len: int, strategy: str, long_docs: str,
+                       min_len: int, overlap: int, extra: int, seed: int, shuffle: bool,
+                       num_epochs: int | None, examples_per_batch: int | None,
+                       tokens_per_batch: int | None, rows_per_batch: int | None,
+                       drop_remainder: bool, max_segments_per_row: int | None,
+                       shard_index: int, shard_count: int) -> Any:
+  """`pack_dataset(mode="minibatch")`: validates its arguments and builds the dataset."""
+  from segpack import minibatch  # pylint: disable=g-import-not-at-top
+  if mode != "minibatch":
+    raise PipelineConfigError(f"pack_dataset: mode must be 'global' or 'minibatch', got {mode!r}")
+  if (examples_per_batch is None) == (tokens_per_batch is None):
+    raise PipelineConfigError(
+        f"pack_dataset: mode='minibatch' needs exactly one of examples_per_batch and "
+        f"tokens_per_batch, got examples_per_batch={examples_per_batch!r}, "
+        f"tokens_per_batch={tokens_per_batch!r}")
+  for name, value in (("examples_per_batch", examples_per_batch),
+                      ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
+    _positive_or_none(name, value)
+  if max_segments_per_row is not None:
+    raise PipelineConfigError(
+        f"pack_dataset: max_segments_per_row={max_segments_per_row!r} is not supported with "
+        f"mode='minibatch'")
+  try:
+    planner = minibatch.MinibatchPlanner(
+        lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
+        overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
+        examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
+        drop_remainder=bool(drop_remainder))
+    empty = rows_lib.PlanArrays(seq_len=seq_len, overlap=overlap,
+                                row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
+                                start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
+    builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
+                                  loss_mask=loss_mask)
+    return minibatch.MinibatchPackedDataset(
+        planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
+        shard_index=shard_index, shard_count=shard_count)
+  except minibatch.MinibatchConfigError as e:
+    raise PipelineConfigError(str(e)) from e

@@ -10,6 +10,7 @@ reads the tokens of those pieces (memory-mapped slices, never whole files) and b
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import mmap
 import os
@@ -108,8 +109,26 @@ class SequenceTokenReader:
         out[dst:dst + hi - lo] = np.asarray(source[d])[lo:hi]
 
 
+class SequenceMaskReader:
+  """Reads loss-mask slices through `source.loss_mask(d)` (a source with per-token masks)."""
+
+  def __init__(self, source: Any):
+    self._source = source
+
+  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
+           dst_P: np.ndarray) -> None:
+    """Copies `source.loss_mask(doc)[lo:hi]` to `out[dst:]` for every piece."""
+    source = self._source
+    for d, lo, hi, dst in zip(doc_P.tolist(), lo_P.tolist(), hi_P.tolist(), dst_P.tolist()):
+      if hi > lo:
+        out[dst:dst + hi - lo] = np.asarray(source.loss_mask(d))[lo:hi]
+
+
 class ShardTokenReader:
   """Reads document slices straight from the token files of a `segpack.ShardSource`.
+
+  With `kind="mask"` it reads the shards' loss-mask files (uint8, aligned with the tokens)
+  instead.
 
   Algorithm:
     1. From the manifest (shard token file names, documents per shard) and `source.lengths`,
@@ -126,11 +145,11 @@ class ShardTokenReader:
   tokens [1, 3) is shard 1's file slice [1, 3).
   """
 
-  def __init__(self, source: Any):
+  def __init__(self, source: Any, *, kind: str = "tokens"):
     shards = source.manifest["shards"]
     self._path = os.fspath(source.path)
-    self._files = [str(shard["tokens"]) for shard in shards]
-    self._dtype = np.dtype(source.dtype)
+    self._files = [str(shard[kind]) for shard in shards]
+    self._dtype = np.dtype(np.uint8) if kind == "mask" else np.dtype(source.dtype)
     counts = np.asarray([int(shard["num_documents"]) for shard in shards], dtype=np.int64)
     self._doc_starts = np.zeros(len(shards) + 1, dtype=np.int64)
     np.cumsum(counts, out=self._doc_starts[1:])
@@ -187,6 +206,18 @@ def make_token_reader(source: Any) -> SequenceTokenReader | ShardTokenReader:
   return SequenceTokenReader(source)
 
 
+def make_mask_reader(source: Any) -> SequenceMaskReader | ShardTokenReader:
+  """The loss-mask counterpart of `make_token_reader` (the source must have `loss_mask(d)`)."""
+  manifest = getattr(source, "manifest", None)
+  if (isinstance(manifest, dict) and manifest.get("loss_mask") is True
+      and hasattr(source, "path") and hasattr(source, "lengths")):
+    try:
+      return ShardTokenReader(source, kind="mask")
+    except (KeyError, TypeError):
+      pass
+  return SequenceMaskReader(source)
+
+
 class RowBuilder:
   """Builds packed rows (dicts of int32 arrays) from plan rows and a token source.
 
@@ -204,6 +235,9 @@ class RowBuilder:
      the repeated piece offsets), then copied into each row's prefix.
   5. `labels` = `input_ids` shifted left by one, then -100 at every piece's last slot, on
      padding, and on targets that are repeated overlap slots of a continuation chunk.
+  6. With a loss mask (`loss_mask=True`): the mask slices are copied like the tokens (the EOS
+     slot takes the mask of the document's last token, the BOS slot 0), and every label whose
+     target slot has mask 0 becomes -100.
 
   `build_row` does the same for a single row with a loop over its few pieces.
 
@@ -215,7 +249,7 @@ class RowBuilder:
   """
 
   def __init__(self, source: Any, plan: PlanArrays, *, special: SpecialTokens,
-               doc_lengths: np.ndarray):
+               doc_lengths: np.ndarray, loss_mask: bool = False):
     """Creates the builder.
 
     Args:
@@ -223,8 +257,11 @@ class RowBuilder:
       plan: the plan arrays.
       special: BOS/EOS/padding ids.
       doc_lengths: int64 `[num_docs]` token counts of the source documents.
+      loss_mask: apply the source's per-token loss mask (`source.loss_mask(d)`, 1 = trained) to
+        the labels.
     """
     self._reader = make_token_reader(source)
+    self._mask_reader = make_mask_reader(source) if loss_mask else None
     self._plan = plan
     self._special = special
     self._doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
@@ -251,6 +288,13 @@ class RowBuilder:
   @property
   def num_rows(self) -> int:
     return self._plan.num_rows
+
+  def with_plan(self, plan: PlanArrays) -> "RowBuilder":
+    """A builder of the same source, special tokens and readers over another plan."""
+    other = copy.copy(self)
+    other._plan = plan  # pylint: disable=protected-access
+    other._views = None  # pylint: disable=protected-access
+    return other
 
   def build(self, rows: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
     """Returns the features of `rows` as int32 `[len(rows), seq_len]` arrays.
@@ -300,6 +344,11 @@ class RowBuilder:
     for b, n in enumerate(used_B.tolist()):
       labels_BxS[b, n:] = IGNORE_LABEL
     self._mask_overlap(labels_BxS.reshape(-1), start_P, length_P, offset_P)
+    if self._mask_reader is not None:
+      trained = np.zeros(batch * seq_len, dtype=np.uint8)
+      self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
+      trained_BxS = trained.reshape(batch, seq_len)
+      labels_BxS[:, :-1][trained_BxS[:, 1:] == 0] = IGNORE_LABEL
     return {
         "input_ids": input_ids_BxS,
         "labels": labels_BxS,
@@ -331,6 +380,10 @@ class RowBuilder:
         positions[o:o + n] = ramp[:n]
         labels[o:o + n - 1] = input_ids[o + 1:o + n]
       self._mask_overlap(labels, start_P, length_P, offset_P)
+      if self._mask_reader is not None:
+        trained = np.zeros(seq_len, dtype=np.uint8)
+        self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
+        labels[:-1][trained[1:] == 0] = IGNORE_LABEL
     return {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids,
             "segment_positions": positions}
 
@@ -349,6 +402,26 @@ class RowBuilder:
     if special.add_eos:
       ends_eos = start_P + length_P == doc_len_P + bos + 1
       out[(offset_P + length_P - 1)[ends_eos]] = special.eos_id
+
+  def _copy_mask(self, out: np.ndarray, doc_P: np.ndarray, start_P: np.ndarray,
+                 length_P: np.ndarray, offset_P: np.ndarray) -> None:
+    """Writes each piece's loss mask (BOS slot 0, the tokens' mask, EOS slot = the mask of the
+    document's last token) into `out` at its offset."""
+    assert self._mask_reader is not None
+    bos = int(self._special.add_bos)
+    doc_len_P = self._doc_lengths[doc_P]
+    token_lo_P = np.maximum(start_P - bos, 0)
+    token_hi_P = np.minimum(start_P + length_P - bos, doc_len_P)
+    self._mask_reader.copy(out, doc_P, token_lo_P, token_hi_P, offset_P + (start_P < bos))
+    if bos:
+      out[offset_P[start_P == 0]] = 0
+    if self._special.add_eos:
+      ends_eos = start_P + length_P == doc_len_P + bos + 1
+      eos_doc = doc_P[ends_eos]
+      last = np.zeros(eos_doc.size, dtype=np.uint8)
+      self._mask_reader.copy(last, eos_doc, doc_len_P[ends_eos] - 1, doc_len_P[ends_eos],
+                             np.arange(eos_doc.size, dtype=np.int64))
+      out[(offset_P + length_P - 1)[ends_eos]] = last
 
   def _mask_overlap(self, labels: np.ndarray, start_P: np.ndarray, length_P: np.ndarray,
                     offset_P: np.ndarray) -> None:
