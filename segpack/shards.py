@@ -314,7 +314,7 @@ class ShardWriter:
     if mask.shape != size:
       raise ValueError(f"{where}: loss_mask has shape {mask.shape}, the tokens {size}")
     if mask.size and not np.isin(mask, (0, 1)).all():
-      bad = mask.reshape(-1)[~np.isin(mask.reshape(-1), (0, 1))][0]
+      bad = mask.reshape(-1)[~np.isin(mask.reshape(-1), (0, 1))][0].item()
       raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {bad!r}")
     return mask.astype(np.uint8)
 
