@@ -63,11 +63,10 @@ def _lines(path, kind=None):
 def test_two_processes_match_one(tmp_path):
   port = portpicker.pick_unused_port()
   multi = tmp_path / "multi"
-  procs = [_spawn(multi, 2, i, port) for i in range(2)]
-  outs = [_finish(p) for p in procs]
-  assert "DEVICES 4 2" in outs[0]
   single = tmp_path / "single"
-  assert "DEVICES 4 4" in _finish(_spawn(single, 1, 0, 0))
+  procs = [_spawn(multi, 2, i, port) for i in range(2)] + [_spawn(single, 1, 0, 0)]
+  outs = [_finish(p) for p in procs]
+  assert "DEVICES 4 2" in outs[0] and "DEVICES 4 4" in outs[2]
 
   rows = [_lines(multi / f"batches.p{i}.jsonl") for i in range(2)]
   whole = _lines(single / "batches.jsonl")

@@ -147,7 +147,7 @@ def test_gradient_accumulation_is_exact():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_sharded_mesh_matches_single_device(tmp_path):
+def test_fsdp_tensor_mesh_matches_data_parallel(tmp_path):
   """data x fsdp x tensor = 2 x 2 x 2 gives the losses of pure data parallelism (8)."""
   single = _synthetic(**{"train.num_steps": 3, "train.eval_every": 0, "train.log_batches": False})
   sharded = _synthetic(**{"train.num_steps": 3, "train.eval_every": 0, "train.log_batches": False,

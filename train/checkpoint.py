@@ -82,11 +82,12 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def restore_or_none(self, abstract_state: Any, config_dict: dict[str, Any]
-                      ) -> tuple[Any, dict[str, Any] | None, int] | None:
+                      ) -> tuple[Any, dict[str, Any], int] | None:
     """Returns `(state, data_iterator_state, step)` of the latest checkpoint, or None.
 
     Raises:
-      IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`.
+      IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`, or it was
+        written by a different number of processes (whose data positions do not map onto ours).
     """
     step = self._manager.latest_step()
     if step is None:
@@ -100,6 +101,10 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     data_state = restored["data"].get(str(jax.process_index()))
+    if data_state is None or len(restored["data"]) != jax.process_count():
+      raise IncompatibleCheckpointError(
+          f"cannot resume from {self.directory}/{step}: it holds the data positions of "
+          f"{len(restored['data'])} processes, this run has {jax.process_count()}")
     return restored["state"], data_state, step
 
   def maybe_save(self, step: int, state: Any, data_state: dict[str, Any],

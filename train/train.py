@@ -106,7 +106,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
     real = jnp.sum(batch["segment_ids"] != 0, dtype=jnp.float32)
-    metrics = dict(loss=loss, grad_norm=optax.global_norm(grads), lr=schedule(state["step"]),
+    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
                    trained_tokens=total, real_tokens=real,
                    slots=jnp.float32(batch["segment_ids"].size))
     return new_state, metrics
@@ -186,8 +186,7 @@ def setup(config: Any, workdir: str) -> Run:
     state, start_step = jax.jit(init, out_shardings=state_sh)(), 0
   else:
     state, data_state, start_step = restored
-    if data_state is not None:
-      iterator.set_state(data_state)
+    iterator.set_state(data_state)
   batch_sh = sharding_lib.batch_sharding(mesh)
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
@@ -225,7 +224,7 @@ def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray]) -> Non
 
 def _train_record(step: int, window: list[dict[str, Any]],
                   meter: metrics_lib.Throughput) -> dict[str, Any]:
-  window = jax.device_get(window)
+  """One `train` record from the (fetched) metrics of the steps since the last record."""
   for m in window:
     meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]))
   tokens = sum(float(m["trained_tokens"]) for m in window)
@@ -256,8 +255,10 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
           f"{'resuming at step ' + str(run.start_step) if run.start_step else 'from scratch'}",
           flush=True)
   t0, first_loss, last_loss, eval_rec, real_total = time.perf_counter(), None, None, None, 0.0
+  initial_eval = None
   if run.start_step == 0 and t.eval_every > 0:
     eval_rec = dict(kind="eval", step=0, **evaluate(run))
+    initial_eval = eval_rec["eval_loss"]
     writer.write(eval_rec)
   meter = metrics_lib.Throughput(start_step=run.start_step, num_steps=t.num_steps)
   window = []
@@ -268,9 +269,9 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
     window.append(step_metrics)
     last_step = step == t.num_steps
     if step % t.log_every == 0 or last_step:
-      record = _train_record(step, window, meter)
-      real_total += sum(float(m["real_tokens"]) for m in jax.device_get(window))
-      window = []
+      window = jax.device_get(window)
+      real_total += sum(float(m["real_tokens"]) for m in window)
+      record, window = _train_record(step, window, meter), []
       first_loss = record["loss"] if first_loss is None else first_loss
       last_loss = record["loss"]
       writer.write(record)
@@ -283,6 +284,7 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
   elapsed = time.perf_counter() - t0
   summary = dict(kind="summary", steps=t.num_steps, resumed_from=run.start_step,
                  first_logged_loss=first_loss, final_loss=last_loss,
+                 initial_eval_loss=initial_eval,
                  final_eval_loss=None if eval_rec is None else eval_rec["eval_loss"],
                  real_tokens=int(real_total), wall_s=elapsed,
                  real_tokens_per_s=real_total / max(elapsed, 1e-9), params=run.num_params,
