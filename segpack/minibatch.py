@@ -157,33 +157,35 @@ class MinibatchPlanner:
     batches, current, free, rows = [], [], [seq_len] * rows_cap, [[] for _ in range(rows_cap)]
     for d in order.tolist():
       chunks = self._chunks(int(self.lengths[d]))
-      trial_free, placed = list(free), []
-      for start, n in chunks:
-        r = next((i for i, f in enumerate(trial_free) if f >= n), -1)
-        if r < 0:
-          break
-        trial_free[r] -= n
-        placed.append((r, (d, start, n)))
-      if len(placed) < len(chunks):
-        if not current:
-          raise MinibatchConfigError(
-              f"minibatch packing: document {d} needs {len(chunks)} rows of seq_len={seq_len} "
-              f"but tokens_per_batch={self.tokens_per_batch} gives only {rows_cap}; raise "
-              f"tokens_per_batch or use long_docs='truncate'")
+      placed = _first_fit(chunks, free)
+      if placed is None and current:
         batches.append((np.asarray(current, np.int64), [x for x in rows if x]))
         current, free, rows = [], [seq_len] * rows_cap, [[] for _ in range(rows_cap)]
-        trial_free, placed = list(free), []
-        for start, n in chunks:
-          r = next(i for i, f in enumerate(trial_free) if f >= n)
-          trial_free[r] -= n
-          placed.append((r, (d, start, n)))
-      free = trial_free
-      for r, piece in placed:
-        rows[r].append(piece)
+        placed = _first_fit(chunks, free)
+      if placed is None:
+        raise MinibatchConfigError(
+            f"minibatch packing: document {d} needs {len(chunks)} rows of seq_len={seq_len} "
+            f"but tokens_per_batch={self.tokens_per_batch} gives only {rows_cap}; raise "
+            f"tokens_per_batch or use long_docs='truncate'")
+      for r, (start, n) in zip(placed, chunks):
+        free[r] -= n
+        rows[r].append((d, start, n))
       current.append(d)
-    if current and not (self.drop_remainder and len(batches)):
+    if current and not (self.drop_remainder and batches):
       batches.append((np.asarray(current, np.int64), [x for x in rows if x]))
     return batches
+
+
+def _first_fit(chunks: list[tuple[int, int]], free: list[int]) -> list[int] | None:
+  """The row of each chunk, first fit into `free` slots (not modified), or None."""
+  trial, out = list(free), []
+  for _, n in chunks:
+    r = next((i for i, f in enumerate(trial) if f >= n), -1)
+    if r < 0:
+      return None
+    trial[r] -= n
+    out.append(r)
+  return out
 
 
 def _assemble(batches, order, seq_len, overlap, rows_per_batch) -> EpochPlan:

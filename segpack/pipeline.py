@@ -510,7 +510,7 @@ def pack_dataset(
   _check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
               overlap=overlap, extra=extra, num_epochs=num_epochs,
               max_segments_per_row=max_segments_per_row, seed=seed)
-  index, count, drop_remainder = _shard(shard_index, shard_count, shard_options)
+  index, count, shard_drop = _shard(shard_index, shard_count, shard_options)
   source = _open_source(source)
   special = rows_lib.SpecialTokens(
       add_bos=bool(add_bos), add_eos=bool(add_eos),
@@ -550,7 +550,7 @@ def pack_dataset(
   builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths,
                                 loss_mask=bool(loss_mask))
   dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
-                          shard_index=index, shard_count=count, drop_remainder=drop_remainder)
+                          shard_index=index, shard_count=count, drop_remainder=shard_drop)
   if dataset.rows_per_epoch == 0:
     raise PipelineConfigError(
         f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
