@@ -271,12 +271,23 @@ def write_chat_dataset(
 ) -> dict[str, Any]:
   """Encodes `(where, messages)` pairs into a shard dataset with a loss mask; returns the manifest.
 
+  With a `resume_key`, a complete dataset with that key is returned as is, and the finished
+  shards of an interrupted run with that key are kept (their conversations skipped).
+
   The manifest's metadata gets `chat`: the template, `train_on` and whether the markers are
   special symbols, and `tokenizer` (the tokenizer's `describe()`, where `pack_dataset` finds the
   BOS/EOS ids) when the tokenizer has one.
   """
   from segpack import shards  # pylint: disable=g-import-not-at-top
 
+  manifest_path = Path(output) / shards.MANIFEST_NAME
+  if resume_key is not None and manifest_path.exists():
+    try:
+      old = json.loads(manifest_path.read_text("utf-8"))
+    except ValueError:
+      old = None
+    if isinstance(old, dict) and old.get("resume_key") == resume_key:
+      return old  # Already complete with these inputs and settings.
   tok = encoder.tokenizer
   meta = dict(metadata or {})
   meta["chat"] = {"template": dataclasses.asdict(encoder.template), "train_on": encoder.train_on,
@@ -287,6 +298,9 @@ def write_chat_dataset(
                           tokenizer_fingerprint=str(getattr(tok, "fingerprint", "")),
                           shard_tokens=shard_tokens, metadata=meta, resume_key=resume_key,
                           loss_mask=True) as writer:
+    conversations = iter(conversations)
+    for _ in range(writer.resumed_inputs):  # Conversations already in kept shards.
+      next(conversations, None)
     for where, messages in conversations:
       ids, mask = encoder.encode(messages, where=where)
       writer.write(ids, loss_mask=mask)

@@ -8,7 +8,10 @@ Usage:
 Inputs are read in the order given (a directory: its `.txt`, `.jsonl` and `.jsonl.gz` files in
 sorted order): a `.txt` file is one document (or, with `--doc-separator blank-line`, one document
 per block of lines between blank lines); a `.jsonl[.gz]` line is a JSON object whose
-`--text-field` is one document. `--input builtin` (or `builtin:small`) is the built-in corpus of
+`--text-field` is one document. JSONL conversations (`{"messages": [{"role", "content"}, ...]}`,
+`--format chat`, or detected from the first line with `--format auto`) are rendered through the
+chat template of `segpack.chat` and stored with a per-token loss mask (`--train-on`).
+`--input builtin` (or `builtin:small`) is the built-in corpus of
 this Python's docs and sources (`segpack.corpus`); it writes DIR/train and DIR/eval and copies the
 SentencePiece model to DIR/spm.model.
 
@@ -509,6 +512,9 @@ def tokenize_files(
     progress: bool = False,
     overwrite: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
+    input_format: str = "auto",
+    train_on: str = "assistant",
+    messages_field: str = "messages",
 ) -> list[Summary]:
   """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
 
@@ -547,6 +553,10 @@ def tokenize_files(
   files = expand_inputs(inputs)
   if not files:
     raise InputFormatError("--input: no input files given")
+  if _is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
+    return [_tokenize_chat(files, output, spm_model=spm_model, vocab_size=vocab_size,
+                           train_on=train_on, messages_field=messages_field,
+                           shard_tokens=shard_tokens, overwrite=overwrite)]
   read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
   ident = {"inputs": [_file_identity(p) for p in files], **read}
   if spm_model is not None:
@@ -568,6 +578,89 @@ def tokenize_files(
                    seconds=time.perf_counter() - start, text_bytes=nbytes)]
 
 
+def _is_chat(files: Sequence[Path], input_format: str, *, text_field: str,
+             messages_field: str) -> bool:
+  """Whether the inputs are chat conversations (`--format auto`: the first JSONL record has
+  `messages_field` and no `text_field`)."""
+  if input_format not in ("auto", "text", "chat"):
+    raise InputFormatError(f"--format must be auto, text or chat, got {input_format!r}")
+  if input_format != "auto":
+    if input_format == "chat" and any(not p.name.endswith((".jsonl", ".jsonl.gz"))
+                                      for p in files):
+      raise InputFormatError(f"--format chat reads .jsonl[.gz] files only, got "
+                             f"{[str(p) for p in files]}")
+    return input_format == "chat"
+  first = files[0]
+  if not first.name.endswith((".jsonl", ".jsonl.gz")):
+    return False
+  opener = gzip.open if first.name.endswith(".gz") else open
+  with opener(first, "rb") as f:
+    for raw in f:
+      if raw.strip():
+        try:
+          record = json.loads(raw)
+        except ValueError:
+          return False
+        return (isinstance(record, dict) and messages_field in record
+                and text_field not in record)
+  return False
+
+
+def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size, train_on: str,
+                   messages_field: str, shard_tokens: int, overwrite: bool) -> Summary:
+  """`--format chat`: conversations to tokens + loss mask (single process; see segpack.chat)."""
+  from segpack import chat  # pylint: disable=g-import-not-at-top
+
+  def conversations():
+    for path in files:
+      yield from chat.read_conversations(path, messages_field=messages_field)
+
+  ident = {"inputs": [_file_identity(p) for p in files], "format": "chat",
+           "messages_field": messages_field, "train_on": train_on,
+           "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
+  if spm_model is not None:
+    tokenizer = spm_lib.SpmTokenizer(spm_model)
+  elif vocab_size is not None:
+    texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
+             for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
+    model_file = output / "spm.model"
+    key_hash = _resume_key(dict(ident, vocab_size=vocab_size))
+    record = model_file.with_suffix(".json")
+    try:
+      ok = json.loads(record.read_text("utf-8")).get("key") == key_hash
+    except (OSError, ValueError):
+      ok = False
+    if ok and model_file.exists():
+      tokenizer = spm_lib.SpmTokenizer(model_file)
+    else:
+      tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
+                                    user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
+      shards_lib.atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
+  else:
+    raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
+  encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
+  if not encoder.markers_are_symbols:
+    _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
+                 tokenizer.model_file)
+  key = _resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
+  manifest_path = output / shards_lib.MANIFEST_NAME
+  if manifest_path.exists() and not overwrite:
+    try:
+      same = json.loads(manifest_path.read_text("utf-8")).get("resume_key") == key
+    except ValueError:
+      same = False
+    if not same:
+      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
+                             f"inputs or settings; pass --overwrite to replace it")
+  start = time.perf_counter()
+  manifest = chat.write_chat_dataset(
+      conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,
+      metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file)})
+  return _summary(output, manifest, resumed=0, bad_lines=0,
+                  seconds=time.perf_counter() - start,
+                  text_bytes=sum(p.stat().st_size for p in files))
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m segpack.tokenize",
                               description="Tokenize text into a segpack shard dataset.")
@@ -581,6 +674,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--doc-separator", choices=("file", "blank-line"), default="file",
                  help=".txt files: a file is a document, or blank lines separate documents")
   p.add_argument("--text-field", default="text", help=".jsonl: the field holding the text")
+  p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
+                 help="chat: .jsonl conversations with a loss mask; auto: chat when the first "
+                      "record has --messages-field and no --text-field")
+  p.add_argument("--train-on", choices=("assistant", "last_assistant", "all"),
+                 default="assistant", help="chat: which tokens carry loss")
+  p.add_argument("--messages-field", default="messages", help="chat: the field of the messages")
   p.add_argument("--skip-bad-lines", action="store_true",
                  help=".jsonl: count and skip lines that are not JSON or lack the field")
   p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPUs)")
@@ -605,7 +704,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
         doc_separator=args.doc_separator, text_field=args.text_field,
         skip_bad_lines=args.skip_bad_lines, workers=args.workers, shard_tokens=args.shard_tokens,
-        progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir)
+        progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
+        input_format=args.format, train_on=args.train_on, messages_field=args.messages_field)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
     print(f"segpack.tokenize: error: {e}", file=sys.stderr)
     return 2

@@ -226,3 +226,24 @@ def test_builtin_chat_corpus(builtin_chat):
   again = chat_corpus.ensure_builtin_chat(size="small", cache_dir=cache)
   assert again == ds
   assert shards.ShardSource(again.train_dir).fingerprint == train.fingerprint
+
+
+def test_tokenize_cli_writes_the_mask(builtin_chat, tmp_path):
+  from segpack import tokenize  # pylint: disable=g-import-not-at-top
+
+  ds, _ = builtin_chat
+  # Auto-detected from the `messages` field; equal to the corpus's own dataset.
+  assert tokenize.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "a"),
+                        "--spm-model", str(ds.spm_model), "--no-progress", "--workers", "1"]) == 0
+  got, want = shards.ShardSource(tmp_path / "a"), shards.ShardSource(ds.train_dir)
+  assert got.has_loss_mask and got.fingerprint == want.fingerprint
+  assert tokenize.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "b"),
+                        "--spm-model", str(ds.spm_model), "--no-progress", "--format", "chat",
+                        "--train-on", "all"]) == 0
+  every = shards.ShardSource(tmp_path / "b")
+  assert all(every.loss_mask(i).all() for i in range(0, len(every), 50))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"messages": [{"role": "user", "content": "a"}]}\n'
+                 '{"messages": [{"role": "assistant", "content": 5}]}\n')
+  with pytest.raises(chat.ChatFormatError, match=r"bad.jsonl:1: no assistant message"):
+    tokenize.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
