@@ -594,15 +594,15 @@ def _is_chat(files: Sequence[Path], input_format: str, *, text_field: str,
   if not first.name.endswith((".jsonl", ".jsonl.gz")):
     return False
   opener = gzip.open if first.name.endswith(".gz") else open
-  with opener(first, "rb") as f:
-    for raw in f:
-      if raw.strip():
-        try:
+  try:
+    with opener(first, "rb") as f:
+      for raw in f:
+        if raw.strip():
           record = json.loads(raw)
-        except ValueError:
-          return False
-        return (isinstance(record, dict) and messages_field in record
-                and text_field not in record)
+          return (isinstance(record, dict) and messages_field in record
+                  and text_field not in record)
+  except (OSError, EOFError, zlib.error, ValueError):
+    return False  # The text reader reports what is wrong with the file.
   return False
 
 
