@@ -209,3 +209,13 @@ def test_resume_with_incompatible_config_says_what_differs(tmp_path):
   with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
                      match=r"model\.d_ff: checkpoint has 64, config has 96(.|\n)*learning_rate"):
     train_lib.train_and_evaluate(other, str(tmp_path))
+
+
+def test_cli_refuses_a_config_typo_and_names_the_default_workdir():
+  from train import main as main_lib  # pylint: disable=g-import-not-at-top
+  assert main_lib.default_workdir("configs/packed.py:smoke") == os.path.join("runs", "packed_smoke")
+  assert main_lib.default_workdir("configs/padded.py") == os.path.join("runs", "padded")
+  proc = subprocess.run(
+      [sys.executable, "-m", "train.main", "--config=configs/packed.py:smoke",
+       "--config.train.num_stpes=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "num_stpes" in proc.stderr
