@@ -1,0 +1,49 @@
+"""Chat fine-tuning (SFT): the built-in chat corpus, assistant-only loss, minibatch packing.
+
+  python -m train.main --config=configs/sft.py            # one model, a few epochs, CPU minutes
+  python -m train.main --config=configs/sft.py:smoke      # seconds (small corpus, tiny model)
+  python -m train.main --config=configs/sft.py --config.packing.mode=global
+
+Every optimizer step takes the minibatch of `packing.examples_per_batch` conversations that
+unpacked random sampling would draw and packs it into `train.batch_size` rows (the static row
+count of every step; a minibatch that needs more rows stops the run with an error naming it). With
+`packing.mode="global"` the rows of one FFD plan over the epoch are batched instead (fewer steps
+per epoch). See docs/sft.md.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs import packed
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """The packed config with chat data and minibatch packing."""
+  c = packed.base_config()
+  c.data.source = "builtin_chat"  # conversations about the built-in docs (segpack.chat_corpus)
+  c.data.size = "full"  # chat corpus size: "full" (vocab 8192) or "small" (vocab 2048)
+  c.data.train_on = "assistant"  # loss on: "assistant", "last_assistant" or "all"
+  c.packing.seq_len = 512
+  c.packing.mode = "minibatch"  # "minibatch" (steps of unpacked training) or "global" (FFD)
+  c.packing.examples_per_batch = 16  # conversations per optimizer step (minibatch mode)
+  c.packing.tokens_per_batch = config_dict.placeholder(int)  # instead: a token budget per step
+  c.train.batch_size = 16  # rows per step: minibatch mode packs each minibatch into these
+  c.train.num_steps = 800  # about two epochs of the full chat corpus at 16 per step
+  c.train.learning_rate = 1e-3
+  c.train.warmup_steps = 40
+  c.train.eval_every = 200
+  c.train.eval_batches = 0  # the whole held-out split
+  return c
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """SFT with minibatch packing; `arg="smoke"` shrinks the run to seconds."""
+  c = base_config()
+  if arg == "smoke":
+    c = packed.smoke(c)
+    c.packing.seq_len = 256
+    c.packing.examples_per_batch = 4  # 8 rows hold 4 conversations even when split
+    c.train.eval_batches = 2
+  return packed.finish(c, None if arg == "smoke" else arg)
