@@ -139,6 +139,12 @@ class MinibatchPlanner:
     return _assemble(batches, order, self.seq_len, self.overlap, rows_per_batch)
 
   def _pack(self, docs: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
+    if self.strategy in ("ffd", "pad"):  # small batches: a direct loop beats a plan() call
+      pieces = [(d, start, n) for d in docs.tolist() for start, n in self._chunks(
+          int(self.lengths[d]))]
+      if self.strategy == "pad":
+        return docs, [[piece] for piece in pieces]
+      return docs, _first_fit_decreasing(pieces, self.seq_len)
     from segpack import packing  # pylint: disable=g-import-not-at-top
 
     plan = packing.plan(self.lengths[docs], self.seq_len, strategy=self.strategy,
@@ -174,6 +180,24 @@ class MinibatchPlanner:
     if current and not (self.drop_remainder and batches):
       batches.append((np.asarray(current, np.int64), [x for x in rows if x]))
     return batches
+
+
+def _first_fit_decreasing(pieces: list[tuple[int, int, int]],
+                          seq_len: int) -> list[list[tuple[int, int, int]]]:
+  """FFD of (doc, start, slots) pieces: longest first (stable), each into the first row with room."""
+  rows: list[list[tuple[int, int, int]]] = []
+  free: list[int] = []
+  for piece in sorted(pieces, key=lambda p: -p[2]):
+    n = piece[2]
+    for r, f in enumerate(free):
+      if f >= n:
+        rows[r].append(piece)
+        free[r] = f - n
+        break
+    else:
+      rows.append([piece])
+      free.append(seq_len - n)
+  return rows
 
 
 def _first_fit(chunks: list[tuple[int, int]], free: list[int]) -> list[int] | None:
