@@ -19,10 +19,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from segpack import pipeline
 from segpack import rows as rows_lib
 
 
-class MinibatchConfigError(ValueError):
+class MinibatchConfigError(pipeline.PipelineConfigError):
   """An argument of minibatch packing is invalid (the message names it and echoes the value)."""
 
 
@@ -136,7 +137,7 @@ class MinibatchPlanner:
       k = int(self.examples_per_batch)
       stop = order.size - order.size % k if self.drop_remainder else order.size
       batches = [self._pack(order[a:min(a + k, stop)]) for a in range(0, stop, k)]
-    return _assemble(batches, order, self.seq_len, self.overlap, rows_per_batch)
+    return _assemble(batches, epoch, self.seq_len, self.overlap, rows_per_batch)
 
   def _pack(self, docs: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
     if self.strategy in ("ffd", "pad"):  # small batches: a direct loop beats a plan() call
@@ -212,14 +213,15 @@ def _first_fit(chunks: list[tuple[int, int]], free: list[int]) -> list[int] | No
   return out
 
 
-def _assemble(batches, order, seq_len, overlap, rows_per_batch) -> EpochPlan:
+def _assemble(batches, epoch, seq_len, overlap, rows_per_batch) -> EpochPlan:
   """Lays the batches' rows out batch-major, padding each batch with empty rows."""
   needed = np.asarray([len(rows) for _, rows in batches], dtype=np.int64)
   width = int(needed.max()) if rows_per_batch is None else int(rows_per_batch)
   if needed.size and int(needed.max()) > width:
     b = int(np.argmax(needed))
     raise MinibatchConfigError(
-        f"minibatch packing: batch {b} needs {int(needed[b])} rows but rows_per_batch={width}; "
+        f"minibatch packing: epoch {epoch} batch {b} needs {int(needed[b])} rows but "
+        f"rows_per_batch={width}; "
         f"raise rows_per_batch (or leave it None with a finite num_epochs to size it exactly)")
   counts, doc, start, length = [], [], [], []
   for _, rows in batches:

@@ -587,19 +587,16 @@ def _minibatch_dataset(source: Any, lengths: np.ndarray, *, special: rows_lib.Sp
     raise PipelineConfigError(
         f"pack_dataset: max_segments_per_row={max_segments_per_row!r} is not supported with "
         f"mode='minibatch'")
-  try:
-    planner = minibatch.MinibatchPlanner(
-        lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
-        overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
-        examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
-        drop_remainder=bool(drop_remainder))
-    empty = rows_lib.PlanArrays(seq_len=seq_len, overlap=overlap,
-                                row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
-                                start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
-    builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
-                                  loss_mask=loss_mask)
-    return minibatch.MinibatchPackedDataset(
-        planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
-        shard_index=shard_index, shard_count=shard_count)
-  except minibatch.MinibatchConfigError as e:
-    raise PipelineConfigError(str(e)) from e
+  planner = minibatch.MinibatchPlanner(
+      lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
+      overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
+      examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
+      drop_remainder=bool(drop_remainder))
+  empty = rows_lib.PlanArrays(seq_len=seq_len, overlap=overlap,
+                              row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
+                              start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
+  builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
+                                loss_mask=loss_mask)
+  return minibatch.MinibatchPackedDataset(
+      planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
+      shard_index=shard_index, shard_count=shard_count)

@@ -177,7 +177,7 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   # rows_per_batch is the most any batch of the 3 epochs needs.
   need = max(int(packed.epoch_plan(e).rows_needed.max()) for e in range(3))
   assert packed.rows_per_batch == need
-  with pytest.raises(pipeline.PipelineConfigError, match=r"needs \d+ rows but rows_per_batch=1"):
+  with pytest.raises(pipeline.PipelineConfigError, match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):
     pipeline.pack_dataset(src, rows_per_batch=1, **kw)
   # Infinite: a static bound that every batch fits.
   inf = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=8,
@@ -261,3 +261,21 @@ def test_minibatch_bad_arguments(tmp_path, kw, match):
     pipeline.pack_dataset(src, seq_len=16, mode="mini", shard_index=0, shard_count=1)
   with pytest.raises(pipeline.PipelineConfigError, match="only for mode='minibatch'"):
     pipeline.pack_dataset(src, seq_len=16, examples_per_batch=4, shard_index=0, shard_count=1)
+
+
+def test_minibatch_dataset_resumes_and_pickles(tmp_path):
+  import pickle  # pylint: disable=g-import-not-at-top
+
+  src, _ = make_source(tmp_path)
+  ds = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=6,
+                             shard_index=0, shard_count=1)  # infinite
+  it = ds.to_iter_dataset().__iter__()
+  for _ in range(9):  # into the second epoch (7 batches per epoch)
+    next(it)
+  state = it.get_state()
+  want = [next(it)["input_ids"] for _ in range(4)]
+  again = pickle.loads(pickle.dumps(ds)).to_iter_dataset().__iter__()
+  again.set_state(state)
+  for w in want:
+    assert (next(again)["input_ids"] == w).all()
+  assert ds.locate(9) == (1, 2) and ds.batches_in_epoch(1) == 7
