@@ -157,3 +157,25 @@ def test_shape_mismatch_is_refused():
   with pytest.raises(ValueError, match=r"segment_ids \(1, 4\)"):
     model(jnp.zeros((1, 5), jnp.int32), segment_ids=jnp.zeros((1, 4), jnp.int32),
           segment_positions=jnp.zeros((1, 5), jnp.int32))
+
+
+def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
+  """With Pallas attention and the trainer's mesh, the model's gradient lowers for `cuda` with the
+  Triton kernels (forward, dQ, dK/dV) inside `shard_map`, not on a gathered global batch."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
+  model = _tiny(num_layers=1, head_dim=64, d_model=64, num_heads=2, num_kv_heads=1,
+                attention_implementation="pallas", attention_mesh=mesh)
+  graphdef, params = nnx.split(model)
+
+  def loss(p, ids_BxS, seg_BxS, pos_BxS):
+    logits = nnx.merge(graphdef, p)(ids_BxS, segment_ids=seg_BxS, segment_positions=pos_BxS)
+    return logits.sum()
+
+  rows = NamedSharding(mesh, P(("data", "fsdp")))
+  ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  text = jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
+      params, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") >= 3  # forward, dQ and dK/dV
+  assert "sdy.manual_computation" in text  # absent when the model is built without the mesh

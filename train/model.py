@@ -43,6 +43,9 @@ class DecoderConfig:
   dtype: str = "float32"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # storage dtype of the parameters
   attention_implementation: str | None = None  # None: best available for the platform
+  # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
+  # ("data", "fsdp"), heads over "tensor". None, or the XLA backend: left to the jit partitioner.
+  attention_mesh: Any = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -116,9 +119,11 @@ class Attention(nnx.Module):
     v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
     k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
+    impl = cfg.attention_implementation or attention_lib.default_implementation()
+    mesh = cfg.attention_mesh if impl != "xla" else None
     out_BxSxHxD = attention_lib.segment_attention(
-        q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True,
-        implementation=cfg.attention_implementation)
+        q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
+        mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor")
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
 
 
@@ -213,7 +218,8 @@ def default_compute_dtype(platform: str | None = None) -> str:
   return "float32" if platform == "cpu" else "bfloat16"
 
 
-def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int) -> DecoderConfig:
+def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
+                   mesh: Any = None) -> DecoderConfig:
   """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`."""
   dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
   return DecoderConfig(
@@ -222,17 +228,20 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int) -> De
       head_dim=model_cfg.head_dim, d_ff=model_cfg.d_ff, rope_theta=model_cfg.rope_theta,
       norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
       init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
-      attention_implementation=attention_cfg.implementation)
+      attention_implementation=attention_cfg.implementation, attention_mesh=mesh)
 
 
-def build(config: Any, seed: int, *, vocab_size: int | None = None) -> Decoder:
+def build(config: Any, seed: int, *, vocab_size: int | None = None,
+          mesh: Any = None) -> Decoder:
   """Builds the `Decoder` that a trainer config (its `model` and `attention` groups) describes.
 
   Args:
     config: a trainer config (`configs/packed.py`) or any object with `model` and `attention`.
     seed: parameter initialisation seed.
     vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
+    mesh: the trainer's mesh (axes `data`, `fsdp`, `tensor`); kernel attention backends run
+      per device under `shard_map` on it.
   """
   vocab = vocab_size if vocab_size is not None else config.model.vocab_size
-  cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab))
+  cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh)
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))
