@@ -1,10 +1,15 @@
-"""Training and evaluation batches for the trainer, from the built-in corpus or synthetic documents.
+"""Training and evaluation batches for the trainer: the built-in corpus, the built-in chat corpus
+(assistant-only loss) or synthetic documents.
 
 Each process reads only its own rows (`pack_dataset(shard_index=process_index,
 shard_count=process_count)`) and batches them to `batch_size / process_count` rows; the step
 function assembles the global batch with `jax.make_array_from_process_local_data`. The training
 set is an infinite `grain.MapDataset` of batches, so its position is one integer, which Grain's
 `DatasetIterator.get_state()` exposes and the checkpoint stores.
+
+With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
+minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
+into the `batch_size` rows of a step.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class DataConfigError(ValueError):
 class DataSpec:
   """What the trainer needs from the `data` and `packing` config groups (plain typed values)."""
 
-  source: str  # "builtin" or "synthetic"
+  source: str  # "builtin", "builtin_chat" or "synthetic"
   size: str  # builtin corpus size: "full" or "small"
   cache_dir: str | None
   seq_len: int
@@ -42,6 +47,10 @@ class DataSpec:
   synthetic_docs: int
   synthetic_mean_len: int
   synthetic_vocab: int
+  mode: str = "global"  # "global" (rows of one plan) or "minibatch" (packed minibatches)
+  examples_per_batch: int | None = None  # minibatch mode: examples per step
+  tokens_per_batch: int | None = None  # minibatch mode: instead, a token budget per step
+  train_on: str = "assistant"  # builtin_chat: which tokens carry loss
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -50,7 +59,10 @@ class DataSpec:
                strategy=p.strategy, long_docs=p.long_docs,
                max_segments_per_row=p.max_segments_per_row, add_bos=d.add_bos,
                add_eos=d.add_eos, seed=d.seed, synthetic_docs=d.synthetic_docs,
-               synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab)
+               synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
+               mode=p.get("mode", "global"), examples_per_batch=p.get("examples_per_batch"),
+               tokens_per_batch=p.get("tokens_per_batch"),
+               train_on=d.get("train_on", "assistant"))
 
 
 @dataclasses.dataclass
@@ -94,7 +106,16 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
     sp = sentencepiece.SentencePieceProcessor(model_file=str(built.spm_model))
     ids = dict(bos_id=int(sp.bos_id()), eos_id=int(sp.eos_id()))
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
-  raise DataConfigError(f"data.source must be 'builtin' or 'synthetic', got {spec.source!r}")
+  if spec.source == "builtin_chat":
+    from segpack import chat_corpus  # pylint: disable=g-import-not-at-top
+    from segpack import spm  # pylint: disable=g-import-not-at-top
+    built = chat_corpus.ensure_builtin_chat(size=spec.size, train_on=spec.train_on,
+                                            cache_dir=spec.cache_dir)
+    tok = spm.SpmTokenizer(built.spm_model)
+    ids = dict(bos_id=tok.bos_id, eos_id=tok.eos_id)
+    return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
+  raise DataConfigError(
+      f"data.source must be 'builtin', 'builtin_chat' or 'synthetic', got {spec.source!r}")
 
 
 def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
@@ -116,9 +137,14 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                 add_bos=spec.add_bos, add_eos=spec.add_eos,
                 max_segments_per_row=spec.max_segments_per_row, shard_index=process_index,
                 shard_count=process_count, **ids)
+  eval_rows = pipeline.pack_dataset(eval_src, shuffle=False, num_epochs=1, **common)
+  if spec.mode == "minibatch":
+    return _minibatch_data(spec, train_src, eval_rows, common, batch_size=batch_size,
+                           local=local, vocab=vocab)
+  if spec.mode != "global":
+    raise DataConfigError(f"packing.mode must be 'global' or 'minibatch', got {spec.mode!r}")
   train_rows = pipeline.pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
                                      **common)
-  eval_rows = pipeline.pack_dataset(eval_src, shuffle=False, num_epochs=1, **common)
   return Data(
       train=train_rows.batch(local, drop_remainder=True),
       eval=eval_rows.batch(local, drop_remainder=False),
@@ -126,6 +152,33 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       description=(f"{spec.source} data, {spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.num_plan_rows} train rows/epoch, {eval_rows.num_plan_rows} "
                    f"eval rows, vocab {vocab}"))
+
+
+def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict[str, Any], *,
+                    batch_size: int, local: int, vocab: int) -> Data:
+  """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
+  if spec.tokens_per_batch is not None and spec.tokens_per_batch // spec.seq_len != batch_size:
+    raise DataConfigError(
+        f"packing.tokens_per_batch={spec.tokens_per_batch} gives "
+        f"{spec.tokens_per_batch // spec.seq_len} rows of seq_len {spec.seq_len} per step, but "
+        f"train.batch_size={batch_size}; make them agree")
+  if spec.max_segments_per_row is not None:
+    raise DataConfigError("packing.max_segments_per_row is not supported with mode='minibatch'")
+  common = {k: v for k, v in common.items() if k != "max_segments_per_row"}
+  train = pipeline.pack_dataset(
+      train_src, mode="minibatch", seed=spec.seed, shuffle=True, num_epochs=None,
+      examples_per_batch=spec.examples_per_batch, tokens_per_batch=spec.tokens_per_batch,
+      rows_per_batch=batch_size, **common)
+  steps = train.batches_in_epoch(0)
+  return Data(
+      train=train, eval=eval_rows.batch(local, drop_remainder=False), vocab_size=vocab,
+      train_rows_per_epoch=steps * local,
+      description=(f"{spec.source} data, minibatch {spec.strategy} packing of "
+                   f"{spec.examples_per_batch or spec.tokens_per_batch} "
+                   f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "
+                   f"{batch_size} rows, seq_len {spec.seq_len}: {steps} steps/epoch, "
+                   f"{train.padded_slot_fraction(0):.1%} padded slots, "
+                   f"{eval_rows.num_plan_rows} eval rows, vocab {vocab}"))
 
 
 def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
