@@ -184,9 +184,11 @@ class ChatEncoder:
     self.train_on = train_on
     self._ids: dict[str, np.ndarray] = {}
     symbol_id = getattr(tokenizer, "symbol_id", None)
+    self.markers_are_symbols = True
     for marker in template.markers:
       i = symbol_id(marker) if symbol_id is not None else None
       if i is None:
+        self.markers_are_symbols = False
         if strict_markers:
           raise ValueError(f"ChatEncoder: marker {marker!r} is not a special symbol of "
                            f"{tokenizer!r}; train the model with user_defined_symbols="
@@ -195,8 +197,6 @@ class ChatEncoder:
       else:
         ids = np.asarray([i], dtype=np.int64)
       self._ids[marker] = ids
-    self.markers_are_symbols = all(self._ids[m].size == 1 and symbol_id is not None
-                                   and symbol_id(m) is not None for m in template.markers)
 
   def _text(self, text: str) -> np.ndarray:
     if not text:

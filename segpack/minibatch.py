@@ -27,7 +27,7 @@ class MinibatchConfigError(pipeline.PipelineConfigError):
   """An argument of minibatch packing is invalid (the message names it and echoes the value)."""
 
 
-def epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+def epoch_permutation(num_examples: int, *, seed: int, epoch: int) -> np.ndarray:
   """The example order of `epoch`: what unpacked random sampling with `seed` draws.
 
   It is `np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(num_examples)`
@@ -63,8 +63,8 @@ class MinibatchPlanner:
   """Cuts an epoch's example order into minibatches and packs each one.
 
   Algorithm for epoch `e`:
-    1. `order = examples[epoch_permutation(seed, e, N)]` (or `examples` without shuffle), where
-       `examples` are the documents with at least `min_len` tokens.
+    1. `order = examples[epoch_permutation(N, seed=seed, epoch=e)]` (`examples` itself without
+       shuffle), where `examples` are the documents with at least `min_len` tokens.
     2. Minibatches: with `examples_per_batch = k`, batch `b` is `order[b*k:(b+1)*k]` (the last one
        shorter, or dropped with `drop_remainder`); with `tokens_per_batch`, `R = tokens_per_batch
        // seq_len` and a batch takes the next examples in order while all their chunks fit
@@ -111,7 +111,7 @@ class MinibatchPlanner:
     """The examples of `epoch` in sampling order."""
     if not self.shuffle:
       return self.examples
-    return self.examples[epoch_permutation(self.seed, epoch, self.examples.size)]
+    return self.examples[epoch_permutation(self.examples.size, seed=self.seed, epoch=epoch)]
 
   def _chunks(self, length: int) -> list[tuple[int, int]]:
     """(start, slots) of the chunks of one document's virtual sequence."""

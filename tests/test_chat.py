@@ -247,3 +247,29 @@ def test_tokenize_cli_writes_the_mask(builtin_chat, tmp_path):
                  '{"messages": [{"role": "assistant", "content": 5}]}\n')
   with pytest.raises(chat.ChatFormatError, match=r"bad.jsonl:1: no assistant message"):
     tokenize.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
+
+
+def test_masked_writer_resumes_byte_identically(tmp_path):
+  enc = chat.ChatEncoder(CharTokenizer())
+  convs = [(f"c{i}", CONV[: 3 + (i % 3)]) for i in range(12)]
+
+  def failing():
+    for k, item in enumerate(convs):
+      if k == 9:
+        raise KeyboardInterrupt
+      yield item
+
+  with pytest.raises(KeyboardInterrupt):
+    chat.write_chat_dataset(failing(), tmp_path / "a", encoder=enc, shard_tokens=100,
+                            resume_key="k")
+  kept = sorted(p.name for p in (tmp_path / "a").glob("shard-*.mask"))
+  assert kept  # finished shards (with their masks) survive the interruption
+  stamps = {n: (tmp_path / "a" / n).stat().st_mtime_ns for n in kept}
+  chat.write_chat_dataset(iter(convs), tmp_path / "a", encoder=enc, shard_tokens=100,
+                          resume_key="k")
+  assert stamps == {n: (tmp_path / "a" / n).stat().st_mtime_ns for n in kept}  # not rewritten
+  chat.write_chat_dataset(iter(convs), tmp_path / "b", encoder=enc, shard_tokens=100,
+                          resume_key="k")
+  a, b = shards.ShardSource(tmp_path / "a"), shards.ShardSource(tmp_path / "b")
+  assert a.fingerprint == b.fingerprint and a.num_shards > len(kept)
+  a.verify()
