@@ -185,7 +185,8 @@ class MinibatchPlanner:
 
 def _first_fit_decreasing(pieces: list[tuple[int, int, int]],
                           seq_len: int) -> list[list[tuple[int, int, int]]]:
-  """FFD of (doc, start, slots) pieces: longest first (stable), each into the first row with room."""
+  """FFD of (doc, start, slots) pieces: longest first (stable), each into the first row with
+  room."""
   rows: list[list[tuple[int, int, int]]] = []
   free: list[int] = []
   for piece in sorted(pieces, key=lambda p: -p[2]):

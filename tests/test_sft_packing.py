@@ -177,7 +177,8 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   # rows_per_batch is the most any batch of the 3 epochs needs.
   need = max(int(packed.epoch_plan(e).rows_needed.max()) for e in range(3))
   assert packed.rows_per_batch == need
-  with pytest.raises(pipeline.PipelineConfigError, match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):
+  with pytest.raises(pipeline.PipelineConfigError,
+                     match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):
     pipeline.pack_dataset(src, rows_per_batch=1, **kw)
   # Infinite: a static bound that every batch fits.
   inf = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=8,
