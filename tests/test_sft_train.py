@@ -47,3 +47,34 @@ def test_token_budget_must_match_the_batch(spec):
                            "tokens_per_batch": 256 * 8})
   data = data_lib.make_data(s, batch_size=8, process_index=0, process_count=1)
   assert np.asarray(data.train[3]["input_ids"]).shape == (8, 256)
+
+
+def test_packed_minibatch_computes_the_padded_loss(spec):
+  """The same minibatch, padded (one conversation per row) or packed: the same loss."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from segpack import chat_corpus, loss, pipeline  # pylint: disable=g-import-not-at-top
+  from train import model as model_lib  # pylint: disable=g-import-not-at-top
+
+  _, _, cache = spec
+  train_dir = chat_corpus.ensure_builtin_chat(size="small", cache_dir=cache).train_dir
+  cfg = model_lib.DecoderConfig(vocab_size=2048, num_layers=1, d_model=32, num_heads=2,
+                                num_kv_heads=2, head_dim=16, d_ff=64,
+                                attention_implementation="xla")
+  model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))
+  kw = dict(seq_len=256, mode="minibatch", examples_per_batch=6, seed=1, num_epochs=1,
+            shard_index=0, shard_count=1)
+  padded = pipeline.pack_dataset(train_dir, strategy="pad", **kw)
+  packed = pipeline.pack_dataset(train_dir, strategy="ffd", **kw)
+  for step in (0, 1):
+    losses = []
+    for ds in (padded, packed):
+      b = {k: jnp.asarray(v) for k, v in ds[step].items()}
+      logits = model(b["input_ids"], segment_ids=b["segment_ids"],
+                     segment_positions=b["segment_positions"])
+      losses.append(loss.cross_entropy_sum(logits, b["labels"]))
+    (sum_pad, n_pad), (sum_packed, n_packed) = losses
+    assert packed[step]["input_ids"].shape[0] < padded[step]["input_ids"].shape[0]
+    assert float(n_pad) == float(n_packed) > 0
+    np.testing.assert_allclose(float(sum_packed), float(sum_pad), rtol=2e-5)
