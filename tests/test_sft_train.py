@@ -78,3 +78,23 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
     assert packed[step]["input_ids"].shape[0] < padded[step]["input_ids"].shape[0]
     assert float(n_pad) == float(n_packed) > 0
     np.testing.assert_allclose(float(sum_packed), float(sum_pad), rtol=2e-5)
+
+
+def test_sft_bench_padding_and_minibatch_take_the_same_steps(spec, capsys):
+  import json  # pylint: disable=g-import-not-at-top
+
+  from train import bench  # pylint: disable=g-import-not-at-top
+
+  _, _, cache = spec
+  assert bench.main(["--sft", "--max-train", "40", "--seq-len", "256", "--examples-per-batch",
+                     "8", "--d-model", "32", "--layers", "1", "--cache-dir", cache,
+                     "--json"]) == 0
+  results = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+  pad, mini, glob = results["padding"], results["minibatch"], results["global"]
+  assert pad["steps"] == mini["steps"] == 5  # ceil(40 / 8), as unpacked training
+  # Global packing: steps follow its rows (here long conversations split into many rows).
+  assert glob["padded_slot_fraction"] < mini["padded_slot_fraction"]
+  assert pad["trained_tokens"] == mini["trained_tokens"] == glob["trained_tokens"]
+  assert mini["padded_slot_fraction"] < pad["padded_slot_fraction"]
+  # Same examples per step and the same math: the same model after the epoch.
+  np.testing.assert_allclose(mini["heldout_loss"], pad["heldout_loss"], rtol=1e-3)

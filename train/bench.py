@@ -116,6 +116,10 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--sft" in argv:  # chat fine-tuning: padding vs minibatch vs global packing (docs/sft.md)
+    from train import sft_bench  # pylint: disable=g-import-not-at-top
+    return sft_bench.main([a for a in argv if a != "--sft"])
   parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
   parser.add_argument("--size", default="full", choices=("full", "small"), help="built-in corpus")
   parser.add_argument("--docs", type=int, default=100, help="documents sampled from the corpus")

@@ -13,7 +13,8 @@ the held-out loss after the epoch.
 
 Usage:
   python -m train.sft_bench                       # small chat corpus, about a minute on 2 cores
-  python -m train.sft_bench --size full --max-train 2000 --json out.json
+  python -m train.sft_bench --size full --max-train 1500 --json   # one JSON object instead
+  python -m train.bench --sft ...                                  # the same command
 
 Tokens/s counts real (non-padding) slots over the training wall time after the first step of each
 batch shape (compilation excluded); it measures this machine, not a GPU.
@@ -178,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--heads", type=int, default=2)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--cache-dir", default=None)
-  p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
   return p
 
 
@@ -193,17 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"built-in chat corpus ({args.size}): {len(source)} training conversations, "
         f"{int(source.lengths.sum()):,} tokens; {len(shards.ShardSource(data.eval_dir))} held out; "
         f"seq_len {args.seq_len}, {args.examples_per_batch} examples per batch; "
-        f"model d={args.d_model} layers={args.layers}; {jax.default_backend()}", flush=True)
+        f"model d={args.d_model} layers={args.layers}; {jax.default_backend()}",
+        file=sys.stderr if args.json else sys.stdout, flush=True)
   results = []
   for method in args.methods:
     results.append(run_method(method, source, eval_batches, args))
-    print(f"  {method}: done", flush=True)
-  print(_table(results))
+    print(f"  {method}: done", file=sys.stderr, flush=True)
   if args.json:
-    from segpack.shards import atomic_write_json  # pylint: disable=g-import-not-at-top
-    from pathlib import Path  # pylint: disable=g-import-not-at-top
-    atomic_write_json(Path(args.json), {"args": vars(args),
-                                        "results": [dataclasses.asdict(r) for r in results]})
+    print(json.dumps({"args": vars(args), "results": [dataclasses.asdict(r) for r in results]},
+                     sort_keys=True))
+  else:
+    print(_table(results))
   return 0
 
 
