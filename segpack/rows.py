@@ -94,34 +94,20 @@ def _restore_plan_arrays(seq_len, overlap, row_splits, doc, start, length) -> "P
                     length=_unpickle_array(length))
 
 
-class SequenceTokenReader:
-  """Reads document slices through `source[d]` (any random-access sequence of 1-D arrays)."""
+class SequenceSliceReader:
+  """Reads document slices through a per-document getter: `source[d]` for tokens, or
+  `source.loss_mask(d)` for per-token loss masks (any random-access source)."""
 
-  def __init__(self, source: Any):
-    self._source = source
-
-  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
-           dst_P: np.ndarray) -> None:
-    """Copies `source[doc][lo:hi]` to `out[dst:]` for every piece."""
-    source = self._source
-    for d, lo, hi, dst in zip(doc_P.tolist(), lo_P.tolist(), hi_P.tolist(), dst_P.tolist()):
-      if hi > lo:
-        out[dst:dst + hi - lo] = np.asarray(source[d])[lo:hi]
-
-
-class SequenceMaskReader:
-  """Reads loss-mask slices through `source.loss_mask(d)` (a source with per-token masks)."""
-
-  def __init__(self, source: Any):
-    self._source = source
+  def __init__(self, fetch: Any):
+    self._fetch = fetch
 
   def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
            dst_P: np.ndarray) -> None:
-    """Copies `source.loss_mask(doc)[lo:hi]` to `out[dst:]` for every piece."""
-    source = self._source
+    """Copies `fetch(doc)[lo:hi]` to `out[dst:]` for every piece."""
+    fetch = self._fetch
     for d, lo, hi, dst in zip(doc_P.tolist(), lo_P.tolist(), hi_P.tolist(), dst_P.tolist()):
       if hi > lo:
-        out[dst:dst + hi - lo] = np.asarray(source.loss_mask(d))[lo:hi]
+        out[dst:dst + hi - lo] = np.asarray(fetch(d))[lo:hi]
 
 
 class ShardTokenReader:
@@ -193,9 +179,9 @@ class ShardTokenReader:
         out[dst:dst + b - a] = arrays[s][a:b]
 
 
-def make_token_reader(source: Any) -> SequenceTokenReader | ShardTokenReader:
+def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader:
   """A `ShardTokenReader` for a shard source (has `path`, `manifest`, `dtype`, `lengths`), else a
-  `SequenceTokenReader`."""
+  `SequenceSliceReader`."""
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and isinstance(manifest.get("shards"), list)
       and hasattr(source, "path") and hasattr(source, "dtype") and hasattr(source, "lengths")):
@@ -203,10 +189,10 @@ def make_token_reader(source: Any) -> SequenceTokenReader | ShardTokenReader:
       return ShardTokenReader(source)
     except (KeyError, TypeError):
       pass
-  return SequenceTokenReader(source)
+  return SequenceSliceReader(source.__getitem__)
 
 
-def make_mask_reader(source: Any) -> SequenceMaskReader | ShardTokenReader:
+def make_mask_reader(source: Any) -> SequenceSliceReader | ShardTokenReader:
   """The loss-mask counterpart of `make_token_reader` (the source must have `loss_mask(d)`)."""
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and manifest.get("loss_mask") is True
@@ -215,7 +201,7 @@ def make_mask_reader(source: Any) -> SequenceMaskReader | ShardTokenReader:
       return ShardTokenReader(source, kind="mask")
     except (KeyError, TypeError):
       pass
-  return SequenceMaskReader(source)
+  return SequenceSliceReader(source.loss_mask)
 
 
 class RowBuilder:
