@@ -8,7 +8,7 @@ every host (`jax.distributed.initialize()` then finds the cluster from the envir
 import os
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from train import train
@@ -29,6 +29,8 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
