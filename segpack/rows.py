@@ -402,7 +402,8 @@ class RowBuilder:
     if bos:
       out[offset_P[start_P == 0]] = 0
     if self._special.add_eos:
-      ends_eos = start_P + length_P == doc_len_P + bos + 1
+      # An empty document has no last token: its EOS keeps mask 0 (nothing of it is trained).
+      ends_eos = (start_P + length_P == doc_len_P + bos + 1) & (doc_len_P > 0)
       eos_doc = doc_P[ends_eos]
       last = np.zeros(eos_doc.size, dtype=np.uint8)
       self._mask_reader.copy(last, eos_doc, doc_len_P[ends_eos] - 1, doc_len_P[ends_eos],

@@ -443,3 +443,144 @@ def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
   rest = list(resumed)
   assert len(rest) == len(want) - 3
   assert all(all(np.array_equal(a[f], b[f]) for f in FEATURES) for a, b in zip(rest, want[3:]))
+
+
+# -----------------------------------------------------------------------------------------------
+# The core promise, checked with tokens that name their document and position: token
+# BASE + d * STRIDE + p is token p of document d, so every slot of every row can be traced back
+# to (document, virtual slot) without the plan. On random documents and random packing
+# parameters, no label points to a slot that is not the next virtual slot of the same document,
+# and the set of trained targets is exactly the contract's (no -100 missing, none extra).
+
+_BASE, _STRIDE = 16, 1 << 12
+
+
+class _MaskedDocs:
+  """A random-access source with per-token loss masks (as a chat dataset has)."""
+
+  has_loss_mask = True
+
+  def __init__(self, docs, masks):
+    self.docs, self.masks = docs, masks
+
+  def __len__(self):
+    return len(self.docs)
+
+  def __getitem__(self, i):
+    return self.docs[i]
+
+  def loss_mask(self, i):
+    return self.masks[i]
+
+
+def _due_targets(lens, masks, *, seq_len, add_bos, add_eos, long_docs, overlap, min_len,
+                 masked):
+  """The (document, virtual slot) targets the contract trains, each once (naive)."""
+  due = set()
+  extra = add_bos + add_eos
+  for d, n in enumerate(lens):
+    slots = int(n) + extra
+    if n < min_len or slots == 0:
+      continue
+    last = slots if long_docs == "split" else min(slots, seq_len)
+    for v in range(1, last):
+      if long_docs == "split" and overlap == 0 and v % seq_len == 0:
+        continue  # first slot of a continuation chunk: nothing before it in its segment
+      if masked:
+        is_eos = add_eos and v == slots - 1
+        if is_eos and (n == 0 or masks[d][n - 1] == 0):
+          continue
+        if not is_eos and masks[d][v - add_bos] == 0:
+          continue
+      due.add((d, v))
+  return due
+
+
+def _trace_segment(toks, lens, *, add_bos):
+  """(document, first virtual slot) of a segment's tokens, or (None, None) for a segment with
+  no document token (BOS/EOS of an empty document, or a lone EOS chunk)."""
+  real = toks >= _BASE
+  docs = set(((toks[real] - _BASE) // _STRIDE).tolist())
+  assert len(docs) <= 1, f"a segment mixes documents {docs}"
+  if not docs:
+    return None, None
+  d = docs.pop()
+  first = int(np.argmax(real))
+  v0 = int(toks[first]) - _BASE - d * _STRIDE + add_bos - first
+  for j, t in enumerate(toks.tolist()):  # consecutive virtual slots of document d
+    v = v0 + j
+    want = BOS if add_bos and v == 0 else (
+        EOS if v == int(lens[d]) + add_bos else _BASE + d * _STRIDE + v - add_bos)
+    assert t == want, (d, v, t, want)
+  return d, v0
+
+
+def _random_packing_case(seed):
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(0 if rng.random() < 0.3 else 1, int(rng.choice([5, 20, 80, 300])) + 1,
+                      size=int(rng.integers(1, 50)))
+  docs = [(_BASE + d * _STRIDE + np.arange(n)).astype(np.int32) for d, n in enumerate(lens)]
+  masks = [rng.integers(0, 2, size=n).astype(np.uint8) for n in lens]
+  add_bos, add_eos = bool(rng.integers(2)), bool(rng.integers(2))
+  seq_len = int(rng.integers(add_bos + add_eos + 1, 64))
+  params = dict(
+      seq_len=seq_len, strategy=str(rng.choice(["ffd", "bfd", "greedy", "pad", "sorted_pad"])),
+      long_docs=str(rng.choice(["split", "truncate"])),
+      overlap=int(rng.integers(0, seq_len)) if rng.random() < 0.5 else 0,
+      min_len=int(rng.integers(0, 4)) if rng.random() < 0.3 else 0,
+      add_bos=add_bos, add_eos=add_eos, seed=seed, shuffle=bool(rng.integers(2)))
+  cap = int(rng.integers(1, 5)) if rng.random() < 0.3 else None
+  masked = bool(rng.random() < 0.25)
+  return lens, docs, masks, params, cap, masked
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_no_label_crosses_segments_and_every_due_target_is_trained_once(block):
+  for seed in range(block * 40, (block + 1) * 40):
+    lens, docs, masks, params, cap, masked = _random_packing_case(seed)
+    source = _MaskedDocs(docs, masks) if masked else docs
+    if not any(n >= params["min_len"] and n + params["add_bos"] + params["add_eos"] > 0
+               for n in lens):
+      continue
+    ds = pack(source, num_epochs=1, max_segments_per_row=cap, **params)
+    batch = ds.get_batch(np.arange(len(ds)))
+    add_bos = params["add_bos"]
+    trained, anonymous = [], 0
+    for r in range(len(ds)):
+      row = {k: v[r] for k, v in batch.items()}
+      assert rows_equal(row, ds[r]), (seed, r)  # the one-row path agrees with the batch path
+      ids, labels, seg = row["input_ids"], row["labels"], row["segment_ids"]
+      if cap is not None:
+        assert int(seg.max()) <= cap
+      used = int((seg > 0).sum())
+      assert (seg[:used] > 0).all() and (labels[used:] == -100).all() and (ids[used:] == PAD).all()
+      for s in range(1, int(seg.max()) + 1):
+        idx = np.flatnonzero(seg == s)
+        assert np.array_equal(idx, idx[0] + np.arange(idx.size)), (seed, r, s)
+        assert np.array_equal(row["segment_positions"][idx], np.arange(idx.size))
+        d, v0 = _trace_segment(ids[idx], lens, add_bos=add_bos)
+        for j in np.flatnonzero(labels[idx] != -100).tolist():
+          assert j + 1 < idx.size, f"seed {seed}: a label crosses the end of segment {s}"
+          assert labels[idx[j]] == ids[idx[j + 1]]
+          if d is None:
+            anonymous += 1
+          else:
+            trained.append((d, v0 + j + 1))
+    due = _due_targets(lens, masks, masked=masked, **{
+        k: params[k] for k in ("seq_len", "add_bos", "add_eos", "long_docs", "overlap",
+                               "min_len")})
+    empty = {d for d, n in enumerate(lens) if n == 0}
+    assert len(trained) == len(set(trained)), f"seed {seed}: a target is trained twice"
+    assert set(trained) == {t for t in due if t[0] not in empty}, (seed, params, cap, masked)
+    assert anonymous == len([t for t in due if t[0] in empty]), (seed, params)
+
+
+def test_empty_document_with_loss_mask_and_eos():
+  docs = [np.array([], np.int32), np.array([20, 21], np.int32)]
+  masks = [np.zeros(0, np.uint8), np.array([1, 1], np.uint8)]
+  ds = pack(_MaskedDocs(docs, masks), seq_len=8, num_epochs=1, shuffle=False, strategy="greedy")
+  row = ds[0]
+  # [BOS EOS] of the empty document trains nothing; the other document trains 20, 21 and EOS.
+  assert row["input_ids"].tolist() == [BOS, EOS, BOS, 20, 21, EOS, PAD, PAD]
+  assert row["labels"].tolist() == [-100, -100, 20, 21, EOS, -100, -100, -100]
+  assert rows_equal(row, {k: v[0] for k, v in ds.get_batch([0]).items()})
