@@ -46,6 +46,9 @@ class DecoderConfig:
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
   # ("data", "fsdp"), heads over "tensor". None, or the XLA backend: left to the jit partitioner.
   attention_mesh: Any = None
+  # cuDNN only: the static bound on segments per row (the packing's `max_segments_per_row`);
+  # None: the row length S, always enough but a larger packed layout.
+  attention_max_segments_per_row: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -59,6 +62,10 @@ class DecoderConfig:
           f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ModelConfigError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    n = self.attention_max_segments_per_row
+    if n is not None and (not isinstance(n, int) or n < 1):
+      raise ModelConfigError(
+          f"DecoderConfig.attention_max_segments_per_row must be None or a positive int, got {n!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ModelConfigError(
@@ -123,7 +130,8 @@ class Attention(nnx.Module):
     mesh = cfg.attention_mesh if impl != "xla" else None
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor")
+        mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor",
+        max_segments_per_row=cfg.attention_max_segments_per_row)
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
 
 
@@ -219,8 +227,16 @@ def default_compute_dtype(platform: str | None = None) -> str:
 
 
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
-                   mesh: Any = None) -> DecoderConfig:
-  """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`."""
+                   mesh: Any = None, max_segments_per_row: int | None = None) -> DecoderConfig:
+  """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`.
+
+  Args:
+    model_cfg: the config's `model` group.
+    attention_cfg: the config's `attention` group.
+    vocab_size: the vocabulary size V.
+    mesh: the trainer's mesh, on which kernel attention backends run under `shard_map`.
+    max_segments_per_row: the packing's cap on segments per row; the cuDNN backend's static bound.
+  """
   dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
   return DecoderConfig(
       vocab_size=vocab_size, num_layers=model_cfg.num_layers, d_model=model_cfg.d_model,
@@ -228,7 +244,9 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
       head_dim=model_cfg.head_dim, d_ff=model_cfg.d_ff, rope_theta=model_cfg.rope_theta,
       norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
       init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
-      attention_implementation=attention_cfg.implementation, attention_mesh=mesh)
+      attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
+      attention_max_segments_per_row=(None if max_segments_per_row is None
+                                      else int(max_segments_per_row)))
 
 
 def build(config: Any, seed: int, *, vocab_size: int | None = None,
@@ -241,7 +259,13 @@ def build(config: Any, seed: int, *, vocab_size: int | None = None,
     vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
     mesh: the trainer's mesh (axes `data`, `fsdp`, `tensor`); kernel attention backends run
       per device under `shard_map` on it.
+
+  The packing's `max_segments_per_row` (when the config has one) becomes the cuDNN backend's
+  static bound on segments per row.
   """
   vocab = vocab_size if vocab_size is not None else config.model.vocab_size
-  cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh)
+  packing = getattr(config, "packing", None)
+  max_segments = getattr(packing, "max_segments_per_row", None) if packing is not None else None
+  cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh,
+                       max_segments_per_row=max_segments)
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))
