@@ -387,9 +387,32 @@ def _file_lock(path: Path) -> Iterator[None]:
       fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _refuse_to_replace_model(model_file: Path, datasets: Sequence[Path], *,
+                             overwrite: bool) -> None:
+  """Raises before `model_file` is (re)written while a finished dataset beside it uses it.
+
+  Without this, a rerun with other inputs or settings retrains (or copies) the model first and
+  only then finds the dataset and refuses: the old dataset would be left with a model that no
+  longer matches its `tokenizer_fingerprint`.
+  """
+  if overwrite:
+    return
+  for dataset in datasets:
+    if (dataset / shards_lib.MANIFEST_NAME).exists():
+      raise InputFormatError(
+          f"--output {str(dataset)!r} already holds a dataset made from other inputs or "
+          f"settings (its tokenizer {str(model_file)!r} would be replaced); pass --overwrite to "
+          f"replace it")
+
+
 def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int,
-                       key: dict[str, Any]) -> spm_lib.SpmTokenizer:
-  """Trains (or, when `model_file` was trained with the same `key`, reuses) a model."""
+                       key: dict[str, Any], protect: Sequence[Path] = (),
+                       overwrite: bool = True) -> spm_lib.SpmTokenizer:
+  """Trains (or, when `model_file` was trained with the same `key`, reuses) a model.
+
+  `protect`: dataset directories that use `model_file`; unless `overwrite`, training is refused
+  while one of them holds a finished dataset (see `_refuse_to_replace_model`).
+  """
   record = model_file.with_suffix(".json")
   key_hash = _resume_key(dict(key, vocab_size=vocab_size))
   if model_file.exists() and record.exists():
@@ -398,6 +421,7 @@ def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: in
         return spm_lib.SpmTokenizer(model_file)
     except ValueError:
       pass
+  _refuse_to_replace_model(model_file, protect, overwrite=overwrite)
   record.unlink(missing_ok=True)
   _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
   start = time.perf_counter()
@@ -488,11 +512,14 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
                                spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)
 
 
-def _copy_model(tokenizer: spm_lib.SpmTokenizer, output: Path) -> spm_lib.SpmTokenizer:
-  """Copies the model to `output/spm.model` (atomically) unless it already is that file."""
+def _copy_model(tokenizer: spm_lib.SpmTokenizer, output: Path, *,
+                overwrite: bool) -> spm_lib.SpmTokenizer:
+  """Copies the model to `output/spm.model` (atomically) unless it already is that file (and
+  refuses to replace the model of finished `output/train`, `output/eval` without `overwrite`)."""
   target = output / "spm.model"
   if target.exists() and spm_lib.sha256_file(target) == tokenizer.fingerprint.split(":", 1)[1]:
     return spm_lib.SpmTokenizer(target)
+  _refuse_to_replace_model(target, [output / "train", output / "eval"], overwrite=overwrite)
   output.mkdir(parents=True, exist_ok=True)
   shards_lib.atomic_write_bytes(target, tokenizer.model_file.read_bytes())
   return spm_lib.SpmTokenizer(target)
@@ -543,10 +570,12 @@ def tokenize_files(
 
       train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
       tokenizer = _trained_tokenizer(train_texts, output / "spm.model", vocab_size=vocab_size,
-                                     key={"builtin": corpus.corpus_key(size)})
+                                     key={"builtin": corpus.corpus_key(size)},
+                                     protect=[output / "train", output / "eval"],
+                                     overwrite=overwrite)
     else:
       tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir)
-    tokenizer = _copy_model(tokenizer, output)
+    tokenizer = _copy_model(tokenizer, output, overwrite=overwrite)
     return _builtin_splits(output, size, tokenizer, workers=workers, shard_tokens=shard_tokens,
                            progress=progress, overwrite=overwrite)
 
@@ -563,7 +592,8 @@ def tokenize_files(
     tokenizer = spm_lib.SpmTokenizer(spm_model)
   elif vocab_size is not None:
     tokenizer = _trained_tokenizer(iter_documents(files, **read), output / "spm.model",
-                                   vocab_size=vocab_size, key=ident)
+                                   vocab_size=vocab_size, key=ident, protect=[output],
+                                   overwrite=overwrite)
   else:
     raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
   start = time.perf_counter()
@@ -633,6 +663,7 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size
     if ok and model_file.exists():
       tokenizer = spm_lib.SpmTokenizer(model_file)
     else:
+      _refuse_to_replace_model(model_file, [output], overwrite=overwrite)
       tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
                                     user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
       shards_lib.atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})

@@ -110,6 +110,26 @@ def test_rerun_of_a_complete_dataset_is_a_no_op_and_other_settings_need_overwrit
   assert len(ShardSource(tmp_path / "out").manifest["shards"]) > 1
 
 
+def test_refused_rerun_leaves_the_dataset_and_its_model_untouched(tmp_path, model, texts):
+  # The model beside a finished dataset is checked before it would be retrained or replaced.
+  a = _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts[:40]])
+  b = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in texts[40:80]])
+  out = tmp_path / "out"
+  tokenize.tokenize_files([a], out, vocab_size=500, workers=1)
+  before = (out / "spm.model").read_bytes()
+  with pytest.raises(tokenize.InputFormatError,
+                     match="already holds a dataset.*spm.model.*--overwrite"):
+    tokenize.tokenize_files([b], out, vocab_size=500, workers=1)
+  assert (out / "spm.model").read_bytes() == before
+  assert _decoded(out, out / "spm.model") == texts[:40]
+  tokenize.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=model, workers=1)
+  with pytest.raises(tokenize.InputFormatError, match="already holds a dataset.*--overwrite"):
+    tokenize.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=out / "spm.model",
+                            workers=1)
+  assert (tmp_path / "bi" / "spm.model").read_bytes() == Path(model).read_bytes()
+  ShardSource(tmp_path / "bi" / "train").verify()
+
+
 # -----------------------------------------------------------------------------------------------
 # Interruption: a rerun completes, and no partial shard is ever listed or looks valid.
 
