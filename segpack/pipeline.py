@@ -307,6 +307,11 @@ def _special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
   return int(given)
 
 
+def _not_int(value: Any) -> bool:
+  """True unless `value` is a Python or NumPy integer (a bool is not taken for one)."""
+  return isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+
+
 def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_epochs,
                 max_segments_per_row, seed) -> None:
   """Validates the scalar arguments of `pack_dataset` (before any pass over the data)."""
@@ -326,18 +331,17 @@ def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_ep
   if long_docs not in packing.LONG_DOCS:
     raise PipelineConfigError(
         f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(packing.LONG_DOCS)}")
-  if not isinstance(min_len, (int, np.integer)) or min_len < 0:
+  if _not_int(min_len) or min_len < 0:
     raise PipelineConfigError(f"pack_dataset: min_len must be an int >= 0, got {min_len!r}")
-  if not isinstance(overlap, (int, np.integer)) or not 0 <= overlap < seq_len:
+  if _not_int(overlap) or not 0 <= overlap < seq_len:
     raise PipelineConfigError(
         f"pack_dataset: overlap must be an int in [0, seq_len) = [0, {seq_len}), "
         f"got {overlap!r}")
-  if num_epochs is not None and (not isinstance(num_epochs, (int, np.integer))
-                                 or num_epochs <= 0):
+  if num_epochs is not None and (_not_int(num_epochs) or num_epochs <= 0):
     raise PipelineConfigError(
         f"pack_dataset: num_epochs must be None (infinite) or a positive int, got {num_epochs!r}")
   if max_segments_per_row is not None and (
-      not isinstance(max_segments_per_row, (int, np.integer)) or max_segments_per_row < 1):
+      _not_int(max_segments_per_row) or max_segments_per_row < 1):
     raise PipelineConfigError(
         f"pack_dataset: max_segments_per_row must be None or an int >= 1, got "
         f"{max_segments_per_row!r}")

@@ -347,6 +347,9 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="fewer than shard_count=1000"):
     pack(docs[:2], seq_len=32, shard_index=None, shard_count=None,
          shard_options=grain.sharding.ShardOptions(0, 1000, drop_remainder=True))
+  for name in ("overlap", "min_len", "num_epochs", "max_segments_per_row"):
+    with pytest.raises(pipeline.PipelineConfigError, match=f"{name} must .*got True"):
+      pack(docs, seq_len=32, **{name: True})  # a bool is not taken for the int 1
   ok = pack(docs, seq_len=32, add_bos=False, add_eos=False, bos_id=None, eos_id=None)
   assert ok.num_plan_rows >= 1
 
