@@ -49,6 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.attention = ml_collections.ConfigDict()
   c.attention.implementation = config_dict.placeholder(str)  # None: pallas on GPU, xla elsewhere
+  c.attention.interpret = False  # Pallas in interpret mode: the GPU kernels run on the CPU, slowly
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # data-parallel axis size; -1: all remaining devices

@@ -231,3 +231,33 @@ def test_cudnn_attention_gets_the_packing_bound_and_runs_on_the_trainer_mesh(mon
 def test_bad_max_segments_bound_is_refused():
   with pytest.raises(model_lib.ModelConfigError, match="attention_max_segments_per_row.*0"):
     _tiny(attention_max_segments_per_row=0)
+
+
+def test_pallas_attention_on_the_trainer_mesh_matches_xla_logits_and_grads():
+  """The model's kernel path (Pallas in interpret mode, per device under `shard_map` on the
+  trainer's data x fsdp mesh) gives the logits and parameter gradients of the XLA reference."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
+  docs = _docs(6, [20, 9, 1, 33, 48, 5, 16, 40, 12, 7, 30, 2, 25])
+  rows = [docs[0:3], docs[3:4], docs[4:6], docs[6:8], docs[8:11], docs[11:12], [], docs[12:13]]
+  batch = _pack(rows, 64)
+  batch = jax.device_put(batch, NamedSharding(mesh, P(("data", "fsdp"))))
+
+  def logits_and_grads(**overrides):
+    graphdef, params = nnx.split(_tiny(num_layers=1, **overrides))
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(batch["input_ids"], segment_ids=batch["segment_ids"],
+                                      segment_positions=batch["segment_positions"])
+      return loss_lib.cross_entropy_loss(logits, batch["labels"])[0], logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return logits, grads
+
+  want_logits, want_grads = logits_and_grads(attention_implementation="xla")
+  logits, grads = logits_and_grads(attention_implementation="pallas", attention_interpret=True,
+                                   attention_mesh=mesh)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)

@@ -219,3 +219,20 @@ def test_cli_refuses_a_config_typo_and_names_the_default_workdir():
       [sys.executable, "-m", "train.main", "--config=configs/packed.py:smoke",
        "--config.train.num_stpes=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and "num_stpes" in proc.stderr
+
+
+def test_bench_json_compares_packed_and_padded_on_the_same_tokens(capsys):
+  """`python -m train.bench --json` prints one object with both real-token rates, measured on
+  exactly the same documents (equal real tokens), packing taking no more steps than padding."""
+  from train import bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--size", "small", "--docs", "12", "--seq_len", "128", "--batch_size", "8",
+                     "--json"]) == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  for key in ("packed_real_tokens_per_s", "padded_real_tokens_per_s", "speedup"):
+    assert np.isfinite(out[key]) and out[key] > 0, key
+  assert out["packed_real_tokens"] == out["padded_real_tokens"]
+  assert out["packed_real_tokens"] == out["doc_tokens"] + 2 * out["documents"]  # + BOS, EOS
+  assert out["packed_steps"] <= out["padded_steps"]
+  assert out["packed_slot_utilization"] > out["padded_slot_utilization"]
+  np.testing.assert_allclose(
+      out["speedup"], out["packed_real_tokens_per_s"] / out["padded_real_tokens_per_s"])

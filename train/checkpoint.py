@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 RESUMABLE_CHANGES = frozenset({
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
-    "mesh.fsdp", "mesh.tensor", "attention.implementation", "data.cache_dir",
+    "mesh.fsdp", "mesh.tensor", "attention.implementation", "attention.interpret",
+    "data.cache_dir",
 })
 
 

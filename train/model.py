@@ -49,6 +49,7 @@ class DecoderConfig:
   # cuDNN only: the static bound on segments per row (the packing's `max_segments_per_row`);
   # None: the row length S, always enough but a larger packed layout.
   attention_max_segments_per_row: int | None = None
+  attention_interpret: bool = False  # Pallas only: interpret mode (the kernels on the CPU, slowly)
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -131,7 +132,8 @@ class Attention(nnx.Module):
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
         mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor",
-        max_segments_per_row=cfg.attention_max_segments_per_row)
+        max_segments_per_row=cfg.attention_max_segments_per_row,
+        interpret=cfg.attention_interpret)
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
 
 
@@ -245,6 +247,7 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
       norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
       init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
+      attention_interpret=bool(getattr(attention_cfg, "interpret", False)),
       attention_max_segments_per_row=(None if max_segments_per_row is None
                                       else int(max_segments_per_row)))
 
