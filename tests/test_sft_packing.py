@@ -188,9 +188,9 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
 
 def test_no_conversation_is_split_unless_longer_than_a_row(tmp_path):
   src, masks = make_source(tmp_path)
-  for kw in (dict(examples_per_batch=6), dict(tokens_per_batch=96)):
-    ds = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", num_epochs=1, shard_index=0,
-                               shard_count=1, **kw)
+  for kw in (dict(mode="minibatch", examples_per_batch=6),
+             dict(mode="minibatch", tokens_per_batch=96), dict(mode="global", strategy="ffd")):
+    ds = pipeline.pack_dataset(src, seq_len=16, num_epochs=1, shard_index=0, shard_count=1, **kw)
     segments = collections.Counter()
     for row in _rows_of(ds):
       for s in set(row["segment_ids"].tolist()) - {0}:
