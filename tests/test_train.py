@@ -68,6 +68,10 @@ def test_smoke_run_on_builtin_corpus(tmp_path):
   if "matplotlib" not in plot.stderr:
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "curves.png").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+    assert not list(tmp_path.glob("*.png.tmp*")) and len(list(tmp_path.glob("*.png"))) == 1
 
 
 _CHILD = """

@@ -46,10 +46,24 @@ def plot(workdir: str, *, out: str | None = None) -> str:
   out = out or os.path.join(workdir, "curves.png")
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)), suffix=".png")
   os.close(fd)
-  fig.savefig(tmp, dpi=100)
-  plt.close(fig)
-  os.replace(tmp, out)
+  try:
+    fig.savefig(tmp, dpi=100)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; give it an ordinary file's mode
+    os.replace(tmp, out)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  finally:
+    plt.close(fig)
   return out
+
+
+def _umask() -> int:
+  """The process umask (read by setting it and restoring it at once)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def main(argv: list[str] | None = None) -> int:
