@@ -61,3 +61,4 @@ def test_cli_table_and_plot(tmp_path, capsys):
   text = capsys.readouterr().out
   assert "comp/ideal" in text and "not measured" in text
   assert out.stat().st_size > 1000
+  assert [p.name for p in tmp_path.iterdir()] == ["att.png"]  # written atomically, no leftovers

@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -281,7 +283,23 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
            title=results[0]["device"])
     ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  # Atomic: a temporary file in the same directory (same extension: it picks the format), then
+  # os.replace; mkstemp's 0600 widened to an ordinary file's mode.
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                             suffix=os.path.splitext(path)[1] or ".png")
+  os.close(fd)
+  try:
+    fig.savefig(tmp, dpi=120)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  finally:
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
