@@ -162,11 +162,13 @@ def test_interrupted_run_resumes_and_matches_a_single_run(tmp_path, model, texts
   assert _decoded(tmp_path / "out", model) == texts
 
 
-def test_killed_process_resumes(tmp_path, model, texts):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_killed_process_resumes(tmp_path, model, texts, workers):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for _ in range(4) for t in texts])
   out = tmp_path / "out"
   cmd = [sys.executable, "-m", "segpack.tokenize", "--input", str(inp), "--output", str(out),
-         "--spm-model", str(model), "--workers", "1", "--shard-tokens", "1000", "--no-progress"]
+         "--spm-model", str(model), "--workers", str(workers), "--shard-tokens", "1000",
+         "--no-progress"]
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   deadline = time.monotonic() + 60
