@@ -146,6 +146,7 @@ def test_bfloat16_compute_stays_close_to_float32():
     (dict(head_dim=7), "head_dim.*7"),
     (dict(d_model=0), "d_model.*0"),
     (dict(dtype="fp8"), "dtype.*fp8"),
+    (dict(attention_implementation="flash"), "attention.implementation.*'flash'"),
 ])
 def test_bad_config_names_the_field(overrides, match):
   with pytest.raises(model_lib.ModelConfigError, match=match):

@@ -63,6 +63,11 @@ class DecoderConfig:
           f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ModelConfigError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    impl = self.attention_implementation
+    if impl is not None and impl not in attention_lib.IMPLEMENTATIONS:
+      raise ModelConfigError(
+          f"DecoderConfig.attention_implementation (config attention.implementation) must be None "
+          f"or one of {attention_lib.IMPLEMENTATIONS}, got {impl!r}")
     n = self.attention_max_segments_per_row
     if n is not None and (not isinstance(n, int) or n < 1):
       raise ModelConfigError(
