@@ -205,6 +205,14 @@ def test_unwritable_workdir(tmp_path):
     train_lib.train_and_evaluate(_synthetic(), str(blocker / "run"))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
+def test_pallas_on_the_cpu_needs_interpret_mode(tmp_path):
+  c = _synthetic(**{"attention.implementation": "pallas"})
+  with pytest.raises(train_lib.AttentionConfigError, match="attention.interpret=True"):
+    train_lib.train_and_evaluate(c, str(tmp_path))
+  assert not os.listdir(tmp_path)  # refused before anything was written
+
+
 def test_resume_with_incompatible_config_says_what_differs(tmp_path):
   c = _synthetic(**{"train.num_steps": 1, "train.eval_every": 0})
   train_lib.train_and_evaluate(c, str(tmp_path))

@@ -154,8 +154,23 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
 
+class AttentionConfigError(ValueError):
+  """The `attention` config group asks for a backend this platform cannot run."""
+
+
+def check_attention(attention_cfg: Any, *, platform: str) -> None:
+  """Refuses Pallas kernels on a CPU unless in interpret mode (JAX's own error names no key)."""
+  if (attention_cfg.implementation == "pallas" and platform == "cpu"
+      and not attention_cfg.get("interpret", False)):
+    raise AttentionConfigError(
+        "attention.implementation='pallas' on the CPU needs attention.interpret=True (the GPU "
+        "kernels in Pallas interpret mode, slowly); or leave attention.implementation unset for "
+        "XLA")
+
+
 def setup(config: Any, workdir: str) -> Run:
   """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
+  check_attention(config.attention, platform=jax.default_backend())
   workdir = check_workdir(workdir)
   t = config.train
   mesh = sharding_lib.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp,
