@@ -20,7 +20,8 @@ _CHILD = """
 import json, os, sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-workdir, num_processes, process_id, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+workdir, port = sys.argv[1], sys.argv[4]
+num_processes, process_id = int(sys.argv[2]), int(sys.argv[3])
 if num_processes > 1:
   jax.distributed.initialize(coordinator_address=f"localhost:{port}",
                              num_processes=num_processes, process_id=process_id)
