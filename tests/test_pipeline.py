@@ -306,9 +306,7 @@ def test_grain_map_dataset_and_sharding_slices_as_source():
 
 
 def test_shard_source_input(tmp_path):
-  shards = pytest.importorskip("segpack.shards")
-  if not hasattr(shards, "ShardWriter"):
-    pytest.skip("segpack.shards.ShardWriter not available")
+  from segpack import shards  # pylint: disable=g-import-not-at-top
   docs = make_docs(50, seed=13, max_len=80)
   path = tmp_path / "data"
   with shards.ShardWriter(str(path), vocab_size=65536, tokenizer_fingerprint="test") as w:

@@ -7,10 +7,12 @@ Needs matplotlib (`pip install segpack[plot]`).
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import pathlib
 import sys
-import tempfile
 
+from segpack.shards import atomic_write_bytes
 from train import metrics as metrics_lib
 
 
@@ -44,26 +46,13 @@ def plot(workdir: str, *, out: str | None = None) -> str:
     ax.set_xlabel("step")
   fig.tight_layout()
   out = out or os.path.join(workdir, "curves.png")
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)), suffix=".png")
-  os.close(fd)
+  buf = io.BytesIO()  # rendered in memory, then written atomically (temporary file + rename)
   try:
-    fig.savefig(tmp, dpi=100)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; give it an ordinary file's mode
-    os.replace(tmp, out)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+    fig.savefig(buf, dpi=100, format="png")
   finally:
     plt.close(fig)
+  atomic_write_bytes(pathlib.Path(out), buf.getvalue())
   return out
-
-
-def _umask() -> int:
-  """The process umask (read by setting it and restoring it at once)."""
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
 
 
 def main(argv: list[str] | None = None) -> int:

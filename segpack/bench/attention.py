@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
+import pathlib
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,7 @@ import numpy as np
 from segpack.attention import blocks
 from segpack.attention import segment_attention
 from segpack.attention.pallas import segment_attention_pallas
+from segpack.shards import atomic_write_bytes
 
 NOT_MEASURED = "not measured"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -283,23 +285,13 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
            title=results[0]["device"])
     ax.legend(fontsize=7)
   fig.tight_layout()
-  # Atomic: a temporary file in the same directory (same extension: it picks the format), then
-  # os.replace; mkstemp's 0600 widened to an ordinary file's mode.
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                             suffix=os.path.splitext(path)[1] or ".png")
-  os.close(fd)
+  # Atomic (temporary file in the same directory, then rename); the extension picks the format.
+  buf = io.BytesIO()
   try:
-    fig.savefig(tmp, dpi=120)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+    fig.savefig(buf, dpi=120, format=os.path.splitext(path)[1].lstrip(".") or "png")
   finally:
     plt.close(fig)
+  atomic_write_bytes(pathlib.Path(path), buf.getvalue())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
