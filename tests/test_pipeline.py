@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import segpack
+from masked_source import MaskedDocs
 from segpack import pipeline
 
 BOS, EOS, PAD = 1, 2, 0
@@ -456,22 +457,6 @@ def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
 _BASE, _STRIDE = 16, 1 << 12
 
 
-class _MaskedDocs:
-  """A random-access source with per-token loss masks (as a chat dataset has)."""
-
-  has_loss_mask = True
-
-  def __init__(self, docs, masks):
-    self.docs, self.masks = docs, masks
-
-  def __len__(self):
-    return len(self.docs)
-
-  def __getitem__(self, i):
-    return self.docs[i]
-
-  def loss_mask(self, i):
-    return self.masks[i]
 
 
 def _due_targets(lens, masks, *, seq_len, add_bos, add_eos, long_docs, overlap, min_len,
@@ -539,7 +524,7 @@ def _random_packing_case(seed):
 def test_no_label_crosses_segments_and_every_due_target_is_trained_once(block):
   for seed in range(block * 40, (block + 1) * 40):
     lens, docs, masks, params, cap, masked = _random_packing_case(seed)
-    source = _MaskedDocs(docs, masks) if masked else docs
+    source = MaskedDocs(docs, masks) if masked else docs
     if not any(n >= params["min_len"] and n + params["add_bos"] + params["add_eos"] > 0
                for n in lens):
       continue
@@ -579,7 +564,7 @@ def test_no_label_crosses_segments_and_every_due_target_is_trained_once(block):
 def test_empty_document_with_loss_mask_and_eos():
   docs = [np.array([], np.int32), np.array([20, 21], np.int32)]
   masks = [np.zeros(0, np.uint8), np.array([1, 1], np.uint8)]
-  ds = pack(_MaskedDocs(docs, masks), seq_len=8, num_epochs=1, shuffle=False, strategy="greedy")
+  ds = pack(MaskedDocs(docs, masks), seq_len=8, num_epochs=1, shuffle=False, strategy="greedy")
   row = ds[0]
   # [BOS EOS] of the empty document trains nothing; the other document trains 20, 21 and EOS.
   assert row["input_ids"].tolist() == [BOS, EOS, BOS, 20, 21, EOS, PAD, PAD]

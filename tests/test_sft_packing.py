@@ -13,6 +13,7 @@ import grain
 import numpy as np
 import pytest
 
+from masked_source import MaskedDocs
 from segpack import packing
 from segpack import pipeline
 from segpack import shards
@@ -109,22 +110,8 @@ def test_mask_can_be_ignored_and_sequence_sources_work(tmp_path):
   every = [np.ones_like(m) for m in masks]
   assert row_pairs(_rows_of(full)) == naive_pairs(every, 16, 0)
 
-  class ListSource:
-    has_loss_mask = True
 
-    def __init__(self, docs, doc_masks):
-      self.docs, self.masks = docs, doc_masks
-
-    def __len__(self):
-      return len(self.docs)
-
-    def __getitem__(self, i):
-      return self.docs[i]
-
-    def loss_mask(self, i):
-      return self.masks[i]
-
-  listed = ListSource([np.asarray(src[i]) for i in range(len(src))], masks)
+  listed = MaskedDocs([np.asarray(src[i]) for i in range(len(src))], masks)
   ds = pipeline.pack_dataset(listed, seq_len=16, num_epochs=1, shard_index=0, shard_count=1,
                              bos_id=BOS, eos_id=EOS, mode="minibatch", examples_per_batch=3)
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
