@@ -457,8 +457,6 @@ def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
 _BASE, _STRIDE = 16, 1 << 12
 
 
-
-
 def _due_targets(lens, masks, *, seq_len, add_bos, add_eos, long_docs, overlap, min_len,
                  masked):
   """The (document, virtual slot) targets the contract trains, each once (naive)."""
