@@ -204,6 +204,7 @@ def ensure_builtin(
     size: str = "full",
     cache_dir: str | os.PathLike[str] | None = None,
     workers: int | None = None,
+    progress: bool = False,
 ) -> BuiltinDataset:
   """Returns the tokenized built-in corpus, building and caching it on first use.
 
@@ -216,10 +217,14 @@ def ensure_builtin(
       seconds; for tests and smoke runs).
     cache_dir: cache root; default: `$SEGPACK_CACHE`, else `~/.cache/segpack`.
     workers: tokenizer processes; default: the number of CPUs.
+    progress: when the corpus has to be built, say on stderr what is being done (reading,
+      training the tokenizer, tokenizing each split), with progress bars on a terminal. A cached
+      corpus prints nothing.
 
   Returns:
     The dataset directories, the model and its vocabulary size.
   """
   from segpack import tokenize  # pylint: disable=g-import-not-at-top
 
-  return tokenize.build_builtin(size=size, cache_dir=cache_dir, workers=workers)
+  return tokenize.build_builtin(size=size, cache_dir=cache_dir, workers=workers,
+                               progress=progress)

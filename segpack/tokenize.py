@@ -274,12 +274,32 @@ def _encoded_chunks(
 
 
 def _progress(desc: str, enabled: bool):
+  """A tqdm bar of text bytes on stderr (drawn only when stderr is a terminal)."""
   if not enabled:
     return contextlib.nullcontext(None)
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
   return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True,
               file=sys.stderr, disable=None, mininterval=0.5)
+
+
+def _say(enabled: bool, message: str) -> None:
+  """One status line on stderr (the first build of the built-in corpus takes minutes)."""
+  if enabled:
+    print(f"segpack: {message}", file=sys.stderr, flush=True)
+
+
+def _counted(texts: Iterable[str], enabled: bool, desc: str) -> Iterator[str]:
+  """`texts`, with a bar of documents read on stderr when `enabled` (and stderr a terminal)."""
+  if not enabled:
+    yield from texts
+    return
+  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+
+  with tqdm(desc=desc, unit=" docs", file=sys.stderr, mininterval=0.5, disable=None) as bar:
+    for text in texts:
+      bar.update(1)
+      yield text
 
 
 def write_dataset(
@@ -407,11 +427,12 @@ def _refuse_to_replace_model(model_file: Path, datasets: Sequence[Path], *,
 
 def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int,
                        key: dict[str, Any], protect: Sequence[Path] = (),
-                       overwrite: bool = True) -> spm_lib.SpmTokenizer:
+                       overwrite: bool = True, progress: bool = False) -> spm_lib.SpmTokenizer:
   """Trains (or, when `model_file` was trained with the same `key`, reuses) a model.
 
   `protect`: dataset directories that use `model_file`; unless `overwrite`, training is refused
-  while one of them holds a finished dataset (see `_refuse_to_replace_model`).
+  while one of them holds a finished dataset (see `_refuse_to_replace_model`). `progress`: say on
+  stderr what the training is doing (it is silent for a minute or more otherwise).
   """
   record = model_file.with_suffix(".json")
   key_hash = _resume_key(dict(key, vocab_size=vocab_size))
@@ -424,11 +445,15 @@ def _trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: in
   _refuse_to_replace_model(model_file, protect, overwrite=overwrite)
   record.unlink(missing_ok=True)
   _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
+  _say(progress, f"training a SentencePiece model ({vocab_size} pieces) into {model_file}: "
+       f"reading its documents, then training (about a minute on 2 cores for the full corpus)")
   start = time.perf_counter()
-  tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size)
+  tokenizer = spm_lib.train_spm(_counted(texts, progress, "read for the tokenizer"), model_file,
+                                vocab_size=vocab_size)
   shards_lib.atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,
                                          "fingerprint": tokenizer.fingerprint})
   _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
+  _say(progress, f"trained the SentencePiece model in {time.perf_counter() - start:.1f} s")
   return tokenizer
 
 
@@ -442,8 +467,8 @@ def builtin_dir(*, size: str, cache_dir: str | os.PathLike[str] | None = None) -
   return spm_lib.cache_root(cache_dir) / f"builtin-{size}-{corpus.corpus_key(size)}"
 
 
-def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None
-                      ) -> spm_lib.SpmTokenizer:
+def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None,
+                      progress: bool = False) -> spm_lib.SpmTokenizer:
   """The cached SentencePiece model of the built-in corpus, trained on first use."""
   from segpack import corpus  # pylint: disable=g-import-not-at-top
 
@@ -451,7 +476,7 @@ def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = N
   with _file_lock(root / ".lock"):
     return _trained_tokenizer((t for _, t in corpus.builtin_documents(split="train", size=size)),
                               root / "spm.model", vocab_size=corpus.SIZES[size],
-                              key={"builtin": corpus.corpus_key(size)})
+                              key={"builtin": corpus.corpus_key(size)}, progress=progress)
 
 
 def _builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *, workers: int,
@@ -471,6 +496,9 @@ def _builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *,
         progress=progress, overwrite=overwrite)
     summaries.append(_summary(output / split, manifest, resumed=resumed, bad_lines=0,
                               seconds=time.perf_counter() - start, text_bytes=nbytes))
+    _say(progress, f"tokenized the {split} split: {manifest['num_documents']:,} "
+         f"documents, {manifest['num_tokens']:,} tokens in "
+         f"{time.perf_counter() - start:.1f} s")
   return summaries
 
 
@@ -496,7 +524,10 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
   from segpack import corpus  # pylint: disable=g-import-not-at-top
 
   root = builtin_dir(size=size, cache_dir=cache_dir)
-  tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir)
+  if progress and not (root / "complete.json").exists():
+    _say(True, f"building the built-in corpus ({size}: this Python's docs and standard-library "
+               f"sources) into {root}; first use only, later runs read the cache")
+  tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir, progress=progress)
   with _file_lock(root / ".lock"):
     if (root / "complete.json").exists() and not _intact(root):
       _LOG.warning("cached built-in corpus %s is damaged or outdated; re-tokenizing it", root)
@@ -504,6 +535,8 @@ def build_builtin(*, size: str = "full", cache_dir: str | os.PathLike[str] | Non
                    root / "eval" / shards_lib.MANIFEST_NAME):
         path.unlink(missing_ok=True)
     if not (root / "complete.json").exists():
+      _say(progress, f"tokenizing the train and eval splits with {workers or os.cpu_count()} "
+                     f"worker processes")
       _builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
                       shard_tokens=_DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
       shards_lib.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint,

@@ -111,6 +111,19 @@ def test_ensure_builtin_reuses_the_cache(small):
   assert (built.train_dir / "manifest.json").stat().st_mtime_ns == stamp
 
 
+def test_first_build_says_what_it_does_and_a_cached_corpus_is_silent(tmp_path, capfd):
+  """The first run of the main command builds the corpus for minutes: it must not be silent."""
+  corpus.ensure_builtin(size="small", cache_dir=tmp_path, workers=1, progress=True)
+  err = capfd.readouterr().err
+  stages = ["building the built-in corpus (small", "training a SentencePiece model (2048 pieces)",
+            "trained the SentencePiece model in", "tokenized the train split:",
+            "tokenized the eval split:"]
+  at = [err.find(stage) for stage in stages]
+  assert all(i >= 0 for i in at) and at == sorted(at), err
+  corpus.ensure_builtin(size="small", cache_dir=tmp_path, workers=1, progress=True)
+  assert capfd.readouterr().err == ""
+
+
 def test_ensure_builtin_rebuilds_a_damaged_cache(small):
   built, cache = small
   (built.eval_dir / "shard-00000.tokens").unlink()

@@ -102,7 +102,7 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
   if spec.source == "builtin":
     from segpack import corpus  # pylint: disable=g-import-not-at-top
     import sentencepiece  # pylint: disable=g-import-not-at-top
-    built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir)
+    built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir, progress=True)
     sp = sentencepiece.SentencePieceProcessor(model_file=str(built.spm_model))
     ids = dict(bos_id=int(sp.bos_id()), eos_id=int(sp.eos_id()))
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
