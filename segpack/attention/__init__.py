@@ -54,10 +54,13 @@ def segment_attention(
     causal: bool = True,
     scale: float | None = None,
     implementation: Implementation | None = None,
-    block_q: int = 128,
-    block_k: int = 128,
-    block_q_bwd: int | None = None,
-    block_k_bwd: int | None = None,
+    block_q: int | Literal["auto"] = "auto",
+    block_k: int | Literal["auto"] = "auto",
+    block_q_bwd: int | Literal["auto"] | None = "auto",
+    block_k_bwd: int | Literal["auto"] | None = "auto",
+    num_warps: int | Literal["auto"] = "auto",
+    num_stages: int | Literal["auto"] = "auto",
+    smem_bytes: int | None = None,
     interpret: bool = False,
     check_segments: bool = False,
     max_segments_per_row: int | None = None,
@@ -75,11 +78,17 @@ def segment_attention(
     causal: also hide keys after the query.
     scale: logit scale, default `1/sqrt(D)`.
     implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
-    block_q: Pallas query block (a power of two); S is padded internally to a multiple of
-      the largest block with padding slots.
-    block_k: Pallas key/value block (a power of two).
-    block_q_bwd: Pallas backward query block (default `min(block_q, 64)`).
-    block_k_bwd: Pallas backward key/value block (default `min(block_k, 64)`).
+    block_q: Pallas query block (a power of two >= 16) or "auto"; S is padded internally to a
+      multiple of the largest block with padding slots.
+    block_k: Pallas key/value block (a power of two >= 16) or "auto".
+    block_q_bwd: Pallas backward query block, or "auto" (None means "auto").
+    block_k_bwd: Pallas backward key/value block, or "auto" (None means "auto").
+    num_warps: Pallas Triton warps of every kernel, or "auto" (per kernel).
+    num_stages: Pallas Triton pipeline stages of every kernel, or "auto" (per kernel). "auto"
+      settings come from a shared-memory model (`attention/resources.py`, docs/attention.md);
+      explicit ones that the model says do not fit are refused before compiling.
+    smem_bytes: Pallas: shared memory per block of the target GPU (None: the local GPU's, or an
+      H100's when there is none).
     interpret: run the Pallas kernel in interpret mode (CPU).
     check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
       cuDNN backends silently assume it) and, for cuDNN, that no row has more than
@@ -111,7 +120,8 @@ def segment_attention(
     from segpack.attention import pallas  # pylint: disable=g-import-not-at-top
     fn = pallas.segment_attention_pallas
     kwargs = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
-                  block_k_bwd=block_k_bwd, interpret=interpret)
+                  block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages,
+                  smem_bytes=smem_bytes, interpret=interpret)
   elif impl == "cudnn":
     from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
     fn = cudnn.segment_attention_cudnn

@@ -1,8 +1,9 @@
 """The Pallas backend: a flash-attention kernel that visits only its segments' blocks.
 
-`segment_attention_pallas` pads, computes the block ranges (`blocks.py`) and calls a `custom_vjp`
-whose forward and backward are Pallas kernels (`pallas_fwd.py`, `pallas_bwd.py`), lowered through
-Triton on a GPU or run with `interpret=True` on the CPU.
+`segment_attention_pallas` chooses the kernel settings (`resources.py`), pads, computes the block
+ranges (`blocks.py`) and calls a `custom_vjp` whose forward and backward are Pallas kernels
+(`pallas_fwd.py`, `pallas_bwd.py`), lowered through Triton on a GPU or run with `interpret=True`
+on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 from segpack.attention import blocks
 from segpack.attention import pallas_bwd
 from segpack.attention import pallas_fwd
+from segpack.attention import resources
 from segpack.attention.checks import AttentionInputError
+from segpack.attention.resources import AUTO, Auto, KernelSettings
 
 MAX_HEAD_DIM = 256
 
@@ -36,8 +39,10 @@ class KernelConfig:
     skip_blocks: visit only the key blocks of the query block's segments (False visits every
       block, or every block at or below the diagonal when causal: the dense-mask kernel of the same
       family, for benchmarks).
-    num_warps: Triton warps per program.
-    num_stages: Triton pipeline stages.
+    num_warps: Triton warps per program of the forward kernel.
+    num_stages: Triton pipeline stages of the forward kernel.
+    num_warps_bwd: Triton warps of the backward kernels (delta, dQ, dK/dV).
+    num_stages_bwd: Triton pipeline stages of the backward kernels.
   """
 
   causal: bool
@@ -50,17 +55,21 @@ class KernelConfig:
   skip_blocks: bool = True
   num_warps: int = 4
   num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
 
 
-def _check_block(name: str, block: int) -> None:
-  if block < 16 or block & (block - 1):
+def _auto(name: str, value, minimum: int, *, pow2: bool):
+  """`value` if a valid int; "auto" for "auto" or None; otherwise an `AttentionInputError`."""
+  if value is None or value == AUTO:
+    return AUTO
+  ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+  if not ok or (pow2 and value & (value - 1)):
+    what = "a power of two" if pow2 else "an integer"
     raise AttentionInputError(
-        f"segment_attention(implementation='pallas'): `{name}` must be a power of two >= 16, "
-        f"got {block!r}")
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
+        f"segment_attention(implementation='pallas'): `{name}` must be {what} >= {minimum}, "
+        f"got {value!r} ('auto' picks one from the shared-memory model)")
+  return value
 
 
 def dense_ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) -> jax.Array:
@@ -93,7 +102,8 @@ def _ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) -> ja
 
 
 def _backward_config(cfg: KernelConfig) -> KernelConfig:
-  return dataclasses.replace(cfg, block_q=cfg.block_q_bwd, block_k=cfg.block_k_bwd)
+  return dataclasses.replace(cfg, block_q=cfg.block_q_bwd, block_k=cfg.block_k_bwd,
+                             num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -128,6 +138,38 @@ def _flash_bwd(cfg: KernelConfig, residuals, dout_BxSxHxD):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def kernel_settings(
+    *, dtype, head_dim: int, group: int, seq_len: int, smem_bytes: int | None = None,
+    block_q: int | Auto | None = AUTO, block_k: int | Auto | None = AUTO,
+    block_q_bwd: int | Auto | None = AUTO, block_k_bwd: int | Auto | None = AUTO,
+    num_warps: int | Auto | None = AUTO, num_stages: int | Auto | None = AUTO,
+) -> tuple[KernelSettings, KernelSettings]:
+  """The forward and the backward (dQ, dK/dV, delta) settings `segment_attention_pallas` uses.
+
+  Explicit values are validated and kept (refused if the shared-memory model says they do not
+  fit); "auto" (or None) ones come from `resources.resolve`. `num_warps` and `num_stages`, when
+  explicit, apply to every kernel.
+
+  Returns:
+    `(forward, backward)`.
+  """
+  explicit = dict(
+      block_q=_auto("block_q", block_q, 16, pow2=True),
+      block_k=_auto("block_k", block_k, 16, pow2=True),
+      block_q_bwd=_auto("block_q_bwd", block_q_bwd, 16, pow2=True),
+      block_k_bwd=_auto("block_k_bwd", block_k_bwd, 16, pow2=True),
+      num_warps=_auto("num_warps", num_warps, 1, pow2=True),
+      num_stages=_auto("num_stages", num_stages, 1, pow2=False))
+  common = dict(dtype=dtype, head_dim=head_dim, group=group, seq_len=seq_len,
+                smem_bytes=resources.device_smem_bytes() if smem_bytes is None else smem_bytes,
+                num_warps=explicit["num_warps"], num_stages=explicit["num_stages"])
+  fwd = resources.resolve(kernel="forward", block_q=explicit["block_q"],
+                          block_k=explicit["block_k"], **common)
+  bwd = resources.resolve(kernel="dkv", block_q=explicit["block_q_bwd"],
+                          block_k=explicit["block_k_bwd"], **common)
+  return fwd, bwd
+
+
 def segment_attention_pallas(
     q_BxSxHxD: jax.Array,
     k_BxSxKxD: jax.Array,
@@ -136,14 +178,15 @@ def segment_attention_pallas(
     *,
     causal: bool,
     scale: float,
-    block_q: int = 128,
-    block_k: int = 128,
-    block_q_bwd: int | None = None,
-    block_k_bwd: int | None = None,
+    block_q: int | Auto | None = AUTO,
+    block_k: int | Auto | None = AUTO,
+    block_q_bwd: int | Auto | None = AUTO,
+    block_k_bwd: int | Auto | None = AUTO,
     interpret: bool = False,
     skip_blocks: bool = True,
-    num_warps: int | None = None,
-    num_stages: int = 2,
+    num_warps: int | Auto | None = AUTO,
+    num_stages: int | Auto | None = AUTO,
+    smem_bytes: int | None = None,
 ) -> jax.Array:
   """Segment flash attention (forward and backward in Pallas), with native grouped-query heads.
 
@@ -152,6 +195,11 @@ def segment_attention_pallas(
   two (>= 16) is zero-padded to the next one, which leaves the logits unchanged; head dims above
   256 are refused.
 
+  Kernel settings: "auto" (or None) values come from the shared-memory model of `resources.py`
+  (the first candidate that fits, with a margin); explicit ones are kept and refused before
+  compiling when the model says they exceed `smem_bytes`. The choice is the same in interpret
+  mode as on the GPU it targets.
+
   Args:
     q_BxSxHxD: queries.
     k_BxSxKxD: keys.
@@ -159,40 +207,38 @@ def segment_attention_pallas(
     segment_ids_BxS: contiguous segment ids, 0 = padding.
     causal: hide keys after the query.
     scale: logit scale.
-    block_q: query block, a power of two >= 16.
-    block_k: key/value block, a power of two >= 16.
-    block_q_bwd: query block of the backward kernels (default `min(block_q, 64)`).
-    block_k_bwd: key/value block of the backward kernels (default `min(block_k, 64)`).
+    block_q: forward query block, a power of two >= 16, or "auto".
+    block_k: forward key/value block, a power of two >= 16, or "auto".
+    block_q_bwd: query block of the backward kernels (delta, dQ, dK/dV), or "auto".
+    block_k_bwd: key/value block of the backward kernels, or "auto".
     interpret: run the kernels in interpret mode (CPU).
     skip_blocks: False gives the dense-mask kernel of the same family (benchmark baseline).
-    num_warps: Triton warps (default 4 for D <= 64, else 8).
-    num_stages: Triton pipeline stages.
+    num_warps: Triton warps of every kernel, or "auto" (per kernel).
+    num_stages: Triton pipeline stages of every kernel, or "auto" (per kernel).
+    smem_bytes: shared memory per block of the target GPU; None: the local GPU's, or an H100's
+      (232,448) when JAX has no GPU.
 
   Returns:
     `out_BxSxHxD`.
   """
-  block_q_bwd = min(block_q, 64) if block_q_bwd is None else block_q_bwd
-  block_k_bwd = min(block_k, 64) if block_k_bwd is None else block_k_bwd
-  for name, block in (("block_q", block_q), ("block_k", block_k), ("block_q_bwd", block_q_bwd),
-                      ("block_k_bwd", block_k_bwd)):
-    _check_block(name, block)
   b, s, h, d = q_BxSxHxD.shape
   if d > MAX_HEAD_DIM:
     raise AttentionInputError(
         f"segment_attention(implementation='pallas'): head dim D={d} is above {MAX_HEAD_DIM}")
-  cap = max(16, _next_pow2(s))
-  block_q, block_k, block_q_bwd, block_k_bwd = (
-      min(x, cap) for x in (block_q, block_k, block_q_bwd, block_k_bwd))
-  multiple = max(block_q, block_k, block_q_bwd, block_k_bwd)
+  fwd, bwd = kernel_settings(
+      dtype=q_BxSxHxD.dtype, head_dim=d, group=h // k_BxSxKxD.shape[2], seq_len=s,
+      smem_bytes=smem_bytes, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
+      block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
+  multiple = max(fwd.block_q, fwd.block_k, bwd.block_q, bwd.block_k)
   s_pad = -(-s // multiple) * multiple
-  d_pad = max(16, _next_pow2(d))
+  d_pad = resources.padded_head_dim(d)
   pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
   q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
   seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
   cfg = KernelConfig(
-      causal=causal, scale=scale, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
-      block_k_bwd=block_k_bwd, interpret=interpret,
-      skip_blocks=skip_blocks, num_warps=num_warps or (4 if d_pad <= 64 else 8),
-      num_stages=num_stages)
+      causal=causal, scale=scale, block_q=fwd.block_q, block_k=fwd.block_k,
+      block_q_bwd=bwd.block_q, block_k_bwd=bwd.block_k, interpret=interpret,
+      skip_blocks=skip_blocks, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
+      num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages)
   out = _flash(q_p, k_p, v_p, seg_p, cfg)
   return out[:, :s, :, :d]
