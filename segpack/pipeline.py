@@ -54,13 +54,18 @@ class PackedDataset(grain.MapDataset):
 
   `num_epochs=None` makes the dataset infinite (`len == sys.maxsize`, as Grain's `repeat()`);
   otherwise `len == num_epochs * P` and indices wrap around modulo the length.
+
+  `max_segments_in_row` is the most segments (plan pieces) in any row of the plan, over all
+  processes, after any `max_segments_per_row` cap: every process reads the same value, the static
+  bound a segment-count-shaped kernel (cuDNN's packed layout) needs.
   """
 
   def __init__(self, builder: rows_lib.RowBuilder, *, seed: int, shuffle: bool,
                num_epochs: int | None, shard_index: int, shard_count: int,
-               drop_remainder: bool = False):
+               max_segments_in_row: int, drop_remainder: bool = False):
     super().__init__()
     self._builder = builder
+    self._max_segments_in_row = int(max_segments_in_row)
     self._seed = seed
     self._shuffle = shuffle
     self._num_epochs = num_epochs
@@ -91,6 +96,16 @@ class PackedDataset(grain.MapDataset):
   @property
   def seq_len(self) -> int:
     return self._builder.seq_len
+
+  @property
+  def max_segments_in_row(self) -> int:
+    """The most segments in any row of the plan (all processes, after the cap; 0 if empty).
+
+    Rows hold their segments as ids 1..n, so no row this dataset yields has a larger
+    `segment_ids.max()`. For cuDNN pass
+    `segpack.attention.cudnn.cudnn_segment_bound(max_segments_in_row)` as `max_segments_per_row`.
+    """
+    return self._max_segments_in_row
 
   @property
   def num_plan_rows(self) -> int:
@@ -423,6 +438,12 @@ def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
     return arrays  # A read-only data set: use the capped plan uncached.
 
 
+def _max_pieces_per_row(arrays: rows_lib.PlanArrays) -> int:
+  """The most pieces (segments) in any plan row; 0 for an empty plan."""
+  counts = np.diff(np.asarray(arrays.row_splits, dtype=np.int64))
+  return int(counts.max(initial=0))
+
+
 def _plan_arrays(plan: Any) -> rows_lib.PlanArrays:
   return rows_lib.PlanArrays(seq_len=int(plan.seq_len), overlap=int(plan.overlap),
                              row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
@@ -487,7 +508,8 @@ def pack_dataset(
     long_docs: "split" (chunks of `seq_len`, nothing dropped) or "truncate" (first chunk only).
     min_len: documents with fewer tokens are dropped.
     overlap: slots a continuation chunk repeats from the previous one (no loss on them).
-    max_segments_per_row: cap on segments per row (pieces beyond it go to other rows).
+    max_segments_per_row: cap on segments per row (pieces beyond it go to other rows); the
+      result's `max_segments_in_row` (the plan's actual most) is then at most the cap.
     plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
     shard_index: this process's shard; default `jax.process_index()`.
     shard_count: number of shards; default `jax.process_count()`.
@@ -554,7 +576,8 @@ def pack_dataset(
   builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths,
                                 loss_mask=bool(loss_mask))
   dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
-                          shard_index=index, shard_count=count, drop_remainder=shard_drop)
+                          shard_index=index, shard_count=count, drop_remainder=shard_drop,
+                          max_segments_in_row=_max_pieces_per_row(arrays))
   if dataset.rows_per_epoch == 0:
     raise PipelineConfigError(
         f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "

@@ -182,19 +182,20 @@ def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
   assert "sdy.manual_computation" in text  # absent when the model is built without the mesh
 
 
-def _cudnn_model_cuda_text(max_segments_per_row):
-  """The `cuda` lowering of the gradient of a cuDNN-attention model built from a trainer config."""
+def _cudnn_model_cuda_text(max_segments_in_row):
+  """The `cuda` lowering of the gradient of a cuDNN-attention model built from a trainer config,
+  with the data's most segments in a row `max_segments_in_row` (the packing cap set apart)."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from configs import packed  # pylint: disable=g-import-not-at-top
   from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
-  config.packing.max_segments_per_row = max_segments_per_row
+  config.packing.max_segments_per_row = 40  # the packing's cap: not the bound
   config.attention.implementation = "cudnn"
   config.model.update(num_layers=1, d_model=128, num_heads=2, num_kv_heads=1, head_dim=64,
                       dtype="bfloat16")
   mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
-  model = model_lib.build(config, 0, vocab_size=VOCAB, mesh=mesh)
-  assert model.cfg.attention_max_segments_per_row == max_segments_per_row
+  model = model_lib.build(config, 0, vocab_size=VOCAB, mesh=mesh,
+                          max_segments_in_row=max_segments_in_row)
   graphdef, params = nnx.split(model)
 
   def loss(p, ids_BxS, seg_BxS, pos_BxS):
@@ -203,13 +204,15 @@ def _cudnn_model_cuda_text(max_segments_per_row):
 
   rows = NamedSharding(mesh, P(("data", "fsdp")))
   ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
-  return jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
+  text = jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
       params, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+  return model.cfg.attention_max_segments_per_row, text
 
 
-def test_cudnn_attention_gets_the_packing_bound_and_runs_on_the_trainer_mesh(monkeypatch):
-  """`train.model.build` passes `packing.max_segments_per_row` to cuDNN as its static bound N, and
-  the cuDNN call (forward and backward) lowers for `cuda` per device inside `shard_map`.
+def test_cudnn_attention_gets_the_data_bound_and_runs_on_the_trainer_mesh(monkeypatch):
+  """`train.model.build` passes the data's most segments in a row, rounded up to a power of two,
+  to cuDNN as its static bound N, and the cuDNN call (forward and backward) lowers for `cuda` per
+  device inside `shard_map`.
 
   The CPU jaxlib cannot report a cuDNN version or a GPU's compute capability; those two host
   probes are faked (as in tests/test_attention_cudnn.py), the lowering itself is JAX's.
@@ -218,15 +221,28 @@ def test_cudnn_attention_gets_the_packing_bound_and_runs_on_the_trainer_mesh(mon
   from jax._src.cudnn import fused_attention_stablehlo as fa  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
   monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
-  text = _cudnn_model_cuda_text(12)
+  n, text = _cudnn_model_cuda_text(12)
+  assert n == 16
   calls = re.findall(r"custom_call @([\w$.]+)", text)
   assert "__cudnn$fmhaSoftmax" in calls and "__cudnn$fmhaSoftmaxBackward" in calls
   assert "sdy.manual_computation" in text
-  # One row per device (8 rows over data x fsdp): seqlens [1, N], offsets [1, N + 1] with N = 12;
-  # without the bound N is the row length, 256 (offsets [1, 257]).
-  assert "tensor<1x12xi32>" in text and "tensor<1x13xi32>" in text
-  assert "tensor<1x257xi32>" not in text
-  assert "tensor<1x257xi32>" in _cudnn_model_cuda_text(None)
+  # One row per device (8 rows over data x fsdp): seqlens [1, N], offsets [1, N + 1] with N = 16
+  # (12 rounded up); neither the packing cap (40) nor the row length (256) is used.
+  assert "tensor<1x16xi32>" in text and "tensor<1x17xi32>" in text
+  assert "tensor<1x41xi32>" not in text and "tensor<1x257xi32>" not in text
+
+
+def test_cudnn_without_a_data_bound_is_refused():
+  from configs import packed  # pylint: disable=g-import-not-at-top
+  config = packed.get_config("smoke")
+  config.attention.implementation = "cudnn"
+  with pytest.raises(model_lib.ModelConfigError, match="Data.max_segments_in_row"):
+    model_lib.build(config, 0, vocab_size=VOCAB)
+  with pytest.raises(model_lib.ModelConfigError, match="needs attention_max_segments_per_row"):
+    _tiny(attention_implementation="cudnn")
+  config.attention.implementation = "xla"  # the other backends need no bound and get none
+  assert model_lib.build(config, 0, vocab_size=VOCAB, max_segments_in_row=5
+                         ).cfg.attention_max_segments_per_row is None
 
 
 def test_bad_max_segments_bound_is_refused():

@@ -75,6 +75,11 @@ class Data:
     vocab_size: tokenizer vocabulary size.
     train_rows_per_epoch: rows this process reads per epoch.
     description: a one-line summary for the log.
+    max_segments_in_row: the most segments (documents or chunks) any train or eval row can hold,
+      the same on every process: the plans' exact most in global mode; in minibatch mode with
+      `examples_per_batch = k`, `min(k, seq_len)` for the training rows (a row's pieces belong to
+      distinct examples). None when no bound below `seq_len` is known (minibatch mode with
+      `tokens_per_batch`). The cuDNN attention backend's static bound comes from it.
   """
 
   train: grain.MapDataset
@@ -82,6 +87,7 @@ class Data:
   vocab_size: int
   train_rows_per_epoch: int
   description: str
+  max_segments_in_row: int | None = None
 
 
 def synthetic_documents(*, num_docs: int, mean_len: int, vocab: int, seed: int) -> list[np.ndarray]:
@@ -151,7 +157,8 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       vocab_size=vocab, train_rows_per_epoch=train_rows.rows_per_epoch,
       description=(f"{spec.source} data, {spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.num_plan_rows} train rows/epoch, {eval_rows.num_plan_rows} "
-                   f"eval rows, vocab {vocab}"))
+                   f"eval rows, vocab {vocab}"),
+      max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
 
 
 def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict[str, Any], *,
@@ -170,9 +177,14 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict
       examples_per_batch=spec.examples_per_batch, tokens_per_batch=spec.tokens_per_batch,
       rows_per_batch=batch_size, **common)
   steps = train.batches_in_epoch(0)
+  # Only a document's last chunk can be shorter than a row, so a row holding two or more pieces
+  # holds pieces of distinct examples of one minibatch: at most examples_per_batch of them.
+  bound = None
+  if spec.examples_per_batch is not None:
+    bound = max(min(int(spec.examples_per_batch), spec.seq_len), eval_rows.max_segments_in_row)
   return Data(
       train=train, eval=eval_rows.batch(local, drop_remainder=False), vocab_size=vocab,
-      train_rows_per_epoch=steps * local,
+      train_rows_per_epoch=steps * local, max_segments_in_row=bound,
       description=(f"{spec.source} data, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "

@@ -46,8 +46,9 @@ class DecoderConfig:
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
   # ("data", "fsdp"), heads over "tensor". None, or the XLA backend: left to the jit partitioner.
   attention_mesh: Any = None
-  # cuDNN only: the static bound on segments per row (the packing's `max_segments_per_row`);
-  # None: the row length S, always enough but a larger packed layout.
+  # cuDNN only, and required there: the static bound N on segments per row, from the data
+  # (`build` passes `cudnn_segment_bound(Data.max_segments_in_row)`); the cuDNN backward's memory
+  # grows as B*N*H*S*D, so there is no default.
   attention_max_segments_per_row: int | None = None
   attention_interpret: bool = False  # Pallas only: interpret mode (the kernels on the CPU, slowly)
 
@@ -72,6 +73,12 @@ class DecoderConfig:
     if n is not None and (not isinstance(n, int) or n < 1):
       raise ModelConfigError(
           f"DecoderConfig.attention_max_segments_per_row must be None or a positive int, got {n!r}")
+    if impl == "cudnn" and n is None:
+      raise ModelConfigError(
+          "DecoderConfig.attention_implementation='cudnn' needs attention_max_segments_per_row, "
+          "the static bound on segments per row (cuDNN's backward memory grows with it; row "
+          "length is no usable default): build the model with the data's bound, "
+          "`train.model.build(..., max_segments_in_row=Data.max_segments_in_row)`")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ModelConfigError(
@@ -242,7 +249,8 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
     attention_cfg: the config's `attention` group.
     vocab_size: the vocabulary size V.
     mesh: the trainer's mesh, on which kernel attention backends run under `shard_map`.
-    max_segments_per_row: the packing's cap on segments per row; the cuDNN backend's static bound.
+    max_segments_per_row: the cuDNN backend's static bound N on segments per row (ignored by the
+      other backends).
   """
   dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
   return DecoderConfig(
@@ -257,8 +265,32 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
                                       else int(max_segments_per_row)))
 
 
-def build(config: Any, seed: int, *, vocab_size: int | None = None,
-          mesh: Any = None) -> Decoder:
+def cudnn_bound(config: Any, max_segments_in_row: int | None) -> int | None:
+  """The cuDNN backend's static N for `config`, from the data's most segments in a row.
+
+  `cudnn_segment_bound(max_segments_in_row)` (a power of two) when `attention.implementation` is
+  "cudnn", else None (the other backends need no bound). `packing.max_segments_per_row` stays the
+  cap on the packing; the bound is what the packed data actually holds.
+
+  Raises:
+    ModelConfigError: cuDNN and no bound is known (`max_segments_in_row` None).
+  """
+  if config.attention.implementation != "cudnn":
+    return None
+  if max_segments_in_row is None:
+    mode = getattr(getattr(config, "packing", None), "mode", "global")
+    raise ModelConfigError(
+        "attention.implementation='cudnn' needs a static bound on segments per row from the "
+        f"data (Data.max_segments_in_row), and none is known (packing.mode={mode!r}): with "
+        "packing.mode='minibatch' and packing.tokens_per_batch a row can hold up to seq_len "
+        "segments; set packing.examples_per_batch instead (the bound is then the examples per "
+        "step) or use attention.implementation='pallas'")
+  from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
+  return cudnn.cudnn_segment_bound(int(max_segments_in_row))
+
+
+def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = None,
+          max_segments_in_row: int | None = None) -> Decoder:
   """Builds the `Decoder` that a trainer config (its `model` and `attention` groups) describes.
 
   Args:
@@ -267,13 +299,11 @@ def build(config: Any, seed: int, *, vocab_size: int | None = None,
     vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
     mesh: the trainer's mesh (axes `data`, `fsdp`, `tensor`); kernel attention backends run
       per device under `shard_map` on it.
-
-  The packing's `max_segments_per_row` (when the config has one) becomes the cuDNN backend's
-  static bound on segments per row.
+    max_segments_in_row: the data's most segments in a row (`train.data.Data.max_segments_in_row`);
+      with `attention.implementation="cudnn"` it is required and becomes, rounded up to a power
+      of two (`cudnn_bound`), the cuDNN backend's static bound N.
   """
   vocab = vocab_size if vocab_size is not None else config.model.vocab_size
-  packing = getattr(config, "packing", None)
-  max_segments = getattr(packing, "max_segments_per_row", None) if packing is not None else None
   cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh,
-                       max_segments_per_row=max_segments)
+                       max_segments_per_row=cudnn_bound(config, max_segments_in_row))
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))

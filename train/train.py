@@ -146,9 +146,10 @@ class Run:
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
-                    mesh: Any):
-  abstract_model = nnx.eval_shape(lambda: model_lib.build(config, config.train.seed,
-                                                          vocab_size=vocab_size, mesh=mesh))
+                    mesh: Any, max_segments_in_row: int | None = None):
+  abstract_model = nnx.eval_shape(lambda: model_lib.build(
+      config, config.train.seed, vocab_size=vocab_size, mesh=mesh,
+      max_segments_in_row=max_segments_in_row))
   graphdef, abstract_params = nnx.split(abstract_model)
   return graphdef, dict(params=abstract_params, opt_state=jax.eval_shape(tx.init, abstract_params),
                         step=jax.ShapeDtypeStruct((), jnp.int32))
@@ -180,7 +181,8 @@ def setup(config: Any, workdir: str) -> Run:
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count())
   tx, schedule = make_optimizer(t)
-  graphdef, abstract = _abstract_state(config, data.vocab_size, tx, mesh)
+  graphdef, abstract = _abstract_state(config, data.vocab_size, tx, mesh,
+                                       max_segments_in_row=data.max_segments_in_row)
   replicated = NamedSharding(mesh, P())
   params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
   state_sh = dict(params=params_sh,
@@ -197,8 +199,8 @@ def setup(config: Any, workdir: str) -> Run:
   restored = checkpointer.restore_or_none(abstract_sh, config_dict)
   if restored is None:
     def init():
-      params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size,
-                                         mesh=mesh))[1]
+      params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size, mesh=mesh,
+                                         max_segments_in_row=data.max_segments_in_row))[1]
       return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
     state, start_step = jax.jit(init, out_shardings=state_sh)(), 0
   else:

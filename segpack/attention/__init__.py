@@ -94,7 +94,10 @@ def segment_attention(
       cuDNN backends silently assume it) and, for cuDNN, that no row has more than
       `max_segments_per_row` segments. Concrete inputs are checked now; traced inputs when the
       computation runs (host callback).
-    max_segments_per_row: cuDNN only, the static bound N on segments per row (default S).
+    max_segments_per_row: cuDNN only and required there: the static bound N on segments
+      (non-zero runs) per row, e.g. `cudnn.cudnn_segment_bound(PackedDataset.max_segments_in_row)`.
+      cuDNN's backward memory grows as B*N*H*S*D (516 GiB measured at B=2, N=S=4096, H=16,
+      D=128), so N = S is no default; without it the call raises `AttentionInputError`.
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
       inputs): the batch split over `batch_axis`, the heads over `head_axis`.
     batch_axis: mesh axis, or tuple of axes, for the batch (None: replicated).
@@ -104,8 +107,8 @@ def segment_attention(
     `[B, S, H, D]` in the dtype of `q`; zeros at padding queries.
 
   Raises:
-    AttentionInputError: bad shapes, H not a multiple of K, a bad block size or an unknown
-      implementation.
+    AttentionInputError: bad shapes, H not a multiple of K, a bad block size, an unknown
+      implementation, or cuDNN without a positive `max_segments_per_row`.
     AttentionTypeError: bad dtypes.
     NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs.
   """
