@@ -294,7 +294,8 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
   atomic_write_bytes(pathlib.Path(path), buf.getvalue())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The command line of `main`, also for running `run` in-process (`segpack.bench.gpu_report`)."""
   ap = argparse.ArgumentParser(prog="python -m segpack.bench.attention", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
@@ -313,7 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "CPU; the times mean nothing)")
   ap.add_argument("--json", action="store_true", help="one JSON record per config, one a line")
   ap.add_argument("--plot", default=None, help="write a PNG plot here")
-  args = ap.parse_args(argv)
+  return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
   results = run(args)
   if args.json:
     for r in results:
