@@ -2,6 +2,7 @@
 
   python -m train.main --config=configs/packed.py            # a few hundred steps, ~10 min CPU
   python -m train.main --config=configs/packed.py:smoke      # seconds (small corpus, tiny model)
+  python -m train.main --config=configs/packed.py:gpu        # 113M parameters, one 80 GB H100
   python -m train.main --config=configs/packed.py --config.train.num_steps=50
 """
 
@@ -50,6 +51,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention = ml_collections.ConfigDict()
   c.attention.implementation = config_dict.placeholder(str)  # None: pallas on GPU, xla elsewhere
   c.attention.interpret = False  # Pallas in interpret mode: the GPU kernels run on the CPU, slowly
+  # Before the first step, check the backend against per-document XLA runs on a tiny packed batch
+  # (output and gradients; `segpack.attention.self_check`, ~1 s) and refuse to train on a leak.
+  c.attention.self_check = True
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1  # data-parallel axis size; -1: all remaining devices
@@ -75,6 +79,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 100  # steps between checkpoints (and always at the end)
   c.train.max_checkpoints = 2  # checkpoints kept
   c.train.log_batches = True  # append per-step batch fingerprints to WORKDIR/batches*.jsonl
+  # Peak FLOP/s of one device for the logged MFU; None: from the device kind (bf16 dense peak of
+  # H100/H200/A100, see train/flops.py), else MFU is logged as n/a (CPU, other GPUs, float32).
+  c.train.peak_flops = config_dict.placeholder(float)
   return c
 
 
@@ -98,16 +105,62 @@ def smoke(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
+def gpu(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A 113M-parameter decoder on 4096-slot rows for one 80 GB H100 (bf16 compute, Pallas).
+
+  Parameters (vocabulary V = 8192 of the full built-in corpus, untied output projection): per layer
+  attention E*H*D + 2*E*K*D + H*D*E = 1,572,864, SwiGLU 3*E*F = 4,718,592, norms 2*E = 1,536, so
+  6,292,992; 16 layers 100,687,872; embedding and output projection 2*V*E = 12,582,912; final norm
+  768: 113,271,552 in all, 106,954,752 of them in matmuls (the FLOP count's N, train/flops.py).
+
+  Memory of one step (16 rows x 4096 slots in 2 micro-batches of 8, no rematerialisation), checked
+  on the CPU by tests/test_gpu_config.py and written up in docs/training.md: the analytic estimate
+  (float32 parameters, gradients and Adam moments; bfloat16 activations kept for the backward
+  pass; float32 logits) is 24.3 GB, XLA's CPU buffer assignment for the same step 41.4 GB, both
+  well under the 80 GB of an H100 (one micro-batch of 16 rows: 46.3 and 79.2 GB). Not yet
+  measured on a GPU.
+
+  The built-in corpus is 3.84M tokens per epoch, ~940 rows of 4096, so ~59 steps per epoch: 240
+  steps are ~4 epochs (~15.7M tokens), a short run; repeating data much longer overfits a model
+  of this size. Learning rate and warmup are the usual ones for ~100M-parameter GPT-style models.
+  """
+  c.data.size = "full"
+  c.packing.seq_len = 4096
+  c.model.num_layers = 16  # L
+  c.model.d_model = 768  # E
+  c.model.num_heads = 12  # H
+  c.model.num_kv_heads = 4  # K
+  c.model.head_dim = 64  # D
+  c.model.d_ff = 2048  # F (8/3 E)
+  c.model.dtype = "bfloat16"
+  c.model.param_dtype = "float32"
+  c.attention.implementation = "pallas"
+  c.train.batch_size = 16  # rows per step: 65,536 slots
+  c.train.grad_accum_steps = 2  # micro-batches of 8 rows: one of 16 needs ~79 GB (XLA estimate)
+  c.train.num_steps = 240
+  c.train.learning_rate = 6e-4
+  c.train.warmup_steps = 24
+  c.train.log_every = 10
+  c.train.eval_every = 60  # about once per epoch
+  c.train.eval_batches = 0  # the whole held-out split
+  c.train.checkpoint_every = 60
+  return c
+
+
+VARIANTS = {"smoke": smoke, "gpu": gpu}
+
+
 def finish(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
   """Applies the `:arg` variant and locks the config (typos in overrides then fail)."""
-  if arg == "smoke":
-    c = smoke(c)
+  if arg in VARIANTS:
+    c = VARIANTS[arg](c)
   elif arg:
-    raise ValueError(f"config argument must be empty or 'smoke', got {arg!r}")
+    raise ValueError(f"config argument must be empty or one of {sorted(VARIANTS)}, got {arg!r}")
   c.lock()
   return c
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Packed FFD rows and segment attention; `arg="smoke"` shrinks the run to seconds."""
+  """Packed FFD rows and segment attention; `arg="smoke"` shrinks the run to seconds, `arg="gpu"`
+  grows it to a 113M-parameter model on one H100."""
   return finish(base_config(), arg)

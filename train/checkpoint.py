@@ -24,7 +24,7 @@ RESUMABLE_CHANGES = frozenset({
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
     "mesh.fsdp", "mesh.tensor", "attention.implementation", "attention.interpret",
-    "data.cache_dir",
+    "attention.self_check", "train.peak_flops", "data.cache_dir",
 })
 
 

@@ -1,9 +1,10 @@
 """Run metrics: a printed line and a JSON line in `WORKDIR/metrics.jsonl` per log step and eval.
 
 Records carry a `kind`: `train` (step, loss, lr, grad_norm, real_tokens_per_s, slot_utilization,
-elapsed_s, eta_s, ...), `eval` (step, eval_loss, eval_tokens) and `summary` (the final one). Only
-process 0 writes. Each line is written with one `write` call on a file opened in append mode and
-flushed, so a killed run leaves whole lines.
+model_flops_per_s, mfu (null when the peak FLOP/s is unknown), elapsed_s, eta_s, ...), `eval`
+(step, eval_loss, eval_tokens) and `summary` (the final one). Only process 0 writes. Each line is
+written with one `write` call on a file opened in append mode and flushed, so a killed run leaves
+whole lines.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import os
 import time
 from typing import Any
 
+from train import flops as flops_lib
+
 METRICS_FILE = "metrics.jsonl"
+
+
+def _percent(value: float | None) -> str:
+  return "n/a" if value is None else f"{value:.1%}"
 
 
 def _format(record: dict[str, Any]) -> str:
@@ -21,8 +28,8 @@ def _format(record: dict[str, Any]) -> str:
   if kind == "train":
     return (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {record['real_tokens_per_s']:,.0f} real tok/s | "
-            f"util {record['slot_utilization']:.1%} | {record['elapsed_s']:.0f}s elapsed, "
-            f"ETA {record['eta_s']:.0f}s")
+            f"util {record['slot_utilization']:.1%} | MFU {_percent(record.get('mfu'))} | "
+            f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s")
   if kind == "eval":
     return (f"step {record['step']:>6} | eval loss {record['eval_loss']:.4f} over "
             f"{record['eval_tokens']:,} tokens")
@@ -65,29 +72,44 @@ def read(workdir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class Throughput:
-  """Tokens per second and ETA between log steps (wall clock, excluding nothing)."""
+  """Tokens per second, model FLOP/s, MFU and ETA between log steps (wall clock, excluding nothing).
 
-  def __init__(self, *, start_step: int, num_steps: int):
+  Model FLOPs count only real tokens and within-document attention (`train/flops.py`); MFU divides
+  their rate by `peak_flops` (all devices together), and is None when that is unknown.
+  """
+
+  def __init__(self, *, start_step: int, num_steps: int,
+               flop_model: flops_lib.FlopModel | None = None, peak_flops: float | None = None):
     self.t0 = self.t_last = time.perf_counter()
     self.start_step = self.last_step = start_step
     self.num_steps = num_steps
+    self.flop_model = flop_model
+    self.peak_flops = peak_flops
     self.real_tokens = 0.0
     self.slots = 0.0
+    self.flops = 0.0
 
-  def add(self, *, real_tokens: float, slots: float) -> None:
+  def add(self, *, real_tokens: float, slots: float, attention_pairs: float = 0.0) -> None:
     self.real_tokens += real_tokens
     self.slots += slots
+    if self.flop_model is not None:
+      self.flops += self.flop_model.step_flops(real_tokens=real_tokens,
+                                               attention_pairs=attention_pairs)
 
-  def report(self, step: int) -> dict[str, float]:
+  def report(self, step: int) -> dict[str, Any]:
     """Rates since the last report and elapsed/ETA since start; resets the window."""
     now = time.perf_counter()
     window = max(now - self.t_last, 1e-9)
     elapsed = now - self.t0
     done = max(step - self.start_step, 1)
+    flops_per_s = None if self.flop_model is None else self.flops / window
     out = dict(real_tokens_per_s=self.real_tokens / window,
                slot_utilization=self.real_tokens / max(self.slots, 1.0),
                elapsed_s=elapsed, eta_s=elapsed / done * (self.num_steps - step),
-               steps_per_s=(step - self.last_step) / window)
+               steps_per_s=(step - self.last_step) / window,
+               model_flops_per_s=flops_per_s,
+               mfu=(None if flops_per_s is None or self.peak_flops is None
+                    else flops_per_s / self.peak_flops))
     self.t_last, self.last_step = now, step
-    self.real_tokens = self.slots = 0.0
+    self.real_tokens = self.slots = self.flops = 0.0
     return out

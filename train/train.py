@@ -28,9 +28,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
+from train import flops as flops_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -108,7 +110,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     real = jnp.sum(batch["segment_ids"] != 0, dtype=jnp.float32)
     metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
                    trained_tokens=total, real_tokens=real,
-                   slots=jnp.float32(batch["segment_ids"].size))
+                   slots=jnp.float32(batch["segment_ids"].size),
+                   attention_pairs=flops_lib.attention_pairs(batch["segment_ids"]))
     return new_state, metrics
 
   return step
@@ -169,9 +172,27 @@ def check_attention(attention_cfg: Any, *, platform: str) -> None:
         "XLA")
 
 
+def _compute_dtype(config: Any) -> str:
+  return (config.model.dtype if config.model.dtype != "auto"
+          else model_lib.default_compute_dtype())
+
+
+def check_attention_leaks(config: Any) -> attention_lib.SelfCheckResult | None:
+  """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
+  backend (with `attention.interpret`, in the model's compute dtype) and lets its
+  `AttentionLeakError` stop the run before any work."""
+  a = config.attention
+  if not a.get("self_check", True):
+    return None
+  return attention_lib.self_check(
+      implementation=a.implementation or attention_lib.default_implementation(),
+      interpret=bool(a.get("interpret", False)), dtype=_compute_dtype(config))
+
+
 def setup(config: Any, workdir: str) -> Run:
   """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
   check_attention(config.attention, platform=jax.default_backend())
+  check_attention_leaks(config)
   workdir = check_workdir(workdir)
   t = config.train
   mesh = sharding_lib.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp,
@@ -245,7 +266,8 @@ def _train_record(step: int, window: list[dict[str, Any]],
                   meter: metrics_lib.Throughput) -> dict[str, Any]:
   """One `train` record from the (fetched) metrics of the steps since the last record."""
   for m in window:
-    meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]))
+    meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
+              attention_pairs=float(m["attention_pairs"]))
   tokens = sum(float(m["trained_tokens"]) for m in window)
   loss = sum(float(m["loss"]) * float(m["trained_tokens"]) for m in window) / max(tokens, 1.0)
   last = window[-1]
@@ -279,7 +301,12 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
     eval_rec = dict(kind="eval", step=0, **evaluate(run))
     initial_eval = eval_rec["eval_loss"]
     writer.write(eval_rec)
-  meter = metrics_lib.Throughput(start_step=run.start_step, num_steps=t.num_steps)
+  meter = metrics_lib.Throughput(
+      start_step=run.start_step, num_steps=t.num_steps,
+      flop_model=flops_lib.FlopModel.from_model_config(config.model,
+                                                       vocab_size=run.data.vocab_size),
+      peak_flops=flops_lib.peak_flops(t.get("peak_flops"), devices=jax.devices(),
+                                      compute_dtype=_compute_dtype(config)))
   window = []
   for step in range(run.start_step + 1, t.num_steps + 1):
     local = next(run.iterator)

@@ -24,6 +24,7 @@ from segpack.attention.checks import (
     default_scale,
     validate_inputs,
 )
+from segpack.attention.self_check import AttentionLeakError, SelfCheckResult, self_check
 from segpack.attention.sharded import shard_attention
 from segpack.attention.xla import segment_attention_xla
 
@@ -32,11 +33,14 @@ IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 
 __all__ = [
     "AttentionInputError",
+    "AttentionLeakError",
     "AttentionTypeError",
     "NonContiguousSegmentsError",
+    "SelfCheckResult",
     "IMPLEMENTATIONS",
     "default_implementation",
     "segment_attention",
+    "self_check",
 ]
 
 
