@@ -224,7 +224,9 @@ def test_docs_show_the_current_tables():
     assert resources.settings_table(smem_bytes=budget) in doc, budget
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu",
+                    reason="needs a CUDA GPU: JAX_PLATFORMS=cuda python -m pytest -m gpu tests")
 @pytest.mark.parametrize("dtype,d", [(jnp.float32, 128), (jnp.bfloat16, 256)])
 def test_auto_settings_compile_and_match_xla_on_gpu(dtype, d):
   """f32 D=128 (the old defaults failed to compile) and bf16 D=256 (predicted to) now run right."""

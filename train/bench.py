@@ -64,7 +64,10 @@ def run_one(config: Any, docs, *, strategy: str, vocab: int, ids: dict[str, int]
   mesh = sharding_lib.make_mesh()
   sharding_lib.check_batch(t.batch_size, mesh=mesh)
   tx, schedule = train_lib.make_optimizer(t)
-  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab))
+  # Segment ids run 1..n in every row, so the largest id is the most segments in a row.
+  max_segments = max(int(b["segment_ids"].max()) for b in batches)
+  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab,
+                                               max_segments_in_row=max_segments))
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
