@@ -12,7 +12,7 @@ _EXPORTS = {
     "ShardSource": "segpack.shards",
     "ShardWriter": "segpack.shards",
     "ShardFormatError": "segpack.shards",
-    "pack_dataset": "segpack.pipeline",
+    "pack_dataset": "segpack.data.packed",
     "plan": "segpack.packing",
     "Plan": "segpack.packing",
     "cu_seqlens": "segpack.interop",

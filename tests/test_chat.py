@@ -6,10 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from segpack import chat
-from segpack import chat_corpus
+from segpack.cli import tokenize as tokenize_cli
+from segpack.text import dataset as tokenize_data
+from segpack.text import chat
+from segpack.text import chat_corpus
 from segpack import shards
-from segpack import spm
+from segpack.text import spm
 
 T = chat.DEFAULT_TEMPLATE
 
@@ -229,15 +231,13 @@ def test_builtin_chat_corpus(builtin_chat):
 
 
 def test_tokenize_cli_writes_the_mask(builtin_chat, tmp_path):
-  from segpack import tokenize  # pylint: disable=g-import-not-at-top
-
   ds, _ = builtin_chat
   # Auto-detected from the `messages` field; equal to the corpus's own dataset.
-  assert tokenize.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "a"),
+  assert tokenize_cli.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "a"),
                         "--spm-model", str(ds.spm_model), "--no-progress", "--workers", "1"]) == 0
   got, want = shards.ShardSource(tmp_path / "a"), shards.ShardSource(ds.train_dir)
   assert got.has_loss_mask and got.fingerprint == want.fingerprint
-  assert tokenize.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "b"),
+  assert tokenize_cli.main(["--input", str(ds.train_jsonl), "--output", str(tmp_path / "b"),
                         "--spm-model", str(ds.spm_model), "--no-progress", "--format", "chat",
                         "--train-on", "all"]) == 0
   every = shards.ShardSource(tmp_path / "b")
@@ -246,7 +246,7 @@ def test_tokenize_cli_writes_the_mask(builtin_chat, tmp_path):
   bad.write_text('{"messages": [{"role": "user", "content": "a"}]}\n'
                  '{"messages": [{"role": "assistant", "content": 5}]}\n')
   with pytest.raises(chat.ChatFormatError, match=r"bad.jsonl:1: no assistant message"):
-    tokenize.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
+    tokenize_data.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
 
 
 def test_masked_writer_resumes_byte_identically(tmp_path):

@@ -6,8 +6,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from segpack import corpus
-from segpack import spm
+from segpack.text import corpus
+from segpack.text import spm
 from segpack.shards import ShardSource
 
 

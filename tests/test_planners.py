@@ -455,7 +455,7 @@ def _write_shards(path, lengths):
 
 def test_pack_cli_reports_one_plan(tmp_path, capsys):
   import json
-  from segpack import pack
+  from segpack.cli import stats as pack
   lengths = np.random.default_rng(1).integers(1, 150, 300)
   _write_shards(tmp_path / "data", lengths)
   assert pack.main(["--data", str(tmp_path / "data"), "--seq-len", "64", "--json",
@@ -476,7 +476,7 @@ def test_pack_cli_reports_one_plan(tmp_path, capsys):
 
 def test_pack_cli_compare_table(tmp_path, capsys):
   import json
-  from segpack import pack
+  from segpack.cli import stats as pack
   lengths = np.random.default_rng(2).integers(1, 300, 500)
   np.save(tmp_path / "lengths.npy", lengths)
   assert pack.main(["--data", str(tmp_path / "lengths.npy"), "--compare", "--seq-lens",
@@ -492,7 +492,7 @@ def test_pack_cli_compare_table(tmp_path, capsys):
 
 
 def test_pack_cli_errors_name_the_flag(tmp_path, capsys):
-  from segpack import pack
+  from segpack.cli import stats as pack
   assert pack.main(["--data", str(tmp_path / "nope")]) == 2
   assert "--data" in capsys.readouterr().err
   np.save(tmp_path / "l.npy", np.array([1, 2]))

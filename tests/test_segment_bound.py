@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import packed
-from segpack import pipeline
+from segpack.data import packed as pipeline
 from segpack.attention import cudnn
 from train import data as data_lib
 from train import model as model_lib

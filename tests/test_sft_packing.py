@@ -15,7 +15,7 @@ import pytest
 
 from masked_source import MaskedDocs
 from segpack import packing
-from segpack import pipeline
+from segpack.data import packed as pipeline
 from segpack import shards
 
 BOS, EOS = 1, 2

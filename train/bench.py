@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import packed as packed_config
-from segpack import pipeline
+from segpack.data import packed as pipeline
 from train import data as data_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -38,7 +38,8 @@ from train import train as train_lib
 
 def _documents(size: str, num_docs: int, seed: int) -> tuple[list[np.ndarray], int, dict[str, int]]:
   import sentencepiece  # pylint: disable=g-import-not-at-top
-  from segpack import corpus, shards  # pylint: disable=g-import-not-at-top
+  from segpack import shards
+  from segpack.text import corpus
   built = corpus.ensure_builtin(size=size)
   source = shards.ShardSource(built.train_dir)
   pick = np.sort(np.random.default_rng(seed).choice(len(source), size=min(num_docs, len(source)),

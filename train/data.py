@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from segpack import pipeline
+from segpack.data import packed as pipeline
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 
@@ -106,15 +106,15 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
                                    seed=spec.seed + 1)
     return train, held_out, spec.synthetic_vocab, dict(bos_id=SYNTHETIC_BOS, eos_id=SYNTHETIC_EOS)
   if spec.source == "builtin":
-    from segpack import corpus  # pylint: disable=g-import-not-at-top
+    from segpack.text import corpus  # pylint: disable=g-import-not-at-top
     import sentencepiece  # pylint: disable=g-import-not-at-top
     built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir, progress=True)
     sp = sentencepiece.SentencePieceProcessor(model_file=str(built.spm_model))
     ids = dict(bos_id=int(sp.bos_id()), eos_id=int(sp.eos_id()))
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
   if spec.source == "builtin_chat":
-    from segpack import chat_corpus  # pylint: disable=g-import-not-at-top
-    from segpack import spm  # pylint: disable=g-import-not-at-top
+    from segpack.text import chat_corpus  # pylint: disable=g-import-not-at-top
+    from segpack.text import spm  # pylint: disable=g-import-not-at-top
     built = chat_corpus.ensure_builtin_chat(size=spec.size, train_on=spec.train_on,
                                             cache_dir=spec.cache_dir)
     tok = spm.SpmTokenizer(built.spm_model)

@@ -35,9 +35,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from segpack import chat_corpus
+from segpack.text import chat_corpus
 from segpack import loss as loss_lib
-from segpack import pipeline
+from segpack.data import packed as pipeline
 from segpack import shards
 from train import model as model_lib
 

@@ -38,7 +38,7 @@ import numpy as np
 from segpack.attention import blocks
 from segpack.attention import segment_attention
 from segpack.attention.pallas import segment_attention_pallas
-from segpack.shards import atomic_write_bytes
+from segpack.files import atomic_write_bytes
 
 NOT_MEASURED = "not measured"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}

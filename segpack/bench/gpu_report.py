@@ -43,7 +43,7 @@ import jaxlib
 import segpack
 from segpack.bench import attention as bench
 from segpack.bench import gpu_checks
-from segpack.shards import atomic_write_bytes
+from segpack.files import atomic_write_bytes
 
 _BENCH_ARGS = {
     "full": [],

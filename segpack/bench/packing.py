@@ -115,7 +115,7 @@ def write_synthetic_shards(path: str, lengths: np.ndarray, *, vocab_size: int,
 def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
                work_dir: str | None, strategy: str) -> dict[str, Any]:
   """Tokens/s of `pack_dataset(...).batch(batch_size)` from memory-mapped shards."""
-  from segpack.pipeline import pack_dataset  # pylint: disable=g-import-not-at-top
+  from segpack.data.packed import pack_dataset  # pylint: disable=g-import-not-at-top
 
   with tempfile.TemporaryDirectory(dir=work_dir, prefix="segpack-bench-") as tmp:
     data = os.path.join(tmp, "data")
@@ -144,7 +144,7 @@ def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
                   repeats: int) -> list[dict[str, Any]]:
   """The planners on the built-in corpus; an empty list (and a note) when unavailable."""
   try:
-    from segpack import corpus  # pylint: disable=g-import-not-at-top
+    from segpack.text import corpus  # pylint: disable=g-import-not-at-top
     from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
     built = corpus.ensure_builtin(size=size)
     lengths = np.asarray(ShardSource(built.train_dir).lengths)

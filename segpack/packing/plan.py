@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -186,3 +187,55 @@ def _replace_dir(tmp: str, path: str) -> None:
   os.replace(path, os.path.join(trash, "old"))
   os.replace(tmp, path)
   shutil.rmtree(trash, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanArrays:
+  """The plan arrays the row builder reads (a subset of `segpack.packing.Plan`).
+
+  Attributes:
+    seq_len: slots per row.
+    overlap: repeated leading slots of a continuation chunk (they carry no loss as targets).
+    row_splits: int64 `[num_rows + 1]`; row `r` holds pieces `row_splits[r]:row_splits[r+1]`.
+    doc: int64 `[num_pieces]` document index of each piece.
+    start: int32 `[num_pieces]` first virtual slot of each piece.
+    length: int32 `[num_pieces]` slots of each piece.
+  """
+
+  seq_len: int
+  overlap: int
+  row_splits: np.ndarray
+  doc: np.ndarray
+  start: np.ndarray
+  length: np.ndarray
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.row_splits.shape[0]) - 1
+
+  def __reduce__(self):
+    # Memory-mapped arrays (a cached plan) travel to Grain workers as file references.
+    arrays = [_pickle_array(getattr(self, f)) for f in ("row_splits", "doc", "start", "length")]
+    return _restore_plan_arrays, (self.seq_len, self.overlap, *arrays)
+
+
+def _pickle_array(array: np.ndarray) -> Any:
+  if (isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.filename
+      and array.flags.c_contiguous):
+    return ("memmap", array.filename, array.dtype.str, array.shape, array.offset)
+  return np.asarray(array)
+
+
+def _unpickle_array(value: Any) -> np.ndarray:
+  if isinstance(value, tuple) and value[0] == "memmap":
+    _, filename, dtype, shape, offset = value
+    if not int(np.prod(shape)):
+      return np.zeros(shape, dtype=dtype)
+    return np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=shape)
+  return value
+
+
+def _restore_plan_arrays(seq_len, overlap, row_splits, doc, start, length) -> "PlanArrays":
+  return PlanArrays(seq_len=seq_len, overlap=overlap, row_splits=_unpickle_array(row_splits),
+                    doc=_unpickle_array(doc), start=_unpickle_array(start),
+                    length=_unpickle_array(length))

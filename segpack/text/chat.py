@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from segpack import shards
+
 __all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
            "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
 
@@ -278,8 +280,6 @@ def write_chat_dataset(
   special symbols, and `tokenizer` (the tokenizer's `describe()`, where `pack_dataset` finds the
   BOS/EOS ids) when the tokenizer has one.
   """
-  from segpack import shards  # pylint: disable=g-import-not-at-top
-
   manifest_path = Path(output) / shards.MANIFEST_NAME
   if resume_key is not None and manifest_path.exists():
     try:

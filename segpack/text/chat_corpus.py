@@ -1,6 +1,6 @@
 """The built-in chat corpus: deterministic question/answer conversations about Python's own docs.
 
-Made from the documents of the built-in corpus (`segpack.corpus`) with no download and no model:
+Made from the documents of the built-in corpus (`segpack.text.corpus`) with no download and no model:
 the user asks about a function, class, module or help topic, and the assistant answers with its
 documentation. The held-out split is the built-in corpus's (by module / topic group), so no
 answer of an evaluation conversation appears in training.
@@ -16,6 +16,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from segpack import files
+from segpack import shards
+from segpack.text import chat
+from segpack.text import corpus
+from segpack.text import spm
 
 __all__ = ["BuiltinChatDataset", "CHAT_CORPUS_VERSION", "builtin_conversations",
            "ensure_builtin_chat"]
@@ -119,8 +125,6 @@ def builtin_conversations(*, split: str, size: str = "full") -> Iterator[dict[st
   Yields:
     `{"messages": [...]}` objects.
   """
-  from segpack import corpus  # pylint: disable=g-import-not-at-top
-
   module_docs: list[tuple[str, str]] = []
   for doc_name, text in corpus.builtin_documents(split=split, size=size):
     kind, _, name = doc_name.partition(":")
@@ -137,8 +141,6 @@ def builtin_conversations(*, split: str, size: str = "full") -> Iterator[dict[st
 
 
 def _cache_key(size: str) -> str:
-  from segpack import chat, corpus  # pylint: disable=g-import-not-at-top
-
   ident = (f"{CHAT_CORPUS_VERSION}|{corpus.corpus_key(size)}|"
            f"{json.dumps(dataclasses.asdict(chat.DEFAULT_TEMPLATE), sort_keys=True)}")
   return hashlib.sha256(ident.encode("utf-8")).hexdigest()[:16]
@@ -151,13 +153,10 @@ def chat_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None
   markers as user-defined symbols (one token each); the built-in model is left as it is (and its
   cache untouched), so plain-text datasets keep their tokens.
   """
-  from segpack import chat, corpus, spm  # pylint: disable=g-import-not-at-top
-  from segpack import tokenize  # pylint: disable=g-import-not-at-top
-
   root = _root(size, cache_dir)
   model_file = root / "spm.model"
   record = root / "spm.json"
-  with tokenize._file_lock(root / ".lock"):  # pylint: disable=protected-access
+  with files.file_lock(root / ".lock"):
     if model_file.exists() and record.exists():
       try:
         if json.loads(record.read_text("utf-8")).get("key") == _cache_key(size):
@@ -167,14 +166,11 @@ def chat_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None
     texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
     tok = spm.train_spm(texts, model_file, vocab_size=corpus.SIZES[size],
                         user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
-    from segpack import shards  # pylint: disable=g-import-not-at-top
-    shards.atomic_write_json(record, {"key": _cache_key(size), "fingerprint": tok.fingerprint})
+    files.atomic_write_json(record, {"key": _cache_key(size), "fingerprint": tok.fingerprint})
     return tok
 
 
 def _root(size: str, cache_dir: str | os.PathLike[str] | None) -> Path:
-  from segpack import corpus, spm  # pylint: disable=g-import-not-at-top
-
   if size not in corpus.SIZES:
     raise ValueError(f"ensure_builtin_chat: size must be one of {sorted(corpus.SIZES)}, got "
                      f"{size!r}")
@@ -198,19 +194,17 @@ def ensure_builtin_chat(
   Returns:
     The dataset directories, the chat model and the JSONL files.
   """
-  from segpack import chat, shards, tokenize  # pylint: disable=g-import-not-at-top
-
   root = _root(size, cache_dir)
   tok = chat_tokenizer(size=size, cache_dir=cache_dir)
   encoder = chat.ChatEncoder(tok, train_on=train_on, strict_markers=True)
   dirs = {}
-  with tokenize._file_lock(root / ".lock"):  # pylint: disable=protected-access
+  with files.file_lock(root / ".lock"):
     for split in ("train", "eval"):
       jsonl = root / f"{split}.jsonl"
       if not jsonl.exists():
         lines = [json.dumps(c, ensure_ascii=False)
                  for c in builtin_conversations(split=split, size=size)]
-        shards.atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode("utf-8"))
+        files.atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode("utf-8"))
       out = root / f"{split}-{train_on}"
       key = f"{_cache_key(size)}|{tok.fingerprint}|{train_on}|{split}"
       try:

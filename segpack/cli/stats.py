@@ -1,9 +1,9 @@
-"""`python -m segpack.pack`: packing statistics of a data set.
+"""`segpack stats`: packing statistics of a data set.
 
 Examples:
-  python -m segpack.pack --data DIR --seq-len 4096 --strategy ffd
-  python -m segpack.pack --data builtin --compare            # the built-in corpus
-  python -m segpack.pack --data lengths.npy --compare --json
+  segpack stats --data DIR --seq-len 4096 --strategy ffd
+  segpack stats --data builtin --compare            # the built-in corpus
+  segpack stats --data lengths.npy --compare --json
 
 `--data` is a shard dataset directory, a `.npy` file of document lengths, or `builtin` /
 `builtin:small` for the built-in corpus (built on first use).
@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack import packing
+from segpack.shards import ShardSource
+from segpack.text import corpus
 
 COMPARE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -40,7 +42,6 @@ def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
   """
   if data.startswith("builtin"):
     size = data.partition(":")[2] or "full"
-    from segpack import corpus  # pylint: disable=g-import-not-at-top
     data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
   if data.endswith(".npy") and os.path.isfile(data):
     lengths = np.load(data)
@@ -49,7 +50,6 @@ def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
     raise DataArgumentError(
         f"--data must be a shard dataset directory, a .npy file of lengths or 'builtin', got "
         f"{data!r}")
-  from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
   source = ShardSource(data)
   return np.asarray(source.lengths), source.fingerprint, data
 
@@ -133,7 +133,7 @@ def format_compare(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m segpack.pack", description=__doc__,
+  ap = argparse.ArgumentParser(prog="segpack stats", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--data", required=True,
                   help="shard dataset directory, .npy file of lengths, or builtin[:small]")
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
     row = summarize(p, seconds=time.perf_counter() - t0)
   except ValueError as e:
-    print(f"python -m segpack.pack: error: {e}", file=sys.stderr)
+    print(f"segpack stats: error: {e}", file=sys.stderr)
     return 2
   print(json.dumps(row, indent=1) if args.json else format_summary(row))
   return 0

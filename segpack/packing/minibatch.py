@@ -1,41 +1,25 @@
-"""Minibatch packing: pack each sampled minibatch of examples, keeping the step count of unpacked
-training (`pack_dataset(mode="minibatch")`).
+"""The minibatch planner: cut an epoch's example order into minibatches and pack each one.
 
-Global packing (FFD over the whole epoch) needs the fewest rows, so with a fixed batch of rows an
-epoch takes fewer optimizer steps than unpacked training with the same batch size. For
-fine-tuning that changes the result. Minibatch packing draws the minibatches of examples exactly
-as unpacked random sampling does and only packs within each, so an epoch takes the same number of
-steps, each on the same examples, at a fraction of the padded compute.
+`segpack.data.minibatch.MinibatchPackedDataset` serves its plans as one element per optimizer
+step.
 """
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
-import sys
-import threading
-from typing import Any
 
-import grain
 import numpy as np
 
-from segpack import pipeline
-from segpack import rows as rows_lib
+from segpack.data.options import PipelineConfigError
+from segpack.data.permutation import epoch_permutation
+from segpack.packing.plan import PlanArrays
+from segpack.packing.planner import plan as plan_rows
+
+__all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner"]
 
 
-class MinibatchConfigError(pipeline.PipelineConfigError):
+class MinibatchConfigError(PipelineConfigError):
   """An argument of minibatch packing is invalid (the message names it and echoes the value)."""
-
-
-def epoch_permutation(num_examples: int, *, seed: int, epoch: int) -> np.ndarray:
-  """The example order of `epoch`: what unpacked random sampling with `seed` draws.
-
-  It is `np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(num_examples)`
-  (the same generator `pack_dataset` uses to shuffle rows), so an unpacked baseline that samples
-  minibatches `perm[b*k:(b+1)*k]` sees exactly the minibatches of `mode="minibatch"`.
-  """
-  rng = np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
-  return rng.permutation(int(num_examples))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +33,7 @@ class EpochPlan:
     rows_needed: int64 `[num_batches]` non-empty rows of each batch.
   """
 
-  arrays: rows_lib.PlanArrays
+  arrays: PlanArrays
   batch_examples: np.ndarray
   examples: np.ndarray
   rows_needed: np.ndarray
@@ -69,7 +53,7 @@ class MinibatchPlanner:
        shorter, or dropped with `drop_remainder`); with `tokens_per_batch`, `R = tokens_per_batch
        // seq_len` and a batch takes the next examples in order while all their chunks fit
        first-fit into `R` rows (a batch is a contiguous run of `order`).
-    3. Packing: `examples_per_batch` batches are packed with `segpack.packing.plan(strategy)` on
+    3. Packing: `examples_per_batch` batches are packed with `segpack.plan_rows(strategy)` on
        their examples alone (FFD by default: as few rows as fit; `"pad"`: one example per row, i.e.
        unpacked training); token-budget batches keep their first-fit rows. A document is split
        across rows only when its virtual length exceeds `seq_len`.
@@ -146,9 +130,7 @@ class MinibatchPlanner:
       if self.strategy == "pad":
         return docs, [[piece] for piece in pieces]
       return docs, _first_fit_decreasing(pieces, self.seq_len)
-    from segpack import packing  # pylint: disable=g-import-not-at-top
-
-    plan = packing.plan(self.lengths[docs], self.seq_len, strategy=self.strategy,
+    plan = plan_rows(self.lengths[docs], self.seq_len, strategy=self.strategy,
                         long_docs=self.long_docs, overlap=self.overlap, extra_tokens=self.extra)
     rows = []
     doc = docs[np.asarray(plan.doc)].tolist()
@@ -235,7 +217,7 @@ def _assemble(batches, epoch, seq_len, overlap, rows_per_batch) -> EpochPlan:
     counts += [0] * (width - len(rows))
   row_splits = np.zeros(len(counts) + 1, dtype=np.int64)
   np.cumsum(counts, out=row_splits[1:])
-  arrays = rows_lib.PlanArrays(
+  arrays = PlanArrays(
       seq_len=seq_len, overlap=overlap, row_splits=row_splits,
       doc=np.asarray(doc, dtype=np.int64), start=np.asarray(start, dtype=np.int32),
       length=np.asarray(length, dtype=np.int32))
@@ -244,155 +226,3 @@ def _assemble(batches, epoch, seq_len, overlap, rows_per_batch) -> EpochPlan:
   examples = (np.concatenate([ex for ex, _ in batches]) if batches
               else np.zeros(0, dtype=np.int64))
   return EpochPlan(arrays=arrays, batch_examples=splits, examples=examples, rows_needed=needed)
-
-
-class MinibatchPackedDataset(grain.MapDataset):
-  """Packed minibatches as a random-access dataset: element `i` is optimizer step `i`'s batch.
-
-  Algorithm for element `i` of process `shard_index` out of `shard_count`:
-    1. Epoch `e` has `B_e` batches (`ceil(N / examples_per_batch)`, exactly the steps of
-       unpacked training; with a token budget it depends on the epoch's order). `e` and the batch
-       `b` follow from the cumulative batch counts (epochs are planned lazily, in order, and the
-       last two kept).
-    2. The batch's `rows_per_batch` rows (a multiple of `shard_count`) are rows `[b*R, (b+1)*R)`
-       of the epoch plan; this process takes every `shard_count`-th of them from `shard_index`.
-    3. `segpack.rows.RowBuilder` builds them: a dict of int32 `[R / shard_count, seq_len]`
-       arrays `input_ids`, `labels`, `segment_ids`, `segment_positions` (empty rows: padding).
-
-  Example: 10 examples, k = 4: 3 batches per epoch (4, 4, 2 examples), as unpacked training
-  with batch size 4; element 4 is epoch 1's second batch.
-
-  `rows_per_batch`: given, or (None) the most any batch of the `num_epochs` epochs needs
-  (planned at construction), or for an infinite dataset a bound no batch can exceed (the chunk
-  count of the `k` longest examples; loose for packing, exact for `strategy="pad"`).
-  """
-
-  def __init__(self, planner: MinibatchPlanner, builder: rows_lib.RowBuilder, *,
-               num_epochs: int | None, rows_per_batch: int | None, shard_index: int,
-               shard_count: int):
-    super().__init__()
-    self._planner = planner
-    self._builder = builder
-    self._num_epochs = num_epochs
-    self._shard_index = shard_index
-    self._shard_count = shard_count
-    self._lock = threading.Lock()
-    self._epochs: dict[int, EpochPlan] = {}
-    self._cum = [0]  # batches before epoch e
-    if rows_per_batch is None:
-      if num_epochs is not None:
-        rows_per_batch = max(int(planner.plan_epoch(e).rows_needed.max())
-                             for e in range(num_epochs))
-      elif planner.tokens_per_batch is not None:
-        rows_per_batch = planner.budget_rows
-      else:
-        rows_per_batch = self._row_bound(planner)
-    rows_per_batch = -(-int(rows_per_batch) // shard_count) * shard_count
-    self.rows_per_batch = rows_per_batch
-    if num_epochs is None:
-      self._length = sys.maxsize
-    else:
-      for e in range(num_epochs):
-        self._cum.append(self._cum[-1] + self._epoch(e).num_batches)
-      self._length = self._cum[-1]
-
-  @staticmethod
-  def _row_bound(planner: MinibatchPlanner) -> int:
-    k = int(planner.examples_per_batch)
-    virtual = planner.lengths[planner.examples] + planner.extra
-    step = planner.seq_len - planner.overlap
-    if planner.long_docs == "truncate":
-      chunks = np.ones_like(virtual)
-    else:
-      chunks = 1 + np.maximum(0, -(-(virtual - planner.seq_len) // step))
-    return int(np.sort(chunks)[::-1][:k].sum())
-
-  def __getstate__(self) -> dict[str, Any]:
-    state = self.__dict__.copy()
-    state["_epochs"] = {}
-    del state["_lock"]
-    return state
-
-  def __setstate__(self, state: dict[str, Any]) -> None:
-    self.__dict__.update(state)
-    self._lock = threading.Lock()
-
-  def __len__(self) -> int:
-    return self._length
-
-  def __str__(self) -> str:
-    return (f"MinibatchPackedDataset(seq_len={self.seq_len}, rows_per_batch="
-            f"{self.rows_per_batch}, num_epochs={self._num_epochs}, "
-            f"shard={self._shard_index}/{self._shard_count})")
-
-  @property
-  def seq_len(self) -> int:
-    return self._planner.seq_len
-
-  @property
-  def local_rows_per_batch(self) -> int:
-    """Rows of each element on this process."""
-    return self.rows_per_batch // self._shard_count
-
-  def _epoch(self, epoch: int) -> EpochPlan:
-    with self._lock:
-      plan = self._epochs.get(epoch)
-      if plan is None:
-        plan = self._planner.plan_epoch(epoch, self.rows_per_batch)
-        if len(self._epochs) >= 2:
-          self._epochs.pop(next(iter(self._epochs)))
-        self._epochs[epoch] = plan
-      return plan
-
-  def batches_in_epoch(self, epoch: int) -> int:
-    """Optimizer steps of `epoch`."""
-    return self._epoch(epoch).num_batches
-
-  def epoch_plan(self, epoch: int) -> EpochPlan:
-    """The plan of `epoch` (rows padded to `rows_per_batch` per batch)."""
-    return self._epoch(epoch)
-
-  def locate(self, index: int) -> tuple[int, int]:
-    """(epoch, batch) of element `index`."""
-    index = int(index)
-    if self._num_epochs is not None:
-      if not -self._length <= index < self._length:
-        raise IndexError(f"MinibatchPackedDataset: index {index} out of range for "
-                         f"{self._length} batches")
-      index %= self._length
-    elif index < 0:
-      raise IndexError(f"negative index into an infinite MinibatchPackedDataset: {index}")
-    with self._lock:
-      cum = self._cum
-    while cum[-1] <= index:
-      e = len(cum) - 1
-      n = self._epoch(e).num_batches
-      with self._lock:
-        if len(self._cum) == e + 1:
-          self._cum.append(self._cum[-1] + n)
-        cum = self._cum
-    e = int(np.searchsorted(cum, index, side="right")) - 1
-    return e, index - cum[e]
-
-  def batch_examples(self, index: int) -> np.ndarray:
-    """The example (document) ids of element `index`, in sampling order."""
-    e, b = self.locate(index)
-    plan = self._epoch(e)
-    return plan.examples[plan.batch_examples[b]:plan.batch_examples[b + 1]]
-
-  def __getitem__(self, index):
-    if isinstance(index, builtins.slice):
-      return self.slice(index)
-    e, b = self.locate(index)
-    plan = self._epoch(e)
-    rows = np.arange(b * self.rows_per_batch + self._shard_index,
-                     (b + 1) * self.rows_per_batch, self._shard_count)
-    builder = self._builder.with_plan(plan.arrays)
-    with self._stats.record_self_time():
-      return self._stats.record_output_spec(builder.build(rows))
-
-  def padded_slot_fraction(self, epoch: int = 0) -> float:
-    """Share of the epoch's slots (`batches * rows_per_batch * seq_len`) that are padding."""
-    plan = self._epoch(epoch)
-    slots = plan.num_batches * self.rows_per_batch * self.seq_len
-    return 1.0 - float(np.asarray(plan.arrays.length, dtype=np.int64).sum()) / slots

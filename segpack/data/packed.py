@@ -18,20 +18,17 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
-from segpack import rows as rows_lib
+from segpack import packing
+from segpack.data import minibatch as minibatch_lib
+from segpack.data import rows as rows_lib
+from segpack.data import sources
+from segpack.data.options import PipelineConfigError, SpecialTokens, check_args, resolve_shard
+from segpack.data.permutation import epoch_permutation
+from segpack.packing import cache as plan_cache
+from segpack.packing.cap import cap_segments_per_row
+from segpack.packing.plan import PlanArrays
 
-
-class PipelineConfigError(ValueError):
-  """An argument of `pack_dataset` is invalid (the message names it and echoes the value)."""
-
-
-def _strategies() -> tuple[str, ...]:
-  from segpack import packing  # pylint: disable=g-import-not-at-top
-  return tuple(packing.STRATEGIES)
-
-
-def _epoch_seed(seed: int, epoch: int) -> np.random.Generator:
-  return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+__all__ = ["PackedBatchDataset", "PackedDataset", "PipelineConfigError", "pack_dataset"]
 
 
 class PackedDataset(grain.MapDataset):
@@ -130,7 +127,7 @@ class PackedDataset(grain.MapDataset):
     with self._perm_lock:
       perm = self._perm_cache.get(epoch)
       if perm is None:
-        perm = _epoch_seed(self._seed, epoch).permutation(self._builder.num_rows)
+        perm = epoch_permutation(self._builder.num_rows, seed=self._seed, epoch=epoch)
         if len(self._perm_cache) >= 2:
           self._perm_cache.pop(next(iter(self._perm_cache)))
         self._perm_cache[epoch] = perm
@@ -250,154 +247,16 @@ class PackedBatchDataset(grain.MapDataset):
       return self._stats.record_output_spec(parent.get_batch(np.arange(start, stop)))
 
 
-def _open_source(source: Any) -> Any:
-  """Opens a dataset directory as a ShardSource; passes other sources through."""
-  if isinstance(source, (str, os.PathLike)):
-    from segpack import shards  # pylint: disable=g-import-not-at-top
-    return shards.ShardSource(os.fspath(source))
-  if isinstance(source, (bytes, np.ndarray)) or not hasattr(source, "__getitem__"):
-    raise PipelineConfigError(
-        "pack_dataset: source must be a dataset directory, a ShardSource or a random-access "
-        f"sequence of 1-D integer arrays, got {type(source).__name__}")
-  return source
-
-
-def _document_lengths(source: Any) -> np.ndarray:
-  """`source.lengths` when present, else one pass over the source (checking every document)."""
-  lengths = getattr(source, "lengths", None)
-  if lengths is not None:
-    return np.asarray(lengths, dtype=np.int64)
-  try:
-    n = len(source)
-  except TypeError as e:
-    raise PipelineConfigError(
-        f"pack_dataset: source {type(source).__name__} has no len(); it must be random-access"
-    ) from e
-  out = np.empty(n, dtype=np.int64)
-  for d in range(n):
-    doc = np.asarray(source[d])
-    if doc.ndim != 1 or not np.issubdtype(doc.dtype, np.integer):
-      raise PipelineConfigError(
-          f"pack_dataset: source[{d}] must be a 1-D integer array, got dtype {doc.dtype} and "
-          f"shape {doc.shape}")
-    out[d] = doc.shape[0]
-  return out
-
-
-def _source_special_id(source: Any, name: str) -> int | None:
-  """`name` ("bos_id"/"eos_id") as the source carries it: an attribute, a `tokenizer` attribute
-  or dict, or the shard manifest's metadata (top level or its "tokenizer" dict)."""
-  value = getattr(source, name, None)
-  if value is not None:
-    return value
-  places = [getattr(source, "tokenizer", None)]
-  manifest = getattr(source, "manifest", None)
-  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
-  if isinstance(metadata, dict):
-    places += [metadata, metadata.get("tokenizer")]
-  for place in places:
-    value = place.get(name) if isinstance(place, dict) else getattr(place, name, None)
-    if value is not None:
-      return value
-  return None
-
-
-def _special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
-  """The id given by the caller, else the source's tokenizer's, else an error when needed."""
-  if given is None:
-    given = _source_special_id(source, name)
-  if given is None:
-    if needed:
-      flag = "add_bos" if name == "bos_id" else "add_eos"
-      raise PipelineConfigError(
-          f"pack_dataset: {flag}=True but {name} was not given and the source carries no "
-          f"tokenizer {name}; pass {name}=... or {flag}=False")
-    return -1
-  if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 0:
-    raise PipelineConfigError(f"pack_dataset: {name} must be a non-negative int, got {given!r}")
-  vocab = getattr(source, "vocab_size", None)
-  if needed and vocab is not None and given >= vocab:
-    raise PipelineConfigError(
-        f"pack_dataset: {name}={given} is outside the source's vocabulary (vocab_size={vocab})")
-  return int(given)
-
-
-def _not_int(value: Any) -> bool:
-  """True unless `value` is a Python or NumPy integer (a bool is not taken for one)."""
-  return isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-
-
-def _check_args(*, seq_len, strategy, long_docs, min_len, overlap, extra, num_epochs,
-                max_segments_per_row, seed) -> None:
-  """Validates the scalar arguments of `pack_dataset` (before any pass over the data)."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-    raise PipelineConfigError(f"pack_dataset: seed must be an int >= 0, got {seed!r}")
-  if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)):
-    raise PipelineConfigError(f"pack_dataset: seq_len must be an int, got {seq_len!r}")
-  if seq_len <= extra:
-    raise PipelineConfigError(
-        f"pack_dataset: seq_len={seq_len} leaves no slot for a token next to the {extra} "
-        f"BOS/EOS slot(s) of every document; use seq_len > {extra}")
-  valid = _strategies()
-  if strategy not in valid:
-    raise PipelineConfigError(
-        f"pack_dataset: unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}")
-  from segpack import packing  # pylint: disable=g-import-not-at-top
-  if long_docs not in packing.LONG_DOCS:
-    raise PipelineConfigError(
-        f"pack_dataset: unknown long_docs {long_docs!r}; valid: {', '.join(packing.LONG_DOCS)}")
-  if _not_int(min_len) or min_len < 0:
-    raise PipelineConfigError(f"pack_dataset: min_len must be an int >= 0, got {min_len!r}")
-  if _not_int(overlap) or not 0 <= overlap < seq_len:
-    raise PipelineConfigError(
-        f"pack_dataset: overlap must be an int in [0, seq_len) = [0, {seq_len}), "
-        f"got {overlap!r}")
-  if num_epochs is not None and (_not_int(num_epochs) or num_epochs <= 0):
-    raise PipelineConfigError(
-        f"pack_dataset: num_epochs must be None (infinite) or a positive int, got {num_epochs!r}")
-  if max_segments_per_row is not None and (
-      _not_int(max_segments_per_row) or max_segments_per_row < 1):
-    raise PipelineConfigError(
-        f"pack_dataset: max_segments_per_row must be None or an int >= 1, got "
-        f"{max_segments_per_row!r}")
-
-
-def _shard(shard_index: int | None, shard_count: int | None,
-           shard_options: Any) -> tuple[int, int, bool]:
-  """Resolves (shard_index, shard_count, drop_remainder); defaults to the JAX process."""
-  if shard_options is not None:
-    if shard_index is not None or shard_count is not None:
-      raise PipelineConfigError(
-          "pack_dataset: pass either shard_options or shard_index/shard_count, not both")
-    return (int(shard_options.shard_index), int(shard_options.shard_count),
-            bool(shard_options.drop_remainder))
-  if shard_index is None and shard_count is None:
-    import jax  # pylint: disable=g-import-not-at-top
-    return jax.process_index(), jax.process_count(), False
-  if shard_index is None or shard_count is None:
-    raise PipelineConfigError(
-        f"pack_dataset: give both shard_index and shard_count, got shard_index={shard_index!r}, "
-        f"shard_count={shard_count!r}")
-  if not isinstance(shard_count, (int, np.integer)) or shard_count < 1:
-    raise PipelineConfigError(f"pack_dataset: shard_count must be an int >= 1, got {shard_count!r}")
-  if not isinstance(shard_index, (int, np.integer)) or not 0 <= shard_index < shard_count:
-    raise PipelineConfigError(
-        f"pack_dataset: shard_index must be in [0, {shard_count}), got {shard_index!r}")
-  return int(shard_index), int(shard_count), False
-
-
 def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
                long_docs: str, min_len: int, overlap: int, extra: int,
                max_segments_per_row: int | None,
-               plan_cache_dir: str | os.PathLike | None) -> rows_lib.PlanArrays:
+               plan_cache_dir: str | os.PathLike | None) -> PlanArrays:
   """Loads the plan from the plan cache, or computes (and caches) it; applies the segment cap.
 
   The cache is keyed by the source's fingerprint (a hash of the lengths when it has none) and all
   packing parameters; for a shard directory it defaults to `<dataset dir>/plans`. A capped plan is
   cached too, next to the uncapped one (`<plan key>-maxseg<N>`).
   """
-  from segpack import packing  # pylint: disable=g-import-not-at-top
-  from segpack.packing import cache as plan_cache  # pylint: disable=g-import-not-at-top
   fingerprint = getattr(source, "fingerprint", None)
   if plan_cache_dir is None and fingerprint is not None:
     root = getattr(source, "path", None) or getattr(source, "root", None)
@@ -422,7 +281,7 @@ def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
   plan = packing.load_or_plan(lengths, seq_len, cache_dir=cache_dir, key=key, **params)
   if max_segments_per_row is None:
     return _plan_arrays(plan)
-  arrays = rows_lib.cap_segments_per_row(_plan_arrays(plan), int(max_segments_per_row))
+  arrays = cap_segments_per_row(_plan_arrays(plan), int(max_segments_per_row))
   if capped_path is None or arrays.num_rows == 0:
     return arrays
   capped = packing.Plan(
@@ -438,14 +297,14 @@ def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
     return arrays  # A read-only data set: use the capped plan uncached.
 
 
-def _max_pieces_per_row(arrays: rows_lib.PlanArrays) -> int:
+def _max_pieces_per_row(arrays: PlanArrays) -> int:
   """The most pieces (segments) in any plan row; 0 for an empty plan."""
   counts = np.diff(np.asarray(arrays.row_splits, dtype=np.int64))
   return int(counts.max(initial=0))
 
 
-def _plan_arrays(plan: Any) -> rows_lib.PlanArrays:
-  return rows_lib.PlanArrays(seq_len=int(plan.seq_len), overlap=int(plan.overlap),
+def _plan_arrays(plan: Any) -> PlanArrays:
+  return PlanArrays(seq_len=int(plan.seq_len), overlap=int(plan.overlap),
                              row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
                              length=plan.length)
 
@@ -533,16 +392,16 @@ def pack_dataset(
     PipelineConfigError: an argument is invalid, the source is empty, or no document survives.
   """
   extra = int(bool(add_bos)) + int(bool(add_eos))
-  _check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
+  check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
               overlap=overlap, extra=extra, num_epochs=num_epochs,
               max_segments_per_row=max_segments_per_row, seed=seed)
-  index, count, shard_drop = _shard(shard_index, shard_count, shard_options)
-  source = _open_source(source)
-  special = rows_lib.SpecialTokens(
+  index, count, shard_drop = resolve_shard(shard_index, shard_count, shard_options)
+  source = sources.open_source(source)
+  special = SpecialTokens(
       add_bos=bool(add_bos), add_eos=bool(add_eos),
-      bos_id=_special_id(source, "bos_id", bos_id, bool(add_bos)),
-      eos_id=_special_id(source, "eos_id", eos_id, bool(add_eos)), pad_id=int(pad_id))
-  lengths = _document_lengths(source)
+      bos_id=sources.special_id(source, "bos_id", bos_id, bool(add_bos)),
+      eos_id=sources.special_id(source, "eos_id", eos_id, bool(add_eos)), pad_id=int(pad_id))
+  lengths = sources.document_lengths(source)
   if lengths.size == 0:
     raise PipelineConfigError(f"pack_dataset: source {source!r:.200} holds no documents")
   has_mask = bool(getattr(source, "has_loss_mask", False))
@@ -553,7 +412,7 @@ def pack_dataset(
         f"pack_dataset: loss_mask=True but the source {source!r:.200} has no loss mask "
         f"(has_loss_mask is not true)")
   if mode != "global":
-    return _minibatch_dataset(
+    return minibatch_lib.minibatch_dataset(
         source, lengths, special=special, loss_mask=bool(loss_mask), mode=mode,
         seq_len=int(seq_len), strategy=strategy, long_docs=long_docs, min_len=int(min_len),
         overlap=int(overlap), extra=extra, seed=int(seed), shuffle=bool(shuffle),
@@ -583,47 +442,3 @@ def pack_dataset(
         f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
         f"drop_remainder=True: every process would get no rows")
   return dataset
-
-
-def _positive_or_none(name: str, value: Any) -> None:
-  if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                            or value < 1):
-    raise PipelineConfigError(f"pack_dataset: {name} must be None or an int >= 1, got {value!r}")
-
-
-def _minibatch_dataset(source: Any, lengths: np.ndarray, *, special: rows_lib.SpecialTokens,
-                       loss_mask: bool, mode: str, seq_len: int, strategy: str, long_docs: str,
-                       min_len: int, overlap: int, extra: int, seed: int, shuffle: bool,
-                       num_epochs: int | None, examples_per_batch: int | None,
-                       tokens_per_batch: int | None, rows_per_batch: int | None,
-                       drop_remainder: bool, max_segments_per_row: int | None,
-                       shard_index: int, shard_count: int) -> Any:
-  """`pack_dataset(mode="minibatch")`: validates its arguments and builds the dataset."""
-  from segpack import minibatch  # pylint: disable=g-import-not-at-top
-  if mode != "minibatch":
-    raise PipelineConfigError(f"pack_dataset: mode must be 'global' or 'minibatch', got {mode!r}")
-  if (examples_per_batch is None) == (tokens_per_batch is None):
-    raise PipelineConfigError(
-        f"pack_dataset: mode='minibatch' needs exactly one of examples_per_batch and "
-        f"tokens_per_batch, got examples_per_batch={examples_per_batch!r}, "
-        f"tokens_per_batch={tokens_per_batch!r}")
-  for name, value in (("examples_per_batch", examples_per_batch),
-                      ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
-    _positive_or_none(name, value)
-  if max_segments_per_row is not None:
-    raise PipelineConfigError(
-        f"pack_dataset: max_segments_per_row={max_segments_per_row!r} is not supported with "
-        f"mode='minibatch'")
-  planner = minibatch.MinibatchPlanner(
-      lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
-      overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
-      examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
-      drop_remainder=bool(drop_remainder))
-  empty = rows_lib.PlanArrays(seq_len=seq_len, overlap=overlap,
-                              row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
-                              start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
-  builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
-                                loss_mask=loss_mask)
-  return minibatch.MinibatchPackedDataset(
-      planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
-      shard_index=shard_index, shard_count=shard_count)

@@ -21,7 +21,6 @@ iterator and the model returned in memory, so it records no temporary paths eith
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import os
@@ -30,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sentencepiece
+
+from segpack import files
+from segpack import shards
+
 
 __all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
 
@@ -50,14 +54,6 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
   return Path("~/.cache/segpack").expanduser()
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    while block := f.read(1 << 20):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 class SpmTokenizer:
   """A SentencePiece model with segpack's id conventions.
 
@@ -76,8 +72,6 @@ class SpmTokenizer:
 
   def __init__(self, model_file: str | os.PathLike[str]):
     """Loads a SentencePiece model file; raises FileNotFoundError / ValueError naming it."""
-    import sentencepiece  # pylint: disable=g-import-not-at-top
-
     self.model_file = Path(model_file)
     if not self.model_file.is_file():
       raise FileNotFoundError(f"SentencePiece model {str(self.model_file)!r} does not exist")
@@ -85,15 +79,13 @@ class SpmTokenizer:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.model_file))
     except (RuntimeError, OSError) as e:
       raise ValueError(f"{self.model_file}: not a SentencePiece model ({e})") from e
-    self.fingerprint = "sha256:" + sha256_file(self.model_file)
+    self.fingerprint = "sha256:" + files.sha256_file(self.model_file)
     self.vocab_size: int = self._sp.get_piece_size()
     self.pad_id: int = self._sp.pad_id()
     self.unk_id: int = self._sp.unk_id()
     self.bos_id: int = self._sp.bos_id()
     self.eos_id: int = self._sp.eos_id()
-    from segpack.shards import dtype_for_vocab  # pylint: disable=g-import-not-at-top
-
-    self.dtype = dtype_for_vocab(self.vocab_size)
+    self.dtype = shards.dtype_for_vocab(self.vocab_size)
     self._user_defined: dict[str, int] | None = None
 
   def encode(self, text: str) -> np.ndarray:
@@ -168,8 +160,6 @@ def train_spm(
   Returns:
     The trained tokenizer.
   """
-  import sentencepiece  # pylint: disable=g-import-not-at-top
-
   if not isinstance(vocab_size, int) or vocab_size < 300:
     raise ValueError(f"train_spm: vocab_size must be an int >= 300 (4 reserved ids + 256 byte "
                      f"pieces + some), got {vocab_size!r}")
@@ -196,7 +186,5 @@ def train_spm(
       shuffle_input_sentence=False, input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES,
       minloglevel=2,
       hard_vocab_limit=False)
-  from segpack.shards import atomic_write_bytes  # pylint: disable=g-import-not-at-top
-
-  atomic_write_bytes(model_file, model.getvalue())
+  files.atomic_write_bytes(model_file, model.getvalue())
   return SpmTokenizer(model_file)

@@ -23,7 +23,7 @@ group is held out when the first 8 bytes of the SHA-256 of its name, as an integ
 below `EVAL_PER_MILLE` (about 2%).
 
 `ensure_builtin` tokenizes both splits with a SentencePiece model trained on the training split and
-caches the result (see `segpack.spm` for the cache and the tokenizer).
+caches the result (see `segpack.text.spm` for the cache and the tokenizer).
 """
 
 from __future__ import annotations
@@ -31,12 +31,22 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import json
+import logging
 import os
 import sys
 import sysconfig
-import tokenize as py_tokenize
+import time
+import tokenize
 from collections.abc import Iterator
 from pathlib import Path
+
+from segpack import files
+from segpack import shards as shards_lib
+from segpack.text import encode
+from segpack.text import spm as spm_lib
+from segpack.text import tokenizer_cache
+from segpack.text.inputs import InputFormatError
 
 __all__ = [
     "BuiltinDataset",
@@ -44,9 +54,13 @@ __all__ = [
     "EVAL_PER_MILLE",
     "SIZES",
     "builtin_documents",
+    "builtin_dir",
+    "builtin_tokenizer",
     "ensure_builtin",
     "is_eval_group",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 # Bump when the document set or texts change: part of the cache key.
 CORPUS_VERSION = 2
@@ -56,6 +70,9 @@ EVAL_PER_MILLE = 20
 SIZES = {"full": 8192, "small": 2048}
 # `size="small"` keeps the modules whose group hash modulo this is 0 (plus all topics).
 _SMALL_MODULO = 10
+# Bump when the cached built-in shards change (not the model): a cache with another layout is
+# re-tokenized (seconds), keeping its SentencePiece model (minutes).
+_BUILTIN_LAYOUT = 2
 _SPLITS = ("train", "eval")
 _SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
 _SKIP_FILES = frozenset({"pydoc_data/topics.py"})
@@ -131,7 +148,7 @@ def _docstrings(tree: ast.Module, module: str) -> Iterator[tuple[str, str]]:
 def _read_source(path: Path) -> str | None:
   """The text of a Python file, honouring its coding cookie; None when it does not decode."""
   try:
-    with py_tokenize.open(path) as f:
+    with tokenize.open(path) as f:
       return f.read()
   except (SyntaxError, UnicodeDecodeError, LookupError):
     return None
@@ -199,6 +216,61 @@ def corpus_key(size: str) -> str:
   return hashlib.sha256(ident.encode("utf-8")).hexdigest()[:16]
 
 
+def builtin_dir(*, size: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+  """The cache directory of the built-in corpus of `size` for this Python."""
+  if size not in SIZES:
+    raise InputFormatError(f"built-in corpus size must be one of {sorted(SIZES)}, got "
+                           f"{size!r}")
+  return spm_lib.cache_root(cache_dir) / f"builtin-{size}-{corpus_key(size)}"
+
+
+def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None,
+                      progress: bool = False) -> spm_lib.SpmTokenizer:
+  """The cached SentencePiece model of the built-in corpus, trained on first use."""
+  root = builtin_dir(size=size, cache_dir=cache_dir)
+  with files.file_lock(root / ".lock"):
+    return tokenizer_cache.trained_tokenizer((t for _, t in builtin_documents(split="train", size=size)),
+                              root / "spm.model", vocab_size=SIZES[size],
+                              key={"builtin": corpus_key(size)}, progress=progress)
+
+
+def builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *, workers: int,
+                    shard_tokens: int, progress: bool, overwrite: bool) -> list[encode.Summary]:
+  summaries = []
+  for split in ("train", "eval"):
+    start = time.perf_counter()
+    key = encode.resume_key({"builtin": corpus_key(size), "split": split,
+                       "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens,
+                       "layout": _BUILTIN_LAYOUT})
+    manifest, resumed, nbytes = encode.write_dataset(
+        (text for _, text in builtin_documents(split=split, size=size)), output / split,
+        tokenizer=tokenizer, resume_key=key, workers=workers, shard_tokens=shard_tokens,
+        metadata={"source": f"builtin:{size}", "split": split, "python": sys.version},
+        progress=progress, overwrite=overwrite)
+    summaries.append(encode.summarize(output / split, manifest, resumed=resumed, bad_lines=0,
+                              seconds=time.perf_counter() - start, text_bytes=nbytes))
+    encode.say(progress, f"tokenized the {split} split: {manifest['num_documents']:,} "
+         f"documents, {manifest['num_tokens']:,} tokens in "
+         f"{time.perf_counter() - start:.1f} s")
+  return summaries
+
+
+def _intact(root: Path) -> bool:
+  """Whether both cached splits pass the structural checks and have the current layout."""
+  try:
+    done = json.loads((root / "complete.json").read_text("utf-8"))
+    if not isinstance(done, dict) or done.get("layout") != _BUILTIN_LAYOUT:
+      return False
+  except (OSError, ValueError):
+    return False
+  try:
+    shards_lib.ShardSource(root / "train")
+    shards_lib.ShardSource(root / "eval")
+  except shards_lib.ShardFormatError:
+    return False
+  return True
+
+
 def ensure_builtin(
     *,
     size: str = "full",
@@ -224,7 +296,23 @@ def ensure_builtin(
   Returns:
     The dataset directories, the model and its vocabulary size.
   """
-  from segpack import tokenize  # pylint: disable=g-import-not-at-top
-
-  return tokenize.build_builtin(size=size, cache_dir=cache_dir, workers=workers,
-                               progress=progress)
+  root = builtin_dir(size=size, cache_dir=cache_dir)
+  if progress and not (root / "complete.json").exists():
+    encode.say(True, f"building the built-in corpus ({size}: this Python's docs and standard-library "
+               f"sources) into {root}; first use only, later runs read the cache")
+  tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir, progress=progress)
+  with files.file_lock(root / ".lock"):
+    if (root / "complete.json").exists() and not _intact(root):
+      _LOG.warning("cached built-in corpus %s is damaged or outdated; re-tokenizing it", root)
+      for path in (root / "complete.json", root / "train" / shards_lib.MANIFEST_NAME,
+                   root / "eval" / shards_lib.MANIFEST_NAME):
+        path.unlink(missing_ok=True)
+    if not (root / "complete.json").exists():
+      encode.say(progress, f"tokenizing the train and eval splits with {workers or os.cpu_count()} "
+                     f"worker processes")
+      builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
+                      shard_tokens=encode.DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
+      files.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint,
+                                                            "layout": _BUILTIN_LAYOUT})
+  return BuiltinDataset(train_dir=root / "train", eval_dir=root / "eval",
+                               spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)

@@ -1,0 +1,1 @@
+"""Command-line tools: `segpack <command>` (`python -m segpack <command>`)."""

@@ -1,0 +1,77 @@
+"""`segpack tokenize`: tokenize text into a shard dataset (see docs/format.md).
+
+Usage:
+  segpack tokenize --input builtin --output DIR
+  segpack tokenize --input a.jsonl.gz b.txt --output DIR --vocab-size 8192
+  segpack tokenize --input corpus/ --output DIR --spm-model m.model --workers 8
+
+(`python -m segpack tokenize ...` is the same command.) `--input builtin` (or `builtin:small`) is
+the built-in corpus of this Python's docs and sources; see `segpack.text` for the formats and
+resuming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from segpack.text.dataset import tokenize_files
+from segpack.text.encode import DEFAULT_SHARD_TOKENS
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="segpack tokenize",
+                              description="Tokenize text into a segpack shard dataset.")
+  p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                 help=".txt, .jsonl, .jsonl.gz files or directories; or builtin[:small]")
+  p.add_argument("--output", required=True, metavar="DIR")
+  tok = p.add_mutually_exclusive_group()
+  tok.add_argument("--spm-model", metavar="FILE", help="an existing SentencePiece model")
+  tok.add_argument("--vocab-size", type=int, metavar="N",
+                   help="train a SentencePiece model of N pieces on the input first")
+  p.add_argument("--doc-separator", choices=("file", "blank-line"), default="file",
+                 help=".txt files: a file is a document, or blank lines separate documents")
+  p.add_argument("--text-field", default="text", help=".jsonl: the field holding the text")
+  p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
+                 help="chat: .jsonl conversations with a loss mask; auto: chat when the first "
+                      "record has --messages-field and no --text-field")
+  p.add_argument("--train-on", choices=("assistant", "last_assistant", "all"),
+                 default="assistant", help="chat: which tokens carry loss")
+  p.add_argument("--messages-field", default="messages", help="chat: the field of the messages")
+  p.add_argument("--skip-bad-lines", action="store_true",
+                 help=".jsonl: count and skip lines that are not JSON or lack the field")
+  p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPUs)")
+  p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                 help=f"target tokens per shard (default {DEFAULT_SHARD_TOKENS})")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace a complete dataset made from other inputs or settings")
+  p.add_argument("--cache-dir", default=None,
+                 help="cache for the built-in corpus's model (default $SEGPACK_CACHE or "
+                      "~/.cache/segpack)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+  args = _parser().parse_args(argv)
+  if not logging.getLogger().handlers:
+    logging.basicConfig(level=logging.INFO, format="segpack.tokenize: %(message)s")
+  try:
+    summaries = tokenize_files(
+        args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
+        doc_separator=args.doc_separator, text_field=args.text_field,
+        skip_bad_lines=args.skip_bad_lines, workers=args.workers, shard_tokens=args.shard_tokens,
+        progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
+        input_format=args.format, train_on=args.train_on, messages_field=args.messages_field)
+  except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
+    print(f"segpack.tokenize: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("segpack.tokenize: interrupted; rerun the same command to resume", file=sys.stderr)
+    return 130
+  for summary in summaries:
+    print(summary.table())
+  return 0

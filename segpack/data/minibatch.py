@@ -1,0 +1,215 @@
+"""`MinibatchPackedDataset`: packed minibatches, one element per optimizer step
+(`pack_dataset(mode="minibatch")`; the planner is `segpack.packing.minibatch`).
+
+Global packing (FFD over the whole epoch) needs the fewest rows, so with a fixed batch of rows an
+epoch takes fewer optimizer steps than unpacked training with the same batch size. For
+fine-tuning that changes the result. Minibatch packing draws the minibatches of examples exactly
+as unpacked random sampling does and only packs within each, so an epoch takes the same number of
+steps, each on the same examples, at a fraction of the padded compute.
+"""
+
+from __future__ import annotations
+
+import builtins
+import sys
+import threading
+from typing import Any
+
+import grain
+import numpy as np
+
+from segpack.data import rows as rows_lib
+from segpack.data.options import PipelineConfigError, SpecialTokens, positive_or_none
+from segpack.packing.minibatch import EpochPlan, MinibatchPlanner
+from segpack.packing.plan import PlanArrays
+
+__all__ = ["MinibatchPackedDataset", "minibatch_dataset"]
+
+
+class MinibatchPackedDataset(grain.MapDataset):
+  """Packed minibatches as a random-access dataset: element `i` is optimizer step `i`'s batch.
+
+  Algorithm for element `i` of process `shard_index` out of `shard_count`:
+    1. Epoch `e` has `B_e` batches (`ceil(N / examples_per_batch)`, exactly the steps of
+       unpacked training; with a token budget it depends on the epoch's order). `e` and the batch
+       `b` follow from the cumulative batch counts (epochs are planned lazily, in order, and the
+       last two kept).
+    2. The batch's `rows_per_batch` rows (a multiple of `shard_count`) are rows `[b*R, (b+1)*R)`
+       of the epoch plan; this process takes every `shard_count`-th of them from `shard_index`.
+    3. `segpack.rows.RowBuilder` builds them: a dict of int32 `[R / shard_count, seq_len]`
+       arrays `input_ids`, `labels`, `segment_ids`, `segment_positions` (empty rows: padding).
+
+  Example: 10 examples, k = 4: 3 batches per epoch (4, 4, 2 examples), as unpacked training
+  with batch size 4; element 4 is epoch 1's second batch.
+
+  `rows_per_batch`: given, or (None) the most any batch of the `num_epochs` epochs needs
+  (planned at construction), or for an infinite dataset a bound no batch can exceed (the chunk
+  count of the `k` longest examples; loose for packing, exact for `strategy="pad"`).
+  """
+
+  def __init__(self, planner: MinibatchPlanner, builder: rows_lib.RowBuilder, *,
+               num_epochs: int | None, rows_per_batch: int | None, shard_index: int,
+               shard_count: int):
+    super().__init__()
+    self._planner = planner
+    self._builder = builder
+    self._num_epochs = num_epochs
+    self._shard_index = shard_index
+    self._shard_count = shard_count
+    self._lock = threading.Lock()
+    self._epochs: dict[int, EpochPlan] = {}
+    self._cum = [0]  # batches before epoch e
+    if rows_per_batch is None:
+      if num_epochs is not None:
+        rows_per_batch = max(int(planner.plan_epoch(e).rows_needed.max())
+                             for e in range(num_epochs))
+      elif planner.tokens_per_batch is not None:
+        rows_per_batch = planner.budget_rows
+      else:
+        rows_per_batch = self._row_bound(planner)
+    rows_per_batch = -(-int(rows_per_batch) // shard_count) * shard_count
+    self.rows_per_batch = rows_per_batch
+    if num_epochs is None:
+      self._length = sys.maxsize
+    else:
+      for e in range(num_epochs):
+        self._cum.append(self._cum[-1] + self._epoch(e).num_batches)
+      self._length = self._cum[-1]
+
+  @staticmethod
+  def _row_bound(planner: MinibatchPlanner) -> int:
+    k = int(planner.examples_per_batch)
+    virtual = planner.lengths[planner.examples] + planner.extra
+    step = planner.seq_len - planner.overlap
+    if planner.long_docs == "truncate":
+      chunks = np.ones_like(virtual)
+    else:
+      chunks = 1 + np.maximum(0, -(-(virtual - planner.seq_len) // step))
+    return int(np.sort(chunks)[::-1][:k].sum())
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state["_epochs"] = {}
+    del state["_lock"]
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __str__(self) -> str:
+    return (f"MinibatchPackedDataset(seq_len={self.seq_len}, rows_per_batch="
+            f"{self.rows_per_batch}, num_epochs={self._num_epochs}, "
+            f"shard={self._shard_index}/{self._shard_count})")
+
+  @property
+  def seq_len(self) -> int:
+    return self._planner.seq_len
+
+  @property
+  def local_rows_per_batch(self) -> int:
+    """Rows of each element on this process."""
+    return self.rows_per_batch // self._shard_count
+
+  def _epoch(self, epoch: int) -> EpochPlan:
+    with self._lock:
+      plan = self._epochs.get(epoch)
+      if plan is None:
+        plan = self._planner.plan_epoch(epoch, self.rows_per_batch)
+        if len(self._epochs) >= 2:
+          self._epochs.pop(next(iter(self._epochs)))
+        self._epochs[epoch] = plan
+      return plan
+
+  def batches_in_epoch(self, epoch: int) -> int:
+    """Optimizer steps of `epoch`."""
+    return self._epoch(epoch).num_batches
+
+  def epoch_plan(self, epoch: int) -> EpochPlan:
+    """The plan of `epoch` (rows padded to `rows_per_batch` per batch)."""
+    return self._epoch(epoch)
+
+  def locate(self, index: int) -> tuple[int, int]:
+    """(epoch, batch) of element `index`."""
+    index = int(index)
+    if self._num_epochs is not None:
+      if not -self._length <= index < self._length:
+        raise IndexError(f"MinibatchPackedDataset: index {index} out of range for "
+                         f"{self._length} batches")
+      index %= self._length
+    elif index < 0:
+      raise IndexError(f"negative index into an infinite MinibatchPackedDataset: {index}")
+    with self._lock:
+      cum = self._cum
+    while cum[-1] <= index:
+      e = len(cum) - 1
+      n = self._epoch(e).num_batches
+      with self._lock:
+        if len(self._cum) == e + 1:
+          self._cum.append(self._cum[-1] + n)
+        cum = self._cum
+    e = int(np.searchsorted(cum, index, side="right")) - 1
+    return e, index - cum[e]
+
+  def batch_examples(self, index: int) -> np.ndarray:
+    """The example (document) ids of element `index`, in sampling order."""
+    e, b = self.locate(index)
+    plan = self._epoch(e)
+    return plan.examples[plan.batch_examples[b]:plan.batch_examples[b + 1]]
+
+  def __getitem__(self, index):
+    if isinstance(index, builtins.slice):
+      return self.slice(index)
+    e, b = self.locate(index)
+    plan = self._epoch(e)
+    rows = np.arange(b * self.rows_per_batch + self._shard_index,
+                     (b + 1) * self.rows_per_batch, self._shard_count)
+    builder = self._builder.with_plan(plan.arrays)
+    with self._stats.record_self_time():
+      return self._stats.record_output_spec(builder.build(rows))
+
+  def padded_slot_fraction(self, epoch: int = 0) -> float:
+    """Share of the epoch's slots (`batches * rows_per_batch * seq_len`) that are padding."""
+    plan = self._epoch(epoch)
+    slots = plan.num_batches * self.rows_per_batch * self.seq_len
+    return 1.0 - float(np.asarray(plan.arrays.length, dtype=np.int64).sum()) / slots
+
+
+def minibatch_dataset(source: Any, lengths: np.ndarray, *, special: SpecialTokens,
+                       loss_mask: bool, mode: str, seq_len: int, strategy: str, long_docs: str,
+                       min_len: int, overlap: int, extra: int, seed: int, shuffle: bool,
+                       num_epochs: int | None, examples_per_batch: int | None,
+                       tokens_per_batch: int | None, rows_per_batch: int | None,
+                       drop_remainder: bool, max_segments_per_row: int | None,
+                       shard_index: int, shard_count: int) -> Any:
+  """`pack_dataset(mode="minibatch")`: validates its arguments and builds the dataset."""
+  if mode != "minibatch":
+    raise PipelineConfigError(f"pack_dataset: mode must be 'global' or 'minibatch', got {mode!r}")
+  if (examples_per_batch is None) == (tokens_per_batch is None):
+    raise PipelineConfigError(
+        f"pack_dataset: mode='minibatch' needs exactly one of examples_per_batch and "
+        f"tokens_per_batch, got examples_per_batch={examples_per_batch!r}, "
+        f"tokens_per_batch={tokens_per_batch!r}")
+  for name, value in (("examples_per_batch", examples_per_batch),
+                      ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
+    positive_or_none(name, value)
+  if max_segments_per_row is not None:
+    raise PipelineConfigError(
+        f"pack_dataset: max_segments_per_row={max_segments_per_row!r} is not supported with "
+        f"mode='minibatch'")
+  planner = MinibatchPlanner(
+      lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
+      overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
+      examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
+      drop_remainder=bool(drop_remainder))
+  empty = PlanArrays(seq_len=seq_len, overlap=overlap,
+                              row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
+                              start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
+  builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
+                                loss_mask=loss_mask)
+  return MinibatchPackedDataset(
+      planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
+      shard_index=shard_index, shard_count=shard_count)

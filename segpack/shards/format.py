@@ -1,0 +1,137 @@
+"""The shard format: names, the manifest and its checks (see docs/format.md).
+
+A dataset is a directory holding shards and one manifest:
+
+    manifest.json           written last, atomically: the dataset exists once this file does
+    shard-00000.tokens      token ids of the shard's documents, back to back (little-endian
+                            uint16 when the vocabulary fits, else uint32)
+    shard-00000.offsets     int64 little-endian, documents + 1 entries: 0, end of doc 0, ...
+    shard-00000.mask        optional (`loss_mask=True`): uint8, one per token, 1 = trained
+    shard-00000.done.json   while a dataset is being written: the record of a finished shard,
+                            which lets an interrupted writer resume (removed once the manifest
+                            is written)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "segpack-shards"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+OFFSET_DTYPE = np.dtype("<i8")
+# Every file the writer may own in a dataset directory (finished or temporary).
+OWNED_FILE = re.compile(
+    r"^(shard-\d{5,}\.(tokens|offsets|mask|done\.json)|manifest\.json)(\..*\.tmp)?$")
+HASH_BLOCK = 1 << 24
+
+
+class ShardFormatError(ValueError):
+  """A dataset directory, manifest or shard file is missing, malformed or inconsistent."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+  """The token dtype of a vocabulary: little-endian uint16 when ids fit, else uint32."""
+  if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
+    raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+  if not 1 <= vocab_size <= 2**32:
+    raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+  return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def shard_names(index: int) -> tuple[str, str, str]:
+  stem = f"shard-{index:05d}"
+  return f"{stem}.tokens", f"{stem}.offsets", f"{stem}.done.json"
+
+
+def mask_name(index: int) -> str:
+  return f"shard-{index:05d}.mask"
+
+
+def require(cond: bool, path: Path, message: str) -> None:
+  if not cond:
+    raise ShardFormatError(f"{path}: {message}")
+
+
+def load_manifest(root: Path) -> dict[str, Any]:
+  """Reads and checks the manifest's fields and types (not the shard files)."""
+  if not root.exists():
+    raise ShardFormatError(f"{root}: dataset directory does not exist")
+  if not root.is_dir():
+    raise ShardFormatError(f"{root}: not a directory")
+  path = root / MANIFEST_NAME
+  if not path.exists():
+    unfinished = sorted(p.name for p in root.iterdir() if OWNED_FILE.match(p.name))
+    hint = (f" (it holds {len(unfinished)} shard files of an unfinished write; rerun the "
+            f"tokenizer to complete it)" if unfinished else "")
+    raise ShardFormatError(f"{path}: missing manifest{hint}")
+  try:
+    manifest = json.loads(path.read_text("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ShardFormatError(f"{path}: corrupt manifest, not UTF-8 ({e})") from e
+  except json.JSONDecodeError as e:
+    raise ShardFormatError(
+        f"{path}: corrupt manifest, invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+    ) from e
+  require(isinstance(manifest, dict), path, f"corrupt manifest, expected an object, got "
+           f"{type(manifest).__name__}")
+  require(manifest.get("format") == FORMAT_NAME, path,
+           f"format is {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+  require(manifest.get("format_version") == FORMAT_VERSION, path,
+           f"unsupported format_version {manifest.get('format_version')!r} (this reader: "
+           f"{FORMAT_VERSION})")
+  vocab = manifest.get("vocab_size")
+  require(isinstance(vocab, int) and not isinstance(vocab, bool) and 1 <= vocab <= 2**32, path,
+           f"vocab_size must be an int in [1, 2**32], got {vocab!r}")
+  require(manifest.get("dtype") == dtype_for_vocab(vocab).name, path,
+           f"dtype {manifest.get('dtype')!r} does not match vocab_size {vocab} (expected "
+           f"{dtype_for_vocab(vocab).name!r})")
+  require(isinstance(manifest.get("tokenizer_fingerprint"), str), path,
+           f"tokenizer_fingerprint must be a string, got "
+           f"{manifest.get('tokenizer_fingerprint')!r}")
+  shards = manifest.get("shards")
+  require(isinstance(shards, list), path, f"shards must be a list, got {shards!r:.80}")
+  for i, shard in enumerate(shards):
+    ok = (isinstance(shard, dict)
+          and all(isinstance(shard.get(k), str) and "/" not in shard[k]
+                  and shard[k] not in ("", ".", "..") for k in ("tokens", "offsets"))
+          and all(isinstance(shard.get(k), int) and shard[k] >= 0
+                  for k in ("num_documents", "num_tokens"))
+          and isinstance(shard.get("sha256"), dict)
+          and all(isinstance(shard["sha256"].get(k), str) for k in ("tokens", "offsets")))
+    require(ok, path, f"shards[{i}] is malformed: {shard!r:.200}")
+  has_mask = manifest.get("loss_mask", False)
+  require(isinstance(has_mask, bool), path, f"loss_mask must be true or false, got {has_mask!r}")
+  for i, shard in enumerate(shards if has_mask else ()):
+    name = shard.get("mask")
+    require(isinstance(name, str) and "/" not in name and name not in ("", ".", "..")
+             and isinstance(shard["sha256"].get("mask"), str), path,
+             f"loss_mask is true but shards[{i}] has no valid mask file and sha256: {shard!r:.200}")
+  for key in ("num_documents", "num_tokens"):
+    total = sum(s[key] for s in shards)
+    require(manifest.get(key) == total, path,
+             f"{key} is {manifest.get(key)!r} but the shards sum to {total}")
+  return manifest
+
+
+def check_offsets(offsets: np.ndarray, path: Path, num_tokens: int) -> None:
+  """Offsets start at 0, never decrease and end at the token count."""
+  require(int(offsets[0]) == 0, path, f"first offset is {int(offsets[0])}, expected 0")
+  steps = np.diff(offsets)
+  if steps.size and int(steps.min()) < 0:
+    j = int(np.argmax(steps < 0))
+    raise ShardFormatError(
+        f"{path}: offsets decrease at document {j}: offsets[{j}]={int(offsets[j])} > "
+        f"offsets[{j + 1}]={int(offsets[j + 1])}")
+  if offsets.size > 1 and int(offsets.max()) > num_tokens:
+    j = int(np.argmax(offsets > num_tokens))
+    raise ShardFormatError(
+        f"{path}: offsets[{j}]={int(offsets[j])} points past the end of the token file "
+        f"({num_tokens} tokens)")
+  require(int(offsets[-1]) == num_tokens, path,
+           f"last offset is {int(offsets[-1])} but the shard holds {num_tokens} tokens")

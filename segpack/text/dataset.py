@@ -1,0 +1,165 @@
+"""`tokenize_files`: inputs to a shard dataset (what `segpack tokenize` runs).
+
+Plain text goes through `encode.write_dataset` (worker processes, resumable); chat conversations
+(`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask;
+`builtin[:small]` is the built-in corpus (`corpus.py`), written as DIR/train and DIR/eval with the
+SentencePiece model copied to DIR/spm.model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from segpack.files import atomic_write_json
+from segpack import shards as shards_lib
+from segpack.text import chat
+from segpack.text import corpus
+from segpack.text import encode
+from segpack.text import spm as spm_lib
+from segpack.text import tokenizer_cache
+from segpack.text.inputs import InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents
+
+__all__ = ["tokenize_files"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def tokenize_files(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    spm_model: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    doc_separator: str = "file",
+    text_field: str = "text",
+    skip_bad_lines: bool = False,
+    workers: int | None = None,
+    shard_tokens: int = encode.DEFAULT_SHARD_TOKENS,
+    progress: bool = False,
+    overwrite: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    input_format: str = "auto",
+    train_on: str = "assistant",
+    messages_field: str = "messages",
+) -> list[encode.Summary]:
+  """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
+
+  Returns:
+    One summary per dataset written (two for `builtin`: train and eval).
+  """
+  output = Path(output)
+  workers = (os.cpu_count() or 1) if workers is None else workers
+  if not isinstance(workers, int) or workers < 1:
+    raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
+  if not isinstance(shard_tokens, int) or shard_tokens < 1:
+    raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
+  if spm_model is not None and vocab_size is not None:
+    raise InputFormatError(f"pass --spm-model ({spm_model}) or --vocab-size ({vocab_size}), "
+                           f"not both")
+  builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
+  if builtin:
+    if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
+      raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
+                             f"{[str(p) for p in inputs]}")
+    size = builtin[0].partition(":")[2] or "full"
+    if spm_model is not None:
+      tokenizer = spm_lib.SpmTokenizer(spm_model)
+    elif vocab_size is not None:
+      train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
+      tokenizer = tokenizer_cache.trained_tokenizer(train_texts, output / "spm.model", vocab_size=vocab_size,
+                                     key={"builtin": corpus.corpus_key(size)},
+                                     protect=[output / "train", output / "eval"],
+                                     overwrite=overwrite)
+    else:
+      tokenizer = corpus.builtin_tokenizer(size=size, cache_dir=cache_dir)
+    tokenizer = tokenizer_cache.copy_model(tokenizer, output, overwrite=overwrite)
+    return corpus.builtin_splits(output, size, tokenizer, workers=workers, shard_tokens=shard_tokens,
+                           progress=progress, overwrite=overwrite)
+
+  files = expand_inputs(inputs)
+  if not files:
+    raise InputFormatError("--input: no input files given")
+  if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
+    return [_tokenize_chat(files, output, spm_model=spm_model, vocab_size=vocab_size,
+                           train_on=train_on, messages_field=messages_field,
+                           shard_tokens=shard_tokens, overwrite=overwrite)]
+  read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
+  ident = {"inputs": [encode.file_identity(p) for p in files], **read}
+  if spm_model is not None:
+    tokenizer = spm_lib.SpmTokenizer(spm_model)
+  elif vocab_size is not None:
+    tokenizer = tokenizer_cache.trained_tokenizer(iter_documents(files, **read), output / "spm.model",
+                                   vocab_size=vocab_size, key=ident, protect=[output],
+                                   overwrite=overwrite)
+  else:
+    raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
+  start = time.perf_counter()
+  counters = ReadCounters()
+  manifest, resumed, nbytes = encode.write_dataset(
+      iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
+      resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
+                                  shard_tokens=shard_tokens)),
+      workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
+      metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file), **read})
+  return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
+                   seconds=time.perf_counter() - start, text_bytes=nbytes)]
+
+
+def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size, train_on: str,
+                   messages_field: str, shard_tokens: int, overwrite: bool) -> encode.Summary:
+  """`--format chat`: conversations to tokens + loss mask (single process; see segpack.chat)."""
+  def conversations():
+    for path in files:
+      yield from chat.read_conversations(path, messages_field=messages_field)
+
+  ident = {"inputs": [encode.file_identity(p) for p in files], "format": "chat",
+           "messages_field": messages_field, "train_on": train_on,
+           "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
+  if spm_model is not None:
+    tokenizer = spm_lib.SpmTokenizer(spm_model)
+  elif vocab_size is not None:
+    texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
+             for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
+    model_file = output / "spm.model"
+    key_hash = encode.resume_key(dict(ident, vocab_size=vocab_size))
+    record = model_file.with_suffix(".json")
+    try:
+      ok = json.loads(record.read_text("utf-8")).get("key") == key_hash
+    except (OSError, ValueError):
+      ok = False
+    if ok and model_file.exists():
+      tokenizer = spm_lib.SpmTokenizer(model_file)
+    else:
+      tokenizer_cache.refuse_to_replace_model(model_file, [output], overwrite=overwrite)
+      tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
+                                    user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
+      atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
+  else:
+    raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
+  encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
+  if not encoder.markers_are_symbols:
+    _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
+                 tokenizer.model_file)
+  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
+  manifest_path = output / shards_lib.MANIFEST_NAME
+  if manifest_path.exists() and not overwrite:
+    try:
+      same = json.loads(manifest_path.read_text("utf-8")).get("resume_key") == key
+    except ValueError:
+      same = False
+    if not same:
+      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
+                             f"inputs or settings; pass --overwrite to replace it")
+  start = time.perf_counter()
+  manifest = chat.write_chat_dataset(
+      conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,
+      metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file)})
+  return encode.summarize(output, manifest, resumed=0, bad_lines=0,
+                  seconds=time.perf_counter() - start,
+                  text_bytes=sum(p.stat().st_size for p in files))

@@ -1,0 +1,239 @@
+"""Encoding documents into a shard dataset: worker processes, progress, the resume key.
+
+`write_dataset` streams texts through SentencePiece (in `workers` processes, chunks of about 1 MB
+kept in input order) into a `segpack.shards.ShardWriter`. The document stream is deterministic,
+and each finished shard records the range of input documents it holds: a rerun with the same
+inputs and settings (the same `resume_key`) keeps the finished shards, skips their input
+documents without tokenizing them, and redoes the rest; a dataset whose manifest is already
+written is left alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tqdm
+
+from segpack import shards as shards_lib
+from segpack.text import spm as spm_lib
+from segpack.text.inputs import InputFormatError
+
+__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "resume_key", "say", "summarize",
+           "write_dataset"]
+
+_CHUNK_BYTES = 1 << 20
+_CHUNK_DOCS = 512
+DEFAULT_SHARD_TOKENS = 1 << 27
+
+
+@dataclasses.dataclass
+class Summary:
+  """What a tokenization produced (printed by the CLI)."""
+
+  output: Path
+  documents: int
+  tokens: int
+  dtype: str
+  skipped_empty: int
+  bad_lines: int
+  shards: int
+  resumed_shards: int
+  mean_length: float
+  median_length: float
+  p99_length: float
+  max_length: int
+  seconds: float
+  text_bytes: int
+
+  def table(self) -> str:
+    rows = [
+        ("dataset", str(self.output)),
+        ("documents", f"{self.documents:,}"),
+        ("tokens", f"{self.tokens:,}"),
+        ("length mean / median / p99 / max",
+         f"{self.mean_length:.1f} / {self.median_length:.0f} / {self.p99_length:.0f} / "
+         f"{self.max_length}"),
+        ("dtype", self.dtype),
+        ("shards (kept from an earlier run)", f"{self.shards} ({self.resumed_shards})"),
+        ("skipped empty documents", f"{self.skipped_empty:,}"),
+        ("skipped bad lines", f"{self.bad_lines:,}"),
+        ("time", f"{self.seconds:.1f} s" + (
+            f" ({self.text_bytes / 1e6 / self.seconds:.1f} MB/s of text tokenized)"
+            if self.seconds > 0 and self.text_bytes else "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+_WORKER_TOKENIZER: spm_lib.SpmTokenizer | None = None
+
+
+def _worker_init(model_file: str) -> None:
+  global _WORKER_TOKENIZER
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
+  _WORKER_TOKENIZER = spm_lib.SpmTokenizer(model_file)
+
+
+def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+  assert _WORKER_TOKENIZER is not None
+  return _WORKER_TOKENIZER.encode_batch(texts)
+
+
+def _chunks(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
+  """Groups texts into chunks of about `_CHUNK_BYTES` UTF-8 bytes (or `_CHUNK_DOCS` documents)."""
+  chunk, size = [], 0
+  for text in texts:
+    chunk.append(text)
+    size += len(text.encode("utf-8"))
+    if size >= _CHUNK_BYTES or len(chunk) >= _CHUNK_DOCS:
+      yield chunk, size
+      chunk, size = [], 0
+  if chunk:
+    yield chunk, size
+
+
+def _encoded_chunks(
+    texts: Iterator[str], tokenizer: spm_lib.SpmTokenizer, workers: int,
+) -> Iterator[tuple[list[np.ndarray], int]]:
+  """Token arrays chunk by chunk, in input order; at most 2 * workers chunks in flight."""
+  if workers <= 1:
+    for chunk, size in _chunks(texts):
+      yield tokenizer.encode_batch(chunk), size
+    return
+  ctx = multiprocessing.get_context("spawn")  # Safe even when JAX threads run in this process.
+  with ctx.Pool(workers, initializer=_worker_init, initargs=(str(tokenizer.model_file),)) as pool:
+    pending: collections.deque = collections.deque()
+    for chunk, size in _chunks(texts):
+      pending.append((pool.apply_async(_worker_encode, (chunk,)), size))
+      if len(pending) >= 2 * workers:
+        result, size0 = pending.popleft()
+        yield result.get(), size0
+    while pending:
+      result, size0 = pending.popleft()
+      yield result.get(), size0
+
+
+def _progress(desc: str, enabled: bool):
+  """A tqdm bar of text bytes on stderr (drawn only when stderr is a terminal)."""
+  if not enabled:
+    return contextlib.nullcontext(None)
+  return tqdm.tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1000, dynamic_ncols=True,
+              file=sys.stderr, disable=None, mininterval=0.5)
+
+
+def say(enabled: bool, message: str) -> None:
+  """One status line on stderr (the first build of the built-in corpus takes minutes)."""
+  if enabled:
+    print(f"segpack: {message}", file=sys.stderr, flush=True)
+
+
+def counted(texts: Iterable[str], enabled: bool, desc: str) -> Iterator[str]:
+  """`texts`, with a bar of documents read on stderr when `enabled` (and stderr a terminal)."""
+  if not enabled:
+    yield from texts
+    return
+  with tqdm.tqdm(desc=desc, unit=" docs", file=sys.stderr, mininterval=0.5, disable=None) as bar:
+    for text in texts:
+      bar.update(1)
+      yield text
+
+
+def write_dataset(
+    texts: Iterable[str],
+    output: str | os.PathLike[str],
+    *,
+    tokenizer: spm_lib.SpmTokenizer,
+    resume_key: str,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    metadata: dict[str, Any] | None = None,
+    progress: bool = False,
+    overwrite: bool = False,
+) -> tuple[dict[str, Any], int, int]:
+  """Tokenizes `texts` into a shard dataset at `output`, resuming an interrupted run.
+
+  Args:
+    texts: the documents, in a deterministic order (a rerun must see the same stream).
+    output: dataset directory.
+    tokenizer: the SentencePiece tokenizer.
+    resume_key: identifies the inputs and settings; shards of an interrupted run with the same
+      key are kept, a complete dataset with the same key is returned as is.
+    workers: tokenizer processes (1: tokenize in this process).
+    shard_tokens: target tokens per shard.
+    metadata: stored in the manifest, with `tokenizer` (`SpmTokenizer.describe()`: special ids
+      such as `bos_id` and `eos_id` that the packing pipeline reads) added.
+    progress: show a progress bar on stderr.
+    overwrite: replace a complete dataset made with a different key (else InputFormatError).
+
+  Returns:
+    (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
+  """
+  output = Path(output)
+  manifest_path = output / shards_lib.MANIFEST_NAME
+  if manifest_path.exists():
+    try:
+      old = json.loads(manifest_path.read_text("utf-8"))
+    except ValueError:
+      old = {}
+    if isinstance(old, dict) and old.get("resume_key") == resume_key:
+      return old, len(old.get("shards", [])), 0
+    if not overwrite:
+      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
+                             f"inputs or settings; pass --overwrite to replace it")
+  texts = iter(texts)
+  metadata = dict(metadata or {}, tokenizer=tokenizer.describe())
+  writer = shards_lib.ShardWriter(
+      output, vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint,
+      shard_tokens=shard_tokens, metadata=metadata, resume_key=resume_key)
+  for _ in range(writer.resumed_inputs):  # Documents already in kept shards.
+    if next(texts, None) is None:
+      raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
+                             f"documents but the input has fewer; rerun with --overwrite")
+  text_bytes = tokens = 0
+  with writer, _progress(f"tokenize {output.name}", progress) as bar:
+    for arrays, size in _encoded_chunks(texts, tokenizer, workers):
+      for doc in arrays:
+        writer.write(doc)
+        tokens += doc.size
+      text_bytes += size
+      if bar is not None:
+        bar.update(size)
+        bar.set_postfix(docs=f"{writer.inputs:,}", tokens=f"{tokens:,}", refresh=False)
+  manifest = json.loads(manifest_path.read_text("utf-8"))
+  return manifest, writer.resumed_shards, text_bytes
+
+
+def summarize(output: Path, manifest: dict[str, Any], *, resumed: int, bad_lines: int,
+             seconds: float, text_bytes: int) -> Summary:
+  lengths = shards_lib.ShardSource(output).lengths
+  empty = lengths.size == 0
+  return Summary(
+      output=output, documents=int(lengths.size), tokens=int(lengths.sum()),
+      dtype=manifest["dtype"], skipped_empty=manifest["skipped_empty"], bad_lines=bad_lines,
+      shards=len(manifest["shards"]), resumed_shards=resumed,
+      mean_length=0.0 if empty else float(lengths.mean()),
+      median_length=0.0 if empty else float(np.median(lengths)),
+      p99_length=0.0 if empty else float(np.percentile(lengths, 99)),
+      max_length=0 if empty else int(lengths.max()), seconds=seconds, text_bytes=text_bytes)
+
+
+def resume_key(parts: dict[str, Any]) -> str:
+  parts = dict(parts, format_version=shards_lib.FORMAT_VERSION)
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_identity(path: Path) -> list[Any]:
+  st = path.stat()
+  return [str(path.resolve()), st.st_size, st.st_mtime_ns]
