@@ -17,8 +17,6 @@ import pytest
 import segpack
 from masked_source import MaskedDocs
 from segpack.data import packed as pipeline
-from segpack.packing.cap import cap_segments_per_row
-from segpack.packing.plan import PlanArrays
 
 BOS, EOS, PAD = 1, 2, 0
 FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
@@ -154,34 +152,6 @@ def test_max_segments_per_row():
     assert int(row["segment_ids"].max()) <= 4
     got.extend(segments_of(row))
   assert sorted(got) == sorted(expected_chunks(docs, 64))
-
-
-def test_cap_post_pass_example():
-  plan = PlanArrays(seq_len=8, overlap=0, row_splits=np.array([0, 3, 4]),
-                         doc=np.array([0, 1, 2, 3]), start=np.zeros(4, np.int32),
-                         length=np.array([3, 2, 1, 4], np.int32))
-  capped = cap_segments_per_row(plan, 2)  # the docstring's example
-  assert capped.row_splits.tolist() == [0, 2, 4]
-  assert capped.doc.tolist() == [3, 2, 0, 1]
-
-
-@pytest.mark.parametrize("cap", [1, 2, 3, 8])
-def test_cap_post_pass_invariants(cap):
-  from segpack import packing
-  rng = np.random.default_rng(cap)
-  lengths = np.concatenate([rng.integers(1, 8, 300), rng.integers(20, 140, 60)])
-  plan = packing.plan(lengths, 64, extra_tokens=2)
-  arrays = PlanArrays(seq_len=64, overlap=0, row_splits=plan.row_splits, doc=plan.doc,
-                           start=plan.start, length=plan.length)
-  capped = cap_segments_per_row(arrays, cap)
-  pieces = lambda a: sorted(zip(a.doc.tolist(), a.start.tolist(), a.length.tolist()))
-  assert pieces(capped) == pieces(arrays)  # every piece exactly once
-  for r in range(capped.num_rows):
-    a, b = int(capped.row_splits[r]), int(capped.row_splits[r + 1])
-    assert 1 <= b - a <= cap
-    assert sum(int(n) for n in capped.length[a:b]) <= 64
-  assert capped.num_rows >= -(-len(capped.doc) // cap)
-  assert cap_segments_per_row(capped, cap) is capped  # already within the cap
 
 
 def test_determinism_and_seeds():
@@ -385,7 +355,7 @@ def test_plan_cache_beside_shards_and_capped_plan_cache(tmp_path, monkeypatch):
     raise AssertionError("replanned instead of loading the cache")
 
   monkeypatch.setattr(packing.planner, "plan", boom)
-  monkeypatch.setattr(pipeline, "cap_segments_per_row", boom)
+  monkeypatch.setattr(packing.cap, "cap_segments_per_row", boom)
   again = pack(src, seq_len=32, num_epochs=1, max_segments_per_row=2)
   assert len(again) == len(first)
   assert all(rows_equal(again[i], first[i]) for i in range(len(first)))
@@ -405,14 +375,6 @@ def test_special_ids_from_manifest_and_pickling(tmp_path):
   assert len(blob) < 20_000 + 16 * len(docs)  # plan arrays travel as file references
   clone = pickle.loads(blob)
   assert all(rows_equal(clone[i], ds[i]) for i in range(len(ds)))
-  from segpack import packing
-  plans = tmp_path / "data" / "plans"
-  plan = packing.Plan.load(str(plans / os.listdir(plans)[0]), mmap=True)
-  arrays = PlanArrays(seq_len=32, overlap=0, row_splits=plan.row_splits, doc=plan.doc,
-                           start=plan.start, length=plan.length)
-  back = pickle.loads(pickle.dumps(arrays))
-  assert isinstance(back.doc, np.memmap) and np.array_equal(back.doc, plan.doc)
-  assert np.array_equal(back.row_splits, plan.row_splits)
   assert src.fingerprint
 
 
