@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from segpack import attention as attention_lib
+from segpack.attention import cudnn
+from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -44,7 +46,8 @@ class DecoderConfig:
   param_dtype: str = "float32"  # storage dtype of the parameters
   attention_implementation: str | None = None  # None: best available for the platform
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
-  # ("data", "fsdp"), heads over "tensor". None, or the XLA backend: left to the jit partitioner.
+  # `segpack.mesh.BATCH_AXES`, heads over `TENSOR_AXIS`. None, or the XLA backend: left to the
+  # jit partitioner.
   attention_mesh: Any = None
   # cuDNN only, and required there: the static bound N on segments per row, from the data
   # (`build` passes `cudnn_segment_bound(Data.max_segments_in_row)`); the cuDNN backward's memory
@@ -143,7 +146,7 @@ class Attention(nnx.Module):
     mesh = cfg.attention_mesh if impl != "xla" else None
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor",
+        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS,
         max_segments_per_row=cfg.attention_max_segments_per_row,
         interpret=cfg.attention_interpret)
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
@@ -285,7 +288,6 @@ def cudnn_bound(config: Any, max_segments_in_row: int | None) -> int | None:
         "packing.mode='minibatch' and packing.tokens_per_batch a row can hold up to seq_len "
         "segments; set packing.examples_per_batch instead (the bound is then the examples per "
         "step) or use attention.implementation='pallas'")
-  from segpack.attention import cudnn  # pylint: disable=g-import-not-at-top
   return cudnn.cudnn_segment_bound(int(max_segments_in_row))
 
 
@@ -297,7 +299,7 @@ def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = 
     config: a trainer config (`configs/packed.py`) or any object with `model` and `attention`.
     seed: parameter initialisation seed.
     vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
-    mesh: the trainer's mesh (axes `data`, `fsdp`, `tensor`); kernel attention backends run
+    mesh: the trainer's mesh (axes `segpack.mesh.MESH_AXES`); kernel attention backends run
       per device under `shard_map` on it.
     max_segments_in_row: the data's most segments in a row (`train.data.Data.max_segments_in_row`);
       with `attention.implementation="cudnn"` it is required and becomes, rounded up to a power

@@ -1,6 +1,6 @@
 """The device mesh and the shardings of parameters, optimizer state and batches.
 
-One mesh with axes `data`, `fsdp` and `tensor`. Batches are split over `data` x `fsdp` (rows);
+One mesh with axes `data`, `fsdp` and `tensor` (the names of `segpack.mesh`). Batches are split over `data` x `fsdp` (rows);
 parameters are split over `fsdp` (ZeRO-3 style: gathered for the matmul) and `tensor` (Megatron
 style: the head/feed-forward dimension) by explicit rules on the parameter path; a dimension that
 does not divide by its mesh axis is replicated instead. The shardings are derived from abstract
@@ -17,8 +17,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+from segpack.mesh import BATCH_AXES, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
+
+AXES = MESH_AXES  # the mesh's axes, in order (names shared with `segment_attention`'s defaults)
 
 
 class MeshConfigError(ValueError):
@@ -31,7 +32,7 @@ def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
   Raises:
     MeshConfigError: more than one `-1`, a non-positive size, or a product != `num_devices`.
   """
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, TENSOR_AXIS: tensor}
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1:
     raise MeshConfigError(f"mesh: at most one axis may be -1, got {sizes}")
@@ -49,7 +50,7 @@ def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
     raise MeshConfigError(
         f"mesh: axes {sizes} need {math.prod(sizes.values())} devices, but there are "
         f"{num_devices}")
-  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+  return sizes[DATA_AXIS], sizes[FSDP_AXIS], sizes[TENSOR_AXIS]
 
 
 def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
@@ -65,7 +66,7 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
 
 def batch_partitions(mesh: Mesh) -> int:
   """Number of row shards of a batch (`data` x `fsdp`)."""
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
@@ -88,18 +89,19 @@ def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
     raise MeshConfigError(
         f"micro-batch of {micro} rows (train.batch_size={batch_size} / grad_accum_steps="
         f"{grad_accum_steps}) is not divisible by the {parts} batch shards of the mesh "
-        f"(data={mesh.shape['data']} x fsdp={mesh.shape['fsdp']}; {jax.device_count()} devices)")
+        f"(data={mesh.shape[DATA_AXIS]} x fsdp={mesh.shape[FSDP_AXIS]}; {jax.device_count()} "
+        "devices)")
 
 
 # (path substring, spec per dimension). The first matching rule wins; paths look like
 # "layers/0/attn/q/kernel". Kernels are [in, out].
 _RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    ("embed/embedding", ("tensor", "fsdp")),  # [V, E]
-    ("attn/o/kernel", ("tensor", "fsdp")),  # [H*D, E]
-    ("attn/", ("fsdp", "tensor")),  # q, k, v: [E, H*D] / [E, K*D]
-    ("mlp/down/kernel", ("tensor", "fsdp")),  # [F, E]
-    ("mlp/", ("fsdp", "tensor")),  # gate, up: [E, F]
-    ("lm_head/kernel", ("fsdp", "tensor")),  # [E, V]
+    ("embed/embedding", (TENSOR_AXIS, FSDP_AXIS)),  # [V, E]
+    ("attn/o/kernel", (TENSOR_AXIS, FSDP_AXIS)),  # [H*D, E]
+    ("attn/", (FSDP_AXIS, TENSOR_AXIS)),  # q, k, v: [E, H*D] / [E, K*D]
+    ("mlp/down/kernel", (TENSOR_AXIS, FSDP_AXIS)),  # [F, E]
+    ("mlp/", (FSDP_AXIS, TENSOR_AXIS)),  # gate, up: [E, F]
+    ("lm_head/kernel", (FSDP_AXIS, TENSOR_AXIS)),  # [E, V]
 )
 
 

@@ -19,44 +19,10 @@ from segpack.attention import pallas_bwd
 from segpack.attention import pallas_fwd
 from segpack.attention import resources
 from segpack.attention.checks import AttentionInputError
+from segpack.attention.pallas_fwd import KernelConfig
 from segpack.attention.resources import AUTO, Auto, KernelSettings
 
 MAX_HEAD_DIM = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Static settings of one kernel call (hashable: a `custom_vjp` non-differentiable argument).
-
-  Attributes:
-    causal: hide keys after the query.
-    scale: logit scale.
-    block_q: forward query block.
-    block_k: forward key/value block.
-    block_q_bwd: backward (dQ and dK/dV kernels) query block.
-    block_k_bwd: backward key/value block.
-    interpret: run in interpret mode.
-    skip_blocks: visit only the key blocks of the query block's segments (False visits every
-      block, or every block at or below the diagonal when causal: the dense-mask kernel of the same
-      family, for benchmarks).
-    num_warps: Triton warps per program of the forward kernel.
-    num_stages: Triton pipeline stages of the forward kernel.
-    num_warps_bwd: Triton warps of the backward kernels (delta, dQ, dK/dV).
-    num_stages_bwd: Triton pipeline stages of the backward kernels.
-  """
-
-  causal: bool
-  scale: float
-  block_q: int
-  block_k: int
-  block_q_bwd: int
-  block_k_bwd: int
-  interpret: bool = False
-  skip_blocks: bool = True
-  num_warps: int = 4
-  num_stages: int = 2
-  num_warps_bwd: int = 4
-  num_stages_bwd: int = 2
 
 
 def _auto(name: str, value, minimum: int, *, pow2: bool):

@@ -12,16 +12,12 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from segpack.attention.pallas_fwd import compiler_params, element_mask
-
-if TYPE_CHECKING:
-  from segpack.attention.pallas import KernelConfig
+from segpack.attention.pallas_fwd import KernelConfig, compiler_params, element_mask
 
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
@@ -30,7 +26,7 @@ def _delta_kernel(o_ref, do_ref, delta_ref):
   delta_ref[...] = jnp.sum(o_QxD * do_QxD, axis=-1)
 
 
-def backward_delta(out_BxSxHxD, dout_BxSxHxD, *, cfg: "KernelConfig") -> jax.Array:
+def backward_delta(out_BxSxHxD, dout_BxSxHxD, *, cfg: KernelConfig) -> jax.Array:
   """`delta_BxHxS = sum_d out * dout` in float32."""
   b, s, h, d = out_BxSxHxD.shape
   spec = pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
@@ -47,7 +43,7 @@ def backward_delta(out_BxSxHxD, dout_BxSxHxD, *, cfg: "KernelConfig") -> jax.Arr
 
 
 def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, cfg: "KernelConfig"):
+               dq_ref, *, cfg: KernelConfig):
   bq, bk = cfg.block_q, cfg.block_k
   qi = pl.program_id(0)
   kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
@@ -81,7 +77,7 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, ls
 
 
 def backward_dq(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, dout_BxSxHxD,
-                lse_BxHxS, delta_BxHxS, *, cfg: "KernelConfig") -> jax.Array:
+                lse_BxHxS, delta_BxHxS, *, cfg: KernelConfig) -> jax.Array:
   """Runs the dQ kernel; returns `dq_BxSxHxD` in the dtype of `q`."""
   b, s, h, d = q_BxSxHxD.shape
   g = h // k_BxSxKxD.shape[2]
@@ -109,7 +105,7 @@ def backward_dq(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4
 
 
 def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg: "KernelConfig", group: int):
+                dk_ref, dv_ref, *, cfg: KernelConfig, group: int):
   bq, bk = cfg.block_q, cfg.block_k
   kj = pl.program_id(0)
   q_lo, q_hi = ranges_ref[kj, 0], ranges_ref[kj, 1]
@@ -151,7 +147,7 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, l
 
 
 def backward_dkv(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, kv_ranges_BxNx4, dout_BxSxHxD,
-                 lse_BxHxS, delta_BxHxS, *, cfg: "KernelConfig") -> tuple[jax.Array, jax.Array]:
+                 lse_BxHxS, delta_BxHxS, *, cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
   """Runs the dK/dV kernel; returns `(dk_BxSxKxD, dv_BxSxKxD)`, summed over each kv head's group."""
   b, s, h, d = q_BxSxHxD.shape
   kh = k_BxSxKxD.shape[2]

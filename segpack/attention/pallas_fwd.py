@@ -4,25 +4,60 @@ Grid `(S // block_q, B, H)`. A program owns one query block of one head and walk
 blocks `[kv_lo, kv_hi)` precomputed by `blocks.q_block_ranges`, in three loops: masked blocks
 `[kv_lo, full_lo)`, mask-free blocks `[full_lo, full_hi)` (inside the query block's segment and at
 or below the diagonal), masked blocks `[full_hi, kv_hi)`. The kv head is `h // G`.
+
+`KernelConfig`, the static settings of a kernel call, lives here because the forward and the
+backward kernels (`pallas_bwd.py`) both read it; `pallas.py` builds it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-if TYPE_CHECKING:
-  from segpack.attention.pallas import KernelConfig
-
 MASK_VALUE = -1e30
 
 
-def compiler_params(cfg: "KernelConfig") -> pltriton.CompilerParams:
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static settings of one kernel call (hashable: a `custom_vjp` non-differentiable argument).
+
+  Attributes:
+    causal: hide keys after the query.
+    scale: logit scale.
+    block_q: forward query block.
+    block_k: forward key/value block.
+    block_q_bwd: backward (dQ and dK/dV kernels) query block.
+    block_k_bwd: backward key/value block.
+    interpret: run in interpret mode.
+    skip_blocks: visit only the key blocks of the query block's segments (False visits every
+      block, or every block at or below the diagonal when causal: the dense-mask kernel of the same
+      family, for benchmarks).
+    num_warps: Triton warps per program of the forward kernel.
+    num_stages: Triton pipeline stages of the forward kernel.
+    num_warps_bwd: Triton warps of the backward kernels (delta, dQ, dK/dV).
+    num_stages_bwd: Triton pipeline stages of the backward kernels.
+  """
+
+  causal: bool
+  scale: float
+  block_q: int
+  block_k: int
+  block_q_bwd: int
+  block_k_bwd: int
+  interpret: bool = False
+  skip_blocks: bool = True
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+
+def compiler_params(cfg: KernelConfig) -> pltriton.CompilerParams:
   """Triton compiler parameters (selects the Triton lowering on a GPU)."""
   return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -36,7 +71,7 @@ def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool) -> jax.Array:
 
 
 def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                cfg: "KernelConfig"):
+                cfg: KernelConfig):
   bq, bk = cfg.block_q, cfg.block_k
   qi = pl.program_id(0)
   kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
@@ -78,7 +113,7 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, ls
 
 
 def forward(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, *,
-            cfg: "KernelConfig"):
+            cfg: KernelConfig):
   """Runs the forward kernel.
 
   Returns:

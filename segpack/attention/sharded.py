@@ -1,9 +1,10 @@
 """Sharded segment attention: the per-device call wrapped in `jax.shard_map`.
 
 Rows are independent and so are heads, so attention needs no communication when the batch is
-split over a data axis and the heads over a model axis: every device runs the kernel on its
-`[B / data, S, H / model, D]` block (and `[B / data, S, K / model, D]` keys and values; the
-grouped-query pairing `h // G` is preserved because both head dims are split into contiguous
+split over the batch axes and the heads over the tensor axis (by default the names of
+`segpack.mesh`: batch over `("data", "fsdp")`, heads over `"tensor"`): every device runs the kernel
+on its `[B / batch, S, H / tensor, D]` block (and `[B / batch, S, K / tensor, D]` keys and values;
+the grouped-query pairing `h // G` is preserved because both head dims are split into contiguous
 chunks). The sequence axis is never split: a segment's keys must stay on the device of its queries.
 """
 
@@ -15,6 +16,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from segpack.attention.checks import AttentionInputError
+from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 
 AxisNames = str | tuple[str, ...] | None
@@ -28,7 +30,7 @@ def _axis_size(mesh: Mesh, axis: AxisNames, arg: str) -> int:
     if name not in mesh.shape:
       raise AttentionInputError(
           f"segment_attention: `{arg}`={axis!r} names {name!r}, not an axis of the mesh "
-          f"{dict(mesh.shape)}")
+          f"{dict(mesh.shape)} (pass `{arg}` naming axes of this mesh, or None to replicate)")
     size *= mesh.shape[name]
   return size
 
@@ -41,8 +43,8 @@ def shard_attention(
     segment_ids_BxS: jax.Array,
     *,
     mesh: Mesh,
-    batch_axis: AxisNames = "data",
-    head_axis: AxisNames = "model",
+    batch_axis: AxisNames = BATCH_AXES,
+    head_axis: AxisNames = TENSOR_AXIS,
     **kwargs: Any,
 ) -> jax.Array:
   """Runs `attention_fn(q, k, v, segment_ids, **kwargs)` per device under `shard_map`.
@@ -54,9 +56,10 @@ def shard_attention(
     v_BxSxKxD: values.
     segment_ids_BxS: segment ids.
     mesh: the device mesh.
-    batch_axis: mesh axis (or tuple of axes, e.g. `("data", "fsdp")`) splitting the batch, or
-      None.
-    head_axis: mesh axis (or tuple of axes) splitting the heads, or None.
+    batch_axis: mesh axis (or tuple of axes) splitting the batch, or None; default
+      `segpack.mesh.BATCH_AXES`, `("data", "fsdp")`.
+    head_axis: mesh axis (or tuple of axes) splitting the heads, or None; default
+      `segpack.mesh.TENSOR_AXIS`, `"tensor"`.
     **kwargs: passed to `attention_fn`.
 
   Returns:

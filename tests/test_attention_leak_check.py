@@ -1,10 +1,9 @@
-"""`segpack.attention.self_check`: passes real backends, catches leaking ones (forward or gradient).
+"""`segpack.attention.self_check` (module `leak_check`): passes real backends, catches leaking ones (forward or gradient).
 
 The leaking backends are test doubles built on the XLA backend with altered segment ids, so the
 place and size of each leak are known.
 """
 
-import importlib
 import re
 
 import jax
@@ -14,11 +13,12 @@ import pytest
 
 from segpack.attention import AttentionInputError, AttentionLeakError, self_check
 from segpack.attention import cudnn as cudnn_lib
+from segpack.attention import dispatch
+from segpack.attention import leak_check as self_check_lib
 from segpack.attention import xla as xla_lib
 from test_attention_oracle import reference
-
-# The module (the package attribute `segpack.attention.self_check` is the function).
-self_check_lib = importlib.import_module("segpack.attention.self_check")
+from test_train import _synthetic
+from train import train as train_lib
 
 
 def ignores_segments(q, k, v, segment_ids, *, causal, scale):
@@ -146,7 +146,6 @@ def test_cudnn_without_a_gpu_raises_cudnn_unavailable():
 
 
 def _leaking_run_config():
-  from test_train import _synthetic  # pylint: disable=g-import-not-at-top
   return _synthetic(**{"attention.implementation": "xla", "train.num_steps": 1,
                        "train.eval_every": 0, "train.log_batches": False})
 
@@ -154,24 +153,20 @@ def _leaking_run_config():
 def test_trainer_refuses_to_train_on_a_leaking_backend(tmp_path, monkeypatch):
   """`attention.implementation="xla"` dispatching to a backend that ignores segment ids: the run
   stops in setup, before the workdir is created."""
-  from segpack import attention as attention_pkg  # pylint: disable=g-import-not-at-top
-  from train import train as train_lib  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(attention_pkg, "segment_attention_xla", ignores_segments)
+  monkeypatch.setattr(dispatch, "segment_attention_xla", ignores_segments)
   with pytest.raises(AttentionLeakError, match="implementation 'xla' leaks across documents"):
     train_lib.train_and_evaluate(_leaking_run_config(), str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 
 
 def test_trainer_self_check_can_be_turned_off(tmp_path, monkeypatch):
-  from segpack import attention as attention_pkg  # pylint: disable=g-import-not-at-top
-  from train import train as train_lib  # pylint: disable=g-import-not-at-top
   calls = []
 
   def leaking_and_counted(*args, **kwargs):
     calls.append(1)
     return ignores_segments(*args, **kwargs)
 
-  monkeypatch.setattr(attention_pkg, "segment_attention_xla", leaking_and_counted)
+  monkeypatch.setattr(dispatch, "segment_attention_xla", leaking_and_counted)
   c = _leaking_run_config()
   c.attention.self_check = False
   summary = train_lib.train_and_evaluate(c, str(tmp_path))

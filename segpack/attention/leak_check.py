@@ -1,4 +1,4 @@
-"""A startup leak check: one backend against per-document XLA runs on a tiny packed batch.
+"""A startup leak check (`self_check`): a backend against per-document XLA runs on a packed batch.
 
 A backend that lets a token see another document of its row (forward), or that routes gradient
 across documents (backward only), trains without any error and quietly hurts the model. The
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from segpack.attention import dispatch
 from segpack.attention import xla as xla_lib
 from segpack.attention.checks import AttentionInputError
 
@@ -162,19 +163,17 @@ def _resolve(implementation: str | Backend, interpret: bool,
   """The backend's name and a function with the backend signature."""
   if callable(implementation):
     return getattr(implementation, "__name__", repr(implementation)), implementation
-  from segpack import attention as attention_lib  # pylint: disable=g-import-not-at-top
-  if implementation not in attention_lib.IMPLEMENTATIONS:
+  if implementation not in dispatch.IMPLEMENTATIONS:
     raise AttentionInputError(
-        f"self_check: `implementation` must be one of {attention_lib.IMPLEMENTATIONS} or a "
+        f"self_check: `implementation` must be one of {dispatch.IMPLEMENTATIONS} or a "
         f"callable, got {implementation!r}")
   kw = dict(kwargs)
   if implementation == "cudnn":
     kw.setdefault("max_segments_per_row", PROBE_MAX_SEGMENTS)
 
   def backend(q, k, v, segment_ids, *, causal, scale):
-    return attention_lib.segment_attention(q, k, v, segment_ids, causal=causal, scale=scale,
-                                           implementation=implementation, interpret=interpret,
-                                           **kw)
+    return dispatch.segment_attention(q, k, v, segment_ids, causal=causal, scale=scale,
+                                      implementation=implementation, interpret=interpret, **kw)
 
   return implementation, backend
 
