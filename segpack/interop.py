@@ -2,14 +2,16 @@
 
 Both functions accept NumPy or JAX arrays of shape `[S]` or `[B, S]` (segment ids 1..k in row
 order, 0 = padding, as `segpack.pack_dataset` produces them) and return the same kind of array.
-NumPy inputs are computed with NumPy (no JAX import); JAX inputs with `jax.numpy`, jit-compatible
-with static output shapes.
+NumPy inputs are computed with NumPy; JAX inputs with `jax.numpy`, jit-compatible with static
+output shapes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -21,7 +23,6 @@ def _namespace(x: Any):
   """(array module, array) for `x`: NumPy for NumPy arrays and Python sequences, else jax.numpy."""
   if isinstance(x, (np.ndarray, np.generic, list, tuple)):
     return np, np.asarray(x)
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   return jnp, jnp.asarray(x)
 
 
@@ -113,7 +114,6 @@ def position_ids(segment_ids: Any) -> Any:
   if xp is np:
     start_BxS = np.maximum.accumulate(marks_BxS, axis=1)
   else:
-    import jax  # pylint: disable=g-import-not-at-top
     start_BxS = jax.lax.cummax(marks_BxS, axis=1)
   pos_BxS = xp.where(ids_BxS != 0, slot_S[None, :] - start_BxS, 0).astype(xp.int32)
   return pos_BxS[0] if ids.ndim == 1 else pos_BxS

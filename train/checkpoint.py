@@ -16,7 +16,9 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 # Config keys that may change between a run and its resumption (they do not change the math of
 # the steps already taken or the batches still to come).
@@ -134,8 +136,6 @@ def _gather_json(value: dict[str, Any]) -> dict[str, Any]:
   """`{str(process_index): value}` over all processes (a single process needs no collective)."""
   if jax.process_count() == 1:
     return {"0": value}
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   encoded = json.dumps(value).encode()
   size = int(np.max(multihost_utils.process_allgather(np.int32(len(encoded)))))
   buf = np.zeros(size, np.uint8)

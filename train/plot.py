@@ -23,9 +23,9 @@ def plot(workdir: str, *, out: str | None = None) -> str:
     FileNotFoundError: `WORKDIR/metrics.jsonl` does not exist.
     ValueError: it holds no train records.
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # optional: the [plot] extra; the trainer runs without it
   matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import pyplot as plt  # optional: the [plot] extra, after choosing Agg
 
   records = metrics_lib.read(workdir)
   train = [r for r in records if r.get("kind") == "train"]

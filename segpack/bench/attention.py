@@ -1,9 +1,9 @@
 """Segment attention benchmark: tiles computed versus dense and ideal; GPU time and TFLOP/s.
 
-    python -m segpack.bench.attention [--json] [--plot out.png]
+    segpack bench attention [--json] [--plot out.png]     # or python -m segpack.bench.attention
 
-Rows come from real packing (`segpack.packing.plan`, first-fit-decreasing; a local FFD if that
-module is unavailable) of lognormal document lengths (mean 800, sigma 1.0). For every
+Rows come from real packing (`segpack.packing.plan`, first-fit-decreasing) of lognormal document
+lengths (mean 800, sigma 1.0). For every
 (seq_len, head_dim) it reports, summed over the benchmark rows and per head:
 
 - `tiles_computed`: (query block, key block) tiles the segment kernel's forward visits;
@@ -35,6 +35,7 @@ from jax.experimental.pallas.ops.gpu import attention as jax_attention
 import jax.numpy as jnp
 import numpy as np
 
+from segpack import packing
 from segpack.attention import blocks
 from segpack.attention import segment_attention
 from segpack.attention.pallas import segment_attention_pallas
@@ -51,37 +52,16 @@ def lognormal_lengths(n: int, *, mean: float, sigma: float, seed: int) -> np.nda
       np.int64)
 
 
-def _ffd_rows(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
-  """Fallback first-fit-decreasing (long documents split into seq_len chunks)."""
-  pieces = []
-  for n in lengths:
-    pieces += [seq_len] * int(n // seq_len) + ([int(n % seq_len)] if n % seq_len else [])
-  rows, free = [], []
-  for p in sorted(pieces, reverse=True):
-    fits = [i for i, f in enumerate(free) if f >= p]
-    if fits:
-      rows[fits[0]].append(p)
-      free[fits[0]] -= p
-    else:
-      rows.append([p])
-      free.append(seq_len - p)
-  return rows
-
-
 def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float,
                 seed: int) -> tuple[np.ndarray, str]:
   """`[num_rows, seq_len]` segment ids of rows sampled from a real packing plan."""
   lengths = lognormal_lengths(max(64, 8 * num_rows * seq_len // int(mean)), mean=mean,
                               sigma=sigma, seed=seed)
-  try:
-    from segpack import packing  # pylint: disable=g-import-not-at-top
-    p = packing.plan(lengths, seq_len, strategy="ffd")
-    splits = np.asarray(p.row_splits)
-    piece_len = np.asarray(p.length)
-    rows = [list(piece_len[splits[r]:splits[r + 1]]) for r in range(p.num_rows)]
-    source = "segpack.packing.plan(ffd)"
-  except ImportError:
-    rows, source = _ffd_rows(lengths, seq_len), "local ffd"
+  p = packing.plan(lengths, seq_len, strategy="ffd")
+  splits = np.asarray(p.row_splits)
+  piece_len = np.asarray(p.length)
+  rows = [list(piece_len[splits[r]:splits[r + 1]]) for r in range(p.num_rows)]
+  source = "segpack.packing.plan(ffd)"
   picks = np.random.default_rng(seed).choice(len(rows), size=num_rows, replace=False)
   seg = np.zeros((num_rows, seq_len), np.int32)
   for out_row, r in enumerate(sorted(picks)):
@@ -258,9 +238,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
   """Tiles (computed, dense, ideal) against S and, if measured, forward+backward times."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib  # optional: the [plot] extra, needed only with --plot
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt  # optional: the [plot] extra, after choosing Agg
   timed = any(isinstance(r.get("segment_fwdbwd_ms"), float) for r in results)
   fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 6, 4.5), squeeze=False)
   ax = axes[0, 0]
@@ -296,7 +276,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   """The command line of `main`, also for running `run` in-process (`segpack.bench.gpu_report`)."""
-  ap = argparse.ArgumentParser(prog="python -m segpack.bench.attention", description=__doc__,
+  ap = argparse.ArgumentParser(prog="segpack bench attention", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
   ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])

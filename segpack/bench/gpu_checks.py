@@ -1,6 +1,6 @@
 """GPU correctness checks of the attention backends, shared by the `gpu` tests and the report.
 
-`tests/test_gpu.py` (marked `gpu`) and `python -m segpack.bench.gpu_report` run the same checks:
+`tests/test_gpu.py` (marked `gpu`) and `segpack bench gpu-report` run the same checks:
 
 1. `make_case`: the segment ids of a grid point: rows of a real first-fit-decreasing packing plan
    (`segpack.packing.plan`, lognormal document lengths of mean 800, documents longer than S

@@ -1,7 +1,7 @@
 """One command for a GPU: attention correctness over the test grid, cuDNN memory, benchmark.
 
-    python -m segpack.bench.gpu_report [--out gpu_report.json] [--quick] [--platform cpu]
-                                       [--jobs 4] [--no-bench]
+    segpack bench gpu-report [--out gpu_report.json] [--quick] [--platform cpu] [--jobs 4]
+                             [--no-bench]            # or python -m segpack.bench.gpu_report
 
 On a CUDA GPU it runs every check of `segpack.bench.gpu_checks` over the grid of the `gpu` tests
 (`tests/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory check at N = 32, and the
@@ -231,7 +231,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(prog="python -m segpack.bench.gpu_report", description=__doc__,
+  ap = argparse.ArgumentParser(prog="segpack bench gpu-report", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default="gpu_report.json", help="the JSON report (written atomically)")
   ap.add_argument("--quick", action="store_true", help="a small subset of the grid")
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "full": gpu_checks.FULL_GRID}[mode]
   out = pathlib.Path(args.out)
   report: dict[str, Any] = dict(
-      command=" ".join(["python -m segpack.bench.gpu_report",
+      command=" ".join(["segpack bench gpu-report",
                         *(sys.argv[1:] if argv is None else argv)]),
       mode=mode, device=device_info(), versions=versions(),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

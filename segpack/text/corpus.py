@@ -41,6 +41,8 @@ import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
+from pydoc_data import topics as pydoc_topics
+
 from segpack import files
 from segpack import shards as shards_lib
 from segpack.text import encode
@@ -171,9 +173,7 @@ def _module_documents(root: Path, rel: Path) -> Iterator[tuple[str, str]]:
 
 
 def _topics() -> dict[str, str]:
-  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
-
-  return topics.topics
+  return pydoc_topics.topics
 
 
 def builtin_documents(*, split: str, size: str = "full") -> Iterator[tuple[str, str]]:

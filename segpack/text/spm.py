@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import sentencepiece
+from sentencepiece import sentencepiece_model_pb2
 
 from segpack import files
 from segpack import shards
@@ -107,7 +108,6 @@ class SpmTokenizer:
     """The id of `piece` when it is a user-defined symbol of the model (always encoded as that
     one piece, whatever surrounds it), else None."""
     if self._user_defined is None:
-      from sentencepiece import sentencepiece_model_pb2  # pylint: disable=g-import-not-at-top
       proto = sentencepiece_model_pb2.ModelProto()
       proto.ParseFromString(self.model_file.read_bytes())
       kind = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
