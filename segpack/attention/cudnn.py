@@ -162,7 +162,7 @@ def check_segment_count(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
 
 def _fused_attention_module():
   try:
-    from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=g-import-not-at-top
+    from jax._src.cudnn import fused_attention_stablehlo  # optional: private, absent in some JAX
   except ImportError as e:  # pragma: no cover - depends on the JAX build
     raise CudnnUnavailableError(
         f"segment_attention(implementation='cudnn'): this JAX ({jax.__version__}) has no cuDNN "
