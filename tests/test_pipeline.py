@@ -1,4 +1,4 @@
-"""Tests for segpack.pipeline.pack_dataset against independent, naive oracles.
+"""Tests for segpack.pack_dataset against independent, naive oracles.
 
 The oracles never use the plan or the row builder: they rebuild every document's expected chunks
 directly from the contract (virtual sequence = [BOS] + tokens + [EOS], chunk c covers
@@ -9,6 +9,7 @@ with plain Python loops.
 import collections
 import os
 import sys
+import types
 
 import grain
 import numpy as np
@@ -98,12 +99,20 @@ def row_key(row):
   return tuple(row["input_ids"].tolist()) + tuple(row["segment_ids"].tolist())
 
 
-def pack(docs, **kwargs):
-  kwargs.setdefault("bos_id", BOS)
-  kwargs.setdefault("eos_id", EOS)
-  kwargs.setdefault("shard_index", 0)
-  kwargs.setdefault("shard_count", 1)
-  return segpack.pack_dataset(docs, **kwargs)
+def one_shard(index=0, count=1, drop_remainder=False):
+  """Sharding as a plain object with ShardOptions' fields (no validation of its own)."""
+  return types.SimpleNamespace(shard_index=index, shard_count=count,
+                               drop_remainder=drop_remainder)
+
+
+def pack(docs, *, add_bos=True, add_eos=True, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+         long_docs="split", overlap=0, min_len=0, shard_index=0, shard_count=1, **kwargs):
+  """`pack_dataset` with the tests' ids and one shard, the flat arguments put into their groups."""
+  kwargs.setdefault("shard_options", one_shard(shard_index, shard_count))
+  return segpack.pack_dataset(
+      docs, special_tokens=segpack.SpecialTokens(add_bos=add_bos, add_eos=add_eos, bos_id=bos_id,
+                                                 eos_id=eos_id, pad_id=pad_id),
+      long_docs=segpack.LongDocs(mode=long_docs, overlap=overlap, min_len=min_len), **kwargs)
 
 
 @pytest.mark.parametrize("strategy", ["ffd", "bfd", "greedy", "pad", "sorted_pad"])
@@ -203,13 +212,13 @@ def test_multiprocess_union(count):
           assert not row["segment_ids"].any() and (row["labels"] == -100).all()
     assert sorted(got) == sorted(row_key(whole[epoch * n + i]) for i in range(n))
   options = grain.sharding.ShardOptions(shard_index=1, shard_count=count, drop_remainder=True)
-  dropped = pack(docs, seq_len=32, seed=3, num_epochs=1, shard_index=None, shard_count=None,
-                 shard_options=options)
+  dropped = pack(docs, seq_len=32, seed=3, num_epochs=1, shard_options=options)
   assert len(dropped) == n // count
 
 
 def test_default_sharding_is_jax_process():
-  ds = segpack.pack_dataset(make_docs(10), seq_len=32, bos_id=BOS, eos_id=EOS, num_epochs=1)
+  ds = segpack.pack_dataset(make_docs(10), seq_len=32, num_epochs=1,
+                            special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS))
   assert len(ds) == ds.num_plan_rows  # one process
 
 
@@ -298,12 +307,12 @@ def test_bad_inputs():
     pack(docs, seq_len=32, strategy="fdd")
   with pytest.raises(pipeline.PipelineConfigError, match="no documents"):
     pack([], seq_len=32)
-  with pytest.raises(ValueError, match="long_docs 'drop'"):
+  with pytest.raises(ValueError, match="long_docs.mode must be one of split, truncate, got 'drop'"):
     pack(docs, seq_len=32, long_docs="drop")
   with pytest.raises(ValueError, match="bos_id"):
-    segpack.pack_dataset(docs, seq_len=32, eos_id=EOS, shard_index=0, shard_count=1)
+    pack(docs, seq_len=32, bos_id=None)
   with pytest.raises(ValueError, match="eos_id"):
-    segpack.pack_dataset(docs, seq_len=32, bos_id=BOS, shard_index=0, shard_count=1)
+    pack(docs, seq_len=32, eos_id=None)
   with pytest.raises(ValueError, match="overlap"):
     pack(docs, seq_len=32, overlap=32)
   with pytest.raises(ValueError, match="shard_index"):
@@ -315,7 +324,7 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="seed"):
     pack(docs, seq_len=32, seed=-1)
   with pytest.raises(ValueError, match="fewer than shard_count=1000"):
-    pack(docs[:2], seq_len=32, shard_index=None, shard_count=None,
+    pack(docs[:2], seq_len=32,
          shard_options=grain.sharding.ShardOptions(0, 1000, drop_remainder=True))
   for name in ("overlap", "min_len", "num_epochs", "max_segments_per_row"):
     with pytest.raises(pipeline.PipelineConfigError, match=f"{name} must .*got True"):
@@ -368,7 +377,7 @@ def test_special_ids_from_manifest_and_pickling(tmp_path):
   import pickle
   docs = make_docs(30, seed=15, max_len=50)
   src = write_shards(tmp_path / "data", docs, bos_id=BOS, eos_id=EOS)
-  ds = segpack.pack_dataset(str(tmp_path / "data"), seq_len=32, shard_index=0, shard_count=1,
+  ds = segpack.pack_dataset(str(tmp_path / "data"), seq_len=32, shard_options=one_shard(),
                             num_epochs=1)
   assert sorted(s for r in ds for s in segments_of(r)) == sorted(expected_chunks(docs, 32))
   blob = pickle.dumps(ds)

@@ -5,14 +5,18 @@ trainer's `Data.max_segments_in_row` (global and minibatch packing); and `train.
 that bound, rounded up by `cudnn_segment_bound`, to the model.
 """
 
+import grain
 import numpy as np
 import pytest
 
 from configs import packed
-from segpack.data import packed as pipeline
 from segpack.attention import cudnn
+from segpack.data.options import SpecialTokens
+from segpack.data.packed import pack_dataset
 from train import data as data_lib
 from train import model as model_lib
+
+IDS = SpecialTokens(bos_id=1, eos_id=2)
 
 
 def _docs(n, *, seed, max_len):
@@ -37,8 +41,9 @@ def _naive_max(datasets):
 @pytest.mark.parametrize("cap", [None, 3, 5])
 def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
   docs = _docs(300, seed=0, max_len=12)  # short documents: many per row
-  kw = dict(seq_len=48, num_epochs=1, bos_id=1, eos_id=2, max_segments_per_row=cap)
-  shards = [pipeline.pack_dataset(docs, shard_index=i, shard_count=2, **kw) for i in range(2)]
+  kw = dict(seq_len=48, num_epochs=1, special_tokens=IDS, max_segments_per_row=cap)
+  shards = [pack_dataset(docs, shard_options=grain.sharding.ShardOptions(i, 2), **kw)
+            for i in range(2)]
   want = _naive_max(shards)  # over every row of the epoch, both processes
   assert shards[0].max_segments_in_row == shards[1].max_segments_in_row == want
   if cap is None:
@@ -49,8 +54,8 @@ def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
 
 
 def test_max_segments_in_row_of_one_document_per_row():
-  ds = pipeline.pack_dataset(_docs(20, seed=1, max_len=30), seq_len=64, num_epochs=1,
-                             strategy="pad", bos_id=1, eos_id=2, shard_index=0, shard_count=1)
+  ds = pack_dataset(_docs(20, seed=1, max_len=30), seq_len=64, num_epochs=1, strategy="pad",
+                    special_tokens=IDS, shard_options=grain.sharding.ShardOptions(0, 1))
   assert ds.max_segments_in_row == _naive_max([ds]) == 1
 
 

@@ -1,4 +1,4 @@
-"""Loss masks through packing, and minibatch packing (segpack.minibatch via pack_dataset).
+"""Loss masks through packing, and minibatch packing (`pack_dataset`, `pack_minibatches`).
 
 Oracles: every token id encodes its (conversation, position), so the rows alone tell which
 (conversation, input slot, target slot) pairs carry loss; the expected pairs come from a naive
@@ -16,9 +16,13 @@ import pytest
 from masked_source import MaskedDocs
 from segpack import packing
 from segpack.data import packed as pipeline
+from segpack.data.minibatch import pack_minibatches
+from segpack.data.options import LongDocs, SpecialTokens
 from segpack import shards
 
 BOS, EOS = 1, 2
+ONE = grain.sharding.ShardOptions(shard_index=0, shard_count=1)
+IDS = SpecialTokens(bos_id=BOS, eos_id=EOS)
 STRIDE = 10_000
 
 
@@ -94,8 +98,9 @@ def _rows_of(ds):
 @pytest.mark.parametrize("strategy, overlap", [("ffd", 0), ("ffd", 3), ("greedy", 0)])
 def test_global_packing_trains_exactly_the_masked_pairs(tmp_path, strategy, overlap):
   src, masks = make_source(tmp_path)
-  ds = pipeline.pack_dataset(src, seq_len=16, strategy=strategy, overlap=overlap, num_epochs=1,
-                             shard_index=0, shard_count=1, plan_cache_dir=tmp_path / "plans")
+  ds = pipeline.pack_dataset(src, seq_len=16, strategy=strategy,
+                             long_docs=LongDocs(overlap=overlap), num_epochs=1, shard_options=ONE,
+                             plan_cache_dir=tmp_path / "plans")
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, overlap)
   # The batched (vectorized) path agrees with the per-row path.
   batch = ds.get_batch(np.arange(len(ds)))
@@ -105,28 +110,27 @@ def test_global_packing_trains_exactly_the_masked_pairs(tmp_path, strategy, over
 
 def test_mask_can_be_ignored_and_sequence_sources_work(tmp_path):
   src, masks = make_source(tmp_path, num=10)
-  full = pipeline.pack_dataset(src, seq_len=16, num_epochs=1, shard_index=0, shard_count=1,
+  full = pipeline.pack_dataset(src, seq_len=16, num_epochs=1, shard_options=ONE,
                                loss_mask=False, plan_cache_dir=tmp_path / "p")
   every = [np.ones_like(m) for m in masks]
   assert row_pairs(_rows_of(full)) == naive_pairs(every, 16, 0)
 
 
   listed = MaskedDocs([np.asarray(src[i]) for i in range(len(src))], masks)
-  ds = pipeline.pack_dataset(listed, seq_len=16, num_epochs=1, shard_index=0, shard_count=1,
-                             bos_id=BOS, eos_id=EOS, mode="minibatch", examples_per_batch=3)
+  ds = pack_minibatches(listed, seq_len=16, num_epochs=1, shard_options=ONE,
+                        special_tokens=IDS, examples_per_batch=3)
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
   with pytest.raises(pipeline.PipelineConfigError, match="has no loss mask"):
-    pipeline.pack_dataset([np.arange(3, 9)], seq_len=16, bos_id=1, eos_id=2, loss_mask=True,
-                          shard_index=0, shard_count=1)
+    pipeline.pack_dataset([np.arange(3, 9)], seq_len=16, special_tokens=IDS, loss_mask=True,
+                          shard_options=ONE)
 
 
 @pytest.mark.parametrize("k, drop", [(4, False), (7, False), (7, True)])
 def test_minibatch_mode_draws_the_unpacked_minibatches(tmp_path, k, drop):
   src, masks = make_source(tmp_path)
   n, seed, epochs = len(src), 5, 2
-  ds = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=k, seed=seed,
-                             num_epochs=epochs, drop_remainder=drop, shard_index=0,
-                             shard_count=1)
+  ds = pack_minibatches(src, seq_len=16, examples_per_batch=k, seed=seed, num_epochs=epochs,
+                        drop_remainder=drop, shard_options=ONE)
   # Unpacked training: the same examples, batched by k, takes this many steps per epoch.
   unpacked = grain.MapDataset.range(n).batch(k, drop_remainder=drop)
   assert len(ds) == epochs * len(unpacked) == epochs * (n // k if drop else math.ceil(n / k))
@@ -140,18 +144,17 @@ def test_minibatch_mode_draws_the_unpacked_minibatches(tmp_path, k, drop):
       assert seen == set(perm[b * k:(b + 1) * k].tolist())
       step += 1
   # Over one epoch, every trained pair of every conversation, exactly once.
-  one = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=k,
-                              seed=seed, num_epochs=1, shard_index=0, shard_count=1)
+  one = pack_minibatches(src, seq_len=16, examples_per_batch=k, seed=seed, num_epochs=1,
+                         shard_options=ONE)
   if not drop:
     assert row_pairs(_rows_of(one)) == naive_pairs(masks, 16, 0)
 
 
 def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   src, _ = make_source(tmp_path)
-  kw = dict(seq_len=16, mode="minibatch", examples_per_batch=8, num_epochs=3, shard_index=0,
-            shard_count=1)
-  packed = pipeline.pack_dataset(src, strategy="ffd", **kw)
-  padded = pipeline.pack_dataset(src, strategy="pad", **kw)
+  kw = dict(seq_len=16, examples_per_batch=8, num_epochs=3, shard_options=ONE)
+  packed = pack_minibatches(src, strategy="ffd", **kw)
+  padded = pack_minibatches(src, strategy="pad", **kw)
   assert len(packed) == len(padded)
   assert packed.rows_per_batch < padded.rows_per_batch
   assert packed.padded_slot_fraction(0) < padded.padded_slot_fraction(0)
@@ -166,18 +169,18 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   assert packed.rows_per_batch == need
   with pytest.raises(pipeline.PipelineConfigError,
                      match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):
-    pipeline.pack_dataset(src, rows_per_batch=1, **kw)
+    pack_minibatches(src, rows_per_batch=1, **kw)
   # Infinite: a static bound that every batch fits.
-  inf = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=8,
-                              shard_index=0, shard_count=1)
+  inf = pack_minibatches(src, seq_len=16, examples_per_batch=8, shard_options=ONE)
   assert inf.rows_per_batch >= need and inf[10 * len(packed)]["input_ids"].shape[0] >= need
 
 
 def test_no_conversation_is_split_unless_longer_than_a_row(tmp_path):
   src, masks = make_source(tmp_path)
-  for kw in (dict(mode="minibatch", examples_per_batch=6),
-             dict(mode="minibatch", tokens_per_batch=96), dict(mode="global", strategy="ffd")):
-    ds = pipeline.pack_dataset(src, seq_len=16, num_epochs=1, shard_index=0, shard_count=1, **kw)
+  for pack, kw in ((pack_minibatches, dict(examples_per_batch=6)),
+                   (pack_minibatches, dict(tokens_per_batch=96)),
+                   (pipeline.pack_dataset, dict(strategy="ffd"))):
+    ds = pack(src, seq_len=16, num_epochs=1, shard_options=ONE, **kw)
     segments = collections.Counter()
     for row in _rows_of(ds):
       for s in set(row["segment_ids"].tolist()) - {0}:
@@ -194,8 +197,8 @@ def test_no_conversation_is_split_unless_longer_than_a_row(tmp_path):
 def test_token_budget_batches(tmp_path):
   src, masks = make_source(tmp_path)
   seed = 3
-  ds = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", tokens_per_batch=96, seed=seed,
-                             num_epochs=1, shard_index=0, shard_count=1)
+  ds = pack_minibatches(src, seq_len=16, tokens_per_batch=96, seed=seed, num_epochs=1,
+                        shard_options=ONE)
   assert ds.rows_per_batch == 6
   perm = np.random.default_rng(np.random.SeedSequence([seed, 0])).permutation(len(src))
   order = []
@@ -213,20 +216,20 @@ def test_token_budget_batches(tmp_path):
   assert order == perm.tolist()
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
   with pytest.raises(pipeline.PipelineConfigError, match="tokens_per_batch=8 is less than seq_len"):
-    pipeline.pack_dataset(src, seq_len=16, mode="minibatch", tokens_per_batch=8, num_epochs=1,
-                          shard_index=0, shard_count=1)
+    pack_minibatches(src, seq_len=16, tokens_per_batch=8, num_epochs=1, shard_options=ONE)
   with pytest.raises(pipeline.PipelineConfigError, match="document 3 needs 6 rows"):
-    pipeline.pack_dataset(src, seq_len=16, mode="minibatch", tokens_per_batch=32, num_epochs=1,
-                          shard_index=0, shard_count=1, shuffle=False)
+    pack_minibatches(src, seq_len=16, tokens_per_batch=32, num_epochs=1, shard_options=ONE,
+                     shuffle=False)
 
 
 def test_minibatch_processes_split_each_batch(tmp_path):
   src, _ = make_source(tmp_path)
-  kw = dict(seq_len=16, mode="minibatch", examples_per_batch=8, num_epochs=1)
-  parts = [pipeline.pack_dataset(src, shard_index=p, shard_count=2, **kw) for p in range(2)]
+  kw = dict(seq_len=16, examples_per_batch=8, num_epochs=1)
+  parts = [pack_minibatches(src, shard_options=grain.sharding.ShardOptions(p, 2), **kw)
+           for p in range(2)]
   rows = parts[0].rows_per_batch
   assert rows % 2 == 0 and parts[1].rows_per_batch == rows
-  whole = pipeline.pack_dataset(src, shard_index=0, shard_count=1, rows_per_batch=rows, **kw)
+  whole = pack_minibatches(src, shard_options=ONE, rows_per_batch=rows, **kw)
   for i in range(len(whole)):
     a, b = parts[0][i]["input_ids"], parts[1][i]["input_ids"]
     assert a.shape == b.shape == (rows // 2, 16)
@@ -235,28 +238,28 @@ def test_minibatch_processes_split_each_batch(tmp_path):
     assert (merged == whole[i]["input_ids"]).all()
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(), "exactly one of examples_per_batch and tokens_per_batch"),
-    (dict(examples_per_batch=2, tokens_per_batch=64), "exactly one of"),
-    (dict(examples_per_batch=0), "examples_per_batch must be None or an int >= 1, got 0"),
-    (dict(examples_per_batch=2, max_segments_per_row=2), "max_segments_per_row=2 is not"),
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(), pipeline.PipelineConfigError,
+     "exactly one of examples_per_batch and tokens_per_batch"),
+    (dict(examples_per_batch=2, tokens_per_batch=64), pipeline.PipelineConfigError,
+     "exactly one of"),
+    (dict(examples_per_batch=0), pipeline.PipelineConfigError,
+     "examples_per_batch must be None or an int >= 1, got 0"),
+    (dict(examples_per_batch=2, drop_remainder="yes"), pipeline.PipelineConfigError,
+     "drop_remainder must be a bool, got 'yes'"),
+    (dict(examples_per_batch=2, max_segments_per_row=2), TypeError, "max_segments_per_row"),
 ])
-def test_minibatch_bad_arguments(tmp_path, kw, match):
+def test_minibatch_bad_arguments(tmp_path, kw, error, match):
   src, _ = make_source(tmp_path, num=5)
-  with pytest.raises(pipeline.PipelineConfigError, match=match):
-    pipeline.pack_dataset(src, seq_len=16, mode="minibatch", shard_index=0, shard_count=1, **kw)
-  with pytest.raises(pipeline.PipelineConfigError, match="mode must be 'global' or 'minibatch'"):
-    pipeline.pack_dataset(src, seq_len=16, mode="mini", shard_index=0, shard_count=1)
-  with pytest.raises(pipeline.PipelineConfigError, match="only for mode='minibatch'"):
-    pipeline.pack_dataset(src, seq_len=16, examples_per_batch=4, shard_index=0, shard_count=1)
+  with pytest.raises(error, match=match):
+    pack_minibatches(src, seq_len=16, shard_options=ONE, **kw)
 
 
 def test_minibatch_dataset_resumes_and_pickles(tmp_path):
   import pickle  # pylint: disable=g-import-not-at-top
 
   src, _ = make_source(tmp_path)
-  ds = pipeline.pack_dataset(src, seq_len=16, mode="minibatch", examples_per_batch=6,
-                             shard_index=0, shard_count=1)  # infinite
+  ds = pack_minibatches(src, seq_len=16, examples_per_batch=6, shard_options=ONE)  # infinite
   it = ds.to_iter_dataset().__iter__()
   for _ in range(9):  # into the second epoch (7 batches per epoch)
     next(it)

@@ -2,11 +2,13 @@
 
 import math
 
+import grain
 import numpy as np
 import pytest
 
 from configs import sft
 from segpack import shards
+from segpack.data.minibatch import pack_minibatches
 from train import data as data_lib
 
 
@@ -55,7 +57,6 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from segpack import loss
-  from segpack.data import packed as pipeline
   from segpack.text import chat_corpus
   from train import model as model_lib  # pylint: disable=g-import-not-at-top
 
@@ -65,10 +66,10 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
                                 num_kv_heads=2, head_dim=16, d_ff=64,
                                 attention_implementation="xla")
   model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))
-  kw = dict(seq_len=256, mode="minibatch", examples_per_batch=6, seed=1, num_epochs=1,
-            shard_index=0, shard_count=1)
-  padded = pipeline.pack_dataset(train_dir, strategy="pad", **kw)
-  packed = pipeline.pack_dataset(train_dir, strategy="ffd", **kw)
+  kw = dict(seq_len=256, examples_per_batch=6, seed=1, num_epochs=1,
+            shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
+  padded = pack_minibatches(train_dir, strategy="pad", **kw)
+  packed = pack_minibatches(train_dir, strategy="ffd", **kw)
   for step in (0, 1):
     losses = []
     for ds in (padded, packed):

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +30,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import packed as packed_config
-from segpack.data import packed as pipeline
+from segpack.data.options import SpecialTokens
+from segpack.data.packed import pack_dataset
 from train import data as data_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -50,8 +52,9 @@ def _documents(size: str, num_docs: int, seed: int) -> tuple[list[np.ndarray], i
 
 
 def _epoch_batches(docs, *, strategy: str, seq_len: int, batch_size: int, ids: dict[str, int]):
-  rows = pipeline.pack_dataset(docs, seq_len=seq_len, strategy=strategy, shuffle=False,
-                               num_epochs=1, shard_index=0, shard_count=1, **ids)
+  rows = pack_dataset(docs, seq_len=seq_len, strategy=strategy, shuffle=False, num_epochs=1,
+                      special_tokens=SpecialTokens(**ids),
+                      shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
   batches = rows.batch(batch_size, drop_remainder=False)
   return [data_lib.pad_batch(batches[i], batch_size) for i in range(len(batches))]
 

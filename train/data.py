@@ -1,15 +1,15 @@
 """Training and evaluation batches for the trainer: the built-in corpus, the built-in chat corpus
 (assistant-only loss) or synthetic documents.
 
-Each process reads only its own rows (`pack_dataset(shard_index=process_index,
-shard_count=process_count)`) and batches them to `batch_size / process_count` rows; the step
+Each process reads only its own rows (`pack_dataset(shard_options=ShardOptions(process_index,
+process_count))`) and batches them to `batch_size / process_count` rows; the step
 function assembles the global batch with `jax.make_array_from_process_local_data`. The training
 set is an infinite `grain.MapDataset` of batches, so its position is one integer, which Grain's
 `DatasetIterator.get_state()` exposes and the checkpoint stores.
 
 With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
 minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
-into the `batch_size` rows of a step.
+into the `batch_size` rows of a step (`pack_minibatches`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from typing import Any
 import grain
 import numpy as np
 
-from segpack.data import packed as pipeline
+from segpack.data.minibatch import pack_minibatches
+from segpack.data.options import LongDocs, SpecialTokens
+from segpack.data.packed import pack_dataset
+from segpack.text import chat_corpus
+from segpack.text import corpus
+from segpack.text import spm
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 
@@ -106,15 +111,11 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
                                    seed=spec.seed + 1)
     return train, held_out, spec.synthetic_vocab, dict(bos_id=SYNTHETIC_BOS, eos_id=SYNTHETIC_EOS)
   if spec.source == "builtin":
-    from segpack.text import corpus  # pylint: disable=g-import-not-at-top
-    import sentencepiece  # pylint: disable=g-import-not-at-top
     built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir, progress=True)
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(built.spm_model))
-    ids = dict(bos_id=int(sp.bos_id()), eos_id=int(sp.eos_id()))
+    tok = spm.SpmTokenizer(built.spm_model)
+    ids = dict(bos_id=int(tok.bos_id), eos_id=int(tok.eos_id))
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
   if spec.source == "builtin_chat":
-    from segpack.text import chat_corpus  # pylint: disable=g-import-not-at-top
-    from segpack.text import spm  # pylint: disable=g-import-not-at-top
     built = chat_corpus.ensure_builtin_chat(size=spec.size, train_on=spec.train_on,
                                             cache_dir=spec.cache_dir)
     tok = spm.SpmTokenizer(built.spm_model)
@@ -139,18 +140,20 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
         f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
   local = batch_size // process_count
   train_src, eval_src, vocab, ids = _sources(spec)
-  common = dict(seq_len=spec.seq_len, strategy=spec.strategy, long_docs=spec.long_docs,
-                add_bos=spec.add_bos, add_eos=spec.add_eos,
-                max_segments_per_row=spec.max_segments_per_row, shard_index=process_index,
-                shard_count=process_count, **ids)
-  eval_rows = pipeline.pack_dataset(eval_src, shuffle=False, num_epochs=1, **common)
+  common = dict(
+      seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
+      special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids),
+      shard_options=grain.sharding.ShardOptions(shard_index=process_index,
+                                                shard_count=process_count))
+  eval_rows = pack_dataset(eval_src, shuffle=False, num_epochs=1,
+                           max_segments_per_row=spec.max_segments_per_row, **common)
   if spec.mode == "minibatch":
     return _minibatch_data(spec, train_src, eval_rows, common, batch_size=batch_size,
                            local=local, vocab=vocab)
   if spec.mode != "global":
     raise DataConfigError(f"packing.mode must be 'global' or 'minibatch', got {spec.mode!r}")
-  train_rows = pipeline.pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
-                                     **common)
+  train_rows = pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
+                            max_segments_per_row=spec.max_segments_per_row, **common)
   return Data(
       train=train_rows.batch(local, drop_remainder=True),
       eval=eval_rows.batch(local, drop_remainder=False),
@@ -171,9 +174,8 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict
         f"train.batch_size={batch_size}; make them agree")
   if spec.max_segments_per_row is not None:
     raise DataConfigError("packing.max_segments_per_row is not supported with mode='minibatch'")
-  common = {k: v for k, v in common.items() if k != "max_segments_per_row"}
-  train = pipeline.pack_dataset(
-      train_src, mode="minibatch", seed=spec.seed, shuffle=True, num_epochs=None,
+  train = pack_minibatches(
+      train_src, seed=spec.seed, shuffle=True, num_epochs=None,
       examples_per_batch=spec.examples_per_batch, tokens_per_batch=spec.tokens_per_batch,
       rows_per_batch=batch_size, **common)
   steps = train.batches_in_epoch(0)

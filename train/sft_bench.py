@@ -5,10 +5,10 @@ ways and prints, for each: optimizer steps, rows per step, padded-slot fraction,
 the held-out loss after the epoch.
 
 * `padding`: unpacked training: each minibatch of `--examples-per-batch` conversations, one
-  conversation per row (`pack_dataset(mode="minibatch", strategy="pad")`).
+  conversation per row (`pack_minibatches(strategy="pad")`).
 * `minibatch`: the same minibatches, each packed FFD into as few rows as fit
-  (`mode="minibatch"`, `strategy="ffd"`): the same steps on the same examples.
-* `global`: FFD over the whole epoch, batches of `--examples-per-batch` rows (`mode="global"`):
+  (`pack_minibatches(strategy="ffd")`): the same steps on the same examples.
+* `global`: FFD over the whole epoch, batches of `--examples-per-batch` rows (`pack_dataset`):
   fewest rows, so fewer optimizer steps.
 
 Usage:
@@ -31,17 +31,20 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import grain
 import numpy as np
 import optax
 from flax import nnx
 
 from segpack.text import chat_corpus
 from segpack import loss as loss_lib
-from segpack.data import packed as pipeline
+from segpack.data.minibatch import pack_minibatches
+from segpack.data.packed import pack_dataset
 from segpack import shards
 from train import model as model_lib
 
 METHODS = ("padding", "minibatch", "global")
+_ONE_PROCESS = grain.sharding.ShardOptions(shard_index=0, shard_count=1)  # all rows, here
 
 
 class SubsetSource:
@@ -80,13 +83,13 @@ class Result:
 
 def _batches(method: str, source: Any, *, seq_len: int, k: int, seed: int) -> list[dict]:
   """One epoch of batches (NumPy), each a dict of `[rows, seq_len]` int32 arrays."""
-  common = dict(seq_len=seq_len, seed=seed, num_epochs=1, shard_index=0, shard_count=1)
+  common = dict(seq_len=seq_len, seed=seed, num_epochs=1, shard_options=_ONE_PROCESS)
   if method == "global":
-    ds = pipeline.pack_dataset(source, strategy="ffd", **common)
+    ds = pack_dataset(source, strategy="ffd", **common)
     batched = ds.batch(k)
     return [batched[i] for i in range(len(batched))]
-  ds = pipeline.pack_dataset(source, mode="minibatch", examples_per_batch=k,
-                             strategy="pad" if method == "padding" else "ffd", **common)
+  ds = pack_minibatches(source, examples_per_batch=k,
+                        strategy="pad" if method == "padding" else "ffd", **common)
   return [ds[i] for i in range(len(ds))]
 
 
@@ -188,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   data = chat_corpus.ensure_builtin_chat(size=args.size, cache_dir=args.cache_dir)
   train = shards.ShardSource(data.train_dir)
   source = SubsetSource(train, args.max_train or len(train))
-  held = pipeline.pack_dataset(data.eval_dir, seq_len=args.seq_len, num_epochs=1, shuffle=False,
-                               shard_index=0, shard_count=1).batch(args.examples_per_batch)
+  held = pack_dataset(data.eval_dir, seq_len=args.seq_len, num_epochs=1, shuffle=False,
+                      shard_options=_ONE_PROCESS).batch(args.examples_per_batch)
   eval_batches = [held[i] for i in range(len(held))]
   print(f"built-in chat corpus ({args.size}): {len(source)} training conversations, "
         f"{int(source.lengths.sum()):,} tokens; {len(shards.ShardSource(data.eval_dir))} held out; "

@@ -115,14 +115,18 @@ def write_synthetic_shards(path: str, lengths: np.ndarray, *, vocab_size: int,
 def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
                work_dir: str | None, strategy: str) -> dict[str, Any]:
   """Tokens/s of `pack_dataset(...).batch(batch_size)` from memory-mapped shards."""
+  import grain  # pylint: disable=g-import-not-at-top
+  from segpack.data.options import SpecialTokens  # pylint: disable=g-import-not-at-top
   from segpack.data.packed import pack_dataset  # pylint: disable=g-import-not-at-top
 
   with tempfile.TemporaryDirectory(dir=work_dir, prefix="segpack-bench-") as tmp:
     data = os.path.join(tmp, "data")
     write_synthetic_shards(data, lengths, vocab_size=32000)
     t0 = time.perf_counter()
-    ds = pack_dataset(data, seq_len=seq_len, strategy=strategy, seed=0, bos_id=1, eos_id=2,
-                      shard_index=0, shard_count=1).batch(batch_size, drop_remainder=True)
+    ds = pack_dataset(data, seq_len=seq_len, strategy=strategy, seed=0,
+                      special_tokens=SpecialTokens(bos_id=1, eos_id=2),
+                      shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1)
+                      ).batch(batch_size, drop_remainder=True)
     setup_s = time.perf_counter() - t0
     n = min(num_batches, len(ds))
     ds[0]  # warm up (page cache, first-call costs)

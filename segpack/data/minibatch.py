@@ -1,5 +1,5 @@
-"""`MinibatchPackedDataset`: packed minibatches, one element per optimizer step
-(`pack_dataset(mode="minibatch")`; the planner is `segpack.packing.minibatch`).
+"""`pack_minibatches`: packed minibatches, one element per optimizer step (a
+`MinibatchPackedDataset`; the planner is `segpack.packing.minibatch`).
 
 Global packing (FFD over the whole epoch) needs the fewest rows, so with a fixed batch of rows an
 epoch takes fewer optimizer steps than unpacked training with the same batch size. For
@@ -18,12 +18,14 @@ from typing import Any
 import grain
 import numpy as np
 
+from segpack.data import options
 from segpack.data import rows as rows_lib
-from segpack.data.options import PipelineConfigError, SpecialTokens, positive_or_none
+from segpack.data import sources
+from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.packing.minibatch import EpochPlan, MinibatchPlanner
 from segpack.packing.plan import PlanArrays
 
-__all__ = ["MinibatchPackedDataset", "minibatch_dataset"]
+__all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 
 
 class MinibatchPackedDataset(grain.MapDataset):
@@ -36,7 +38,7 @@ class MinibatchPackedDataset(grain.MapDataset):
        last two kept).
     2. The batch's `rows_per_batch` rows (a multiple of `shard_count`) are rows `[b*R, (b+1)*R)`
        of the epoch plan; this process takes every `shard_count`-th of them from `shard_index`.
-    3. `segpack.rows.RowBuilder` builds them: a dict of int32 `[R / shard_count, seq_len]`
+    3. `segpack.data.rows.RowBuilder` builds them: a dict of int32 `[R / shard_count, seq_len]`
        arrays `input_ids`, `labels`, `segment_ids`, `segment_positions` (empty rows: padding).
 
   Example: 10 examples, k = 4: 3 batches per epoch (4, 4, 2 examples), as unpacked training
@@ -178,38 +180,109 @@ class MinibatchPackedDataset(grain.MapDataset):
     return 1.0 - float(np.asarray(plan.arrays.length, dtype=np.int64).sum()) / slots
 
 
-def minibatch_dataset(source: Any, lengths: np.ndarray, *, special: SpecialTokens,
-                       loss_mask: bool, mode: str, seq_len: int, strategy: str, long_docs: str,
-                       min_len: int, overlap: int, extra: int, seed: int, shuffle: bool,
-                       num_epochs: int | None, examples_per_batch: int | None,
-                       tokens_per_batch: int | None, rows_per_batch: int | None,
-                       drop_remainder: bool, max_segments_per_row: int | None,
-                       shard_index: int, shard_count: int) -> Any:
-  """`pack_dataset(mode="minibatch")`: validates its arguments and builds the dataset."""
-  if mode != "minibatch":
-    raise PipelineConfigError(f"pack_dataset: mode must be 'global' or 'minibatch', got {mode!r}")
+def pack_minibatches(
+    source: Any,
+    *,
+    seq_len: int,
+    examples_per_batch: int | None = None,
+    tokens_per_batch: int | None = None,
+    rows_per_batch: int | None = None,
+    drop_remainder: bool = False,
+    strategy: str = "ffd",
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
+    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
+    shard_options: grain.sharding.ShardOptions | None = None,
+    loss_mask: bool | None = None,
+    **deprecated: Any,
+) -> MinibatchPackedDataset:
+  """Packs the minibatches that unpacked random sampling draws, each on its own.
+
+  Element `i` is optimizer step `i`'s batch: a dict of int32 `[rows_per_batch / shard_count,
+  seq_len]` arrays `input_ids`, `labels`, `segment_ids`, `segment_positions` (docs/packing.md,
+  "Minibatch packing"). The algorithm:
+
+  1. Each epoch's example order is a permutation seeded by `(seed, epoch)` (the order unpacked
+     sampling uses; plan order without `shuffle`); documents with fewer than
+     `long_docs.min_len` tokens are left out.
+  2. The order is cut into minibatches: `examples_per_batch` examples each (the last one short,
+     or dropped with `drop_remainder`), or, with `tokens_per_batch`, consecutive examples while
+     their chunks fit `tokens_per_batch // seq_len` rows.
+  3. `strategy` packs each minibatch's pieces (documents as `[BOS] + tokens + [EOS]`, split or
+     truncated as `long_docs` says) into rows, padded with empty rows to `rows_per_batch`.
+  4. Each process takes every `shard_count`-th row of the batch from its `shard_index`;
+     `rows_per_batch` is rounded up to a multiple of `shard_count`.
+
+  Tiny example: 10 examples, `examples_per_batch=4`: every epoch has 3 steps (4, 4 and 2
+  examples), as unpacked training with batch size 4 does; element 4 is epoch 1's second batch,
+  and its rows hold exactly the examples at positions 4..7 of epoch 1's permutation.
+
+  Args:
+    source: a dataset directory, a `segpack.ShardSource`, or any random-access sequence of 1-D
+      integer arrays (a `grain.MapDataset` included).
+    seq_len: slots per row.
+    examples_per_batch: examples per minibatch (as unpacked training's batch size); exactly one
+      of it and `tokens_per_batch`.
+    tokens_per_batch: a token budget instead: each batch has `tokens_per_batch // seq_len` rows
+      and takes examples while they fit.
+    rows_per_batch: static rows per batch (over all processes); None: the most any batch needs
+      over `num_epochs` epochs (for an infinite dataset a bound no batch can exceed).
+    drop_remainder: drop each epoch's last, short minibatch.
+    strategy: planner for each minibatch, one of `segpack.packing.STRATEGIES`.
+    seed: sampling seed; epoch `e` uses a generator seeded by `(seed, e)`.
+    shuffle: shuffle the examples of every epoch (else source order).
+    num_epochs: None for an infinite dataset, else the number of epochs.
+    special_tokens: BOS/EOS insertion and the BOS/EOS/padding ids; None ids come from the
+      source's tokenizer.
+    long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
+    shard_options: this process's share of every batch's rows, a `grain.sharding.ShardOptions`
+      (or any object with `shard_index`, `shard_count`, `drop_remainder`); None:
+      `jax.process_index()` of `jax.process_count()`. Its `drop_remainder` has no effect here
+      (every batch's rows are a multiple of `shard_count`).
+    loss_mask: apply the source's per-token loss mask; None: when the source has one.
+    **deprecated: the previous release's keywords `add_bos`, `add_eos`, `bos_id`, `eos_id`,
+      `pad_id` (use `special_tokens`), `long_docs` as a string, `min_len`, `overlap` (use
+      `long_docs`), `shard_index`, `shard_count` (use `shard_options`), each with a
+      DeprecationWarning until the next release.
+
+  Returns:
+    A `MinibatchPackedDataset`.
+
+  Raises:
+    PipelineConfigError: an argument is invalid, the source is empty, no document survives, or
+      a batch needs more than `rows_per_batch` rows.
+    TypeError: an unknown keyword.
+  """
+  fn = "pack_minibatches"
+  grouped = options.group_deprecated(fn, deprecated, special_tokens=special_tokens,
+                                     long_docs=long_docs, shard_options=shard_options)
+  special_tokens, long_docs = grouped.special_tokens, grouped.long_docs
+  options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
+                     special_tokens=special_tokens, long_docs=long_docs)
   if (examples_per_batch is None) == (tokens_per_batch is None):
     raise PipelineConfigError(
-        f"pack_dataset: mode='minibatch' needs exactly one of examples_per_batch and "
-        f"tokens_per_batch, got examples_per_batch={examples_per_batch!r}, "
-        f"tokens_per_batch={tokens_per_batch!r}")
+        f"{fn}: needs exactly one of examples_per_batch and tokens_per_batch, got "
+        f"examples_per_batch={examples_per_batch!r}, tokens_per_batch={tokens_per_batch!r}")
   for name, value in (("examples_per_batch", examples_per_batch),
                       ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
-    positive_or_none(name, value)
-  if max_segments_per_row is not None:
-    raise PipelineConfigError(
-        f"pack_dataset: max_segments_per_row={max_segments_per_row!r} is not supported with "
-        f"mode='minibatch'")
+    options.positive_or_none(fn, name, value)
+  if not isinstance(drop_remainder, (bool, np.bool_)):
+    raise PipelineConfigError(f"{fn}: drop_remainder must be a bool, got {drop_remainder!r}")
+  index, count, _ = options.resolve_shard(fn, grouped.shard_options)
+  prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   planner = MinibatchPlanner(
-      lengths, seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
-      overlap=overlap, extra_tokens=extra, seed=seed, shuffle=shuffle,
+      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
+      min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
+      extra_tokens=special_tokens.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
       examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
       drop_remainder=bool(drop_remainder))
-  empty = PlanArrays(seq_len=seq_len, overlap=overlap,
-                              row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
-                              start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
-  builder = rows_lib.RowBuilder(source, empty, special=special, doc_lengths=lengths,
-                                loss_mask=loss_mask)
+  empty = PlanArrays(seq_len=int(seq_len), overlap=int(long_docs.overlap),
+                     row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
+                     start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
+  builder = rows_lib.RowBuilder(prepared.source, empty, special=prepared.special,
+                                doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
   return MinibatchPackedDataset(
       planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,
-      shard_index=shard_index, shard_count=shard_count)
+      shard_index=index, shard_count=count)

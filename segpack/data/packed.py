@@ -21,14 +21,16 @@ import numpy as np
 from segpack import packing
 from segpack.data import minibatch as minibatch_lib
 from segpack.data import rows as rows_lib
+from segpack.data import options
 from segpack.data import sources
-from segpack.data.options import PipelineConfigError, SpecialTokens, check_args, resolve_shard
+from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.permutation import epoch_permutation
 from segpack.packing import cache as plan_cache
 from segpack.packing.cap import cap_segments_per_row
 from segpack.packing.plan import PlanArrays
 
-__all__ = ["PackedBatchDataset", "PackedDataset", "PipelineConfigError", "pack_dataset"]
+__all__ = ["LongDocs", "PackedBatchDataset", "PackedDataset", "PipelineConfigError",
+           "SpecialTokens", "pack_dataset"]
 
 
 class PackedDataset(grain.MapDataset):
@@ -43,7 +45,7 @@ class PackedDataset(grain.MapDataset):
      (processes interleave, so the processes' step-`j` rows are consecutive epoch rows).
   3. The epoch's row order is a permutation of the `R` plan rows drawn from a generator seeded by
      `(seed, epoch)` (identity without `shuffle`); positions `g >= R` are all-padding rows.
-  4. The row is built by `segpack.rows.RowBuilder`.
+  4. The row is built by `segpack.data.rows.RowBuilder`.
 
   Example: R = 5 rows, shard_count 2, so R' = 6 and P = 3; with epoch permutation [3, 0, 4, 1, 2],
   process 0 reads rows 3, 4, 2 and process 1 reads rows 0, 1 and a padding row; element 3 of
@@ -317,38 +319,47 @@ def pack_dataset(
     seed: int = 0,
     shuffle: bool = True,
     num_epochs: int | None = None,
-    add_bos: bool = True,
-    add_eos: bool = True,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-    pad_id: int = 0,
-    long_docs: str = "split",
-    min_len: int = 0,
-    overlap: int = 0,
+    special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
+    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
     max_segments_per_row: int | None = None,
-    plan_cache_dir: str | os.PathLike | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    shard_options: Any = None,
+    shard_options: grain.sharding.ShardOptions | None = None,
     loss_mask: bool | None = None,
-    mode: str = "global",
-    examples_per_batch: int | None = None,
-    tokens_per_batch: int | None = None,
-    rows_per_batch: int | None = None,
-    drop_remainder: bool = False,
-) -> PackedDataset | Any:
-  """Returns a `grain.MapDataset` of packed rows (see docs/architecture.md, "Rows").
-
-  With `mode="minibatch"` it instead returns a `segpack.minibatch.MinibatchPackedDataset` whose
-  elements are whole batches (int32 `[rows_per_batch / shard_count, seq_len]` arrays): the
-  minibatches of examples that unpacked random sampling draws, each packed on its own (see
-  docs/packing.md, "Minibatch packing").
+    plan_cache_dir: str | os.PathLike | None = None,
+    **deprecated: Any,
+) -> PackedDataset:
+  """Packs the documents of `source` into rows: a `PackedDataset` (a `grain.MapDataset`).
 
   Every element is a dict of int32 `[seq_len]` arrays `input_ids`, `labels`, `segment_ids`,
-  `segment_positions`. The plan is computed once for the whole data set (cached beside the
-  shards for a shard directory); each epoch is a permutation of the plan's rows seeded by
-  `(seed, epoch)`, so no row mixes epochs; each process reads every `shard_count`-th row of the
-  epoch (padded with all-padding rows to a multiple of `shard_count`).
+  `segment_positions` (docs/architecture.md, "Rows"). The algorithm:
+
+  1. Every document becomes a virtual sequence `[BOS] + tokens + [EOS]` (as `special_tokens`
+     says); documents with fewer than `long_docs.min_len` tokens are dropped, and one longer
+     than a row is split into chunks of `seq_len` slots, consecutive chunks repeating
+     `long_docs.overlap` slots (or, with `long_docs.mode="truncate"`, cut to its first chunk).
+  2. `strategy` packs the pieces into rows once for the whole data set: the plan, cached on
+     disk (beside the shards for a dataset directory, else in `plan_cache_dir`). With
+     `max_segments_per_row`, pieces beyond the cap move to other rows.
+  3. Each epoch is a permutation of the plan's rows seeded by `(seed, epoch)` (plan order
+     without `shuffle`), so no row mixes epochs.
+  4. Each process reads every `shard_count`-th row of the epoch from its `shard_index`; the
+     epoch is padded with all-padding rows to a multiple of `shard_count` (or cut with
+     `shard_options.drop_remainder`). `PackedDataset` documents the index arithmetic.
+  5. A row's slots are its pieces' virtual slots, back to back, then padding (`pad_id`):
+     `segment_ids` number the pieces 1..n, `segment_positions` count from 0 in each piece, and
+     `labels` are the next slot's token within a piece (-100 on a piece's last slot, on
+     padding, on repeated overlap slots, and where the source's loss mask is 0).
+
+  Tiny example: seq_len 8, BOS 1, EOS 2, documents [5, 6, 7] and [8] (virtual lengths 5 and 3)
+  fill one row: `input_ids = [1 5 6 7 2 1 8 2]`, `segment_ids = [1 1 1 1 1 2 2 2]`,
+  `segment_positions = [0 1 2 3 4 0 1 2]`, `labels = [5 6 7 2 -100 8 2 -100]`.
+
+  Deprecated keywords (until the next release, each with a DeprecationWarning naming the
+  replacement): `add_bos`, `add_eos`, `bos_id`, `eos_id`, `pad_id` (use `special_tokens`);
+  `long_docs` as a string, `min_len`, `overlap` (use `long_docs=LongDocs(...)`); `shard_index`,
+  `shard_count` (use `shard_options`); `mode="minibatch"` with `examples_per_batch`,
+  `tokens_per_batch`, `rows_per_batch`, `drop_remainder` (use `pack_minibatches`).
+  `mode="minibatch"` is the only call that returns another type (a `MinibatchPackedDataset`);
+  it goes away with the deprecated keywords.
 
   Args:
     source: a dataset directory, a `segpack.ShardSource`, or any random-access sequence of 1-D
@@ -359,86 +370,96 @@ def pack_dataset(
     seed: shuffling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the row order of every epoch (else plan order).
     num_epochs: None for an infinite dataset, else the number of epochs.
-    add_bos: put `bos_id` before every document.
-    add_eos: put `eos_id` after every document.
-    bos_id: BOS id; default the source's tokenizer's `bos_id` (required with `add_bos`).
-    eos_id: EOS id; default the source's tokenizer's `eos_id` (required with `add_eos`).
-    pad_id: `input_ids` value on padding slots.
-    long_docs: "split" (chunks of `seq_len`, nothing dropped) or "truncate" (first chunk only).
-    min_len: documents with fewer tokens are dropped.
-    overlap: slots a continuation chunk repeats from the previous one (no loss on them).
+    special_tokens: BOS/EOS insertion and the BOS/EOS/padding ids; None ids come from the
+      source's tokenizer.
+    long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
     max_segments_per_row: cap on segments per row (pieces beyond it go to other rows); the
       result's `max_segments_in_row` (the plan's actual most) is then at most the cap.
-    plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
-    shard_index: this process's shard; default `jax.process_index()`.
-    shard_count: number of shards; default `jax.process_count()`.
-    shard_options: a `grain.sharding.ShardOptions` instead of shard_index/shard_count;
-      `drop_remainder=True` drops an epoch's last `R mod shard_count` rows instead of padding.
+    shard_options: this process's share, a `grain.sharding.ShardOptions` (or any object with
+      `shard_index`, `shard_count`, `drop_remainder`); None: `jax.process_index()` of
+      `jax.process_count()`. `drop_remainder=True` drops an epoch's last `R mod shard_count`
+      rows instead of padding.
     loss_mask: apply the source's per-token loss mask (label -100 where the target token has
       mask 0); None: when the source has one (`has_loss_mask`).
-    mode: "global" (one plan for the whole data set, rows shuffled per epoch) or "minibatch".
-    examples_per_batch: minibatch mode: examples per minibatch (as unpacked training's batch
-      size); exactly one of it and `tokens_per_batch`.
-    tokens_per_batch: minibatch mode: a token budget; each batch has `tokens_per_batch //
-      seq_len` rows and takes examples while they fit.
-    rows_per_batch: minibatch mode: static rows per batch; None: the most any batch needs over
-      `num_epochs` epochs (a safe bound for an infinite dataset).
-    drop_remainder: minibatch mode: drop each epoch's last, short minibatch.
+    plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
+    **deprecated: the previous release's keywords, listed above.
 
   Returns:
-    A `PackedDataset` (a `grain.MapDataset`), or a `MinibatchPackedDataset` in minibatch mode.
+    A `PackedDataset`.
 
   Raises:
     PipelineConfigError: an argument is invalid, the source is empty, or no document survives.
+    TypeError: an unknown keyword.
   """
-  extra = int(bool(add_bos)) + int(bool(add_eos))
-  check_args(seq_len=seq_len, strategy=strategy, long_docs=long_docs, min_len=min_len,
-              overlap=overlap, extra=extra, num_epochs=num_epochs,
-              max_segments_per_row=max_segments_per_row, seed=seed)
-  index, count, shard_drop = resolve_shard(shard_index, shard_count, shard_options)
-  source = sources.open_source(source)
-  special = SpecialTokens(
-      add_bos=bool(add_bos), add_eos=bool(add_eos),
-      bos_id=sources.special_id(source, "bos_id", bos_id, bool(add_bos)),
-      eos_id=sources.special_id(source, "eos_id", eos_id, bool(add_eos)), pad_id=int(pad_id))
-  lengths = sources.document_lengths(source)
-  if lengths.size == 0:
-    raise PipelineConfigError(f"pack_dataset: source {source!r:.200} holds no documents")
-  has_mask = bool(getattr(source, "has_loss_mask", False))
-  if loss_mask is None:
-    loss_mask = has_mask
-  elif loss_mask and not has_mask:
-    raise PipelineConfigError(
-        f"pack_dataset: loss_mask=True but the source {source!r:.200} has no loss mask "
-        f"(has_loss_mask is not true)")
-  if mode != "global":
-    return minibatch_lib.minibatch_dataset(
-        source, lengths, special=special, loss_mask=bool(loss_mask), mode=mode,
-        seq_len=int(seq_len), strategy=strategy, long_docs=long_docs, min_len=int(min_len),
-        overlap=int(overlap), extra=extra, seed=int(seed), shuffle=bool(shuffle),
-        num_epochs=num_epochs, examples_per_batch=examples_per_batch,
-        tokens_per_batch=tokens_per_batch, rows_per_batch=rows_per_batch,
-        drop_remainder=drop_remainder, max_segments_per_row=max_segments_per_row,
-        shard_index=index, shard_count=count)
-  for name, value in (("examples_per_batch", examples_per_batch),
-                      ("tokens_per_batch", tokens_per_batch), ("rows_per_batch", rows_per_batch)):
-    if value is not None:
-      raise PipelineConfigError(f"pack_dataset: {name}={value!r} is only for mode='minibatch'")
+  fn = "pack_dataset"
+  grouped = options.group_deprecated(
+      fn, deprecated, special_tokens=special_tokens, long_docs=long_docs,
+      shard_options=shard_options, passthrough=("mode",) + options.MINIBATCH_NAMES)
+  if grouped.rest:
+    minibatches = _deprecated_minibatch_mode(
+        source, grouped, seq_len=seq_len, strategy=strategy, seed=seed, shuffle=shuffle,
+        num_epochs=num_epochs, loss_mask=loss_mask, max_segments_per_row=max_segments_per_row)
+    if minibatches is not None:
+      return minibatches
+  special_tokens, long_docs = grouped.special_tokens, grouped.long_docs
+  options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
+                     special_tokens=special_tokens, long_docs=long_docs)
+  options.check_max_segments(fn, max_segments_per_row)
+  index, count, shard_drop = options.resolve_shard(fn, grouped.shard_options)
+  prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
+  source, lengths = prepared.source, prepared.lengths
   arrays = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
-                      long_docs=long_docs, min_len=int(min_len), overlap=int(overlap),
-                      extra=extra, max_segments_per_row=max_segments_per_row,
-                      plan_cache_dir=plan_cache_dir)
+                      long_docs=long_docs.mode, min_len=int(long_docs.min_len),
+                      overlap=int(long_docs.overlap), extra=special_tokens.extra_tokens,
+                      max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
   if arrays.num_rows == 0 or len(arrays.doc) == 0:
     raise PipelineConfigError(
-        f"pack_dataset: no document of the {lengths.size} in the source survives min_len="
-        f"{min_len}; nothing to pack")
-  builder = rows_lib.RowBuilder(source, arrays, special=special, doc_lengths=lengths,
-                                loss_mask=bool(loss_mask))
+        f"{fn}: no document of the {lengths.size} in the source survives long_docs.min_len="
+        f"{long_docs.min_len}; nothing to pack")
+  builder = rows_lib.RowBuilder(source, arrays, special=prepared.special, doc_lengths=lengths,
+                                loss_mask=prepared.loss_mask)
   dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
                           shard_index=index, shard_count=count, drop_remainder=shard_drop,
                           max_segments_in_row=_max_pieces_per_row(arrays))
   if dataset.rows_per_epoch == 0:
     raise PipelineConfigError(
-        f"pack_dataset: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
+        f"{fn}: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
         f"drop_remainder=True: every process would get no rows")
   return dataset
+
+
+def _deprecated_minibatch_mode(source: Any, grouped: options.Grouped, *, seq_len: Any,
+                               strategy: Any, seed: Any, shuffle: Any, num_epochs: Any,
+                               loss_mask: Any, max_segments_per_row: Any) -> Any:
+  """`pack_dataset(mode=..., examples_per_batch=...)` of the previous release.
+
+  Returns the `pack_minibatches` result for `mode="minibatch"`, None for `mode="global"`
+  (whose minibatch keywords are errors, except a `drop_remainder` that never had an effect).
+  """
+  fn = "pack_dataset"
+  rest = dict(grouped.rest)
+  mode = rest.pop("mode", "global")
+  if mode == "minibatch":
+    options.deprecation(
+        f"{fn}: mode='minibatch' (with {', '.join(rest) or 'no batch size'}) is deprecated; "
+        f"call segpack.pack_minibatches(...), which takes the same keywords", 3)
+    if max_segments_per_row is not None:
+      raise PipelineConfigError(
+          f"{fn}: max_segments_per_row={max_segments_per_row!r} is not supported with "
+          f"mode='minibatch'")
+    return minibatch_lib.pack_minibatches(
+        source, seq_len=seq_len, strategy=strategy, seed=seed, shuffle=shuffle,
+        num_epochs=num_epochs, special_tokens=grouped.special_tokens,
+        long_docs=grouped.long_docs, shard_options=grouped.shard_options, loss_mask=loss_mask,
+        **rest)
+  if mode != "global":
+    raise PipelineConfigError(f"{fn}: mode must be 'global' or 'minibatch', got {mode!r}")
+  for name in ("examples_per_batch", "tokens_per_batch", "rows_per_batch"):
+    if rest.get(name) is not None:
+      raise PipelineConfigError(
+          f"{fn}: {name}={rest[name]!r} is only for minibatch packing; call "
+          f"segpack.pack_minibatches(...)")
+  options.deprecation(
+      f"{fn}: the keyword(s) {', '.join(grouped.rest)} are deprecated and do nothing for rows; "
+      f"drop them (minibatch packing is segpack.pack_minibatches)", 3)
+  return None

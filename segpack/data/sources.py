@@ -1,28 +1,74 @@
-"""What `pack_dataset` reads from its source: documents, their lengths, special token ids."""
+"""What `pack_dataset` and `pack_minibatches` read from their source: documents, their lengths,
+special token ids, the loss mask."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import numpy as np
 
 from segpack import shards
-from segpack.data.options import PipelineConfigError
+from segpack.data.options import PipelineConfigError, SpecialTokens
 
 
-def open_source(source: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """A source ready to pack.
+
+  Attributes:
+    source: the opened source (a `ShardSource` for a dataset directory).
+    lengths: int64 `[num_docs]` token counts.
+    special: the resolved special tokens (ints; -1 for an unused BOS/EOS id).
+    loss_mask: whether rows apply the source's loss mask.
+  """
+
+  source: Any
+  lengths: np.ndarray
+  special: SpecialTokens
+  loss_mask: bool
+
+
+def prepare(source: Any, *, fn: str, special_tokens: SpecialTokens,
+            loss_mask: bool | None) -> Prepared:
+  """Opens `source`, reads its lengths, resolves the special ids and the loss mask.
+
+  Raises:
+    PipelineConfigError: the source is not usable, holds no documents, lacks a needed special id
+      or a requested loss mask (the message starts with `fn`).
+  """
+  source = open_source(source, fn=fn)
+  special = dataclasses.replace(
+      special_tokens,
+      bos_id=special_id(source, "bos_id", special_tokens.bos_id, special_tokens.add_bos, fn=fn),
+      eos_id=special_id(source, "eos_id", special_tokens.eos_id, special_tokens.add_eos, fn=fn),
+      pad_id=int(special_tokens.pad_id))
+  lengths = document_lengths(source, fn=fn)
+  if lengths.size == 0:
+    raise PipelineConfigError(f"{fn}: source {source!r:.200} holds no documents")
+  has_mask = bool(getattr(source, "has_loss_mask", False))
+  if loss_mask is None:
+    loss_mask = has_mask
+  elif loss_mask and not has_mask:
+    raise PipelineConfigError(
+        f"{fn}: loss_mask=True but the source {source!r:.200} has no loss mask "
+        f"(has_loss_mask is not true)")
+  return Prepared(source=source, lengths=lengths, special=special, loss_mask=bool(loss_mask))
+
+
+def open_source(source: Any, *, fn: str = "pack_dataset") -> Any:
   """Opens a dataset directory as a ShardSource; passes other sources through."""
   if isinstance(source, (str, os.PathLike)):
     return shards.ShardSource(os.fspath(source))
   if isinstance(source, (bytes, np.ndarray)) or not hasattr(source, "__getitem__"):
     raise PipelineConfigError(
-        "pack_dataset: source must be a dataset directory, a ShardSource or a random-access "
+        f"{fn}: source must be a dataset directory, a ShardSource or a random-access "
         f"sequence of 1-D integer arrays, got {type(source).__name__}")
   return source
 
 
-def document_lengths(source: Any) -> np.ndarray:
+def document_lengths(source: Any, *, fn: str = "pack_dataset") -> np.ndarray:
   """`source.lengths` when present, else one pass over the source (checking every document)."""
   lengths = getattr(source, "lengths", None)
   if lengths is not None:
@@ -31,14 +77,14 @@ def document_lengths(source: Any) -> np.ndarray:
     n = len(source)
   except TypeError as e:
     raise PipelineConfigError(
-        f"pack_dataset: source {type(source).__name__} has no len(); it must be random-access"
+        f"{fn}: source {type(source).__name__} has no len(); it must be random-access"
     ) from e
   out = np.empty(n, dtype=np.int64)
   for d in range(n):
     doc = np.asarray(source[d])
     if doc.ndim != 1 or not np.issubdtype(doc.dtype, np.integer):
       raise PipelineConfigError(
-          f"pack_dataset: source[{d}] must be a 1-D integer array, got dtype {doc.dtype} and "
+          f"{fn}: source[{d}] must be a 1-D integer array, got dtype {doc.dtype} and "
           f"shape {doc.shape}")
     out[d] = doc.shape[0]
   return out
@@ -62,21 +108,25 @@ def _source_special_id(source: Any, name: str) -> int | None:
   return None
 
 
-def special_id(source: Any, name: str, given: int | None, needed: bool) -> int:
-  """The id given by the caller, else the source's tokenizer's, else an error when needed."""
+def special_id(source: Any, name: str, given: int | None, needed: bool, *,
+               fn: str = "pack_dataset") -> int:
+  """The id given by the caller, else the source's tokenizer's, else an error when needed;
+  -1 when not needed (a given id is still checked)."""
   if given is None:
     given = _source_special_id(source, name)
   if given is None:
     if needed:
       flag = "add_bos" if name == "bos_id" else "add_eos"
       raise PipelineConfigError(
-          f"pack_dataset: {flag}=True but {name} was not given and the source carries no "
-          f"tokenizer {name}; pass {name}=... or {flag}=False")
+          f"{fn}: special_tokens.{flag}=True but special_tokens.{name} is None and the source "
+          f"carries no tokenizer {name}; pass SpecialTokens({name}=...) or {flag}=False")
     return -1
   if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 0:
-    raise PipelineConfigError(f"pack_dataset: {name} must be a non-negative int, got {given!r}")
+    raise PipelineConfigError(
+        f"{fn}: special_tokens.{name} must be a non-negative int, got {given!r}")
   vocab = getattr(source, "vocab_size", None)
   if needed and vocab is not None and given >= vocab:
     raise PipelineConfigError(
-        f"pack_dataset: {name}={given} is outside the source's vocabulary (vocab_size={vocab})")
-  return int(given)
+        f"{fn}: special_tokens.{name}={given} is outside the source's vocabulary "
+        f"(vocab_size={vocab})")
+  return int(given) if needed else -1
