@@ -1,22 +1,68 @@
-"""Tests for segpack.packing.plan: a memory-mapped plan pickles as file references."""
+"""Tests for segpack.packing.plan: the Plan, its on-disk form and its pickling."""
 
+import os
 import pickle
 
 import numpy as np
+import pytest
 
 from segpack import packing
-from segpack.packing.plan import PlanArrays
 
 
 def test_memory_mapped_plan_pickles_as_file_references(tmp_path):
   lengths = np.random.default_rng(0).integers(1, 60, 5000)
   packing.plan(lengths, 64, extra_tokens=2).save(tmp_path / "p")
   plan = packing.Plan.load(tmp_path / "p", mmap=True)
-  arrays = PlanArrays(seq_len=64, overlap=0, row_splits=plan.row_splits, doc=plan.doc,
-                      start=plan.start, length=plan.length)
-  blob = pickle.dumps(arrays)
-  assert len(blob) < 2_000 < plan.doc.nbytes  # the arrays are not in the pickle
+  blob = pickle.dumps(plan)
+  assert len(blob) < 4_000 < plan.doc.nbytes  # the arrays are not in the pickle
   back = pickle.loads(blob)
-  assert isinstance(back.doc, np.memmap) and np.array_equal(back.doc, plan.doc)
-  for name in ("row_splits", "start", "length"):
+  assert isinstance(back, packing.Plan) and isinstance(back.doc, np.memmap)
+  for name in ("row_splits", "doc", "start", "length"):
     assert np.array_equal(getattr(back, name), getattr(plan, name)), name
+  assert (back.seq_len, back.overlap, back.extra_tokens, back.strategy, back.stats) == (
+      plan.seq_len, plan.overlap, plan.extra_tokens, plan.strategy, plan.stats)
+
+
+def test_in_memory_plan_pickles_its_arrays():
+  plan = packing.plan(np.arange(1, 300), 64, strategy="bfd", overlap=3, extra_tokens=1)
+  blob = pickle.dumps(plan)
+  assert len(blob) > plan.nbytes
+  back = pickle.loads(blob)
+  assert not isinstance(back.doc, np.memmap)
+  assert [back.row(r) for r in range(back.num_rows)] == [plan.row(r) for r in
+                                                           range(plan.num_rows)]
+  assert (back.overlap, back.extra_tokens, back.strategy) == (3, 1, "bfd")
+
+
+def test_save_and_load_round_trip(tmp_path):
+  p = packing.plan(np.arange(1, 50), 16, strategy="bfd", overlap=2, extra_tokens=2)
+  p.save(tmp_path / "plan")
+  p.save(tmp_path / "plan")  # replacing an existing plan works
+  q = packing.Plan.load(tmp_path / "plan", mmap=True)
+  assert isinstance(q.doc, np.memmap)
+  for name in ("row_splits", "doc", "start", "length"):
+    np.testing.assert_array_equal(getattr(p, name), getattr(q, name))
+  assert (q.seq_len, q.overlap, q.extra_tokens, q.strategy) == (16, 2, 2, "bfd")
+  assert q.stats == p.stats
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary left over
+
+
+def test_load_errors_name_the_file(tmp_path):
+  with pytest.raises(packing.PlanError, match="plan.json"):
+    packing.Plan.load(tmp_path / "missing")
+  p = packing.plan(np.arange(1, 10), 16)
+  p.save(tmp_path / "plan")
+  os.remove(tmp_path / "plan" / "doc.npy")
+  with pytest.raises(packing.PlanError, match="doc.npy"):
+    packing.Plan.load(tmp_path / "plan")
+
+
+def test_plan_docstring_example_and_save_without_overwrite(tmp_path):
+  p = packing.plan(np.array([5, 3, 6]), 8)
+  assert p.row_splits.tolist() == [0, 1, 3] and p.doc.tolist() == [2, 0, 1]
+  assert p.length.tolist() == [6, 5, 3] and p.start.tolist() == [0, 0, 0]
+  assert p.save(tmp_path / "plan", overwrite=False)
+  other = packing.plan(np.array([1, 2]), 8)
+  assert not other.save(tmp_path / "plan", overwrite=False)  # the first plan stays
+  assert packing.Plan.load(tmp_path / "plan").doc.tolist() == [2, 0, 1]
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]

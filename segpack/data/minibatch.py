@@ -23,7 +23,6 @@ from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.packing.minibatch import EpochPlan, MinibatchPlanner
-from segpack.packing.plan import PlanArrays
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 
@@ -68,7 +67,7 @@ class MinibatchPackedDataset(grain.MapDataset):
       elif planner.tokens_per_batch is not None:
         rows_per_batch = planner.budget_rows
       else:
-        rows_per_batch = self._row_bound(planner)
+        rows_per_batch = planner.row_bound()
     rows_per_batch = -(-int(rows_per_batch) // shard_count) * shard_count
     self.rows_per_batch = rows_per_batch
     if num_epochs is None:
@@ -77,17 +76,6 @@ class MinibatchPackedDataset(grain.MapDataset):
       for e in range(num_epochs):
         self._cum.append(self._cum[-1] + self._epoch(e).num_batches)
       self._length = self._cum[-1]
-
-  @staticmethod
-  def _row_bound(planner: MinibatchPlanner) -> int:
-    k = int(planner.examples_per_batch)
-    virtual = planner.lengths[planner.examples] + planner.extra
-    step = planner.seq_len - planner.overlap
-    if planner.long_docs == "truncate":
-      chunks = np.ones_like(virtual)
-    else:
-      chunks = 1 + np.maximum(0, -(-(virtual - planner.seq_len) // step))
-    return int(np.sort(chunks)[::-1][:k].sum())
 
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
@@ -169,7 +157,7 @@ class MinibatchPackedDataset(grain.MapDataset):
     plan = self._epoch(e)
     rows = np.arange(b * self.rows_per_batch + self._shard_index,
                      (b + 1) * self.rows_per_batch, self._shard_count)
-    builder = self._builder.with_plan(plan.arrays)
+    builder = self._builder.with_plan(plan.plan)
     with self._stats.record_self_time():
       return self._stats.record_output_spec(builder.build(rows))
 
@@ -177,7 +165,7 @@ class MinibatchPackedDataset(grain.MapDataset):
     """Share of the epoch's slots (`batches * rows_per_batch * seq_len`) that are padding."""
     plan = self._epoch(epoch)
     slots = plan.num_batches * self.rows_per_batch * self.seq_len
-    return 1.0 - float(np.asarray(plan.arrays.length, dtype=np.int64).sum()) / slots
+    return 1.0 - float(np.asarray(plan.plan.length, dtype=np.int64).sum()) / slots
 
 
 def pack_minibatches(
@@ -278,10 +266,7 @@ def pack_minibatches(
       extra_tokens=special_tokens.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
       examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
       drop_remainder=bool(drop_remainder))
-  empty = PlanArrays(seq_len=int(seq_len), overlap=int(long_docs.overlap),
-                     row_splits=np.zeros(1, np.int64), doc=np.zeros(0, np.int64),
-                     start=np.zeros(0, np.int32), length=np.zeros(0, np.int32))
-  builder = rows_lib.RowBuilder(prepared.source, empty, special=prepared.special,
+  builder = rows_lib.RowBuilder(prepared.source, planner.empty_plan(), special=prepared.special,
                                 doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
   return MinibatchPackedDataset(
       planner, builder, num_epochs=num_epochs, rows_per_batch=rows_per_batch,

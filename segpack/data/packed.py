@@ -25,9 +25,6 @@ from segpack.data import options
 from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.permutation import epoch_permutation
-from segpack.packing import cache as plan_cache
-from segpack.packing.cap import cap_segments_per_row
-from segpack.packing.plan import PlanArrays
 
 __all__ = ["LongDocs", "PackedBatchDataset", "PackedDataset", "PipelineConfigError",
            "SpecialTokens", "pack_dataset"]
@@ -252,63 +249,29 @@ class PackedBatchDataset(grain.MapDataset):
 def _make_plan(lengths: np.ndarray, *, source: Any, seq_len: int, strategy: str,
                long_docs: str, min_len: int, overlap: int, extra: int,
                max_segments_per_row: int | None,
-               plan_cache_dir: str | os.PathLike | None) -> PlanArrays:
-  """Loads the plan from the plan cache, or computes (and caches) it; applies the segment cap.
+               plan_cache_dir: str | os.PathLike | None) -> packing.Plan:
+  """The plan of the source's documents, capped at `max_segments_per_row`, from the plan cache
+  or computed and cached (`segpack.packing.load_or_plan`).
 
   The cache is keyed by the source's fingerprint (a hash of the lengths when it has none) and all
-  packing parameters; for a shard directory it defaults to `<dataset dir>/plans`. A capped plan is
-  cached too, next to the uncapped one (`<plan key>-maxseg<N>`).
+  packing parameters; for a shard directory it defaults to `<dataset dir>/plans`.
   """
   fingerprint = getattr(source, "fingerprint", None)
   if plan_cache_dir is None and fingerprint is not None:
     root = getattr(source, "path", None) or getattr(source, "root", None)
     if root is not None:
       plan_cache_dir = os.path.join(os.fspath(root), "plans")
-  cache_dir = None if plan_cache_dir is None else os.fspath(plan_cache_dir)
-  key = str(fingerprint) if fingerprint is not None else (
-      plan_cache.lengths_fingerprint(lengths) if cache_dir is not None else None)
-  params = dict(strategy=strategy, long_docs=long_docs, min_len=min_len, overlap=overlap,
-                extra_tokens=extra)
-  capped_path = None
-  if cache_dir is not None and max_segments_per_row is not None:
-    capped_path = os.path.join(cache_dir, packing.plan_key(key, seq_len, **params)
-                               + f"-maxseg{int(max_segments_per_row)}")
-    if os.path.isdir(capped_path):
-      try:
-        cached = packing.Plan.load(capped_path, mmap=True)
-        if cached.stats.get("documents") == len(lengths) and cached.seq_len == seq_len:
-          return _plan_arrays(cached)
-      except packing.PlanError:
-        pass  # Recomputed and replaced below.
-  plan = packing.load_or_plan(lengths, seq_len, cache_dir=cache_dir, key=key, **params)
-  if max_segments_per_row is None:
-    return _plan_arrays(plan)
-  arrays = cap_segments_per_row(_plan_arrays(plan), int(max_segments_per_row))
-  if capped_path is None or arrays.num_rows == 0:
-    return arrays
-  capped = packing.Plan(
-      seq_len=plan.seq_len, overlap=plan.overlap, extra_tokens=plan.extra_tokens,
-      strategy=plan.strategy, row_splits=arrays.row_splits, doc=arrays.doc, start=arrays.start,
-      length=arrays.length,
-      stats=dict(plan.stats, max_segments_per_row=int(max_segments_per_row),
-                 rows_before_cap=plan.num_rows))
-  try:
-    capped.save(capped_path)
-    return _plan_arrays(packing.Plan.load(capped_path, mmap=True))
-  except OSError:
-    return arrays  # A read-only data set: use the capped plan uncached.
+  return packing.load_or_plan(
+      lengths, seq_len, cache_dir=plan_cache_dir,
+      key=None if fingerprint is None else str(fingerprint), strategy=strategy,
+      long_docs=long_docs, min_len=min_len, overlap=overlap, extra_tokens=extra,
+      max_segments_per_row=max_segments_per_row)
 
 
-def _max_pieces_per_row(arrays: PlanArrays) -> int:
+def _max_pieces_per_row(plan: packing.Plan) -> int:
   """The most pieces (segments) in any plan row; 0 for an empty plan."""
-  counts = np.diff(np.asarray(arrays.row_splits, dtype=np.int64))
+  counts = np.diff(np.asarray(plan.row_splits, dtype=np.int64))
   return int(counts.max(initial=0))
-
-
-def _plan_arrays(plan: Any) -> PlanArrays:
-  return PlanArrays(seq_len=int(plan.seq_len), overlap=int(plan.overlap),
-                             row_splits=plan.row_splits, doc=plan.doc, start=plan.start,
-                             length=plan.length)
 
 
 def pack_dataset(

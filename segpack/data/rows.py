@@ -10,12 +10,13 @@ reads the tokens of those pieces (memory-mapped slices, never whole files) and b
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 
 from segpack.data.options import SpecialTokens
-from segpack.packing.plan import PlanArrays
+from segpack.packing.plan import Plan
 from segpack.shards.reader import make_mask_reader, make_token_reader
 
 IGNORE_LABEL = -100
@@ -53,13 +54,13 @@ class RowBuilder:
   `labels = [5 6 2 -100 7 8 2 -100 -100 -100]`.
   """
 
-  def __init__(self, source: Any, plan: PlanArrays, *, special: SpecialTokens,
+  def __init__(self, source: Any, plan: Plan, *, special: SpecialTokens,
                doc_lengths: np.ndarray, loss_mask: bool = False):
     """Creates the builder.
 
     Args:
       source: random-access sequence of 1-D integer arrays (`source[d]` = tokens of document d).
-      plan: the plan arrays.
+      plan: the packing plan (its `seq_len`, `overlap` and arrays are read).
       special: BOS/EOS/padding ids.
       doc_lengths: int64 `[num_docs]` token counts of the source documents.
       loss_mask: apply the source's per-token loss mask (`source.loss_mask(d)`, 1 = trained) to
@@ -70,20 +71,20 @@ class RowBuilder:
     self._plan = plan
     self._special = special
     self._doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
-    self._views: PlanArrays | None = None
+    self._views: Plan | None = None
 
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
     state["_views"] = None  # The plan pickles as file references when memory-mapped.
     return state
 
-  def _plan_views(self) -> PlanArrays:
+  def _plan_views(self) -> Plan:
     """The plan with plain ndarray views of its arrays (indexing `np.memmap` objects is slow)."""
     if self._views is None:
       p = self._plan
-      self._views = PlanArrays(seq_len=p.seq_len, overlap=p.overlap,
-                               row_splits=np.asarray(p.row_splits), doc=np.asarray(p.doc),
-                               start=np.asarray(p.start), length=np.asarray(p.length))
+      self._views = dataclasses.replace(
+          p, row_splits=np.asarray(p.row_splits), doc=np.asarray(p.doc),
+          start=np.asarray(p.start), length=np.asarray(p.length))
     return self._views
 
   @property
@@ -94,7 +95,7 @@ class RowBuilder:
   def num_rows(self) -> int:
     return self._plan.num_rows
 
-  def with_plan(self, plan: PlanArrays) -> "RowBuilder":
+  def with_plan(self, plan: Plan) -> "RowBuilder":
     """A builder of the same source, special tokens and readers over another plan."""
     other = copy.copy(self)
     other._plan = plan  # pylint: disable=protected-access

@@ -6,13 +6,14 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from segpack.packing.chunking import check_lengths
-from segpack.packing.plan import FORMAT_VERSION, Plan, PlanError
+from segpack.packing import cap as cap_lib
 from segpack.packing import planner as _planner
+from segpack.packing.chunking import PackingArgumentError, check_lengths
+from segpack.packing.plan import FORMAT_VERSION, Plan, PlanError
 
 _log = logging.getLogger(__name__)
 
@@ -39,13 +40,18 @@ def plan_key(key: str, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
 def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | None,
                  key: str | None = None, strategy: str = "ffd", long_docs: str = "split",
                  min_len: int = 0, overlap: int = 0, extra_tokens: int = 0,
-                 batch_size: int = 8, pad_multiple: int = 128) -> Plan:
+                 batch_size: int = 8, pad_multiple: int = 128,
+                 max_segments_per_row: int | None = None) -> Plan:
   """Loads the cached plan for these documents and parameters, or plans and caches it.
 
   The plan lives in `cache_dir/<plan_key(...)>/` (the pipeline uses `<dataset dir>/plans`), is
   written atomically and is memory-mapped when found. A plan that fails to load or does not match
   the documents is recomputed and replaced. When `cache_dir` cannot be written (a read-only data
   set), the plan is returned without being cached and a warning is logged.
+
+  With `max_segments_per_row = N` the plan is capped (`segpack.packing.cap.cap_segments_per_row`)
+  and the capped plan is cached too, beside the uncapped one, as `<plan key>-maxseg<N>`; a later
+  call loads it without planning or capping.
 
   Args:
     lengths: 1-D integer document lengths.
@@ -54,6 +60,7 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
     key: a fingerprint of the documents (`ShardSource.fingerprint`); None hashes `lengths`.
     strategy, long_docs, min_len, overlap, extra_tokens, batch_size, pad_multiple: as in
       `segpack.packing.plan`.
+    max_segments_per_row: None, or the most pieces (segments) a row may hold, >= 1.
 
   Returns:
     The plan, memory-mapped when it came from (or went to) the cache.
@@ -62,21 +69,41 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
                 extra_tokens=extra_tokens, batch_size=batch_size, pad_multiple=pad_multiple)
   _planner.check_strategy(strategy)
   lengths = check_lengths(lengths)
-  if cache_dir is None:
+  cap = max_segments_per_row
+  if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer))
+                          or cap < 1):
+    raise PackingArgumentError(
+        f"max_segments_per_row must be None or an int >= 1, got max_segments_per_row={cap!r}")
+
+  def make_plan() -> Plan:
     return _planner.plan(lengths, seq_len, **kwargs)
+
+  if cache_dir is None:
+    return make_plan() if cap is None else cap_lib.cap_segments_per_row(make_plan(), int(cap))
   if key is None:
     key = lengths_fingerprint(lengths)
   path = os.path.join(os.fspath(cache_dir), plan_key(key, seq_len, **kwargs))
+  if cap is None:
+    return _load_or_make(path, lengths.size, seq_len, make_plan)
+  return _load_or_make(
+      f"{path}-maxseg{int(cap)}", lengths.size, seq_len,
+      lambda: cap_lib.cap_segments_per_row(
+          _load_or_make(path, lengths.size, seq_len, make_plan), int(cap)))
+
+
+def _load_or_make(path: str, num_docs: int, seq_len: int, make: Callable[[], Plan]) -> Plan:
+  """The plan cached at `path` when it matches (`num_docs` documents, `seq_len`), else `make()`
+  saved there and memory-mapped back (or returned uncached when `path` cannot be written)."""
   existing = os.path.isdir(path)
   if existing:
     try:
       cached = Plan.load(path, mmap=True)
-      if cached.stats.get("documents") == len(lengths) and cached.seq_len == seq_len:
+      if cached.stats.get("documents") == num_docs and cached.seq_len == seq_len:
         return cached
       _log.warning("plan cache %s does not match the documents; replanning", path)
     except PlanError as e:
       _log.warning("plan cache %s is unreadable (%s); replanning", path, e)
-  fresh = _planner.plan(lengths, seq_len, **kwargs)
+  fresh = make()
   try:
     fresh.save(path, overwrite=existing)  # a concurrent writer's identical plan may win
   except OSError as e:

@@ -7,41 +7,10 @@ import dataclasses
 
 import numpy as np
 
-from segpack.packing.plan import PlanArrays
+from segpack.packing.first_fit import first_fit
+from segpack.packing.plan import Plan
 
 __all__ = ["cap_segments_per_row"]
-
-
-class _FirstFitTree:
-  """A max-tree over row capacities: the leftmost row with capacity >= need in O(log rows)."""
-
-  def __init__(self, capacity: np.ndarray):
-    size = 1 << max(0, int(capacity.size - 1).bit_length())
-    tree = np.full(2 * size, -1, dtype=np.int64)
-    tree[size:size + capacity.size] = capacity
-    level = size
-    while level > 1:
-      tree[level // 2:level] = np.maximum(tree[level:2 * level:2], tree[level + 1:2 * level:2])
-      level //= 2
-    self._size = size
-    self._tree = tree.tolist()
-
-  def find(self, need: int) -> int:
-    """Leftmost leaf with capacity >= need, or -1."""
-    tree, i = self._tree, 1
-    if tree[1] < need:
-      return -1
-    while i < self._size:
-      i = 2 * i if tree[2 * i] >= need else 2 * i + 1
-    return i - self._size
-
-  def set(self, leaf: int, value: int) -> None:
-    tree, i = self._tree, leaf + self._size
-    tree[i] = value
-    i //= 2
-    while i:
-      tree[i] = max(tree[2 * i], tree[2 * i + 1])
-      i //= 2
 
 
 class _LengthPool:
@@ -143,23 +112,15 @@ def _first_fit_pool(state: _CapState) -> None:
   pool = pool[np.argsort(-state.length[pool], kind="stable")]
   cand = np.flatnonzero((state.count < cap) & (state.used < seq_len))
   targets = np.concatenate([cand, num_rows + np.arange(pool.size, dtype=np.int64)])
-  free = np.concatenate([seq_len - state.used[cand],
-                         np.full(pool.size, seq_len, dtype=np.int64)]).tolist()
-  slots = np.concatenate([cap - state.count[cand],
-                          np.full(pool.size, cap, dtype=np.int64)]).tolist()
-  tree = _FirstFitTree(np.asarray(free, dtype=np.int64))
-  placed = np.empty(pool.size, dtype=np.int64)
-  for i, (p, need) in enumerate(zip(pool.tolist(), state.length[pool].tolist())):
-    t = tree.find(need)
-    placed[i] = t
-    free[t] -= need
-    slots[t] -= 1
-    tree.set(t, free[t] if slots[t] else -1)
-  state.row[pool] = targets[placed]
+  free = np.concatenate([seq_len - state.used[cand], np.full(pool.size, seq_len, np.int64)])
+  slots = np.concatenate([cap - state.count[cand], np.full(pool.size, cap, np.int64)])
+  placed = first_fit(state.length[pool].tolist(), free, slots=slots)
+  assert placed is not None  # every piece fits a new row of its own
+  state.row[pool] = targets[np.asarray(placed, dtype=np.int64)]
   state.key[pool] = state.next_key + np.arange(pool.size, dtype=np.int64)
 
 
-def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
+def cap_segments_per_row(plan: Plan, max_segments: int) -> Plan:
   """Returns a plan in which no row holds more than `max_segments` pieces.
 
   The planners do not know about the cap, so it is enforced by a deterministic post-pass. FFD
@@ -170,8 +131,9 @@ def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
   2. Swap pass: every row under the cap, in row order, may trade its shortest piece for two or
      more pool pieces that fill at least as many slots (staying within the cap); the traded piece
      joins the pool. The pass stops once the pool's pieces average >= seq_len / max_segments.
-  3. The pool, longest first, is placed first-fit (a max-tree over row capacities, O(log rows)
-     per piece) into rows with a free segment slot and room; what fits nowhere opens new rows.
+  3. The pool, longest first, is placed first-fit (`segpack.packing.first_fit`: a max-tree over
+     row capacities, O(log rows) per piece) into rows with a free segment slot and room; what
+     fits nowhere opens new rows.
   4. Empty rows are dropped; inside a row, untouched pieces keep their order, added ones follow.
 
   Example: seq_len 8, cap 2, rows [[a:3, b:2, c:1], [d:4]]: row 0 is dissolved (pool a, b, c);
@@ -187,7 +149,9 @@ def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
     max_segments: the cap, >= 1.
 
   Returns:
-    `plan` itself when no row exceeds the cap, else the re-packed plan.
+    `plan` itself when no row exceeds the cap, else the re-packed plan (`dataclasses.replace`)
+    with its row statistics (`rows`, `slots`, `utilization`, `segments_per_row_mean`,
+    `segments_per_row_max`) updated and `max_segments_per_row` and `rows_before_cap` added.
   """
   counts = np.diff(np.asarray(plan.row_splits, dtype=np.int64))
   if counts.size == 0 or int(counts.max()) <= max_segments:
@@ -209,8 +173,21 @@ def cap_segments_per_row(plan: PlanArrays, max_segments: int) -> PlanArrays:
   _first_fit_pool(state)
   _, row = np.unique(state.row, return_inverse=True)  # drops empty rows, keeps row order
   perm = np.lexsort((state.key, row))
-  row_splits = np.zeros(int(row.max()) + 2, dtype=np.int64)
-  row_splits[1:] = np.cumsum(np.bincount(row))
+  per_row = np.bincount(row)
+  row_splits = np.zeros(per_row.size + 1, dtype=np.int64)
+  row_splits[1:] = np.cumsum(per_row)
   return dataclasses.replace(
       plan, row_splits=row_splits, doc=np.asarray(plan.doc)[perm],
-      start=np.asarray(plan.start)[perm], length=np.asarray(plan.length)[perm])
+      start=np.asarray(plan.start)[perm], length=np.asarray(plan.length)[perm],
+      stats=_capped_stats(plan, per_row, max_segments))
+
+
+def _capped_stats(plan: Plan, per_row: np.ndarray, max_segments: int) -> dict:
+  """`plan.stats` with the row statistics of the capped rows (`per_row` pieces each)."""
+  stats = dict(plan.stats, max_segments_per_row=int(max_segments), rows_before_cap=plan.num_rows,
+               rows=int(per_row.size), slots=int(per_row.size) * int(plan.seq_len),
+               segments_per_row_mean=float(per_row.mean()),
+               segments_per_row_max=int(per_row.max()))
+  if "tokens" in stats:
+    stats["utilization"] = stats["tokens"] / stats["slots"]
+  return stats

@@ -76,6 +76,48 @@ def check_args(seq_len: Any, *, long_docs: Any, min_len: Any, overlap: Any,
     raise PackingArgumentError(f"long_docs must be one of {list(LONG_DOCS)}, got {long_docs!r}")
 
 
+def _continuations(virtual: Any, seq_len: int, overlap: int) -> Any:
+  """Chunks after the first of a virtual sequence longer than `seq_len`, split with stride
+  `seq_len - overlap` (an int, or an array of them): `ceil((virtual - seq_len) / stride)`."""
+  return -(-(virtual - seq_len) // (seq_len - overlap))
+
+
+def chunk_counts(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
+                 overlap: int = 0, extra_tokens: int = 0) -> np.ndarray:
+  """Chunks of every document, vectorized (`make_chunks` without `min_len`, counted only).
+
+  A document of `lengths[d] + extra_tokens` virtual slots has no chunk when that is 0, one when
+  it fits `seq_len` or under `long_docs="truncate"`, else `1 + ceil((virtual - seq_len) /
+  (seq_len - overlap))`.
+
+  Example: seq_len 8, overlap 2, extra_tokens 2, lengths [0, 6, 7, 18]: virtual [2, 8, 9, 20],
+  chunks [1, 1, 2, 3] (the 20 slots are chunks [0, 8), [6, 14), [12, 20)).
+
+  Returns:
+    int64 `[num_documents]`.
+  """
+  virtual = np.asarray(lengths, np.int64) + extra_tokens
+  counts = (virtual > 0).astype(np.int64)
+  if long_docs == "split":
+    long = virtual > seq_len
+    counts[long] += _continuations(virtual[long], seq_len, overlap)
+  return counts
+
+
+def chunk_spans(length: int, seq_len: int, *, long_docs: str = "split", overlap: int = 0,
+                extra_tokens: int = 0) -> list[tuple[int, int]]:
+  """`(start, slots)` of the chunks of one document, in order (what `make_chunks` cuts it into).
+
+  Example: seq_len 8, overlap 2, extra_tokens 2, length 18: [(0, 8), (6, 8), (12, 8)].
+  """
+  total = int(length) + extra_tokens
+  if total <= seq_len or long_docs == "truncate":
+    return [(0, min(total, seq_len))] if total > 0 else []
+  stride = seq_len - overlap
+  return [(c * stride, min(seq_len, total - c * stride))
+          for c in range(1 + _continuations(total, seq_len, overlap))]
+
+
 def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
                 min_len: int = 0, overlap: int = 0, extra_tokens: int = 0) -> Chunks:
   """Cuts every kept document's virtual sequence into chunks of at most `seq_len` slots.
@@ -106,11 +148,8 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   kept = None if keep.all() else np.flatnonzero(keep)
   vkept = virtual if kept is None else virtual[kept]
   long = np.flatnonzero(vkept > seq_len)
-  stride = seq_len - overlap
-  extra_chunks = np.zeros(len(long), np.int64)
-  if long_docs == "split" and len(long):
-    extra_chunks = -(-(vkept[long] - seq_len) // stride)
-  doc, start, length = _lay_out(kept, vkept, long, extra_chunks, seq_len, stride)
+  extra_chunks = chunk_counts(vkept[long], seq_len, long_docs=long_docs, overlap=overlap) - 1
+  doc, start, length = _lay_out(kept, vkept, long, extra_chunks, seq_len, seq_len - overlap)
   tokens = int(length.sum(dtype=np.int64))
   dropped_tokens = 0 if kept is None else int(virtual[~keep].sum())
   if long_docs == "truncate":

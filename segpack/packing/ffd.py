@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from segpack.packing.first_fit import first_fit
 from segpack.packing.runs import Placement, max_bins, open_new_bins, run_decreasing
 
 _BLOCK = 128
+# Up to this many chunks, placing them one by one beats the run-based packer (whose NumPy calls
+# per run of equal lengths cost more than a tree walk per chunk when runs are short).
+_ONE_BY_ONE = 256
 
 
 class FirstFitDecreasing:
@@ -78,6 +82,24 @@ class FirstFitDecreasing:
 
 
 def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
-  """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order."""
-  packer = FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len))
-  return run_decreasing(packer, length, seq_len)
+  """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order.
+
+  Both paths take the chunks in the textbook order (longest first, ties by index) and give the
+  textbook result: up to `_ONE_BY_ONE` chunks (a minibatch) go one by one through
+  `segpack.packing.first_fit` (rows `0..n-1` all empty at first: the leftmost empty row is the
+  next new one); more go through `FirstFitDecreasing`, run by run.
+  """
+  length = np.asarray(length)
+  if len(length) > _ONE_BY_ONE:
+    packer = FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len))
+    return run_decreasing(packer, length, seq_len)
+  sizes = length.tolist()
+  order = sorted(range(len(sizes)), key=lambda i: -sizes[i])  # stable: `decreasing_order`
+  bins = first_fit([sizes[i] for i in order], [seq_len] * len(sizes))
+  fill = [0] * len(sizes)
+  rank = []
+  for b in bins:
+    rank.append(fill[b])
+    fill[b] += 1
+  return Placement(order=np.asarray(order, np.int64), bins=np.asarray(bins, np.int64),
+                   rank=np.asarray(rank, np.int64))

@@ -12,7 +12,10 @@ import numpy as np
 
 from segpack.data.options import PipelineConfigError
 from segpack.data.permutation import epoch_permutation
-from segpack.packing.plan import PlanArrays
+from segpack.packing.chunking import chunk_counts, chunk_spans
+from segpack.packing.ffd import first_fit_decreasing
+from segpack.packing.first_fit import FirstFitTree
+from segpack.packing.plan import Plan
 from segpack.packing.planner import plan as plan_rows
 
 __all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner"]
@@ -27,13 +30,13 @@ class EpochPlan:
   """The rows of one epoch, batch-major: batch `b` is rows `[b*R, (b+1)*R)`, `R = rows_per_batch`.
 
   Attributes:
-    arrays: the rows (empty rows are padding rows), document ids global.
+    plan: the rows (empty rows are padding rows), document ids global.
     batch_examples: int64 `[num_batches + 1]` splits into `examples` per batch.
     examples: int64 the examples of the epoch in sampling order.
     rows_needed: int64 `[num_batches]` non-empty rows of each batch.
   """
 
-  arrays: PlanArrays
+  plan: Plan
   batch_examples: np.ndarray
   examples: np.ndarray
   rows_needed: np.ndarray
@@ -52,11 +55,14 @@ class MinibatchPlanner:
     2. Minibatches: with `examples_per_batch = k`, batch `b` is `order[b*k:(b+1)*k]` (the last one
        shorter, or dropped with `drop_remainder`); with `tokens_per_batch`, `R = tokens_per_batch
        // seq_len` and a batch takes the next examples in order while all their chunks fit
-       first-fit into `R` rows (a batch is a contiguous run of `order`).
-    3. Packing: `examples_per_batch` batches are packed with `segpack.plan_rows(strategy)` on
-       their examples alone (FFD by default: as few rows as fit; `"pad"`: one example per row, i.e.
-       unpacked training); token-budget batches keep their first-fit rows. A document is split
-       across rows only when its virtual length exceeds `seq_len`.
+       first-fit (`segpack.packing.first_fit`) into `R` rows (a batch is a contiguous run of
+       `order`).
+    3. Packing: `examples_per_batch` batches are packed on their examples alone: `"ffd"` (the
+       default: as few rows as fit) with `segpack.packing.ffd.first_fit_decreasing`, `"pad"` one
+       chunk per row (unpacked training), the other strategies with `segpack.packing.plan`;
+       token-budget batches keep their first-fit rows. Chunks are cut by
+       `segpack.packing.chunking.chunk_spans`: a document is split across rows only when its
+       virtual length exceeds `seq_len`.
     4. Every batch is padded with empty rows to `rows_per_batch` rows, a static shape for jit.
 
   Example: lengths [5, 3, 2, 6], seq_len 8, no BOS/EOS, k = 2, permutation [3, 1, 0, 2]: batch 0
@@ -98,18 +104,23 @@ class MinibatchPlanner:
     return self.examples[epoch_permutation(self.examples.size, seed=self.seed, epoch=epoch)]
 
   def _chunks(self, length: int) -> list[tuple[int, int]]:
-    """(start, slots) of the chunks of one document's virtual sequence."""
-    total = length + self.extra
-    if total <= self.seq_len:
-      return [(0, total)]
-    if self.long_docs == "truncate":
-      return [(0, self.seq_len)]
-    step, out, start = self.seq_len - self.overlap, [], 0
-    while True:
-      out.append((start, min(self.seq_len, total - start)))
-      if start + self.seq_len >= total:
-        return out
-      start += step
+    """(start, slots) of the chunks of a document of `length` tokens."""
+    return chunk_spans(length, self.seq_len, long_docs=self.long_docs, overlap=self.overlap,
+                       extra_tokens=self.extra)
+
+  def empty_plan(self) -> Plan:
+    """A plan of no rows with this planner's `seq_len`, `overlap` and `extra_tokens`."""
+    return Plan(seq_len=self.seq_len, overlap=self.overlap, extra_tokens=self.extra,
+                strategy=self.strategy, row_splits=np.zeros(1, np.int64),
+                doc=np.zeros(0, np.int64), start=np.zeros(0, np.int32),
+                length=np.zeros(0, np.int32))
+
+  def row_bound(self) -> int:
+    """Rows no `examples_per_batch` batch can exceed: the chunks of the `k` examples with the
+    most chunks (loose for packing, exact for `strategy="pad"`)."""
+    chunks = chunk_counts(self.lengths[self.examples], self.seq_len, long_docs=self.long_docs,
+                          overlap=self.overlap, extra_tokens=self.extra)
+    return int(np.sort(chunks)[::-1][:int(self.examples_per_batch)].sum())
 
   def plan_epoch(self, epoch: int, rows_per_batch: int | None = None) -> EpochPlan:
     """Plans one epoch; `rows_per_batch` None leaves batches at their own row counts (no
@@ -121,15 +132,21 @@ class MinibatchPlanner:
       k = int(self.examples_per_batch)
       stop = order.size - order.size % k if self.drop_remainder else order.size
       batches = [self._pack(order[a:min(a + k, stop)]) for a in range(0, stop, k)]
-    return _assemble(batches, epoch, self.seq_len, self.overlap, rows_per_batch)
+    return _assemble(batches, epoch, rows_per_batch, seq_len=self.seq_len, overlap=self.overlap,
+                     extra_tokens=self.extra, strategy=self.strategy)
 
   def _pack(self, docs: np.ndarray) -> tuple[np.ndarray, list[list[tuple[int, int, int]]]]:
-    if self.strategy in ("ffd", "pad"):  # small batches: a direct loop beats a plan() call
-      pieces = [(d, start, n) for d in docs.tolist() for start, n in self._chunks(
-          int(self.lengths[d]))]
+    if self.strategy in ("ffd", "pad"):  # small batches: no chunking pass or plan statistics
+      pieces = [(d, start, n) for d, length in zip(docs.tolist(), self.lengths[docs].tolist())
+                for start, n in self._chunks(length)]
       if self.strategy == "pad":
         return docs, [[piece] for piece in pieces]
-      return docs, _first_fit_decreasing(pieces, self.seq_len)
+      placement = first_fit_decreasing(np.asarray([n for _, _, n in pieces], np.int64),
+                                       self.seq_len)
+      rows: list[list[tuple[int, int, int]]] = [[] for _ in range(int(placement.bins.max()) + 1)]
+      for i, r in zip(placement.order.tolist(), placement.bins.tolist()):
+        rows[r].append(pieces[i])  # in placement order, the order of the pieces in a row
+      return docs, rows
     plan = plan_rows(self.lengths[docs], self.seq_len, strategy=self.strategy,
                         long_docs=self.long_docs, overlap=self.overlap, extra_tokens=self.extra)
     rows = []
@@ -143,21 +160,22 @@ class MinibatchPlanner:
   def _budget_batches(self, order: np.ndarray):
     """Token-budget batches: consecutive examples while their chunks fit first-fit in R rows."""
     rows_cap, seq_len = self.budget_rows, self.seq_len
-    batches, current, free, rows = [], [], [seq_len] * rows_cap, [[] for _ in range(rows_cap)]
-    for d in order.tolist():
-      chunks = self._chunks(int(self.lengths[d]))
-      placed = _first_fit(chunks, free)
+    batches, current = [], []
+    free, rows = FirstFitTree([seq_len] * rows_cap), [[] for _ in range(rows_cap)]
+    for d, length in zip(order.tolist(), self.lengths[order].tolist()):
+      chunks = self._chunks(length)
+      placed = free.place([n for _, n in chunks])
       if placed is None and current:
         batches.append((np.asarray(current, np.int64), [x for x in rows if x]))
-        current, free, rows = [], [seq_len] * rows_cap, [[] for _ in range(rows_cap)]
-        placed = _first_fit(chunks, free)
+        current = []
+        free, rows = FirstFitTree([seq_len] * rows_cap), [[] for _ in range(rows_cap)]
+        placed = free.place([n for _, n in chunks])
       if placed is None:
         raise MinibatchConfigError(
             f"minibatch packing: document {d} needs {len(chunks)} rows of seq_len={seq_len} "
             f"but tokens_per_batch={self.tokens_per_batch} gives only {rows_cap}; raise "
             f"tokens_per_batch or use long_docs='truncate'")
       for r, (start, n) in zip(placed, chunks):
-        free[r] -= n
         rows[r].append((d, start, n))
       current.append(d)
     if current and not (self.drop_remainder and batches):
@@ -165,38 +183,8 @@ class MinibatchPlanner:
     return batches
 
 
-def _first_fit_decreasing(pieces: list[tuple[int, int, int]],
-                          seq_len: int) -> list[list[tuple[int, int, int]]]:
-  """FFD of (doc, start, slots) pieces: longest first (stable), each into the first row with
-  room."""
-  rows: list[list[tuple[int, int, int]]] = []
-  free: list[int] = []
-  for piece in sorted(pieces, key=lambda p: -p[2]):
-    n = piece[2]
-    for r, f in enumerate(free):
-      if f >= n:
-        rows[r].append(piece)
-        free[r] = f - n
-        break
-    else:
-      rows.append([piece])
-      free.append(seq_len - n)
-  return rows
-
-
-def _first_fit(chunks: list[tuple[int, int]], free: list[int]) -> list[int] | None:
-  """The row of each chunk, first fit into `free` slots (not modified), or None."""
-  trial, out = list(free), []
-  for _, n in chunks:
-    r = next((i for i, f in enumerate(trial) if f >= n), -1)
-    if r < 0:
-      return None
-    trial[r] -= n
-    out.append(r)
-  return out
-
-
-def _assemble(batches, epoch, seq_len, overlap, rows_per_batch) -> EpochPlan:
+def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, extra_tokens: int,
+              strategy: str) -> EpochPlan:
   """Lays the batches' rows out batch-major, padding each batch with empty rows."""
   needed = np.asarray([len(rows) for _, rows in batches], dtype=np.int64)
   width = int(needed.max()) if rows_per_batch is None else int(rows_per_batch)
@@ -217,12 +205,12 @@ def _assemble(batches, epoch, seq_len, overlap, rows_per_batch) -> EpochPlan:
     counts += [0] * (width - len(rows))
   row_splits = np.zeros(len(counts) + 1, dtype=np.int64)
   np.cumsum(counts, out=row_splits[1:])
-  arrays = PlanArrays(
-      seq_len=seq_len, overlap=overlap, row_splits=row_splits,
-      doc=np.asarray(doc, dtype=np.int64), start=np.asarray(start, dtype=np.int32),
-      length=np.asarray(length, dtype=np.int32))
+  plan = Plan(
+      seq_len=seq_len, overlap=overlap, extra_tokens=extra_tokens, strategy=strategy,
+      row_splits=row_splits, doc=np.asarray(doc, dtype=np.int64),
+      start=np.asarray(start, dtype=np.int32), length=np.asarray(length, dtype=np.int32))
   splits = np.zeros(len(batches) + 1, dtype=np.int64)
   np.cumsum([len(ex) for ex, _ in batches], out=splits[1:])
   examples = (np.concatenate([ex for ex, _ in batches]) if batches
               else np.zeros(0, dtype=np.int64))
-  return EpochPlan(arrays=arrays, batch_examples=splits, examples=examples, rows_needed=needed)
+  return EpochPlan(plan=plan, batch_examples=splits, examples=examples, rows_needed=needed)

@@ -36,6 +36,9 @@ class Plan:
        `start[i]:start[i] + length[i]` of document `doc[i]`;
     3. the slots after the last piece are padding.
 
+  A plan loaded with `mmap=True` pickles its arrays as file references (`__reduce__`), so a
+  dataset that holds it is cheap to send to worker processes.
+
   Example: seq_len 8 and documents of 5, 3 and 6 virtual slots under `ffd`: the 6 opens row 0,
   the 5 opens row 1, the 3 does not fit row 0 (room 2) and joins row 1. So `row_splits` =
   [0, 1, 3], `doc` = [2, 0, 1], `start` = [0, 0, 0], `length` = [6, 5, 3]; row 0 is document 2
@@ -76,6 +79,12 @@ class Plan:
     if int(self.row_splits[0]) != 0 or int(self.row_splits[-1]) != n:
       raise PlanError(f"Plan.row_splits must run from 0 to num_pieces={n}, got "
                       f"{int(self.row_splits[0])}..{int(self.row_splits[-1])}")
+
+  def __reduce__(self):
+    # A memory-mapped plan (a cached one) travels to Grain workers as file references.
+    arrays = [_pickle_array(getattr(self, name)) for name in _ARRAYS]
+    return _restore_plan, (self.seq_len, self.overlap, self.extra_tokens, self.strategy,
+                           self.stats, *arrays)
 
   @property
   def num_rows(self) -> int:
@@ -189,36 +198,6 @@ def _replace_dir(tmp: str, path: str) -> None:
   shutil.rmtree(trash, ignore_errors=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanArrays:
-  """The plan arrays the row builder reads (a subset of `segpack.packing.Plan`).
-
-  Attributes:
-    seq_len: slots per row.
-    overlap: repeated leading slots of a continuation chunk (they carry no loss as targets).
-    row_splits: int64 `[num_rows + 1]`; row `r` holds pieces `row_splits[r]:row_splits[r+1]`.
-    doc: int64 `[num_pieces]` document index of each piece.
-    start: int32 `[num_pieces]` first virtual slot of each piece.
-    length: int32 `[num_pieces]` slots of each piece.
-  """
-
-  seq_len: int
-  overlap: int
-  row_splits: np.ndarray
-  doc: np.ndarray
-  start: np.ndarray
-  length: np.ndarray
-
-  @property
-  def num_rows(self) -> int:
-    return int(self.row_splits.shape[0]) - 1
-
-  def __reduce__(self):
-    # Memory-mapped arrays (a cached plan) travel to Grain workers as file references.
-    arrays = [_pickle_array(getattr(self, f)) for f in ("row_splits", "doc", "start", "length")]
-    return _restore_plan_arrays, (self.seq_len, self.overlap, *arrays)
-
-
 def _pickle_array(array: np.ndarray) -> Any:
   if (isinstance(array, np.memmap) and isinstance(array.base, mmap.mmap) and array.filename
       and array.flags.c_contiguous):
@@ -235,7 +214,8 @@ def _unpickle_array(value: Any) -> np.ndarray:
   return value
 
 
-def _restore_plan_arrays(seq_len, overlap, row_splits, doc, start, length) -> "PlanArrays":
-  return PlanArrays(seq_len=seq_len, overlap=overlap, row_splits=_unpickle_array(row_splits),
-                    doc=_unpickle_array(doc), start=_unpickle_array(start),
-                    length=_unpickle_array(length))
+def _restore_plan(seq_len, overlap, extra_tokens, strategy, stats, row_splits, doc, start,
+                  length) -> Plan:
+  return Plan(seq_len=seq_len, overlap=overlap, extra_tokens=extra_tokens, strategy=strategy,
+              row_splits=_unpickle_array(row_splits), doc=_unpickle_array(doc),
+              start=_unpickle_array(start), length=_unpickle_array(length), stats=stats)
