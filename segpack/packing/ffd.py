@@ -1,4 +1,5 @@
-"""Exact first-fit-decreasing, placing runs of equal-length chunks in vectorized steps."""
+"""Exact first-fit-decreasing: runs of equal-length chunks in vectorized steps, or (a minibatch's
+few chunks) one by one through `segpack.packing.first_fit`."""
 
 from __future__ import annotations
 
