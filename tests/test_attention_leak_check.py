@@ -1,4 +1,5 @@
-"""`segpack.attention.self_check` (module `leak_check`): passes real backends, catches leaking ones (forward or gradient).
+"""`segpack.attention.self_check` (segpack/attention/leak_check.py): passes real backends, catches
+leaking ones (forward or gradient).
 
 The leaking backends are test doubles built on the XLA backend with altered segment ids, so the
 place and size of each leak are known.

@@ -1,9 +1,7 @@
-"""Tests for the built-in corpus (segpack.corpus) and SentencePiece training (segpack.spm)."""
+"""The built-in corpus (segpack/text/corpus.py); SentencePiece itself is in tests/test_spm.py."""
 
 import ast
-import hashlib
 
-import numpy as np
 import pytest
 
 from segpack.text import corpus
@@ -130,47 +128,3 @@ def test_ensure_builtin_rebuilds_a_damaged_cache(small):
   again = corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
   assert again == built
   ShardSource(built.eval_dir).verify()
-
-
-def test_cache_root_follows_environment(monkeypatch, tmp_path):
-  monkeypatch.setenv("SEGPACK_CACHE", str(tmp_path / "c"))
-  assert spm.cache_root() == tmp_path / "c"
-  monkeypatch.delenv("SEGPACK_CACHE")
-  assert str(spm.cache_root()).endswith(".cache/segpack")
-  assert spm.cache_root(tmp_path) == tmp_path
-
-
-def test_tokenizer_conventions_and_exact_round_trip(small):
-  built, _ = small
-  tok = spm.SpmTokenizer(built.spm_model)
-  assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
-  assert tok.dtype == np.uint16
-  for text in ["def f(x):\n\tif x:\n        return  x  # two spaces\r\n", "  leading\n\n\n",
-               "naïve café → ∑ 😀 \x00 \x0c", "", "   ", "\n"]:
-    ids = tok.encode(text)
-    assert ids.dtype == np.uint16
-    assert 1 not in ids.tolist()  # Byte fallback: never <unk>.
-    assert tok.decode(ids) == text
-  assert tok.decode([2, *tok.encode("ab").tolist(), 3, 0, 0]) == "ab"
-
-
-def test_training_is_deterministic(tmp_path):
-  texts = [t for n, t in corpus.builtin_documents(split="train", size="small")
-           if n.startswith("topic:")][:30]
-  a = spm.train_spm(texts, tmp_path / "a.model", vocab_size=600)
-  b = spm.train_spm(texts, tmp_path / "b.model", vocab_size=600)
-  digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
-  assert digest(tmp_path / "a.model") == digest(tmp_path / "b.model")
-  assert a.fingerprint == b.fingerprint == "sha256:" + digest(tmp_path / "a.model")
-  assert a.vocab_size == 600
-  assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-
-
-def test_bad_model_files(tmp_path):
-  with pytest.raises(FileNotFoundError, match="nope.model"):
-    spm.SpmTokenizer(tmp_path / "nope.model")
-  (tmp_path / "junk.model").write_bytes(b"not a model")
-  with pytest.raises(ValueError, match="junk.model: not a SentencePiece model"):
-    spm.SpmTokenizer(tmp_path / "junk.model")
-  with pytest.raises(ValueError, match="vocab_size must be an int >= 300.* 10"):
-    spm.train_spm(["abc"], tmp_path / "x.model", vocab_size=10)

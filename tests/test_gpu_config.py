@@ -97,6 +97,7 @@ def analytic_bytes(config, *, vocab: int) -> dict[str, float]:
   return dict(state=5 * 4 * params, activations=per_token * tokens)
 
 
+@pytest.mark.slow
 def test_gpu_step_memory_fits_an_80gb_h100():
   """XLA's buffer assignment for the full-size step (CPU compile, Pallas in interpret mode) and the
   analytic estimate both stay well under 80 GB.
@@ -125,6 +126,7 @@ def test_gpu_step_memory_fits_an_80gb_h100():
   assert 10e9 < sum(analytic.values()) < 0.75 * H100_BYTES
 
 
+@pytest.mark.slow
 def test_gpu_config_trains_two_steps_at_reduced_width(tmp_path, capsys):
   """The gpu config's trainer path (bf16 compute, 2 micro-batches, startup leak check) at reduced
   width, sequence and data, with XLA attention (the Pallas model path against XLA is

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import segpack
+from segpack import shards
 from masked_source import MaskedDocs
 from segpack.data import packed as pipeline
 
@@ -287,7 +288,6 @@ def test_grain_map_dataset_and_sharding_slices_as_source():
 
 
 def test_shard_source_input(tmp_path):
-  from segpack import shards  # pylint: disable=g-import-not-at-top
   docs = make_docs(50, seed=13, max_len=80)
   path = tmp_path / "data"
   with shards.ShardWriter(str(path), vocab_size=65536, tokenizer_fingerprint="test") as w:
@@ -344,7 +344,6 @@ def test_long_documents_each_mode():
 
 
 def write_shards(path, docs, **metadata):
-  shards = pytest.importorskip("segpack.shards")
   with shards.ShardWriter(str(path), vocab_size=65536, tokenizer_fingerprint="test",
                           shard_tokens=300, metadata=metadata) as w:
     for d in docs:

@@ -89,7 +89,7 @@ def test_sft_bench_padding_and_minibatch_take_the_same_steps(spec, capsys):
   from train import bench  # pylint: disable=g-import-not-at-top
 
   _, _, cache = spec
-  assert bench.main(["--sft", "--max-train", "40", "--seq-len", "256", "--examples-per-batch",
+  assert bench.main(["sft", "--max-train", "40", "--seq-len", "256", "--examples-per-batch",
                      "8", "--d-model", "32", "--layers", "1", "--cache-dir", cache,
                      "--json"]) == 0
   results = {r["method"]: r for r in json.loads(capsys.readouterr().out)["results"]}

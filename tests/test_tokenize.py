@@ -1,4 +1,4 @@
-"""Tests for the tokenizer CLI (python -m segpack.tokenize)."""
+"""`segpack tokenize` (segpack/cli/tokenize.py) and the text pipeline behind it (segpack/text)."""
 
 import gzip
 import json

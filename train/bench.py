@@ -1,8 +1,11 @@
-"""Packed vs padded training on the same documents: `python -m train.bench [--json]`.
+"""Training benchmarks: `python -m train.bench packed|sft [--json]` (`--help` after either).
 
-Algorithm:
+`packed`: packed vs padded training on the same documents (this module).
+`sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/sft_bench.py`, docs/sft.md).
+
+`packed`, algorithm:
   1. Sample `--docs` documents (seeded) from the built-in corpus's training split.
-  2. Plan them twice at `--seq_len`: FFD packing (`configs/packed.py`) and one document per row
+  2. Plan them twice at `--seq-len`: FFD packing (`configs/packed.py`) and one document per row
      (`configs/padded.py`, strategy "pad"); both runs see exactly these documents' tokens.
   3. For each, build the same model and optimizer, compile the step on a throw-away batch, then
      train one full epoch over the rows (the last batch filled with padding rows) and time it.
@@ -20,28 +23,29 @@ import functools
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sentencepiece
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import packed as packed_config
+from segpack import shards
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
+from segpack.text import corpus
 from train import data as data_lib
 from train import model as model_lib
+from train import sft_bench
 from train import sharding as sharding_lib
 from train import train as train_lib
 
 
 def _documents(size: str, num_docs: int, seed: int) -> tuple[list[np.ndarray], int, dict[str, int]]:
-  import sentencepiece  # pylint: disable=g-import-not-at-top
-  from segpack import shards
-  from segpack.text import corpus
   built = corpus.ensure_builtin(size=size)
   source = shards.ShardSource(built.train_dir)
   pick = np.sort(np.random.default_rng(seed).choice(len(source), size=min(num_docs, len(source)),
@@ -123,19 +127,31 @@ def _table(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if "--sft" in argv:  # chat fine-tuning: padding vs minibatch vs global packing (docs/sft.md)
-    from train import sft_bench  # pylint: disable=g-import-not-at-top
-    return sft_bench.main([a for a in argv if a != "--sft"])
-  parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
-  parser.add_argument("--size", default="full", choices=("full", "small"), help="built-in corpus")
-  parser.add_argument("--docs", type=int, default=100, help="documents sampled from the corpus")
-  parser.add_argument("--seq_len", type=int, default=1024, help="slots per row")
-  parser.add_argument("--batch_size", type=int, default=8, help="rows per step")
-  parser.add_argument("--seed", type=int, default=0, help="document sampling seed")
-  parser.add_argument("--json", action="store_true", help="print one JSON object")
-  args = parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+  """The `python -m train.bench` parser: one declared subcommand per benchmark."""
+  raw = argparse.RawDescriptionHelpFormatter
+  parser = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
+                                   formatter_class=raw)
+  sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+  packed = sub.add_parser("packed", help="packed vs padded training on the same documents",
+                          description=__doc__, formatter_class=raw)
+  packed.add_argument("--size", default="full", choices=("full", "small"), help="built-in corpus")
+  packed.add_argument("--docs", type=int, default=100, help="documents sampled from the corpus")
+  packed.add_argument("--seq-len", type=int, default=1024, help="slots per row")
+  packed.add_argument("--batch-size", type=int, default=8, help="rows per step")
+  packed.add_argument("--seed", type=int, default=0, help="document sampling seed")
+  packed.add_argument("--json", action="store_true", help="print one JSON object")
+  sft = sub.add_parser("sft", help="chat fine-tuning: padding vs minibatch vs global packing",
+                       description=sft_bench.__doc__, formatter_class=raw)
+  sft_bench.add_arguments(sft)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m train.bench BENCHMARK ...`; returns the exit status."""
+  args = build_parser().parse_args(argv)
+  if args.benchmark == "sft":
+    return sft_bench.run(args)
   result = bench(size=args.size, num_docs=args.docs, seq_len=args.seq_len,
                  batch_size=args.batch_size, seed=args.seed)
   print(json.dumps(result, sort_keys=True) if args.json else _table(result))

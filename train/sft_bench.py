@@ -1,4 +1,4 @@
-"""`python -m train.sft_bench`: padding vs minibatch packing vs global packing for chat fine-tuning.
+"""`python -m train.bench sft`: padding vs minibatch vs global packing for chat fine-tuning.
 
 Trains the same tiny decoder for one epoch of the built-in chat corpus (assistant-only loss) three
 ways and prints, for each: optimizer steps, rows per step, padded-slot fraction, real tokens/s and
@@ -12,9 +12,10 @@ the held-out loss after the epoch.
   fewest rows, so fewer optimizer steps.
 
 Usage:
-  python -m train.sft_bench                       # small chat corpus, about a minute on 2 cores
-  python -m train.sft_bench --size full --max-train 1500 --json   # one JSON object instead
-  python -m train.bench --sft ...                                  # the same command
+  python -m train.bench sft                    # small chat corpus, about a minute on 2 cores
+  python -m train.bench sft --size full --max-train 1500 --json   # one JSON object instead
+
+`train/bench.py` declares the `sft` subcommand with this module's `add_arguments` and runs `run`.
 
 Tokens/s counts real (non-padding) slots over the training wall time after the first step of each
 batch shape (compilation excluded); it measures this machine, not a GPU.
@@ -167,8 +168,8 @@ def _table(results: Sequence[Result]) -> str:
   return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m train.sft_bench", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """Declares the flags of `python -m train.bench sft` on `p`."""
   p.add_argument("--size", choices=("small", "full"), default="small",
                  help="built-in chat corpus size")
   p.add_argument("--max-train", type=int, default=None,
@@ -183,11 +184,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--cache-dir", default=None)
   p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-  return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+  """Trains one epoch per method in `args.methods`, prints the table (or JSON); returns 0."""
   data = chat_corpus.ensure_builtin_chat(size=args.size, cache_dir=args.cache_dir)
   train = shards.ShardSource(data.train_dir)
   source = SubsetSource(train, args.max_train or len(train))
@@ -209,7 +209,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   else:
     print(_table(results))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

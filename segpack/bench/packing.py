@@ -1,4 +1,6 @@
-"""`python -m segpack.bench.packing`: planning speed and quality, Grain's packers, loading speed.
+"""`segpack bench packing`: planning speed and quality, Grain's packers, loading speed.
+
+Also `python -m segpack.bench.packing` (the same flags).
 
 Prints a table (or JSON with `--json`). Sections:
 
@@ -9,8 +11,8 @@ Prints a table (or JSON with `--json`). Sections:
 - `grain`: `grain.experimental.FirstFitPackIterDataset` / `BestFitPackIterDataset` on the first
   `--grain-docs` documents, against segpack's planner on the same documents (the ratio).
 - `load`: batches of `--batch-size` x seq_len with all four features through
-  `segpack.pipeline.pack_dataset` from a memory-mapped synthetic shard dataset.
-- `builtin`: the planners on the built-in corpus (`segpack.corpus.ensure_builtin`).
+  `segpack.pack_dataset` from a memory-mapped synthetic shard dataset.
+- `builtin`: the planners on the built-in corpus (`segpack.text.corpus.ensure_builtin`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+import grain
+import grain.experimental as gexp
 import numpy as np
 
 from segpack import packing
+from segpack.data.options import SpecialTokens
+from segpack.data.packed import pack_dataset
+from segpack.shards import ShardSource, ShardWriter
+from segpack.text import corpus
 
 
 def lognormal_lengths(n: int, *, mean: float = 800.0, sigma: float = 1.0,
@@ -71,9 +79,6 @@ def _grain_docs(lengths: np.ndarray, seq_len: int) -> list[dict[str, np.ndarray]
 
 def bench_grain(lengths: np.ndarray, *, seq_len: int, num_bins: int) -> list[dict[str, Any]]:
   """Grain's first-fit and best-fit packers over `lengths` (clipped to seq_len), vs segpack."""
-  import grain  # pylint: disable=g-import-not-at-top
-  import grain.experimental as gexp  # pylint: disable=g-import-not-at-top
-
   docs = _grain_docs(lengths, seq_len)
   tokens = sum(len(d["tokens"]) for d in docs)
   out = []
@@ -102,8 +107,6 @@ def bench_grain(lengths: np.ndarray, *, seq_len: int, num_bins: int) -> list[dic
 def write_synthetic_shards(path: str, lengths: np.ndarray, *, vocab_size: int,
                            seed: int = 0) -> None:
   """A shard dataset of random tokens with the given document lengths."""
-  from segpack.shards import ShardWriter  # pylint: disable=g-import-not-at-top
-
   rng = np.random.default_rng(seed)
   pool = rng.integers(3, vocab_size, int(lengths.max()) + 1 << 4, dtype=np.int64)
   with ShardWriter(path, vocab_size=vocab_size, tokenizer_fingerprint="synthetic-bench",
@@ -115,10 +118,6 @@ def write_synthetic_shards(path: str, lengths: np.ndarray, *, vocab_size: int,
 def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
                work_dir: str | None, strategy: str) -> dict[str, Any]:
   """Tokens/s of `pack_dataset(...).batch(batch_size)` from memory-mapped shards."""
-  import grain  # pylint: disable=g-import-not-at-top
-  from segpack.data.options import SpecialTokens  # pylint: disable=g-import-not-at-top
-  from segpack.data.packed import pack_dataset  # pylint: disable=g-import-not-at-top
-
   with tempfile.TemporaryDirectory(dir=work_dir, prefix="segpack-bench-") as tmp:
     data = os.path.join(tmp, "data")
     write_synthetic_shards(data, lengths, vocab_size=32000)
@@ -148,8 +147,6 @@ def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
                   repeats: int) -> list[dict[str, Any]]:
   """The planners on the built-in corpus; an empty list (and a note) when unavailable."""
   try:
-    from segpack.text import corpus  # pylint: disable=g-import-not-at-top
-    from segpack.shards import ShardSource  # pylint: disable=g-import-not-at-top
     built = corpus.ensure_builtin(size=size)
     lengths = np.asarray(ShardSource(built.train_dir).lengths)
   except Exception as e:  # pylint: disable=broad-except
@@ -186,7 +183,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m segpack.bench.packing", description=__doc__,
+  ap = argparse.ArgumentParser(prog="segpack bench packing", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--num-docs", type=int, default=10_000_000)
   ap.add_argument("--seq-len", type=int, default=4096)
@@ -202,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--load-batches", type=int, default=2000)
   ap.add_argument("--batch-size", type=int, default=8)
   ap.add_argument("--work-dir", default=None, help="where the synthetic shards go (temporary)")
-  ap.add_argument("--builtin", default="full", help="full, small or none")
+  ap.add_argument("--builtin", default="full", choices=("full", "small", "none"),
+                  help="built-in corpus for the builtin section (none skips it)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   strategies = [s for s in args.strategies.split(",") if s]
