@@ -1,4 +1,4 @@
-"""Tests of segpack.chat (template, loss masks, train_on modes, validation), the chat corpus and
+"""Tests of segpack.text.chat (template, loss masks, train_on modes, validation), the chat corpus and
 the loss-mask files of the shard format."""
 
 import json

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
   args = _parser().parse_args(argv)
   if not logging.getLogger().handlers:
-    logging.basicConfig(level=logging.INFO, format="segpack.tokenize: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="segpack tokenize: %(message)s")
   try:
     summaries = tokenize_files(
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
@@ -67,10 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
         input_format=args.format, train_on=args.train_on, messages_field=args.messages_field)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
-    print(f"segpack.tokenize: error: {e}", file=sys.stderr)
+    print(f"segpack tokenize: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print("segpack.tokenize: interrupted; rerun the same command to resume", file=sys.stderr)
+    print("segpack tokenize: interrupted; rerun the same command to resume", file=sys.stderr)
     return 130
   for summary in summaries:
     print(summary.table())

@@ -175,7 +175,7 @@ class ChatEncoder:
 
     Args:
       tokenizer: has `encode(text) -> 1-D int array` and optionally `symbol_id(piece)` (a
-        `segpack.spm.SpmTokenizer`).
+        `segpack.text.spm.SpmTokenizer`).
       template: the chat template.
       train_on: "assistant" (default), "last_assistant" or "all".
       strict_markers: raise when a marker is not a single special symbol of the tokenizer.

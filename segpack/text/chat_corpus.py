@@ -120,7 +120,7 @@ def builtin_conversations(*, split: str, size: str = "full") -> Iterator[dict[st
 
   Args:
     split: "train" or "eval" (the built-in corpus's held-out groups).
-    size: "full" or "small", as for `segpack.corpus.builtin_documents`.
+    size: "full" or "small", as for `segpack.text.corpus.builtin_documents`.
 
   Yields:
     `{"messages": [...]}` objects.

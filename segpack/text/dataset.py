@@ -113,7 +113,7 @@ def tokenize_files(
 
 def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size, train_on: str,
                    messages_field: str, shard_tokens: int, overwrite: bool) -> encode.Summary:
-  """`--format chat`: conversations to tokens + loss mask (single process; see segpack.chat)."""
+  """`--format chat`: conversations to tokens + loss mask (single process; see segpack.text.chat)."""
   def conversations():
     for path in files:
       yield from chat.read_conversations(path, messages_field=messages_field)

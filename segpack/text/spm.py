@@ -155,7 +155,7 @@ def train_spm(
     max_sentences: train on the first this many lines (deterministic, no sampling).
     model_type: "unigram" or "bpe".
     user_defined_symbols: extra strings that always become one piece each (e.g. the chat role
-      markers of `segpack.chat`); they get the ids right after "\\n" and "\\t" (6, 7, ...).
+      markers of `segpack.text.chat`); they get the ids right after "\\n" and "\\t" (6, 7, ...).
 
   Returns:
     The trained tokenizer.
