@@ -182,7 +182,7 @@ def test_auto_settings_reach_the_triton_calls(dtype, d, budget, fwd, bwd):
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  (bq, bk, fs, fw), (bqb, bkb, bs, bw) = fwd, bwd
+  (bq, _, fs, fw), (bqb, bkb, bs, bw) = fwd, bwd
   assert sorted(_triton_calls(text)) == sorted([
       ("segment_flash_fwd", s // bq, fs, fw),
       ("segment_flash_bwd_delta", s // bqb, bs, bw),

@@ -137,7 +137,7 @@ def test_read_conversations_names_file_and_line(tmp_path):
   it = chat.read_conversations(path)
   where, messages = next(it)
   assert where == f"{path}:1" and messages == CONV
-  with pytest.raises(chat.ChatFormatError, match=rf"c.jsonl:3: no field 'messages'"):
+  with pytest.raises(chat.ChatFormatError, match=r"c.jsonl:3: no field 'messages'"):
     next(it)
   bad = tmp_path / "d.jsonl"
   bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")

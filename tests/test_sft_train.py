@@ -83,6 +83,7 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
     np.testing.assert_allclose(float(sum_packed), float(sum_pad), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_sft_bench_padding_and_minibatch_take_the_same_steps(spec, capsys):
   import json  # pylint: disable=g-import-not-at-top
 
