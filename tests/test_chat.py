@@ -1,5 +1,5 @@
-"""Tests of segpack.text.chat (template, loss masks, train_on modes, validation), the chat corpus and
-the loss-mask files of the shard format."""
+"""Tests of segpack.text.chat (template, loss masks, train_on modes, validation), the chat corpus
+and the loss-mask files of the shard format."""
 
 import json
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from segpack.cli import tokenize as tokenize_cli
-from segpack.text import dataset as tokenize_data
+from segpack.text import dataset
 from segpack.text import chat
 from segpack.text import chat_corpus
 from segpack import shards
@@ -246,7 +246,7 @@ def test_tokenize_cli_writes_the_mask(builtin_chat, tmp_path):
   bad.write_text('{"messages": [{"role": "user", "content": "a"}]}\n'
                  '{"messages": [{"role": "assistant", "content": 5}]}\n')
   with pytest.raises(chat.ChatFormatError, match=r"bad.jsonl:1: no assistant message"):
-    tokenize_data.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
+    dataset.tokenize_files([bad], tmp_path / "c", spm_model=ds.spm_model, input_format="chat")
 
 
 def test_masked_writer_resumes_byte_identically(tmp_path):

@@ -15,9 +15,9 @@ import pytest
 from segpack.text import corpus
 from segpack.text import spm
 from segpack.cli import tokenize as tokenize_cli
-from segpack.text import dataset as tokenize_data
-from segpack.text import encode as tokenize_encode
-from segpack.text import inputs as tokenize_inputs
+from segpack.text import dataset
+from segpack.text import encode
+from segpack.text import inputs
 from segpack.shards import ShardFormatError, ShardSource
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,9 +53,9 @@ def test_txt_jsonl_and_gz_inputs_round_trip_in_order(tmp_path, model, texts):
   a.write_text(texts[0], encoding="utf-8")
   b = _jsonl(tmp_path / "b.jsonl", [{"text": t, "id": i} for i, t in enumerate(texts[1:40])])
   c = _jsonl(tmp_path / "c.jsonl.gz", [{"body": t} for t in texts[40:]] + [{"body": ""}], gz=True)
-  (s,) = tokenize_data.tokenize_files([a, b], tmp_path / "out1", spm_model=model, workers=1)
+  (s,) = dataset.tokenize_files([a, b], tmp_path / "out1", spm_model=model, workers=1)
   assert _decoded(tmp_path / "out1", model) == texts[:40]
-  (s,) = tokenize_data.tokenize_files([c], tmp_path / "out2", spm_model=model, workers=1,
+  (s,) = dataset.tokenize_files([c], tmp_path / "out2", spm_model=model, workers=1,
                                  text_field="body")
   assert _decoded(tmp_path / "out2", model) == texts[40:]
   assert s.skipped_empty == 1 and s.documents == len(texts) - 40
@@ -73,7 +73,7 @@ def test_blank_line_separator_and_directories(tmp_path, model):
   (d / "2.txt").write_text("third doc\n\n\n   \nfourth\ndoc\n", encoding="utf-8")
   (d / "1.txt").write_text("first\n  line two\n\nsecond\n", encoding="utf-8")
   (d / "ignored.csv").write_text("x")
-  tokenize_data.tokenize_files([d], tmp_path / "out", spm_model=model, workers=1,
+  dataset.tokenize_files([d], tmp_path / "out", spm_model=model, workers=1,
                           doc_separator="blank-line")
   assert _decoded(tmp_path / "out", model) == [
       "first\n  line two\n", "second\n", "third doc\n", "fourth\ndoc\n"]
@@ -81,8 +81,8 @@ def test_blank_line_separator_and_directories(tmp_path, model):
 
 def test_workers_give_identical_shards(tmp_path, model, texts):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
-  tokenize_data.tokenize_files([inp], tmp_path / "w1", spm_model=model, workers=1, shard_tokens=5000)
-  tokenize_data.tokenize_files([inp], tmp_path / "w2", spm_model=model, workers=2, shard_tokens=5000)
+  dataset.tokenize_files([inp], tmp_path / "w1", spm_model=model, workers=1, shard_tokens=5000)
+  dataset.tokenize_files([inp], tmp_path / "w2", spm_model=model, workers=2, shard_tokens=5000)
   m1 = json.loads((tmp_path / "w1" / "manifest.json").read_text())
   m2 = json.loads((tmp_path / "w2" / "manifest.json").read_text())
   assert len(m1["shards"]) > 3
@@ -92,7 +92,7 @@ def test_workers_give_identical_shards(tmp_path, model, texts):
 
 def test_vocab_size_trains_a_model_first(tmp_path, texts):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts[:60]])
-  (s,) = tokenize_data.tokenize_files([inp], tmp_path / "out", vocab_size=500, workers=1)
+  (s,) = dataset.tokenize_files([inp], tmp_path / "out", vocab_size=500, workers=1)
   assert (tmp_path / "out" / "spm.model").exists()
   assert ShardSource(tmp_path / "out").vocab_size == 500
   assert _decoded(tmp_path / "out", tmp_path / "out" / "spm.model") == texts[:60]
@@ -101,14 +101,14 @@ def test_vocab_size_trains_a_model_first(tmp_path, texts):
 def test_rerun_of_a_complete_dataset_is_a_no_op_and_other_settings_need_overwrite(
     tmp_path, model, texts):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts[:20]])
-  tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
+  dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
   stamp = (tmp_path / "out" / "manifest.json").stat().st_mtime_ns
-  (s,) = tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
+  (s,) = dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
   assert (tmp_path / "out" / "manifest.json").stat().st_mtime_ns == stamp
   assert s.documents == 20
-  with pytest.raises(tokenize_inputs.InputFormatError, match="already holds a dataset.*--overwrite"):
-    tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1, shard_tokens=7)
-  tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1, shard_tokens=1000,
+  with pytest.raises(inputs.InputFormatError, match="already holds a dataset.*--overwrite"):
+    dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1, shard_tokens=7)
+  dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1, shard_tokens=1000,
                           overwrite=True)
   assert len(ShardSource(tmp_path / "out").manifest["shards"]) > 1
 
@@ -118,16 +118,16 @@ def test_refused_rerun_leaves_the_dataset_and_its_model_untouched(tmp_path, mode
   a = _jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts[:40]])
   b = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in texts[40:80]])
   out = tmp_path / "out"
-  tokenize_data.tokenize_files([a], out, vocab_size=500, workers=1)
+  dataset.tokenize_files([a], out, vocab_size=500, workers=1)
   before = (out / "spm.model").read_bytes()
-  with pytest.raises(tokenize_inputs.InputFormatError,
+  with pytest.raises(inputs.InputFormatError,
                      match="already holds a dataset.*spm.model.*--overwrite"):
-    tokenize_data.tokenize_files([b], out, vocab_size=500, workers=1)
+    dataset.tokenize_files([b], out, vocab_size=500, workers=1)
   assert (out / "spm.model").read_bytes() == before
   assert _decoded(out, out / "spm.model") == texts[:40]
-  tokenize_data.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=model, workers=1)
-  with pytest.raises(tokenize_inputs.InputFormatError, match="already holds a dataset.*--overwrite"):
-    tokenize_data.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=out / "spm.model",
+  dataset.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match="already holds a dataset.*--overwrite"):
+    dataset.tokenize_files(["builtin:small"], tmp_path / "bi", spm_model=out / "spm.model",
                             workers=1)
   assert (tmp_path / "bi" / "spm.model").read_bytes() == Path(model).read_bytes()
   ShardSource(tmp_path / "bi" / "train").verify()
@@ -146,17 +146,17 @@ def _failing(texts, after):
 
 def test_interrupted_run_resumes_and_matches_a_single_run(tmp_path, model, texts, monkeypatch):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
-  tokenize_data.tokenize_files([inp], tmp_path / "ref", spm_model=model, workers=1, shard_tokens=3000)
-  real = tokenize_inputs.iter_documents
-  monkeypatch.setattr(tokenize_encode, "_CHUNK_DOCS", 8)  # Else all 120 documents form one chunk.
-  monkeypatch.setattr(tokenize_data, "iter_documents", lambda *a, **k: _failing(real(*a, **k), 90))
+  dataset.tokenize_files([inp], tmp_path / "ref", spm_model=model, workers=1, shard_tokens=3000)
+  real = inputs.iter_documents
+  monkeypatch.setattr(encode, "_CHUNK_DOCS", 8)  # Else all 120 documents form one chunk.
+  monkeypatch.setattr(dataset, "iter_documents", lambda *a, **k: _failing(real(*a, **k), 90))
   with pytest.raises(KeyboardInterrupt):
-    tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
+    dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
                             shard_tokens=3000)
   with pytest.raises(ShardFormatError, match="missing manifest"):
     ShardSource(tmp_path / "out")
-  monkeypatch.setattr(tokenize_data, "iter_documents", real)
-  (s,) = tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
+  monkeypatch.setattr(dataset, "iter_documents", real)
+  (s,) = dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
                                  shard_tokens=3000)
   assert s.resumed_shards > 0
   ref = json.loads((tmp_path / "ref" / "manifest.json").read_text())
@@ -197,25 +197,25 @@ def test_killed_process_resumes(tmp_path, model, texts, workers):
 def test_line_that_is_not_json(tmp_path, model):
   inp = tmp_path / "bad.jsonl"
   inp.write_text('{"text": "ok"}\n\n{"text": "also ok"}\n{"text": broken\n')
-  with pytest.raises(tokenize_inputs.InputFormatError, match=f"{inp}:4: not JSON .*broken"):
-    tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match=f"{inp}:4: not JSON .*broken"):
+    dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
   with pytest.raises(ShardFormatError):
     ShardSource(tmp_path / "out")
 
 
 def test_line_without_the_field(tmp_path, model):
   inp = _jsonl(tmp_path / "bad.jsonl", [{"text": "a"}, {"content": "b"}, {"text": 5}, [1]])
-  with pytest.raises(tokenize_inputs.InputFormatError, match=f"{inp}:2: no field 'text' .*content"):
-    tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match=f"{inp}:2: no field 'text' .*content"):
+    dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1)
   inp2 = _jsonl(tmp_path / "bad2.jsonl", [{"text": 5}])
-  with pytest.raises(tokenize_inputs.InputFormatError, match=f"{inp2}:1: field 'text' is int.*5"):
-    tokenize_data.tokenize_files([inp2], tmp_path / "out", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match=f"{inp2}:1: field 'text' is int.*5"):
+    dataset.tokenize_files([inp2], tmp_path / "out", spm_model=model, workers=1)
 
 
 def test_skip_bad_lines_counts_and_continues(tmp_path, model):
   inp = tmp_path / "bad.jsonl"
   inp.write_text('{"text": "one"}\nnot json\n{"x": 1}\n[2]\n{"text": "two"}\n')
-  (s,) = tokenize_data.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
+  (s,) = dataset.tokenize_files([inp], tmp_path / "out", spm_model=model, workers=1,
                                  skip_bad_lines=True)
   assert s.bad_lines == 3
   assert _decoded(tmp_path / "out", model) == ["one", "two"]
@@ -225,28 +225,28 @@ def test_corrupt_gzip(tmp_path, model):
   good = gzip.compress(b'{"text": "a"}\n' * 1000)
   inp = tmp_path / "cut.jsonl.gz"
   inp.write_bytes(good[: len(good) // 2])
-  with pytest.raises(tokenize_inputs.InputFormatError, match="cut.jsonl.gz: unreadable after line"):
-    tokenize_data.tokenize_files([inp], tmp_path / "o", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match="cut.jsonl.gz: unreadable after line"):
+    dataset.tokenize_files([inp], tmp_path / "o", spm_model=model, workers=1)
 
 
 def test_bad_files_and_arguments(tmp_path, model):
-  with pytest.raises(tokenize_inputs.InputFormatError, match="'.*missing.txt': no such file"):
-    tokenize_data.tokenize_files([tmp_path / "missing.txt"], tmp_path / "o", spm_model=model)
+  with pytest.raises(inputs.InputFormatError, match="'.*missing.txt': no such file"):
+    dataset.tokenize_files([tmp_path / "missing.txt"], tmp_path / "o", spm_model=model)
   (tmp_path / "x.csv").write_text("a")
-  with pytest.raises(tokenize_inputs.InputFormatError, match="x.csv': unsupported file type"):
-    tokenize_data.tokenize_files([tmp_path / "x.csv"], tmp_path / "o", spm_model=model)
+  with pytest.raises(inputs.InputFormatError, match="x.csv': unsupported file type"):
+    dataset.tokenize_files([tmp_path / "x.csv"], tmp_path / "o", spm_model=model)
   (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
-  with pytest.raises(tokenize_inputs.InputFormatError, match="latin.txt: not UTF-8"):
-    tokenize_data.tokenize_files([tmp_path / "latin.txt"], tmp_path / "o", spm_model=model, workers=1)
+  with pytest.raises(inputs.InputFormatError, match="latin.txt: not UTF-8"):
+    dataset.tokenize_files([tmp_path / "latin.txt"], tmp_path / "o", spm_model=model, workers=1)
   (tmp_path / "a.txt").write_text("a")
-  with pytest.raises(tokenize_inputs.InputFormatError, match="--spm-model FILE or --vocab-size N"):
-    tokenize_data.tokenize_files([tmp_path / "a.txt"], tmp_path / "o")
-  with pytest.raises(tokenize_inputs.InputFormatError, match="--workers must be a positive int, got 0"):
-    tokenize_data.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=model, workers=0)
-  with pytest.raises(tokenize_inputs.InputFormatError, match="builtin.* must be the only input"):
-    tokenize_data.tokenize_files(["builtin", tmp_path / "a.txt"], tmp_path / "o")
+  with pytest.raises(inputs.InputFormatError, match="--spm-model FILE or --vocab-size N"):
+    dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o")
+  with pytest.raises(inputs.InputFormatError, match="--workers must be a positive int, got 0"):
+    dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=model, workers=0)
+  with pytest.raises(inputs.InputFormatError, match="builtin.* must be the only input"):
+    dataset.tokenize_files(["builtin", tmp_path / "a.txt"], tmp_path / "o")
   with pytest.raises(FileNotFoundError, match="nope.model"):
-    tokenize_data.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=tmp_path / "nope.model")
+    dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=tmp_path / "nope.model")
 
 
 def test_cli_prints_summary_or_error(tmp_path, model, capsys):
@@ -262,13 +262,14 @@ def test_cli_prints_summary_or_error(tmp_path, model, capsys):
   assert rc == 2
   assert "nope.jsonl" in capsys.readouterr().err
   with pytest.raises(SystemExit):
-    tokenize_cli.main(["--input", str(inp), "--output", "x", "--spm-model", "m", "--vocab-size", "9"])
+    tokenize_cli.main(["--input", str(inp), "--output", "x", "--spm-model", "m",
+                       "--vocab-size", "9"])
 
 
 def test_builtin_small_cli_writes_train_eval_and_model(tmp_path, model, capsys):
   cache = Path(model).parent.parent
-  rc = tokenize_cli.main(["--input", "builtin:small", "--output", str(tmp_path / "b"), "--cache-dir",
-                      str(cache), "--workers", "1", "--no-progress"])
+  rc = tokenize_cli.main(["--input", "builtin:small", "--output", str(tmp_path / "b"),
+                          "--cache-dir", str(cache), "--workers", "1", "--no-progress"])
   assert rc == 0
   assert (tmp_path / "b" / "spm.model").read_bytes() == Path(model).read_bytes()
   for split in ("train", "eval"):

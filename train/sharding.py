@@ -3,8 +3,9 @@
 One mesh with axes `data`, `fsdp` and `tensor` (the names of `segpack.mesh`). Batches are split
 over `data` x `fsdp` (rows); parameters are split over `fsdp` (ZeRO-3 style: gathered for the
 matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explicit rules on the
-parameter path; a dimension that does not divide by its mesh axis is replicated instead. The shardings are derived from abstract
-shapes (`jax.eval_shape` / `nnx.eval_shape`), never from materialised arrays.
+parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
+shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from
+materialised arrays.
 """
 
 from __future__ import annotations

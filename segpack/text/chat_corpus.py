@@ -1,6 +1,7 @@
 """The built-in chat corpus: deterministic question/answer conversations about Python's own docs.
 
-Made from the documents of the built-in corpus (`segpack.text.corpus`) with no download and no model:
+Made from the documents of the built-in corpus (`segpack.text.corpus`) with no download and no
+model:
 the user asks about a function, class, module or help topic, and the assistant answers with its
 documentation. The held-out split is the built-in corpus's (by module / topic group), so no
 answer of an evaluation conversation appears in training.

@@ -229,29 +229,31 @@ def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = N
   """The cached SentencePiece model of the built-in corpus, trained on first use."""
   root = builtin_dir(size=size, cache_dir=cache_dir)
   with files.file_lock(root / ".lock"):
-    return tokenizer_cache.trained_tokenizer((t for _, t in builtin_documents(split="train", size=size)),
-                              root / "spm.model", vocab_size=SIZES[size],
-                              key={"builtin": corpus_key(size)}, progress=progress)
+    texts = (t for _, t in builtin_documents(split="train", size=size))
+    return tokenizer_cache.trained_tokenizer(
+        texts, root / "spm.model", vocab_size=SIZES[size], key={"builtin": corpus_key(size)},
+        progress=progress)
 
 
 def builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *, workers: int,
-                    shard_tokens: int, progress: bool, overwrite: bool) -> list[encode.Summary]:
+                   shard_tokens: int, progress: bool, overwrite: bool) -> list[encode.Summary]:
+  """Tokenizes both splits of the built-in corpus into `output/train` and `output/eval`."""
   summaries = []
   for split in ("train", "eval"):
     start = time.perf_counter()
     key = encode.resume_key({"builtin": corpus_key(size), "split": split,
-                       "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens,
-                       "layout": _BUILTIN_LAYOUT})
+                             "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens,
+                             "layout": _BUILTIN_LAYOUT})
     manifest, resumed, nbytes = encode.write_dataset(
         (text for _, text in builtin_documents(split=split, size=size)), output / split,
         tokenizer=tokenizer, resume_key=key, workers=workers, shard_tokens=shard_tokens,
         metadata={"source": f"builtin:{size}", "split": split, "python": sys.version},
         progress=progress, overwrite=overwrite)
     summaries.append(encode.summarize(output / split, manifest, resumed=resumed, bad_lines=0,
-                              seconds=time.perf_counter() - start, text_bytes=nbytes))
+                                      seconds=time.perf_counter() - start, text_bytes=nbytes))
     encode.say(progress, f"tokenized the {split} split: {manifest['num_documents']:,} "
-         f"documents, {manifest['num_tokens']:,} tokens in "
-         f"{time.perf_counter() - start:.1f} s")
+                         f"documents, {manifest['num_tokens']:,} tokens in "
+                         f"{time.perf_counter() - start:.1f} s")
   return summaries
 
 
@@ -298,8 +300,9 @@ def ensure_builtin(
   """
   root = builtin_dir(size=size, cache_dir=cache_dir)
   if progress and not (root / "complete.json").exists():
-    encode.say(True, f"building the built-in corpus ({size}: this Python's docs and standard-library "
-               f"sources) into {root}; first use only, later runs read the cache")
+    encode.say(True, f"building the built-in corpus ({size}: this Python's docs and "
+                     f"standard-library sources) into {root}; first use only, later runs read "
+                     f"the cache")
   tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir, progress=progress)
   with files.file_lock(root / ".lock"):
     if (root / "complete.json").exists() and not _intact(root):
@@ -308,11 +311,11 @@ def ensure_builtin(
                    root / "eval" / shards_lib.MANIFEST_NAME):
         path.unlink(missing_ok=True)
     if not (root / "complete.json").exists():
-      encode.say(progress, f"tokenizing the train and eval splits with {workers or os.cpu_count()} "
-                     f"worker processes")
-      builtin_splits(root, size, tokenizer, workers=workers or os.cpu_count() or 1,
-                      shard_tokens=encode.DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
+      workers = workers or os.cpu_count() or 1
+      encode.say(progress, f"tokenizing the train and eval splits with {workers} worker processes")
+      builtin_splits(root, size, tokenizer, workers=workers,
+                     shard_tokens=encode.DEFAULT_SHARD_TOKENS, progress=progress, overwrite=True)
       files.atomic_write_json(root / "complete.json", {"fingerprint": tokenizer.fingerprint,
-                                                            "layout": _BUILTIN_LAYOUT})
+                                                       "layout": _BUILTIN_LAYOUT})
   return BuiltinDataset(train_dir=root / "train", eval_dir=root / "eval",
-                               spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)
+                        spm_model=root / "spm.model", vocab_size=tokenizer.vocab_size)

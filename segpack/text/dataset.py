@@ -23,7 +23,8 @@ from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
-from segpack.text.inputs import InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents
+from segpack.text.inputs import (
+    InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents)
 
 __all__ = ["tokenize_files"]
 
@@ -72,15 +73,15 @@ def tokenize_files(
       tokenizer = spm_lib.SpmTokenizer(spm_model)
     elif vocab_size is not None:
       train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
-      tokenizer = tokenizer_cache.trained_tokenizer(train_texts, output / "spm.model", vocab_size=vocab_size,
-                                     key={"builtin": corpus.corpus_key(size)},
-                                     protect=[output / "train", output / "eval"],
-                                     overwrite=overwrite)
+      tokenizer = tokenizer_cache.trained_tokenizer(
+          train_texts, output / "spm.model", vocab_size=vocab_size,
+          key={"builtin": corpus.corpus_key(size)}, protect=[output / "train", output / "eval"],
+          overwrite=overwrite)
     else:
       tokenizer = corpus.builtin_tokenizer(size=size, cache_dir=cache_dir)
     tokenizer = tokenizer_cache.copy_model(tokenizer, output, overwrite=overwrite)
-    return corpus.builtin_splits(output, size, tokenizer, workers=workers, shard_tokens=shard_tokens,
-                           progress=progress, overwrite=overwrite)
+    return corpus.builtin_splits(output, size, tokenizer, workers=workers,
+                                 shard_tokens=shard_tokens, progress=progress, overwrite=overwrite)
 
   files = expand_inputs(inputs)
   if not files:
@@ -94,9 +95,9 @@ def tokenize_files(
   if spm_model is not None:
     tokenizer = spm_lib.SpmTokenizer(spm_model)
   elif vocab_size is not None:
-    tokenizer = tokenizer_cache.trained_tokenizer(iter_documents(files, **read), output / "spm.model",
-                                   vocab_size=vocab_size, key=ident, protect=[output],
-                                   overwrite=overwrite)
+    tokenizer = tokenizer_cache.trained_tokenizer(
+        iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
+        protect=[output], overwrite=overwrite)
   else:
     raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
   start = time.perf_counter()
@@ -104,7 +105,7 @@ def tokenize_files(
   manifest, resumed, nbytes = encode.write_dataset(
       iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
       resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
-                                  shard_tokens=shard_tokens)),
+                                        shard_tokens=shard_tokens)),
       workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
       metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file), **read})
   return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
@@ -113,7 +114,7 @@ def tokenize_files(
 
 def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size, train_on: str,
                    messages_field: str, shard_tokens: int, overwrite: bool) -> encode.Summary:
-  """`--format chat`: conversations to tokens + loss mask (single process; see segpack.text.chat)."""
+  """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`)."""
   def conversations():
     for path in files:
       yield from chat.read_conversations(path, messages_field=messages_field)

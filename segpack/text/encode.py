@@ -30,8 +30,8 @@ from segpack import shards as shards_lib
 from segpack.text import spm as spm_lib
 from segpack.text.inputs import InputFormatError
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "resume_key", "say", "summarize",
-           "write_dataset"]
+__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "resume_key", "say",
+           "summarize", "write_dataset"]
 
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 512
