@@ -13,6 +13,10 @@ Prints a table (or JSON with `--json`). Sections:
 - `load`: batches of `--batch-size` x seq_len with all four features through
   `segpack.pack_dataset` from a memory-mapped synthetic shard dataset.
 - `builtin`: the planners on the built-in corpus (`segpack.text.corpus.ensure_builtin`).
+- `balance`: `--balance-docs` lognormal documents, FFD-planned at `--balance-seq-len`, in
+  global batches of `--balance-batch` rows over `--balance-ranks` ranks: the largest rank's
+  causal attention cost over the mean, in the epoch permutation's order and balanced
+  (`segpack.data.balance`), and an ESTIMATE on paper of the step time the slowest rank saves.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ import grain.experimental as gexp
 import numpy as np
 
 from segpack import packing
+from segpack.data import balance as balance_lib
 from segpack.data.options import SpecialTokens
+from segpack.data.permutation import epoch_permutation
 from segpack.data.packed import pack_dataset
 from segpack.shards import ShardSource, ShardWriter
 from segpack.text import corpus
@@ -157,6 +163,46 @@ def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
                     extra_tokens=2, label=f"builtin {size}")
 
 
+# The model the balance estimate assumes: a Llama-like 1B decoder (E 2048, 16 layers, 16 heads of
+# 128, about 1.2e9 non-embedding parameters).
+BALANCE_MODEL = {"layers": 16, "heads": 16, "head_dim": 128, "params": 1.2e9}
+
+
+def bench_balance(lengths: np.ndarray, *, seq_len: int, batch_rows: int,
+                  num_ranks: int) -> dict[str, Any]:
+  """Per-rank attention cost, epoch-permutation order vs balanced, averaged over global batches.
+
+  The step-time estimate is on paper, from FLOPs: a rank's step does `6 * N` dense FLOPs per
+  token (forward and backward) and `4 * D * H * L * sum l(l+1)/2` attention FLOPs per row
+  forward, times 3 with the backward pass; a step lasts as long as its slowest rank. The saving
+  is `1 - max_balanced / max_random` of those per-rank FLOPs, averaged over batches.
+  """
+  p = packing.plan(lengths, seq_len, strategy="ffd", extra_tokens=2)
+  costs = balance_lib.row_attention_cost(p).astype(np.float64)
+  rows_per_step = (p.num_rows // batch_rows) * batch_rows
+  random_costs_GxB = costs[epoch_permutation(p.num_rows, seed=0, epoch=0)][:rows_per_step]
+  random_costs_GxB = random_costs_GxB.reshape(-1, batch_rows)
+  perm_GxB = balance_lib.assign_rows(random_costs_GxB, num_ranks=num_ranks)
+  balanced_GxB = np.take_along_axis(random_costs_GxB, perm_GxB, axis=1)
+  mean_G = random_costs_GxB.sum(axis=1) / num_ranks
+  random_max_G = random_costs_GxB.reshape(len(mean_G), num_ranks, -1).sum(axis=2).max(axis=1)
+  balanced_max_G = balanced_GxB.reshape(len(mean_G), num_ranks, -1).sum(axis=2).max(axis=1)
+  m = BALANCE_MODEL
+  attn = 3 * 4 * m["head_dim"] * m["heads"] * m["layers"]  # FLOPs per causal (q, k) pair
+  dense = 6 * m["params"] * seq_len * (batch_rows // num_ranks)  # per rank, padding included
+  step_random = dense + attn * random_max_G
+  step_balanced = dense + attn * balanced_max_G
+  attn_share = attn * mean_G / (dense + attn * mean_G)
+  return {"section": "balance", "data": f"lognormal {len(lengths):,}",
+          "case": f"{num_ranks} ranks x {batch_rows // num_ranks} rows", "seq_len": seq_len,
+          "documents": len(lengths), "batches": len(mean_G),
+          "random_max_over_mean": float(np.mean(random_max_G / mean_G)),
+          "balanced_max_over_mean": float(np.mean(balanced_max_G / mean_G)),
+          "attention_flop_share": float(np.mean(attn_share)),
+          "estimated_step_saving": float(np.mean(1 - step_balanced / step_random)),
+          "model": dict(m)}
+
+
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
             ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 11),
             ("docs_per_s", "{:,.0f}", 13),
@@ -179,6 +225,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
            for r in results if r["section"] == "grain"]
   notes += [f"load: {r['real_tokens_per_s']:,.0f} real tokens/s; setup "
             f"{r['setup_seconds']:.2f} s" for r in results if r["section"] == "load"]
+  notes += [f"balance ({r['case']}, seq_len {r['seq_len']}, {r['batches']} batches): largest "
+            f"rank's attention cost / mean {r['random_max_over_mean']:.3f} in epoch order, "
+            f"{r['balanced_max_over_mean']:.3f} balanced; ESTIMATE from FLOPs (1.2B model, "
+            f"attention {r['attention_flop_share']:.0%} of the FLOPs): the slowest rank's step "
+            f"{r['estimated_step_saving']:.1%} shorter" for r in results
+            if r["section"] == "balance"]
   return "\n".join(lines + notes)
 
 
@@ -201,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--work-dir", default=None, help="where the synthetic shards go (temporary)")
   ap.add_argument("--builtin", default="full", choices=("full", "small", "none"),
                   help="built-in corpus for the builtin section (none skips it)")
+  ap.add_argument("--balance-docs", type=int, default=1_000_000,
+                  help="documents of the balance section (0 skips it)")
+  ap.add_argument("--balance-seq-len", type=int, default=32768)
+  ap.add_argument("--balance-batch", type=int, default=64, help="rows per global batch")
+  ap.add_argument("--balance-ranks", type=int, default=8)
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   strategies = [s for s in args.strategies.split(",") if s]
@@ -225,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.builtin != "none":
     results += bench_builtin(args.builtin, strategies=strategies, seq_len=args.seq_len,
                              repeats=args.repeats)
+  if args.balance_docs:
+    results.append(bench_balance(
+        lognormal_lengths(args.balance_docs, mean=args.mean, sigma=args.sigma, seed=1),
+        seq_len=args.balance_seq_len, batch_rows=args.balance_batch,
+        num_ranks=args.balance_ranks))
   results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "load_average": os.getloadavg(), "cpus": os.cpu_count()}
   if args.json:

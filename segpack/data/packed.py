@@ -19,6 +19,7 @@ import grain
 import numpy as np
 
 from segpack import packing
+from segpack.data import balance as balance_lib
 from segpack.data import minibatch as minibatch_lib
 from segpack.data import rows as rows_lib
 from segpack.data import options
@@ -42,7 +43,11 @@ class PackedDataset(grain.MapDataset):
      (processes interleave, so the processes' step-`j` rows are consecutive epoch rows).
   3. The epoch's row order is a permutation of the `R` plan rows drawn from a generator seeded by
      `(seed, epoch)` (identity without `shuffle`); positions `g >= R` are all-padding rows.
-  4. The row is built by `segpack.data.rows.RowBuilder`.
+  4. With `balance`, every consecutive group of `balance.global_batch_size` epoch positions
+     (one optimizer step of the trainer) is reordered within itself by
+     `segpack.data.balance.balance_epoch`, so the data-parallel ranks' attention costs are
+     balanced; a last, shorter group keeps its order.
+  5. The row is built by `segpack.data.rows.RowBuilder`.
 
   Example: R = 5 rows, shard_count 2, so R' = 6 and P = 3; with epoch permutation [3, 0, 4, 1, 2],
   process 0 reads rows 3, 4, 2 and process 1 reads rows 0, 1 and a padding row; element 3 of
@@ -58,8 +63,12 @@ class PackedDataset(grain.MapDataset):
 
   def __init__(self, builder: rows_lib.RowBuilder, *, seed: int, shuffle: bool,
                num_epochs: int | None, shard_index: int, shard_count: int,
-               max_segments_in_row: int, drop_remainder: bool = False):
+               max_segments_in_row: int, drop_remainder: bool = False,
+               balance: balance_lib.BalanceOptions | None = None,
+               row_costs: np.ndarray | None = None):
     super().__init__()
+    self._balance = balance
+    self._row_costs = row_costs
     self._builder = builder
     self._max_segments_in_row = int(max_segments_in_row)
     self._seed = seed
@@ -132,6 +141,27 @@ class PackedDataset(grain.MapDataset):
         self._perm_cache[epoch] = perm
       return perm
 
+  def _balanced_rows(self, epoch: int) -> np.ndarray:
+    """The plan row at each epoch position (-1: padding), balanced by `self._balance`."""
+    with self._perm_lock:
+      rows = self._perm_cache.get(epoch)
+    if rows is not None:
+      return rows
+    num_rows = self._builder.num_rows
+    padded = self._rows_per_process * self._shard_count
+    order = (epoch_permutation(num_rows, seed=self._seed, epoch=epoch) if self._shuffle
+             else np.arange(num_rows, dtype=np.int64))
+    rows = np.full(padded, rows_lib.PADDING_ROW, dtype=np.int64)
+    rows[:min(padded, num_rows)] = order[:padded]
+    costs = np.where(rows >= 0, self._row_costs[np.maximum(rows, 0)], 0)
+    rows = balance_lib.balance_epoch(rows, costs, options=self._balance,
+                                     shard_count=self._shard_count)
+    with self._perm_lock:
+      if len(self._perm_cache) >= 2:
+        self._perm_cache.pop(next(iter(self._perm_cache)))
+      self._perm_cache[epoch] = rows
+    return rows
+
   def _plan_row(self, index: int) -> int:
     """`plan_rows` for one index, with Python integers (the per-element path)."""
     index = int(index)
@@ -143,6 +173,8 @@ class PackedDataset(grain.MapDataset):
       raise IndexError(f"negative index into an infinite PackedDataset: {index}")
     epoch, j = divmod(index, self._rows_per_process)
     g = j * self._shard_count + self._shard_index
+    if self._balance is not None:
+      return int(self._balanced_rows(epoch)[g])
     if g >= self._builder.num_rows:
       return rows_lib.PADDING_ROW
     return int(self._permutation(epoch)[g]) if self._shuffle else g
@@ -166,6 +198,11 @@ class PackedDataset(grain.MapDataset):
     epoch, j = np.divmod(idx, self._rows_per_process)
     g = j * self._shard_count + self._shard_index
     out = np.full(idx.shape, rows_lib.PADDING_ROW, dtype=np.int64)
+    if self._balance is not None:
+      for e in np.unique(epoch).tolist():
+        sel = epoch == e
+        out[sel] = self._balanced_rows(e)[g[sel]]
+      return out
     real = g < self._builder.num_rows
     for e in np.unique(epoch[real]).tolist():
       sel = real & (epoch == e)
@@ -288,6 +325,7 @@ def pack_dataset(
     shard_options: grain.sharding.ShardOptions | None = None,
     loss_mask: bool | None = None,
     plan_cache_dir: str | os.PathLike | None = None,
+    balance: balance_lib.BalanceOptions | None = None,
     **deprecated: Any,
 ) -> PackedDataset:
   """Packs the documents of `source` into rows: a `PackedDataset` (a `grain.MapDataset`).
@@ -345,6 +383,11 @@ def pack_dataset(
     loss_mask: apply the source's per-token loss mask (label -100 where the target token has
       mask 0); None: when the source has one (`has_loss_mask`).
     plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
+    balance: `segpack.data.balance.BalanceOptions(global_batch_size=..., num_ranks=...)`:
+      within every group of `global_batch_size` consecutive epoch rows (one trainer step),
+      reorder the rows so that each data-parallel rank's causal attention cost is close to the
+      mean (docs/packing.md, "Balancing attention cost over ranks"). The same rows, the same
+      count per rank, a deterministic order; None keeps the epoch permutation's order.
     **deprecated: the previous release's keywords, listed above.
 
   Returns:
@@ -369,6 +412,10 @@ def pack_dataset(
                      special_tokens=special_tokens, long_docs=long_docs)
   options.check_max_segments(fn, max_segments_per_row)
   index, count, shard_drop = options.resolve_shard(fn, grouped.shard_options)
+  if balance is not None:
+    if not isinstance(balance, balance_lib.BalanceOptions):
+      raise PipelineConfigError(f"{fn}: balance must be a BalanceOptions or None, got {balance!r}")
+    balance.check(shard_count=count, fn=fn)
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   source, lengths = prepared.source, prepared.lengths
   arrays = _make_plan(lengths, source=source, seq_len=int(seq_len), strategy=strategy,
@@ -383,7 +430,9 @@ def pack_dataset(
                                 loss_mask=prepared.loss_mask)
   dataset = PackedDataset(builder, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
                           shard_index=index, shard_count=count, drop_remainder=shard_drop,
-                          max_segments_in_row=_max_pieces_per_row(arrays))
+                          max_segments_in_row=_max_pieces_per_row(arrays), balance=balance,
+                          row_costs=(None if balance is None
+                                     else balance_lib.row_attention_cost(arrays)))
   if dataset.rows_per_epoch == 0:
     raise PipelineConfigError(
         f"{fn}: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "

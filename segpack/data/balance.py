@@ -1,0 +1,200 @@
+"""Global batches balanced by attention cost: which data-parallel rank takes which row.
+
+A packed row's attention work grows with the sum of its segments' squared lengths, not with its
+token count, so at long sequence lengths two rows of the same length can cost very different
+amounts (one 32k-token document against forty 800-token ones: about 50x). Data-parallel ranks
+synchronize every step, so the step takes as long as the rank with the most attention work.
+This module reorders the rows of each global batch so the ranks' sums are close to the mean; the
+batch's content is unchanged, every rank keeps the same number of rows. Pure NumPy.
+
+- `row_attention_cost`: the causal attention cost of each row of a plan or of a segment-id
+  batch.
+- `assign_rows`: the balanced order of one global batch (or of many at once).
+- `BalanceOptions` and `balance_epoch`: the option of `segpack.pack_dataset(balance=...)`,
+  applied to every consecutive group of `global_batch_size` epoch rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from segpack.data.options import PipelineConfigError
+from segpack.packing.plan import Plan
+
+__all__ = ["BalanceOptions", "assign_rows", "balance_epoch", "row_attention_cost"]
+
+
+class BalanceError(ValueError):
+  """A balancing argument is invalid; the message names it and echoes the value."""
+
+
+def row_attention_cost(rows: Plan | np.ndarray) -> np.ndarray:
+  """The causal attention cost of every row: `sum_i l_i * (l_i + 1) / 2` over its segments.
+
+  `l_i` are the segment lengths of the row; `l * (l + 1) / 2` is the number of (query, key)
+  pairs a causal mask inside one segment keeps, so the cost is proportional to the attention
+  FLOPs of the row (a non-causal mask would keep `l^2` pairs; the ordering of rows by cost is
+  nearly the same). Padding costs nothing.
+
+  Example: a row with segments of 3 and 2 tokens and 3 padding slots costs 6 + 3 = 9.
+
+  Args:
+    rows: a `segpack.packing.Plan` (one cost per plan row, from its piece lengths), or integer
+      segment ids `[B, S]` (ids 1..k, 0 on padding; one cost per row; a segment is all slots of
+      one id in the row).
+
+  Returns:
+    int64 `[num_rows]` (plan) or `[B]` (segment ids).
+  """
+  if isinstance(rows, Plan):
+    length_P = np.asarray(rows.length, dtype=np.int64)
+    pairs_P = length_P * (length_P + 1) // 2
+    cumulative = np.concatenate([[0], np.cumsum(pairs_P, dtype=np.int64)])
+    splits = np.asarray(rows.row_splits, dtype=np.int64)
+    return cumulative[splits[1:]] - cumulative[splits[:-1]]
+  segment_ids_BxS = np.asarray(rows)
+  if segment_ids_BxS.ndim != 2 or not np.issubdtype(segment_ids_BxS.dtype, np.integer):
+    raise BalanceError(
+        f"row_attention_cost: rows must be a Plan or integer segment ids [B, S], got an array "
+        f"of shape {segment_ids_BxS.shape} and dtype {segment_ids_BxS.dtype}")
+  if segment_ids_BxS.size and segment_ids_BxS.min() < 0:
+    raise BalanceError(f"row_attention_cost: negative segment id {segment_ids_BxS.min()}")
+  b, s = segment_ids_BxS.shape
+  top = int(segment_ids_BxS.max(initial=0)) + 1
+  flat = (np.arange(b, dtype=np.int64)[:, None] * top + segment_ids_BxS).ravel()
+  counts_BxN = np.bincount(flat, minlength=b * top).reshape(b, top).astype(np.int64)
+  counts_BxN[:, 0] = 0  # padding
+  return (counts_BxN * (counts_BxN + 1) // 2).sum(axis=1)
+
+
+def assign_rows(costs_R: np.ndarray, *, num_ranks: int) -> np.ndarray:
+  """A permutation of one global batch's rows so that every rank's cost sum is close to the mean.
+
+  Rank `r` takes the contiguous block `order[r*m:(r+1)*m]` of the result, `m = R / num_ranks`
+  rows. The rule is longest-processing-time first with a row quota per rank:
+
+  1. Sort the rows by cost, descending; equal costs keep row-index order (a stable sort).
+  2. Give each row in that order to the rank with the smallest cost sum among the ranks that
+     hold fewer than `m` rows (ties: the lowest rank).
+  3. The result lists rank 0's rows, then rank 1's, ...; each rank's rows in row-index order.
+
+  Worked example: costs [5, 1, 4, 2, 3, 3], 2 ranks of 3 rows. Descending: rows 0 (5), 2 (4),
+  4 (3), 5 (3), 3 (2), 1 (1). Row 0 -> rank 0 (sums 5, 0); row 2 -> rank 1 (5, 4); row 4 ->
+  rank 1 (5, 7); row 5 -> rank 0 (8, 7); row 3 -> rank 1 (8, 9), now full; row 1 -> rank 0
+  (9, 9). Result [0, 1, 5, 2, 3, 4]: both ranks sum to 9 (a random split could give 12 and 6).
+
+  The result depends on the costs only (deterministic). With two rows per rank it pairs the
+  largest with the smallest row, which is optimal; in general it is a heuristic whose largest
+  sum stays close to the optimum (tests/test_balance.py compares it with exhaustive search).
+  The sums are exact for integer costs below 2**53.
+
+  Args:
+    costs_R: costs `[R]`, or `[G, R]` for `G` batches balanced independently (vectorized).
+    num_ranks: ranks; must divide `R`.
+
+  Returns:
+    int64 permutation(s) of `range(R)`, the shape of `costs_R`.
+  """
+  costs = np.asarray(costs_R, dtype=np.float64)
+  if costs.ndim not in (1, 2):
+    raise BalanceError(f"assign_rows: costs_R must be [R] or [G, R], got shape {costs.shape}")
+  if not isinstance(num_ranks, (int, np.integer)) or num_ranks <= 0:
+    raise BalanceError(f"assign_rows: num_ranks must be a positive int, got {num_ranks!r}")
+  costs_GxR = costs.reshape(-1, costs.shape[-1])
+  g, r = costs_GxR.shape
+  if r % num_ranks:
+    raise BalanceError(f"assign_rows: num_ranks={num_ranks} does not divide the {r} rows")
+  quota = r // num_ranks
+  order_GxR = np.argsort(-costs_GxR, axis=1, kind="stable")
+  loads_GxN = np.zeros((g, num_ranks))
+  counts_GxN = np.zeros((g, num_ranks), dtype=np.int64)
+  rank_GxR = np.zeros((g, r), dtype=np.int64)
+  batches = np.arange(g)
+  for step in range(r):
+    rows_G = order_GxR[:, step]
+    open_loads_GxN = np.where(counts_GxN < quota, loads_GxN, np.inf)
+    rank_G = np.argmin(open_loads_GxN, axis=1)  # first minimum: the lowest rank
+    loads_GxN[batches, rank_G] += costs_GxR[batches, rows_G]
+    counts_GxN[batches, rank_G] += 1
+    rank_GxR[batches, rows_G] = rank_G
+  perm_GxR = np.argsort(rank_GxR, axis=1, kind="stable")
+  return perm_GxR.reshape(costs.shape).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class BalanceOptions:
+  """Balances every global batch of a `pack_dataset` over its data-parallel ranks.
+
+  Attributes:
+    global_batch_size: rows per optimizer step over all processes (the trainer's batch size);
+      a multiple of `num_ranks`.
+    num_ranks: data-parallel ranks that split the global batch (devices along the batch axes of
+      the mesh, over all processes); a multiple of the dataset's `shard_count` (processes).
+  """
+
+  global_batch_size: int
+  num_ranks: int
+
+  def check(self, *, shard_count: int, fn: str) -> None:
+    """Raises a `PipelineConfigError` naming the field unless the layout divides evenly."""
+    for name in ("global_batch_size", "num_ranks"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise PipelineConfigError(f"{fn}: balance.{name} must be a positive int, got {value!r}")
+    if self.global_batch_size % self.num_ranks:
+      raise PipelineConfigError(
+          f"{fn}: balance.global_batch_size={self.global_batch_size} is not divisible by "
+          f"balance.num_ranks={self.num_ranks}")
+    if self.num_ranks % shard_count:
+      raise PipelineConfigError(
+          f"{fn}: balance.num_ranks={self.num_ranks} is not a multiple of the "
+          f"shard_count={shard_count} processes")
+
+
+def rank_positions(options: BalanceOptions, *, shard_count: int) -> np.ndarray:
+  """Where the trainer puts the `t`-th row of `assign_rows`' order, within one global batch.
+
+  `pack_dataset` interleaves processes (process `p` reads group positions `p, p + C, ...`, `C`
+  processes, `B / C` rows per step) and each of a process's `N / C` devices takes a contiguous
+  block of `m = B / N` of its rows. So rank `r = p * (N / C) + d` (device `d` of process `p`)
+  takes group positions `(d * m + u) * C + p` for `u < m`; the result maps `t = r * m + u` to
+  that position.
+  """
+  b, n, c = options.global_batch_size, options.num_ranks, shard_count
+  m = b // n
+  t = np.arange(b, dtype=np.int64)
+  rank, u = np.divmod(t, m)
+  process, device = np.divmod(rank, n // c)
+  return (device * m + u) * c + process
+
+
+def balance_epoch(rows_E: np.ndarray, costs_E: np.ndarray, *, options: BalanceOptions,
+                  shard_count: int) -> np.ndarray:
+  """Reorders an epoch's rows within every consecutive group of `global_batch_size` positions.
+
+  Args:
+    rows_E: the epoch's rows in position order (any values: plan rows, -1 for padding).
+    costs_E: the cost of each position's row (0 for padding).
+    options: the batch layout.
+    shard_count: processes the dataset is split over.
+
+  Returns:
+    `rows_E` with each full group permuted so that, split as the trainer splits a global batch
+    (`rank_positions`), every rank's cost sum is balanced by `assign_rows`. A last group shorter
+    than `global_batch_size` keeps its order.
+  """
+  b = options.global_batch_size
+  full = (len(rows_E) // b) * b
+  out = np.array(rows_E, copy=True)
+  if not full:
+    return out
+  costs_GxB = np.asarray(costs_E[:full]).reshape(-1, b)
+  order_GxB = assign_rows(costs_GxB, num_ranks=options.num_ranks)
+  target_B = rank_positions(options, shard_count=shard_count)
+  rows_GxB = np.asarray(rows_E[:full]).reshape(-1, b)
+  balanced_GxB = np.empty_like(rows_GxB)
+  balanced_GxB[:, target_B] = np.take_along_axis(rows_GxB, order_GxB, axis=1)
+  out[:full] = balanced_GxB.ravel()
+  return out
