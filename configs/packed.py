@@ -60,6 +60,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1  # parameter/optimizer sharding axis size (rows are split over it too)
   c.mesh.tensor = 1  # tensor-parallel axis size (heads / feed-forward hidden)
 
+  c.loss = ml_collections.ConfigDict()
+  # "token": every trained token weighs alike (sum of token losses / trained tokens); "sequence":
+  # every document (segment) alike, the mean of per-document mean losses, as unpacked
+  # per-sequence training computes it; a chunk of a split document weighs as its own sequence.
+  # Changes the objective, so a run cannot resume with another value (docs/training.md).
+  c.loss.weighting = "token"
+
   c.train = ml_collections.ConfigDict()
   c.train.seed = 0  # parameter initialisation seed
   c.train.num_steps = 300  # optimizer steps

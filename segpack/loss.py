@@ -1,4 +1,4 @@
-"""Token-level cross-entropy for packed batches, normalised by the global count of trained tokens.
+"""Cross-entropy for packed batches, normalised by a global count of trained tokens or documents.
 
 A packed batch mixes documents of very different lengths in one row, so the only loss that treats
 every trained token alike is `sum of token losses / number of trained tokens`, where the count is
@@ -9,6 +9,19 @@ The functions here take plain arrays and are exact under gradient accumulation a
 parallelism: count the trained tokens of the full batch once (`count_trained_tokens`), then pass
 that count as `normalizer` to every micro-batch; the micro-batch losses (and their gradients) then
 simply add up to the loss of the full batch.
+
+Two weightings (`weighting=`):
+  * `"token"` (the default): every trained token alike, `sum of token losses / trained tokens`.
+  * `"sequence"`: every document alike, the mean over documents of (document loss / document
+    trained tokens), what unpacked per-sequence training computes. The documents are the
+    segments of the rows (`segment_ids_BxS`, 1..n per row, 0 on padding); a segment's trained
+    tokens are its labels other than `ignore_index`, and segments without any are left out of the
+    mean. The per-segment counts are derived here, from `segment_ids_BxS` and the labels, by a
+    per-row segment sum (`[B, S+1]` counts: O(B*S) memory, jit-friendly, no `[B, S, S]`); they
+    need no extra row feature. The normaliser is the number of such documents in the global batch
+    (`count_trained_documents`), passed to every micro-batch as above, so accumulation stays
+    exact. A document split across rows appears as several segments and each chunk weighs as its
+    own sequence, as unpacked training on the same chunks would weigh it.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 IGNORE_INDEX = -100
+WEIGHTINGS = ("token", "sequence")
 
 
 def count_trained_tokens(labels_BxS: jax.Array, *, ignore_index: int = IGNORE_INDEX) -> jax.Array:
@@ -29,25 +43,118 @@ def count_trained_tokens(labels_BxS: jax.Array, *, ignore_index: int = IGNORE_IN
   return jnp.sum(labels_BxS != ignore_index, dtype=jnp.float32)
 
 
+def check_weighting(weighting: str, *, name: str = "weighting") -> str:
+  """Returns `weighting` if it is one of `WEIGHTINGS`, else raises a ValueError naming `name`."""
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"{name} must be one of {list(WEIGHTINGS)}, got {weighting!r}")
+  return weighting
+
+
+def _check_segments(labels_BxS: jax.Array, segment_ids_BxS: jax.Array | None, fn: str) -> None:
+  if segment_ids_BxS is None:
+    raise ValueError(f"{fn}: weighting='sequence' needs segment_ids_BxS (got None)")
+  if labels_BxS.ndim != 2 or segment_ids_BxS.shape != labels_BxS.shape:
+    raise ValueError(
+        f"{fn}: segment_ids_BxS shape {tuple(segment_ids_BxS.shape)} must equal labels shape "
+        f"{tuple(labels_BxS.shape)}, and both must be [B, S]")
+
+
+def document_token_counts(
+    labels_BxS: jax.Array,
+    *,
+    segment_ids_BxS: jax.Array,
+    ignore_index: int = IGNORE_INDEX,
+) -> jax.Array:
+  """Returns the trained tokens of every segment, float32 `[B, S+1]` (column `n` = segment `n`).
+
+  Column 0 (padding) is always 0: labels on padding slots carry no loss in either weighting's
+  documents. Computed per row by a segment sum over `S+1` static buckets (O(B*S) memory).
+
+  Args:
+    labels_BxS: integer labels `[B, S]`; `ignore_index` marks tokens without loss.
+    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding.
+    ignore_index: the label value that carries no loss.
+  """
+  _check_segments(labels_BxS, segment_ids_BxS, "document_token_counts")
+  num_buckets = labels_BxS.shape[1] + 1
+  seg_BxS = jnp.clip(segment_ids_BxS, 0, num_buckets - 1)
+  trained_BxS = ((labels_BxS != ignore_index) & (seg_BxS != 0)).astype(jnp.float32)
+  return jax.vmap(lambda t_S, s_S: jax.ops.segment_sum(t_S, s_S, num_segments=num_buckets))(
+      trained_BxS, seg_BxS)
+
+
+def count_trained_documents(
+    labels_BxS: jax.Array,
+    *,
+    segment_ids_BxS: jax.Array,
+    ignore_index: int = IGNORE_INDEX,
+) -> jax.Array:
+  """Returns the number of segments with at least one trained token, as float32.
+
+  Args:
+    labels_BxS: integer labels `[B, S]`; `ignore_index` marks tokens without loss.
+    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding.
+    ignore_index: the label value that carries no loss.
+  """
+  counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
+                                    ignore_index=ignore_index)
+  return jnp.sum(counts_BxN > 0, dtype=jnp.float32)
+
+
+def loss_normalizer(
+    labels_BxS: jax.Array,
+    *,
+    weighting: str = "token",
+    segment_ids_BxS: jax.Array | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> jax.Array:
+  """The `normalizer` of `cross_entropy_loss` for a whole (global) batch, float32.
+
+  `weighting="token"`: `count_trained_tokens`; `"sequence"`: `count_trained_documents`.
+
+  Args:
+    labels_BxS: integer labels `[B, S]` of the whole batch.
+    weighting: `"token"` or `"sequence"` (module docstring).
+    segment_ids_BxS: segment ids `[B, S]`; required for `"sequence"`.
+    ignore_index: the label value that carries no loss.
+  """
+  if check_weighting(weighting) == "token":
+    return count_trained_tokens(labels_BxS, ignore_index=ignore_index)
+  _check_segments(labels_BxS, segment_ids_BxS, "loss_normalizer")
+  return count_trained_documents(labels_BxS, segment_ids_BxS=segment_ids_BxS,
+                                 ignore_index=ignore_index)
+
+
 def cross_entropy_sum(
     logits_BxSxV: jax.Array,
     labels_BxS: jax.Array,
     *,
+    weighting: str = "token",
+    segment_ids_BxS: jax.Array | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, jax.Array]:
-  """Returns `(sum of token cross-entropies, number of trained tokens)`, both float32 scalars.
+  """Returns `(weighted sum of token cross-entropies, count)`, both float32 scalars.
+
+  `weighting="token"`: the plain sum and the number of trained tokens. `"sequence"`: the sum
+  over documents (segments) of their mean token loss, and the number of documents with trained
+  tokens; dividing the two gives the mean of per-document means.
 
   The log-softmax is computed in float32 whatever the dtype of the logits. Labels equal to
   `ignore_index` contribute nothing (and no gradient); every other label must lie in `[0, V)`.
 
   Args:
-    logits_BxSxV: unnormalised scores, `[..., V]`.
+    logits_BxSxV: unnormalised scores, `[..., V]` (`[B, S, V]` for `"sequence"`).
     labels_BxS: integer targets with the leading shape of the logits.
+    weighting: `"token"` or `"sequence"` (module docstring).
+    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding; required for
+      `"sequence"`, unused for `"token"`.
     ignore_index: the label value that carries no loss.
 
   Raises:
-    ValueError: the shapes of logits and labels do not line up.
+    ValueError: the shapes of logits, labels and segment ids do not line up, an unknown
+      `weighting`, or `"sequence"` without `segment_ids_BxS`.
   """
+  check_weighting(weighting)
   if logits_BxSxV.shape[:-1] != labels_BxS.shape:
     raise ValueError(
         f"cross_entropy_sum: logits shape {tuple(logits_BxSxV.shape)} must be labels shape "
@@ -58,7 +165,16 @@ def cross_entropy_sum(
   log_z_BxS = jax.nn.logsumexp(logits, axis=-1)
   target_BxS = jnp.take_along_axis(logits, safe_labels_BxS[..., None], axis=-1)[..., 0]
   token_loss_BxS = jnp.where(mask_BxS, log_z_BxS - target_BxS, 0.0)
-  return jnp.sum(token_loss_BxS), jnp.sum(mask_BxS, dtype=jnp.float32)
+  if weighting == "token":
+    return jnp.sum(token_loss_BxS), jnp.sum(mask_BxS, dtype=jnp.float32)
+  _check_segments(labels_BxS, segment_ids_BxS, "cross_entropy_sum")
+  counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
+                                     ignore_index=ignore_index)
+  seg_BxS = jnp.clip(segment_ids_BxS, 0, counts_BxN.shape[1] - 1)
+  doc_count_BxS = jnp.take_along_axis(counts_BxN, seg_BxS, axis=1)
+  # Tokens on padding (segment 0) have doc_count 0 and get weight 0.
+  weight_BxS = jnp.where(doc_count_BxS > 0, 1.0 / jnp.maximum(doc_count_BxS, 1.0), 0.0)
+  return jnp.sum(token_loss_BxS * weight_BxS), jnp.sum(counts_BxN > 0, dtype=jnp.float32)
 
 
 def cross_entropy_loss(
@@ -66,28 +182,37 @@ def cross_entropy_loss(
     labels_BxS: jax.Array,
     *,
     normalizer: jax.Array | float | None = None,
+    weighting: str = "token",
+    segment_ids_BxS: jax.Array | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, jax.Array]:
-  """Cross-entropy that ignores `ignore_index` labels, divided by a global token count.
+  """Cross-entropy that ignores `ignore_index` labels, divided by a global count.
 
   Args:
-    logits_BxSxV: unnormalised scores, `[..., V]`.
+    logits_BxSxV: unnormalised scores, `[..., V]` (`[B, S, V]` for `"sequence"`).
     labels_BxS: integer targets with the leading shape of the logits; `-100` = no loss.
-    normalizer: the number of trained tokens of the *global* batch this slice belongs to (from
-      `count_trained_tokens` on the full accumulated batch). `None` uses this slice's own count,
-      which is the right value when the slice is the whole batch. A batch without any trained
-      token gives a loss of 0, not NaN.
+    normalizer: the count of the *global* batch this slice belongs to (`loss_normalizer` on the
+      full accumulated batch, with the same `weighting`: trained tokens for `"token"`, documents
+      with trained tokens for `"sequence"`). `None` uses this slice's own count, which is the
+      right value when the slice is the whole batch. A batch without any trained token gives a
+      loss of 0, not NaN.
+    weighting: `"token"` (every trained token alike) or `"sequence"` (every document alike: the
+      mean of per-document means); see the module docstring.
+    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding; required for
+      `"sequence"`, unused for `"token"`.
     ignore_index: the label value that carries no loss.
 
   Returns:
-    `(loss, num_tokens)`: `sum of token losses / normalizer` and this slice's count of trained
-    tokens (float32 scalars).
+    `(loss, count)`: `weighted sum of token losses / normalizer` and this slice's count (trained
+    tokens for `"token"`, documents with trained tokens for `"sequence"`), float32 scalars.
 
   Example:
-    >>> total = count_trained_tokens(labels)              # the whole batch
-    >>> loss = sum(cross_entropy_loss(lo, la, normalizer=total)[0]
-    ...            for lo, la in micro_batches)          # == cross_entropy_loss(all, labels)[0]
+    >>> total = loss_normalizer(labels, weighting=w, segment_ids_BxS=seg)  # the whole batch
+    >>> loss = sum(cross_entropy_loss(lo, la, normalizer=total, weighting=w,
+    ...                               segment_ids_BxS=sg)[0]
+    ...            for lo, la, sg in micro_batches)  # == cross_entropy_loss(all, ...)[0]
   """
-  loss_sum, num_tokens = cross_entropy_sum(logits_BxSxV, labels_BxS, ignore_index=ignore_index)
-  denominator = num_tokens if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-  return loss_sum / jnp.maximum(denominator, 1.0), num_tokens
+  loss_sum, count = cross_entropy_sum(logits_BxSxV, labels_BxS, weighting=weighting,
+                                      segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
+  denominator = count if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+  return loss_sum / jnp.maximum(denominator, 1.0), count

@@ -28,6 +28,11 @@ RESUMABLE_CHANGES = frozenset({
     "mesh.fsdp", "mesh.tensor", "attention.implementation", "attention.interpret",
     "attention.self_check", "train.peak_flops", "data.cache_dir",
 })
+# `loss.weighting` is deliberately not resumable: it changes the objective being optimised.
+
+# Keys added to the config after checkpoints were written without them: an absent key reads as
+# this value, the behaviour those checkpoints were trained with.
+DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token"}
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -49,6 +54,9 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
   """Lines `key: checkpoint has X, config has Y` for every difference outside RESUMABLE_CHANGES."""
   a, b = flatten(saved), flatten(current)
+  for key, value in DEFAULTS_OF_ADDED_KEYS.items():
+    a.setdefault(key, value)
+    b.setdefault(key, value)
   lines = []
   for key in sorted(set(a) | set(b)):
     if key in RESUMABLE_CHANGES:

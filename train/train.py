@@ -79,21 +79,26 @@ def _micro_batches(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Arr
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, accum: int) -> Callable[..., Any]:
+                    *, accum: int, weighting: str = "token") -> Callable[..., Any]:
   """The (unjitted) step `(state, batch) -> (state, metrics)`.
 
-  The loss of every micro-batch is divided by the trained-token count of the *whole* batch, so
-  the summed gradients are exactly those of the full batch's loss.
+  The loss of every micro-batch is divided by the count of the *whole* batch (trained tokens, or
+  with `weighting="sequence"` documents with trained tokens: `loss.weighting`), so the summed
+  gradients are exactly those of the full batch's loss.
   """
+  loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def loss_fn(params, micro, total):
     model = nnx.merge(graphdef, params)
     logits = model(micro["input_ids"], segment_ids=micro["segment_ids"],
                    segment_positions=micro["segment_positions"])
-    return loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total)[0]
+    return loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total,
+                                       weighting=weighting,
+                                       segment_ids_BxS=micro["segment_ids"])[0]
 
   def step(state, batch):
-    total = loss_lib.count_trained_tokens(batch["labels"])
+    total = loss_lib.loss_normalizer(batch["labels"], weighting=weighting,
+                                     segment_ids_BxS=batch["segment_ids"])
     params = state["params"]
 
     def accumulate(carry, micro):
@@ -109,7 +114,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
                      step=state["step"] + 1)
     real = jnp.sum(batch["segment_ids"] != 0, dtype=jnp.float32)
     metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
-                   trained_tokens=total, real_tokens=real,
+                   trained_tokens=loss_lib.count_trained_tokens(batch["labels"]),
+                   loss_count=total, real_tokens=real,
                    slots=jnp.float32(batch["segment_ids"].size),
                    attention_pairs=flops_lib.attention_pairs(batch["segment_ids"]))
     return new_state, metrics
@@ -117,14 +123,21 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   return step
 
 
-def make_eval_step(graphdef: Any) -> Callable[..., Any]:
-  """`(params, batch) -> (loss_sum, trained_tokens)` for one held-out batch."""
+def make_eval_step(graphdef: Any, *, weighting: str = "token") -> Callable[..., Any]:
+  """`(params, batch) -> (loss_sum, count, trained_tokens)` for one held-out batch.
+
+  `loss_sum / count` is the batch's loss: with `weighting="token"` the summed token losses over
+  the trained tokens, with `"sequence"` the summed per-document mean losses over the documents.
+  """
+  loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def step(params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["input_ids"], segment_ids=batch["segment_ids"],
                    segment_positions=batch["segment_positions"])
-    return loss_lib.cross_entropy_sum(logits, batch["labels"])
+    loss_sum, count = loss_lib.cross_entropy_sum(logits, batch["labels"], weighting=weighting,
+                                                 segment_ids_BxS=batch["segment_ids"])
+    return loss_sum, count, loss_lib.count_trained_tokens(batch["labels"])
 
   return step
 
@@ -228,11 +241,14 @@ def setup(config: Any, workdir: str) -> Run:
     state, data_state, start_step = restored
     iterator.set_state(data_state)
   batch_sh = sharding_lib.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps),
+  weighting = config.loss.weighting
+  train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
+                                       weighting=weighting),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnames=("state",))
-  eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(params_sh, batch_sh),
-                      out_shardings=(replicated, replicated))
+  eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting),
+                      in_shardings=(params_sh, batch_sh),
+                      out_shardings=(replicated, replicated, replicated))
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
@@ -241,16 +257,19 @@ def setup(config: Any, workdir: str) -> Run:
 
 
 def evaluate(run: Run) -> dict[str, float]:
-  """Held-out loss over the first `train.eval_batches` eval batches (all of them if <= 0)."""
+  """Held-out loss over the first `train.eval_batches` eval batches (all of them if <= 0).
+
+  With `loss.weighting="sequence"` it is the mean of per-document means over all the documents
+  of the evaluated batches."""
   limit = run.config.train.eval_batches
   n = len(run.data.eval) if limit <= 0 else min(limit, len(run.data.eval))
   rows = run.config.train.batch_size // jax.process_count()
-  loss_sum, count = 0.0, 0.0
+  loss_sum, count, tokens = 0.0, 0.0, 0.0
   for i in range(n):
     local = data_lib.pad_batch(run.data.eval[i], rows)
-    s, c = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
-    loss_sum, count = loss_sum + float(s), count + float(c)
-  return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(count))
+    s, c, k = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
+    loss_sum, count, tokens = loss_sum + float(s), count + float(c), tokens + float(k)
+  return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(tokens))
 
 
 def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray]) -> None:
@@ -268,8 +287,10 @@ def _train_record(step: int, window: list[dict[str, Any]],
   for m in window:
     meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
               attention_pairs=float(m["attention_pairs"]))
-  tokens = sum(float(m["trained_tokens"]) for m in window)
-  loss = sum(float(m["loss"]) * float(m["trained_tokens"]) for m in window) / max(tokens, 1.0)
+  # Each step's loss weighted by its normaliser (trained tokens, or documents under
+  # loss.weighting="sequence"): the window's loss as one batch of all its steps would give it.
+  counts = sum(float(m["loss_count"]) for m in window)
+  loss = sum(float(m["loss"]) * float(m["loss_count"]) for m in window) / max(counts, 1.0)
   last = window[-1]
   return dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
               grad_norm=float(last["grad_norm"]), **meter.report(step))
