@@ -32,6 +32,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.packing.strategy = "ffd"  # planner: ffd, bfd, greedy, pad (one document per row), sorted_pad
   c.packing.long_docs = "split"  # documents longer than a row: "split" into chunks or "truncate"
   c.packing.max_segments_per_row = config_dict.placeholder(int)  # cap on documents per row
+  # "attention": deal each global batch's rows to the data-parallel ranks so that their summed
+  # attention cost (sum of l(l+1)/2 per row) is even (docs/packing.md); "none": epoch order
+  c.packing.balance = "none"
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size

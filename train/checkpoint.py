@@ -32,7 +32,7 @@ RESUMABLE_CHANGES = frozenset({
 
 # Keys added to the config after checkpoints were written without them: an absent key reads as
 # this value, the behaviour those checkpoints were trained with.
-DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token"}
+DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token", "packing.balance": "none"}
 
 
 class IncompatibleCheckpointError(ValueError):

@@ -21,6 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch import pack_minibatches
 from segpack.data.options import LongDocs, SpecialTokens
 from segpack.data.packed import pack_dataset
@@ -56,6 +57,7 @@ class DataSpec:
   examples_per_batch: int | None = None  # minibatch mode: examples per step
   tokens_per_batch: int | None = None  # minibatch mode: instead, a token budget per step
   train_on: str = "assistant"  # builtin_chat: which tokens carry loss
+  balance: str = "none"  # "attention": global batches balanced over the data-parallel ranks
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -67,7 +69,7 @@ class DataSpec:
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
                mode=p.get("mode", "global"), examples_per_batch=p.get("examples_per_batch"),
                tokens_per_batch=p.get("tokens_per_batch"),
-               train_on=d.get("train_on", "assistant"))
+               train_on=d.get("train_on", "assistant"), balance=p.get("balance", "none"))
 
 
 @dataclasses.dataclass
@@ -126,7 +128,7 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
 
 
 def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
-              process_count: int) -> Data:
+              process_count: int, num_ranks: int = 1) -> Data:
   """Packs the train and held-out splits and batches this process's rows.
 
   Args:
@@ -134,6 +136,9 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
     batch_size: rows per step over all processes (divisible by `process_count`).
     process_index: this process (`jax.process_index()`).
     process_count: number of processes (`jax.process_count()`).
+    num_ranks: devices that split a global batch (the mesh's `data` x `fsdp`); with
+      `spec.balance == "attention"` the rows of every global batch are dealt to them by
+      attention cost (`segpack.data.balance`).
   """
   if batch_size % process_count:
     raise DataConfigError(
@@ -148,12 +153,18 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   eval_rows = pack_dataset(eval_src, shuffle=False, num_epochs=1,
                            max_segments_per_row=spec.max_segments_per_row, **common)
   if spec.mode == "minibatch":
+    if spec.balance != "none":
+      raise DataConfigError(
+          f"packing.balance={spec.balance!r} is for packing.mode='global' (minibatch mode keeps "
+          f"each step's examples as unpacked sampling draws them); set packing.balance='none'")
     return _minibatch_data(spec, train_src, eval_rows, common, batch_size=batch_size,
                            local=local, vocab=vocab)
   if spec.mode != "global":
     raise DataConfigError(f"packing.mode must be 'global' or 'minibatch', got {spec.mode!r}")
   train_rows = pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
-                            max_segments_per_row=spec.max_segments_per_row, **common)
+                            max_segments_per_row=spec.max_segments_per_row,
+                            balance=_balance(spec, batch_size=batch_size, num_ranks=num_ranks),
+                            **common)
   return Data(
       train=train_rows.batch(local, drop_remainder=True),
       eval=eval_rows.batch(local, drop_remainder=False),
@@ -162,6 +173,16 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                    f"{train_rows.num_plan_rows} train rows/epoch, {eval_rows.num_plan_rows} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
+
+
+def _balance(spec: DataSpec, *, batch_size: int, num_ranks: int) -> BalanceOptions | None:
+  """`packing.balance` as the dataset's option (None: the epoch order)."""
+  if spec.balance == "none":
+    return None
+  if spec.balance != "attention":
+    raise DataConfigError(
+        f"packing.balance must be 'none' or 'attention', got {spec.balance!r}")
+  return BalanceOptions(global_batch_size=batch_size, num_ranks=num_ranks)
 
 
 def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict[str, Any], *,

@@ -213,7 +213,8 @@ def setup(config: Any, workdir: str) -> Run:
   sharding_lib.check_batch(t.batch_size, mesh=mesh, grad_accum_steps=t.grad_accum_steps,
                            process_count=jax.process_count())
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+                            process_index=jax.process_index(), process_count=jax.process_count(),
+                            num_ranks=sharding_lib.batch_partitions(mesh))
   tx, schedule = make_optimizer(t)
   graphdef, abstract = _abstract_state(config, data.vocab_size, tx, mesh,
                                        max_segments_in_row=data.max_segments_in_row)
