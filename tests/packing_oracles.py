@@ -136,3 +136,23 @@ def bisect_bfd(sizes, cap):
       bins.append([i])
     bisect.insort(rooms, (room - s, b))
   return bins
+
+
+def naive_rows(docs_per_row, seq_len):
+  """Rows of the given documents back to back, then padding, as a naive loop: the four row
+  features (labels = the next token inside the document, -100 at its end and on padding)."""
+  b = len(docs_per_row)
+  out = {k: np.zeros((b, seq_len), np.int32) for k in
+         ("input_ids", "segment_ids", "segment_positions")}
+  out["labels"] = np.full((b, seq_len), -100, np.int32)
+  for r, docs in enumerate(docs_per_row):
+    pos = 0
+    for seg, doc in enumerate(docs, start=1):
+      n = len(doc)
+      out["input_ids"][r, pos:pos + n] = doc
+      out["segment_ids"][r, pos:pos + n] = seg
+      out["segment_positions"][r, pos:pos + n] = np.arange(n)
+      out["labels"][r, pos:pos + n - 1] = doc[1:]
+      pos += n
+    assert pos <= seq_len
+  return out

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from packing_oracles import naive_rows
 from segpack import loss as loss_lib
 from train import model as model_lib
 
@@ -24,22 +25,7 @@ def _tiny(**overrides):
 
 
 def _pack(docs_per_row, seq_len):
-  """Naive packer for the tests: documents back to back, then padding."""
-  b = len(docs_per_row)
-  out = {k: np.zeros((b, seq_len), np.int32) for k in
-         ("input_ids", "segment_ids", "segment_positions")}
-  out["labels"] = np.full((b, seq_len), -100, np.int32)
-  for r, docs in enumerate(docs_per_row):
-    pos = 0
-    for seg, doc in enumerate(docs, start=1):
-      n = len(doc)
-      out["input_ids"][r, pos:pos + n] = doc
-      out["segment_ids"][r, pos:pos + n] = seg
-      out["segment_positions"][r, pos:pos + n] = np.arange(n)
-      out["labels"][r, pos:pos + n - 1] = doc[1:]
-      pos += n
-    assert pos <= seq_len
-  return {k: jnp.asarray(v) for k, v in out.items()}
+  return {k: jnp.asarray(v) for k, v in naive_rows(docs_per_row, seq_len).items()}
 
 
 def _docs(seed, lengths):

@@ -245,13 +245,16 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
   assert bench.main(["--num-docs", "2000", "--seq-len", "512", "--mean", "100", "--repeats", "1",
                      "--grain-docs", "50",
                      "--load-docs", "300", "--load-batches", "3", "--builtin", "none",
-                     "--work-dir", str(tmp_path), "--json"]) == 0
+                     "--balance-docs", "3000", "--balance-seq-len", "2048", "--balance-batch", "8",
+                     "--balance-ranks", "4", "--work-dir", str(tmp_path), "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   sections = [r["section"] for r in out["results"]]
-  assert sections == ["plan", "plan", "grain", "grain", "load"]
+  assert sections == ["plan", "plan", "grain", "grain", "load", "balance"]
+  balance = out["results"][-1]
+  assert 1.0 <= balance["balanced_max_over_mean"] <= balance["random_max_over_mean"]
   plan_rows_ = [r for r in out["results"] if r["section"] == "plan"]
   assert all(r["rows"] >= r["lower_bound"] for r in plan_rows_)
-  load = out["results"][-1]
+  load = out["results"][-2]
   assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
 
 
