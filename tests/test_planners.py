@@ -246,15 +246,19 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
                      "--grain-docs", "50",
                      "--load-docs", "300", "--load-batches", "3", "--builtin", "none",
                      "--balance-docs", "3000", "--balance-seq-len", "2048", "--balance-batch", "8",
-                     "--balance-ranks", "4", "--work-dir", str(tmp_path), "--json"]) == 0
+                     "--balance-ranks", "4", "--repack-docs", "3000", "--work-dir", str(tmp_path),
+                     "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   sections = [r["section"] for r in out["results"]]
-  assert sections == ["plan", "plan", "grain", "grain", "load", "balance"]
-  balance = out["results"][-1]
+  assert sections == ["plan", "plan", "grain", "grain", "load", "balance", "repack", "repack"]
+  fixed, repacked = out["results"][-2:]
+  assert fixed["rows"] == repacked["rows"] and fixed["pairs_again"] == 1.0
+  assert 0.0 <= repacked["pairs_again"] < 1.0
+  balance = out["results"][-3]
   assert 1.0 <= balance["balanced_max_over_mean"] <= balance["random_max_over_mean"]
   plan_rows_ = [r for r in out["results"] if r["section"] == "plan"]
   assert all(r["rows"] >= r["lower_bound"] for r in plan_rows_)
-  load = out["results"][-2]
+  load = out["results"][-4]
   assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
 
 

@@ -17,6 +17,10 @@ Prints a table (or JSON with `--json`). Sections:
   global batches of `--balance-batch` rows over `--balance-ranks` ranks: the largest rank's
   causal attention cost over the mean, in the epoch permutation's order and balanced
   (`segpack.data.balance`), and an ESTIMATE on paper of the step time the slowest rank saves.
+- `repack`: `--repack-docs` lognormal documents, FFD at seq_len: the fixed plan against
+  `repack="epoch"`'s plan of epoch 1 (`tie_seed=(0, 1)`): plan seconds (best of `--repeats`),
+  utilization, and the share of the pairs of documents sharing a row in epoch 0 that share one
+  again in epoch 1 (the fixed plan: 100%).
 """
 
 from __future__ import annotations
@@ -203,6 +207,42 @@ def bench_balance(lengths: np.ndarray, *, seq_len: int, batch_rows: int,
           "model": dict(m)}
 
 
+def row_pairs(p: packing.Plan) -> np.ndarray:
+  """The sorted, unique pairs of distinct documents sharing a row, as `a * num_docs + b`."""
+  doc = np.asarray(p.doc, np.int64)
+  row = np.repeat(np.arange(p.num_rows), np.diff(np.asarray(p.row_splits, np.int64)))
+  big = int(doc.max(initial=0)) + 1
+  keys = []
+  for offset in range(1, int(np.diff(p.row_splits).max(initial=1))):
+    same = row[offset:] == row[:-offset]
+    a, b = doc[:-offset][same], doc[offset:][same]
+    keys.append(np.minimum(a, b) * big + np.maximum(a, b))
+  keys = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+  return keys[keys // big != keys % big]
+
+
+def bench_repack(lengths: np.ndarray, *, seq_len: int, repeats: int) -> list[dict[str, Any]]:
+  """The fixed plan against the plan of epoch 1 with `repack="epoch"` (FFD)."""
+  out, plans = [], {}
+  for case, tie_seed in (("fixed", None), ("repack epoch 1", (0, 1))):
+    best = best_cpu = math.inf
+    for _ in range(max(1, repeats)):
+      t0, c0 = time.perf_counter(), time.process_time()
+      plans[case] = packing.plan(lengths, seq_len, strategy="ffd", extra_tokens=2,
+                                 tie_seed=tie_seed)
+      best = min(best, time.perf_counter() - t0)
+      best_cpu = min(best_cpu, time.process_time() - c0)
+    out.append({"section": "repack", "data": f"lognormal {len(lengths):,}", "case": case,
+                "documents": len(lengths), "seconds": best, "cpu_seconds": best_cpu,
+                "docs_per_s": len(lengths) / best, "rows": plans[case].num_rows,
+                "utilization": plans[case].stats["utilization"]})
+  fixed_pairs = row_pairs(plans["fixed"])
+  again = np.isin(fixed_pairs, row_pairs(plans["repack epoch 1"]), assume_unique=True)
+  out[0]["pairs_again"] = 1.0
+  out[1]["pairs_again"] = float(again.mean()) if len(fixed_pairs) else 0.0
+  return out
+
+
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
             ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 11),
             ("docs_per_s", "{:,.0f}", 13),
@@ -231,6 +271,9 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"attention {r['attention_flop_share']:.0%} of the FLOPs): the slowest rank's step "
             f"{r['estimated_step_saving']:.1%} shorter" for r in results
             if r["section"] == "balance"]
+  notes += [f"repack ({r['case']}): {r['rows']:,} rows, utilization {r['utilization']:.4f}, "
+            f"{r['pairs_again']:.1%} of epoch 0's document pairs share a row again"
+            for r in results if r["section"] == "repack"]
   return "\n".join(lines + notes)
 
 
@@ -258,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--balance-seq-len", type=int, default=32768)
   ap.add_argument("--balance-batch", type=int, default=64, help="rows per global batch")
   ap.add_argument("--balance-ranks", type=int, default=8)
+  ap.add_argument("--repack-docs", type=int, default=1_000_000,
+                  help="0 skips the repack section")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   strategies = [s for s in args.strategies.split(",") if s]
@@ -287,6 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         lognormal_lengths(args.balance_docs, mean=args.mean, sigma=args.sigma, seed=1),
         seq_len=args.balance_seq_len, batch_rows=args.balance_batch,
         num_ranks=args.balance_ranks))
+  if args.repack_docs:
+    results += bench_repack(
+        lognormal_lengths(args.repack_docs, mean=args.mean, sigma=args.sigma, seed=2),
+        seq_len=args.seq_len, repeats=args.repeats)
   results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "load_average": os.getloadavg(), "cpus": os.cpu_count()}
   if args.json:

@@ -10,6 +10,7 @@ compose as with any `MapDataset`.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import os
 import sys
 import threading
@@ -27,7 +28,25 @@ from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.permutation import epoch_permutation
 
-__all__ = ["LongDocs", "PackedBatchDataset", "PackedDataset", "PipelineConfigError",
+REPACK_MODES = ("none", "epoch")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlanner:
+  """What `repack="epoch"` needs to plan epoch `e`: `packing.plan(..., tie_seed=(seed, e))`.
+
+  Epoch 0 is the fixed (cached) plan; every plan is a pure function of `(seed, epoch)`.
+  """
+
+  lengths: np.ndarray
+  seed: int
+  plan_kwargs: dict[str, Any]
+
+  def plan(self, epoch: int) -> packing.Plan:
+    return packing.plan(self.lengths, tie_seed=(self.seed, int(epoch)), **self.plan_kwargs)
+
+
+__all__ = ["EpochPlanner", "LongDocs", "PackedBatchDataset", "PackedDataset", "PipelineConfigError",
            "SpecialTokens", "pack_dataset"]
 
 
@@ -47,7 +66,9 @@ class PackedDataset(grain.MapDataset):
      (one optimizer step of the trainer) is reordered within itself by
      `segpack.data.balance.balance_epoch`, so the data-parallel ranks' attention costs are
      balanced; a last, shorter group keeps its order.
-  5. The row is built by `segpack.data.rows.RowBuilder`.
+  5. The row is built by `segpack.data.rows.RowBuilder` over the plan of the epoch: the one
+     plan, or with `epoch_planner` (`repack="epoch"`) epoch `e`'s own plan, whose rows have the
+     same lengths as the fixed plan's (so `R` and the row costs are the same every epoch).
 
   Example: R = 5 rows, shard_count 2, so R' = 6 and P = 3; with epoch permutation [3, 0, 4, 1, 2],
   process 0 reads rows 3, 4, 2 and process 1 reads rows 0, 1 and a padding row; element 3 of
@@ -65,8 +86,13 @@ class PackedDataset(grain.MapDataset):
                num_epochs: int | None, shard_index: int, shard_count: int,
                max_segments_in_row: int, drop_remainder: bool = False,
                balance: balance_lib.BalanceOptions | None = None,
-               row_costs: np.ndarray | None = None):
+               row_costs: np.ndarray | None = None,
+               epoch_planner: EpochPlanner | None = None):
     super().__init__()
+    self._epoch_planner = epoch_planner
+    self._builders: dict[int, rows_lib.RowBuilder] = {0: builder}
+    self._pending: dict[int, threading.Thread] = {}
+    self._plan_lock = threading.Lock()
     self._balance = balance
     self._row_costs = row_costs
     self._builder = builder
@@ -91,12 +117,71 @@ class PackedDataset(grain.MapDataset):
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
     state["_perm_cache"] = {}
-    del state["_perm_lock"]
+    state["_builders"] = {0: self._builder}
+    state["_pending"] = {}
+    del state["_perm_lock"], state["_plan_lock"]
     return state
 
   def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
     self._perm_lock = threading.Lock()
+    self._plan_lock = threading.Lock()
+
+  def epoch_builder(self, epoch: int) -> rows_lib.RowBuilder:
+    """The row builder of `epoch`'s plan (the one plan unless `repack="epoch"`).
+
+    With `repack="epoch"`, the last two epochs' builders are kept, and the first use of epoch
+    `e` starts planning epoch `e + 1` in a background thread, so the next epoch's first step
+    finds its plan ready (or waits only for the rest of it).
+    """
+    if self._epoch_planner is None or epoch == 0:
+      if self._epoch_planner is not None:
+        self._plan_ahead(1)
+      return self._builder
+    with self._plan_lock:
+      builder = self._builders.get(epoch)
+      thread = None if builder is not None else self._pending.get(epoch)
+    if builder is None:
+      if thread is None:
+        builder = self._builder.with_plan(self._epoch_planner.plan(epoch))
+      else:
+        thread.join()
+        with self._plan_lock:
+          builder = self._builders.get(epoch)
+        if builder is None:  # the background plan failed: plan here, raising its error
+          builder = self._builder.with_plan(self._epoch_planner.plan(epoch))
+      self._keep(epoch, builder)
+    self._plan_ahead(epoch + 1)
+    return builder
+
+  def _keep(self, epoch: int, builder: rows_lib.RowBuilder) -> None:
+    """Stores `epoch`'s builder, keeping epoch 0's and the three newest others (the last two
+    epochs read and the one planned ahead)."""
+    with self._plan_lock:
+      self._pending.pop(epoch, None)
+      self._builders[epoch] = builder
+      others = sorted(e for e in self._builders if e != 0)
+      for e in others[:-3]:
+        del self._builders[e]
+
+  def _plan_ahead(self, epoch: int) -> None:
+    """Starts planning `epoch` in a daemon thread unless it is planned or being planned."""
+    if self._num_epochs is not None and epoch >= self._num_epochs:
+      return
+    with self._plan_lock:
+      if epoch in self._builders or epoch in self._pending:
+        return
+      thread = threading.Thread(target=self._plan_in_background, args=(epoch,), daemon=True,
+                                name=f"segpack-repack-epoch-{epoch}")
+      self._pending[epoch] = thread
+    thread.start()
+
+  def _plan_in_background(self, epoch: int) -> None:
+    try:
+      builder = self._builder.with_plan(self._epoch_planner.plan(epoch))
+    except Exception:  # pylint: disable=broad-except
+      return  # `epoch_builder` plans it again in the foreground and raises there
+    self._keep(epoch, builder)
 
   @property
   def seq_len(self) -> int:
@@ -213,18 +298,42 @@ class PackedDataset(grain.MapDataset):
     if isinstance(index, builtins.slice):
       return self.slice(index)
     with self._stats.record_self_time():
-      return self._stats.record_output_spec(self._builder.build_row(self._plan_row(index)))
+      row = self._plan_row(index)
+      builder = (self._builder if self._epoch_planner is None
+                 else self.epoch_builder(int(self._epochs(np.asarray([index]))[0])))
+      return self._stats.record_output_spec(builder.build_row(row))
 
   def _getitems(self, indices: Sequence[int]):
-    features = self._builder.build(self.plan_rows(list(indices)))
+    features = self.get_batch(list(indices))
     return [{k: v[n] for k, v in features.items()} for n in range(len(indices))]
+
+  def _epochs(self, indices: np.ndarray) -> np.ndarray:
+    """The epoch of each element index (after wrapping a finite dataset)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if self._num_epochs is not None:
+      idx = idx % self._length
+    return idx // self._rows_per_process
 
   def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
     """Builds the rows of `indices` at once, as int32 `[len(indices), seq_len]` arrays.
 
-    This is the fast path (one vectorized build per batch); `batch()` uses it.
+    This is the fast path (one vectorized build per batch, one per epoch of a batch that
+    spans epochs with `repack="epoch"`); `batch()` uses it.
     """
-    return self._builder.build(self.plan_rows(indices))
+    rows = self.plan_rows(indices)
+    if self._epoch_planner is None:
+      return self._builder.build(rows)
+    epochs = self._epochs(indices)
+    parts = {int(e): self.epoch_builder(int(e)).build(rows[epochs == e])
+             for e in np.unique(epochs).tolist()}
+    if len(parts) == 1:
+      return next(iter(parts.values()))
+    first = next(iter(parts.values()))
+    out = {k: np.empty((len(rows),) + v.shape[1:], v.dtype) for k, v in first.items()}
+    for e, features in parts.items():
+      for k, v in features.items():
+        out[k][epochs == e] = v
+    return out
 
   def batch(self, batch_size: int, *, drop_remainder: bool = False,
             batch_fn=None) -> grain.MapDataset:
@@ -326,6 +435,7 @@ def pack_dataset(
     loss_mask: bool | None = None,
     plan_cache_dir: str | os.PathLike | None = None,
     balance: balance_lib.BalanceOptions | None = None,
+    repack: str = "none",
     **deprecated: Any,
 ) -> PackedDataset:
   """Packs the documents of `source` into rows: a `PackedDataset` (a `grain.MapDataset`).
@@ -340,6 +450,7 @@ def pack_dataset(
   2. `strategy` packs the pieces into rows once for the whole data set: the plan, cached on
      disk (beside the shards for a dataset directory, else in `plan_cache_dir`). With
      `max_segments_per_row`, pieces beyond the cap move to other rows.
+     With `repack="epoch"` every later epoch packs them again, equal lengths in a seeded order.
   3. Each epoch is a permutation of the plan's rows seeded by `(seed, epoch)` (plan order
      without `shuffle`), so no row mixes epochs.
   4. Each process reads every `shard_count`-th row of the epoch from its `shard_index`; the
@@ -388,6 +499,14 @@ def pack_dataset(
       reorder the rows so that each data-parallel rank's causal attention cost is close to the
       mean (docs/packing.md, "Balancing attention cost over ranks"). The same rows, the same
       count per rank, a deterministic order; None keeps the epoch permutation's order.
+    repack: "none" (one plan for every epoch) or "epoch": epoch `e >= 1` gets its own exact
+      plan, `segpack.packing.plan(..., tie_seed=(seed, e))` (equal-length chunks in a seeded
+      order), so documents meet other neighbours every epoch (docs/packing.md, "A fresh plan
+      every epoch"). Its rows have the same lengths as the fixed plan's (epoch 0), so the row
+      count, `len()`, `rows_per_epoch` and `max_segments_in_row` do not change. Only for
+      `segpack.packing.planner.TIE_SEED_STRATEGIES` ("ffd", "bfd", "sorted_pad") and without
+      `max_segments_per_row`; each epoch's plan is computed (not cached) in a background
+      thread while the previous epoch is read.
     **deprecated: the previous release's keywords, listed above.
 
   Returns:
@@ -411,6 +530,7 @@ def pack_dataset(
   options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
                      special_tokens=special_tokens, long_docs=long_docs)
   options.check_max_segments(fn, max_segments_per_row)
+  _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
   index, count, shard_drop = options.resolve_shard(fn, grouped.shard_options)
   if balance is not None:
     if not isinstance(balance, balance_lib.BalanceOptions):
@@ -432,12 +552,37 @@ def pack_dataset(
                           shard_index=index, shard_count=count, drop_remainder=shard_drop,
                           max_segments_in_row=_max_pieces_per_row(arrays), balance=balance,
                           row_costs=(None if balance is None
-                                     else balance_lib.row_attention_cost(arrays)))
+                                     else balance_lib.row_attention_cost(arrays)),
+                          epoch_planner=None if repack == "none" else EpochPlanner(
+                              lengths=lengths, seed=int(seed), plan_kwargs=dict(
+                                  seq_len=int(seq_len), strategy=strategy,
+                                  long_docs=long_docs.mode, min_len=int(long_docs.min_len),
+                                  overlap=int(long_docs.overlap),
+                                  extra_tokens=special_tokens.extra_tokens)))
   if dataset.rows_per_epoch == 0:
     raise PipelineConfigError(
         f"{fn}: the plan has {arrays.num_rows} rows, fewer than shard_count={count} with "
         f"drop_remainder=True: every process would get no rows")
   return dataset
+
+
+def _check_repack(fn: str, repack: Any, *, strategy: str,
+                  max_segments_per_row: int | None) -> None:
+  """Refuses a `repack` that is unknown or would change the row count between epochs."""
+  if not isinstance(repack, str) or repack not in REPACK_MODES:
+    raise PipelineConfigError(f"{fn}: repack must be one of {list(REPACK_MODES)}, got "
+                              f"repack={repack!r}")
+  if repack == "none":
+    return
+  allowed = packing.planner.TIE_SEED_STRATEGIES
+  if strategy not in allowed:
+    raise PipelineConfigError(
+        f"{fn}: repack='epoch' needs a strategy whose row count does not depend on the order "
+        f"of equal lengths, one of {list(allowed)}; got strategy={strategy!r}")
+  if max_segments_per_row is not None:
+    raise PipelineConfigError(
+        f"{fn}: repack='epoch' is not supported with max_segments_per_row="
+        f"{max_segments_per_row!r} (the cap could change the row count between epochs)")
 
 
 def _deprecated_minibatch_mode(source: Any, grouped: options.Grouped, *, seq_len: Any,

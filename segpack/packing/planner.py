@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
@@ -16,6 +17,10 @@ from segpack.packing.runs import Placement
 
 # A planner maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
 Planner = Callable[[np.ndarray, int], Placement]
+
+# The planners whose rows depend only on the sorted chunk lengths (longest first): any order of
+# equal lengths gives rows of the same lengths, so `tie_seed` only changes which chunks meet.
+TIE_SEED_STRATEGIES = ("ffd", "bfd", "sorted_pad")
 
 STRATEGIES: dict[str, Planner] = {
     "ffd": first_fit_decreasing,
@@ -36,7 +41,7 @@ def check_strategy(strategy: Any) -> Planner:
 
 def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",
          min_len: int = 0, overlap: int = 0, extra_tokens: int = 0, batch_size: int = 8,
-         pad_multiple: int = 128) -> Plan:
+         pad_multiple: int = 128, tie_seed: Any = None) -> Plan:
   """Plans how the documents fill rows of `seq_len` slots.
 
   Document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots (the pipeline passes
@@ -63,6 +68,12 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     extra_tokens: virtual slots added to every document.
     batch_size: rows per batch, for `sorted_pad`'s slot count only.
     pad_multiple: batch length granularity, for `sorted_pad`'s slot count only.
+    tie_seed: None (ties of equal length in chunk order), or an int or a sequence of ints
+      (e.g. `(seed, epoch)`): the chunks reach the planner in the order of a permutation drawn
+      from `default_rng(SeedSequence(tie_seed))`, so the stable longest-first sort orders equal
+      lengths by it. Only for `TIE_SEED_STRATEGIES`: their rows then hold the same lengths in
+      the same row order (the same row count, utilization and per-row segment counts), filled
+      by other chunks of those lengths.
 
   Returns:
     The `Plan`, rows in the planner's order, pieces inside a row in placement order.
@@ -81,7 +92,7 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     raise PackingArgumentError(
         f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
         f"or empty")
-  placement = planner(chunks.length, seq_len)
+  placement = _place(planner, chunks.length, seq_len, strategy=strategy, tie_seed=tie_seed)
   per_row = np.bincount(placement.bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
@@ -103,6 +114,27 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
   return Plan(seq_len=int(seq_len), overlap=int(overlap), extra_tokens=int(extra_tokens),
               strategy=strategy, row_splits=row_splits, doc=doc, start=start,
               length=chunks.length[perm], stats=stats)
+
+
+def _place(planner: Planner, length: np.ndarray, seq_len: int, *, strategy: str,
+           tie_seed: Any) -> Placement:
+  """`planner(length, seq_len)`, the chunks first permuted by `tie_seed` when it is given."""
+  if tie_seed is None:
+    return planner(length, seq_len)
+  if strategy not in TIE_SEED_STRATEGIES:
+    raise PackingArgumentError(
+        f"tie_seed is only for strategies {list(TIE_SEED_STRATEGIES)} (their row count does "
+        f"not depend on the order of equal lengths), got strategy={strategy!r}")
+  try:
+    entropy = [int(tie_seed)] if np.ndim(tie_seed) == 0 else [int(v) for v in tie_seed]
+    rng = np.random.default_rng(np.random.SeedSequence(entropy))
+  except (TypeError, ValueError) as e:
+    raise PackingArgumentError(
+        f"tie_seed must be None, a non-negative int or a sequence of them, got "
+        f"tie_seed={tie_seed!r}") from e
+  perm = rng.permutation(len(length))
+  placement = planner(length[perm], seq_len)
+  return dataclasses.replace(placement, order=perm[placement.order])
 
 
 def _row_major(placement: Placement, row_splits: np.ndarray) -> np.ndarray:
