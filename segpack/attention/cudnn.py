@@ -51,6 +51,7 @@ import numpy as np
 
 from segpack.attention import blocks
 from segpack.attention.checks import AttentionInputError
+from segpack.attention.resources import next_pow2
 
 _LOG = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def cudnn_segment_bound(max_segments: int) -> int:
       max_segments, (int, np.integer)) or max_segments < 0:
     raise AttentionInputError(
         f"cudnn_segment_bound: `max_segments` must be an int >= 0, got {max_segments!r}")
-  return max(2, 1 << max(0, int(max_segments) - 1).bit_length())
+  return max(2, next_pow2(int(max_segments)))
 
 
 def _segment_rank(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:

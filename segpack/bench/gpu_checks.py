@@ -64,6 +64,7 @@ import numpy as np
 
 from segpack.attention import segment_attention
 from segpack.attention.cudnn import CudnnUnavailableError
+from segpack.attention.resources import next_pow2
 from segpack.bench.attention import packed_rows
 
 TENSORS = ("out", "dq", "dk", "dv")
@@ -166,7 +167,7 @@ class Case:
   def max_segments_per_row(self) -> int:
     """cuDNN's static N: a power of two >= 32 and >= every row's segments plus padding runs."""
     runs = max(_count_runs(row) for row in self.segment_ids)
-    return max(MIN_MAX_SEGMENTS, 1 << max(0, (runs - 1).bit_length()))
+    return max(MIN_MAX_SEGMENTS, next_pow2(runs))
 
 
 def cuda_skip_reason() -> str | None:
