@@ -5,9 +5,11 @@ import hashlib
 
 import numpy as np
 import pytest
+import sentencepiece
 
 from segpack.text import corpus
 from segpack.text import spm
+from segpack.text import spm_proto
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +61,22 @@ def test_bad_model_files(tmp_path):
     spm.SpmTokenizer(tmp_path / "junk.model")
   with pytest.raises(ValueError, match="vocab_size must be an int >= 300.* 10"):
     spm.train_spm(["abc"], tmp_path / "x.model", vocab_size=10)
+
+
+def test_model_pieces_read_without_protobuf_match_sentencepiece(tmp_path):
+  texts = ["def f(x):\n\treturn x  # <|user|> and <|assistant|>\n"] * 50
+  tok = spm.train_spm(texts, tmp_path / "m.model", vocab_size=300,
+                      user_defined_symbols=["<|user|>", "<|assistant|>"])
+  proc = sentencepiece.SentencePieceProcessor(model_file=str(tok.model_file))
+  pieces = spm_proto.pieces(tok.model_file.read_bytes())
+  assert [p for p, _ in pieces] == [proc.id_to_piece(i) for i in range(proc.get_piece_size())]
+  kinds = {i: k for i, (_, k) in enumerate(pieces)}
+  assert all((kinds[i] == 3) == proc.is_control(i) for i in kinds)  # CONTROL
+  assert all((kinds[i] == 6) == proc.is_byte(i) for i in kinds)  # BYTE
+  user = spm_proto.user_defined_pieces(tok.model_file.read_bytes())
+  assert {"<|user|>", "<|assistant|>", "\n", "\t"} <= set(user)
+  for piece, i in user.items():  # one piece whatever surrounds it
+    assert i in proc.encode("x" + piece + "y") and proc.id_to_piece(i) == piece
+  assert tok.symbol_id("<|user|>") == user["<|user|>"] and tok.symbol_id("return") is None
+  with pytest.raises(spm_proto.ModelFormatError):
+    spm_proto.pieces(tok.model_file.read_bytes()[:-7])

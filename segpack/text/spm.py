@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 import sentencepiece
-from sentencepiece import sentencepiece_model_pb2
 
 from segpack import files
 from segpack import shards
+from segpack.text import spm_proto
 
 
 __all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
@@ -108,10 +108,7 @@ class SpmTokenizer:
     """The id of `piece` when it is a user-defined symbol of the model (always encoded as that
     one piece, whatever surrounds it), else None."""
     if self._user_defined is None:
-      proto = sentencepiece_model_pb2.ModelProto()
-      proto.ParseFromString(self.model_file.read_bytes())
-      kind = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
-      self._user_defined = {p.piece: i for i, p in enumerate(proto.pieces) if p.type == kind}
+      self._user_defined = spm_proto.user_defined_pieces(self.model_file.read_bytes())
     return self._user_defined.get(piece)
 
   def describe(self) -> dict[str, Any]:
