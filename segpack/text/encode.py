@@ -1,6 +1,7 @@
 """Encoding documents into a shard dataset: worker processes, progress, the resume key.
 
-`write_dataset` streams texts through SentencePiece (in `workers` processes, chunks of about 1 MB
+`write_dataset` streams texts through a tokenizer (SentencePiece or a Hugging Face tokenizer.json,
+see `tokenizer_spec`; in `workers` processes that rebuild it from its `spec`, chunks of about 1 MB
 kept in input order) into a `segpack.shards.ShardWriter`. The document stream is deterministic,
 and each finished shard records the range of input documents it holds: a rerun with the same
 inputs and settings (the same `resume_key`) keeps the finished shards, skips their input
@@ -27,7 +28,7 @@ import numpy as np
 import tqdm
 
 from segpack import shards as shards_lib
-from segpack.text import spm as spm_lib
+from segpack.text import tokenizer_spec
 from segpack.text.inputs import InputFormatError
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "resume_key", "say",
@@ -77,13 +78,13 @@ class Summary:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-_WORKER_TOKENIZER: spm_lib.SpmTokenizer | None = None
+_WORKER_TOKENIZER: tokenizer_spec.Tokenizer | None = None
 
 
-def _worker_init(model_file: str) -> None:
+def _worker_init(spec: str) -> None:
   global _WORKER_TOKENIZER
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
-  _WORKER_TOKENIZER = spm_lib.SpmTokenizer(model_file)
+  _WORKER_TOKENIZER = tokenizer_spec.from_spec(spec)
 
 
 def _worker_encode(texts: list[str]) -> list[np.ndarray]:
@@ -105,7 +106,7 @@ def _chunks(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
 
 
 def _encoded_chunks(
-    texts: Iterator[str], tokenizer: spm_lib.SpmTokenizer, workers: int,
+    texts: Iterator[str], tokenizer: tokenizer_spec.Tokenizer, workers: int,
 ) -> Iterator[tuple[list[np.ndarray], int]]:
   """Token arrays chunk by chunk, in input order; at most 2 * workers chunks in flight."""
   if workers <= 1:
@@ -113,7 +114,7 @@ def _encoded_chunks(
       yield tokenizer.encode_batch(chunk), size
     return
   ctx = multiprocessing.get_context("spawn")  # Safe even when JAX threads run in this process.
-  with ctx.Pool(workers, initializer=_worker_init, initargs=(str(tokenizer.model_file),)) as pool:
+  with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.spec,)) as pool:
     pending: collections.deque = collections.deque()
     for chunk, size in _chunks(texts):
       pending.append((pool.apply_async(_worker_encode, (chunk,)), size))
@@ -154,7 +155,7 @@ def write_dataset(
     texts: Iterable[str],
     output: str | os.PathLike[str],
     *,
-    tokenizer: spm_lib.SpmTokenizer,
+    tokenizer: tokenizer_spec.Tokenizer,
     resume_key: str,
     workers: int = 1,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
@@ -167,12 +168,12 @@ def write_dataset(
   Args:
     texts: the documents, in a deterministic order (a rerun must see the same stream).
     output: dataset directory.
-    tokenizer: the SentencePiece tokenizer.
+    tokenizer: the tokenizer (`tokenizer_spec.Tokenizer`; workers rebuild it from its `spec`).
     resume_key: identifies the inputs and settings; shards of an interrupted run with the same
       key are kept, a complete dataset with the same key is returned as is.
     workers: tokenizer processes (1: tokenize in this process).
     shard_tokens: target tokens per shard.
-    metadata: stored in the manifest, with `tokenizer` (`SpmTokenizer.describe()`: special ids
+    metadata: stored in the manifest, with `tokenizer` (`tokenizer.describe()`: special ids
       such as `bos_id` and `eos_id` that the packing pipeline reads) added.
     progress: show a progress bar on stderr.
     overwrite: replace a complete dataset made with a different key (else InputFormatError).

@@ -81,6 +81,8 @@ class SpmTokenizer:
     except (RuntimeError, OSError) as e:
       raise ValueError(f"{self.model_file}: not a SentencePiece model ({e})") from e
     self.fingerprint = "sha256:" + files.sha256_file(self.model_file)
+    # `segpack.text.tokenizer_spec.from_spec(spec)` rebuilds this tokenizer (worker processes).
+    self.spec = "spm:" + str(self.model_file.resolve())
     self.vocab_size: int = self._sp.get_piece_size()
     self.pad_id: int = self._sp.pad_id()
     self.unk_id: int = self._sp.unk_id()
