@@ -1,144 +1,308 @@
-"""Input readers: text files, JSONL (optionally gzipped) and the detection of chat inputs.
+"""Input readers: text, JSONL, Parquet, `datasets` `save_to_disk` directories; chat detection.
 
-Inputs are read in the order given (a directory: its `.txt`, `.jsonl` and `.jsonl.gz` files in
-sorted order): a `.txt` file is one document (or, with `--doc-separator blank-line`, one document
-per block of lines between blank lines); a `.jsonl[.gz]` line is a JSON object whose
-`--text-field` is one document. Every unusable input raises `InputFormatError` naming the file,
-the line and the value.
+Inputs are read in the order given (a directory: its supported files, sorted by path):
+
+* `.txt` (also `.txt.gz`, `.txt.zst`): one document per file, or, with
+  `--doc-separator blank-line`, one per block of lines between blank lines;
+* `.jsonl` (also `.jsonl.gz`, `.jsonl.zst`): one JSON object per line, its `--text-field` is a
+  document (blank lines are skipped);
+* `.parquet`: column `--text-field`, one document per row, read in record batches;
+* `hf-disk:PATH`: a Hugging Face `datasets` directory written by `save_to_disk` (one split:
+  `hf-disk:PATH/SPLIT` for a `DatasetDict`), its Arrow files read like Parquet
+  (`segpack.text.arrow_inputs`).
+
+`.zst` needs the `zstandard` package and Parquet / `hf-disk:` need pyarrow (`segpack[parquet]`);
+both are imported only when such an input is read.
+
+A record is usable when its field is a string (a Parquet / Arrow `binary` cell: UTF-8 bytes).
+Anything else (not JSON, not an object, no such field, a number, a null, text that is not valid
+UTF-8 or holds unpaired surrogates) raises `InputFormatError` naming the file, the record (the
+JSONL line number, the Parquet / Arrow row, both 1-based within the file) and the value; with
+`skip_bad_lines` such records are counted in `ReadCounters.bad_lines` and skipped instead. A
+file that cannot be read to its end (corrupt or truncated gzip / zstd, a Parquet file without
+its footer, an Arrow stream without its end marker, text that is not UTF-8) always raises: a
+dataset is never built from part of a file.
+
+`iter_file_records` reads one input and yields `(record number, text)`; `(index of the file in
+expand_inputs(...), record number)` identifies a document stably. The record number is the JSONL
+line number, the Parquet / Arrow row number, 1 for a `.txt` file read whole and the line number
+of a block's first line with `blank-line`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["InputFormatError", "ReadCounters", "expand_inputs", "is_chat", "iter_documents"]
+from segpack.text import arrow_inputs
+from segpack.text.input_errors import InputFormatError, ReadCounters
+
+__all__ = ["InputFormatError", "ReadCounters", "SUFFIXES", "expand_inputs", "is_chat",
+           "iter_documents", "iter_file_records"]
+
+_TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+_ARROW_SUFFIXES = (".parquet",)
+# What `--input` files and directories may hold (`.arrow` files come from `hf-disk:` only).
+SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _ARROW_SUFFIXES
+_READ_BYTES = 1 << 20
+_SKIP_HINT = "(pass --skip-bad-lines to count and skip such records)"
 
 
-_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
-
-
-class InputFormatError(ValueError):
-  """An input file, line or argument is unusable; the message names it and the value."""
-
-
-@dataclasses.dataclass
-class ReadCounters:
-  """What `iter_documents` skipped: `bad_lines` (with `skip_bad_lines`)."""
-
-  bad_lines: int = 0
+class _CorruptStream(Exception):
+  """A compressed stream that cannot be read to its end (turned into an InputFormatError)."""
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
-  """Input files in order: a directory contributes its supported files, sorted."""
+  """Input files in order: a directory contributes its supported files, sorted by path;
+  `hf-disk:PATH` its Arrow files in the order of its `state.json`."""
   files = []
   for raw in paths:
+    if os.fspath(raw).startswith(arrow_inputs.HF_DISK_PREFIX):
+      files.extend(arrow_inputs.hf_disk_files(os.fspath(raw)))
+      continue
     path = Path(raw)
     if path.is_dir():
-      found = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(_SUFFIXES))
+      found = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
       if not found:
-        raise InputFormatError(f"--input {str(path)!r}: directory holds no {'/'.join(_SUFFIXES)} "
+        raise InputFormatError(f"--input {str(path)!r}: directory holds no {', '.join(SUFFIXES)} "
                                f"files")
       files.extend(found)
     elif not path.exists():
       raise InputFormatError(f"--input {str(path)!r}: no such file or directory")
-    elif not path.name.endswith(_SUFFIXES):
+    elif not path.name.endswith(SUFFIXES):
       raise InputFormatError(f"--input {str(path)!r}: unsupported file type (expected "
-                             f"{', '.join(_SUFFIXES)})")
+                             f"{', '.join(SUFFIXES)}, a directory or hf-disk:PATH)")
     else:
       files.append(path)
   return files
 
 
-def _read_txt(path: Path, doc_separator: str) -> Iterator[str]:
+def _zstd_chunks(f, path: Path) -> Iterator[bytes]:
+  """The decompressed bytes of a zstd file (frames one after another); a stream that ends
+  inside a frame raises `_CorruptStream`, so a truncated file never reads as a shorter one."""
   try:
-    with open(path, encoding="utf-8", newline="") as f:
-      if doc_separator == "file":
-        yield f.read()
-        return
-      block: list[str] = []
-      for line in f:
-        if line.strip():
-          block.append(line)
-        elif block:
-          yield "".join(block)
-          block = []
-      if block:
-        yield "".join(block)
-  except UnicodeDecodeError as e:
-    raise InputFormatError(f"{path}: not UTF-8 text ({e})") from e
+    import zstandard  # optional: only .zst inputs need it (pip install zstandard)
+  except ImportError as e:
+    raise InputFormatError(f"{path}: reading .zst files needs the zstandard package (pip install "
+                           f"zstandard)") from e
+  dctx = zstandard.ZstdDecompressor()
+  dobj, fed = dctx.decompressobj(), False
+  try:
+    while data := f.read(_READ_BYTES):
+      while data:
+        fed = True
+        out = dobj.decompress(data)
+        if out:
+          yield out
+        if not dobj.eof:
+          break
+        data, dobj, fed = dobj.unused_data, dctx.decompressobj(), False
+  except zstandard.ZstdError as e:
+    raise _CorruptStream(f"zstd: {e}") from e
+  if fed:
+    raise _CorruptStream("the zstd stream ends inside a frame: truncated")
 
 
-def _numbered_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
-  """(line number, line) pairs; a corrupt or truncated gzip stream becomes an InputFormatError."""
+def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+  """Lines (each with its b"\\n", the last maybe without) of a stream of byte chunks."""
+  tail: list[bytes] = []
+  for chunk in chunks:
+    parts = chunk.split(b"\n")
+    if len(parts) == 1:
+      tail.append(chunk)
+      continue
+    yield b"".join(tail) + parts[0] + b"\n"
+    for part in parts[1:-1]:
+      yield part + b"\n"
+    tail = [parts[-1]]
+  last = b"".join(tail)
+  if last:
+    yield last
+
+
+def _raw_lines(path: Path) -> Iterator[bytes]:
+  if path.name.endswith(".gz"):
+    with gzip.open(path, "rb") as f:
+      yield from f
+  elif path.name.endswith(".zst"):
+    with open(path, "rb") as f:
+      yield from _split_lines(_zstd_chunks(f, path))
+  else:
+    with open(path, "rb") as f:
+      yield from f
+
+
+def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+  """(line number, line) pairs of a (maybe compressed) file; a file that cannot be read to its
+  end (corrupt or truncated gzip / zstd, an I/O error) becomes an InputFormatError."""
   lineno = 0
   try:
-    for lineno, raw in enumerate(f, start=1):
+    for lineno, raw in enumerate(_raw_lines(path), start=1):
       yield lineno, raw
-  except (OSError, EOFError, zlib.error) as e:
+  except (OSError, EOFError, zlib.error, _CorruptStream) as e:
     raise InputFormatError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})"
                            ) from e
 
 
+def _decode_utf8(path: Path, data: bytes, first_line: int) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = first_line + data.count(b"\n", 0, e.start)
+    raise InputFormatError(f"{path}: not UTF-8 text at line {line} ({e.reason}, byte "
+                           f"{e.start}): {data[max(0, e.start - 20):e.start + 20]!r}") from e
+
+
+def _read_txt(path: Path, doc_separator: str) -> Iterator[tuple[int, str]]:
+  if doc_separator == "file":
+    yield 1, _decode_utf8(path, b"".join(raw for _, raw in _numbered_lines(path)), 1)
+    return
+  block: list[str] = []
+  first = 0
+  for lineno, raw in _numbered_lines(path):
+    line = _decode_utf8(path, raw, lineno)
+    if line.strip():
+      first = first if block else lineno
+      block.append(line)
+    elif block:
+      yield first, "".join(block)
+      block = []
+  if block:
+    yield first, "".join(block)
+
+
+def _short(value: Any) -> str:
+  """The repr of `value`, cut to about 80 characters (of a long string, only its start)."""
+  text = repr(value[:80] if isinstance(value, (str, bytes)) else value)
+  return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _text_of(value: Any, what: str) -> tuple[str | None, str | None]:
+  """(text, None) for a usable value, else (None, what is wrong with it)."""
+  if isinstance(value, bytes):
+    try:
+      value = value.decode("utf-8")
+    except UnicodeDecodeError as e:
+      return None, (f"{what} is not UTF-8 ({e.reason}, byte {e.start}): "
+                    f"{value[max(0, e.start - 20):e.start + 20]!r}")
+  if value is None:
+    return None, f"{what} is null"
+  if not isinstance(value, str):
+    return None, f"{what} is {type(value).__name__}, not a string: {_short(value)}"
+  return value, None
+
+
+def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
+  """(text, None) for a JSONL line whose `text_field` is usable, else (None, the problem)."""
+  try:
+    record = json.loads(raw)
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting.
+    return None, f"not JSON ({type(e).__name__}: {str(e)[:200]}): {_short(raw)}"
+  if not isinstance(record, dict) or text_field not in record:
+    found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+    return None, f"no field {text_field!r} (found: {found})"
+  text, problem = _text_of(record[text_field], f"field {text_field!r}")
+  if text is not None and b"\\u" in raw:  # Only a JSON escape can give an unpaired surrogate.
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      return None, (f"field {text_field!r} holds an unpaired surrogate (character {e.start}): "
+                    f"{_short(text[max(0, e.start - 20):e.start + 20])}")
+  return text, problem
+
+
 def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
-                counters: ReadCounters) -> Iterator[str]:
-  opener = gzip.open if path.name.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    for lineno, raw in _numbered_lines(f, path):
-      if not raw.strip():
-        continue
-      try:
-        record = json.loads(raw)
-        problem = None
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        problem = f"not JSON ({e}): {raw[:80]!r}"
-      if problem is None:
-        if not isinstance(record, dict) or text_field not in record:
-          found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-          problem = f"no field {text_field!r} (found: {found})"
-        elif not isinstance(record[text_field], str):
-          problem = (f"field {text_field!r} is {type(record[text_field]).__name__}, not a string: "
-                     f"{record[text_field]!r:.80}")
-      if problem is not None:
-        if skip_bad_lines:
-          counters.bad_lines += 1
-          continue
-        raise InputFormatError(f"{path}:{lineno}: {problem} (pass --skip-bad-lines to count and "
-                               f"skip such lines)")
-      yield record[text_field]
+                counters: ReadCounters) -> Iterator[tuple[int, str]]:
+  for lineno, raw in _numbered_lines(path):
+    if not raw.strip():
+      continue
+    text, problem = _json_problem(raw, text_field)
+    if problem is None:
+      yield lineno, text
+    elif skip_bad_lines:
+      counters.bad_lines += 1
+    else:
+      raise InputFormatError(f"{path}:{lineno}: {problem} {_SKIP_HINT}")
+
+
+def _read_arrow(path: Path, text_field: str, skip_bad_lines: bool,
+                counters: ReadCounters) -> Iterator[tuple[int, str]]:
+  if path.name.endswith(".parquet"):
+    values = arrow_inputs.parquet_values(path, text_field=text_field)
+  else:
+    values = arrow_inputs.arrow_stream_values(path, text_field=text_field)
+  for row, value in values:
+    text, problem = _text_of(value, f"column {text_field!r}")
+    if problem is None:
+      yield row, text
+    elif skip_bad_lines:
+      counters.bad_lines += 1
+    else:
+      raise InputFormatError(f"{path}: row {row}: {problem} {_SKIP_HINT}")
+
+
+def iter_file_records(
+    path: str | os.PathLike[str], *, doc_separator: str = "file", text_field: str = "text",
+    skip_bad_lines: bool = False, counters: ReadCounters | None = None,
+) -> Iterator[tuple[int, str]]:
+  """`(record number, text)` of every document of ONE input file (see the module docstring).
+
+  Args:
+    path: a file of `expand_inputs(...)`: `.txt[.gz|.zst]`, `.jsonl[.gz|.zst]`, `.parquet`, or
+      an Arrow stream file of a `save_to_disk` directory (`.arrow`).
+    doc_separator: `.txt`: "file" (a file is a document) or "blank-line".
+    text_field: JSONL: the field holding the text; Parquet / Arrow: the column.
+    skip_bad_lines: count unusable records in `counters` and go on, instead of raising
+      InputFormatError (a file that cannot be read to its end raises all the same).
+    counters: where skipped records are counted.
+
+  Yields:
+    `(record number, text)`: the record number is 1-based within the file and increases; texts
+    may be empty (the shard writer counts and skips those).
+  """
+  if doc_separator not in ("file", "blank-line"):
+    raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
+                           f"{doc_separator!r}")
+  path = Path(path)
+  counters = counters if counters is not None else ReadCounters()
+  if path.name.endswith(_TEXT_SUFFIXES):
+    yield from _read_txt(path, doc_separator)
+  elif path.name.endswith(_JSONL_SUFFIXES):
+    yield from _read_jsonl(path, text_field, skip_bad_lines, counters)
+  elif path.name.endswith(_ARROW_SUFFIXES + (".arrow",)):
+    yield from _read_arrow(path, text_field, skip_bad_lines, counters)
+  else:
+    raise InputFormatError(f"{path}: unsupported file type (expected {', '.join(SUFFIXES)} or "
+                           f".arrow)")
 
 
 def iter_documents(
     files: Sequence[Path], *, doc_separator: str = "file", text_field: str = "text",
     skip_bad_lines: bool = False, counters: ReadCounters | None = None,
 ) -> Iterator[str]:
-  """The documents of `files`, in order (see the module docstring for the formats).
+  """The documents of `files`, in order: `iter_file_records` of each, without record numbers.
 
   Args:
     files: input files (`expand_inputs` turns CLI paths into these).
-    doc_separator: `.txt`: "file" (a file is a document) or "blank-line".
-    text_field: `.jsonl[.gz]`: the field holding the text.
-    skip_bad_lines: `.jsonl[.gz]`: count lines that are not JSON objects with a string
-      `text_field` in `counters` and go on, instead of raising InputFormatError.
-    counters: where skipped lines are counted.
+    doc_separator, text_field, skip_bad_lines, counters: as for `iter_file_records`.
 
   Yields:
     Document texts (possibly empty: the writer counts and skips those).
   """
+  counters = counters if counters is not None else ReadCounters()
   if doc_separator not in ("file", "blank-line"):
     raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
                            f"{doc_separator!r}")
-  counters = counters if counters is not None else ReadCounters()
   for path in files:
-    if path.name.endswith(".txt"):
-      yield from _read_txt(path, doc_separator)
-    else:
-      yield from _read_jsonl(path, text_field, skip_bad_lines, counters)
+    for _, text in iter_file_records(path, doc_separator=doc_separator, text_field=text_field,
+                                     skip_bad_lines=skip_bad_lines, counters=counters):
+      yield text
 
 
 def is_chat(files: Sequence[Path], input_format: str, *, text_field: str,
@@ -164,6 +328,6 @@ def is_chat(files: Sequence[Path], input_format: str, *, text_field: str,
           record = json.loads(raw)
           return (isinstance(record, dict) and messages_field in record
                   and text_field not in record)
-  except (OSError, EOFError, zlib.error, ValueError):
+  except (OSError, EOFError, zlib.error, ValueError, RecursionError):
     return False  # The text reader reports what is wrong with the file.
   return False
