@@ -1,0 +1,399 @@
+"""Tokenizing on Apache Beam: `segpack tokenize --runner beam` (docs/ingest.md, segpack[beam]).
+
+The same inputs and the same shard format (docs/format.md) as the local path
+(`encode.write_dataset`), written by a Beam pipeline, so that a cluster (Dataflow, Flink) can
+tokenize what one machine cannot.
+
+Algorithm:
+  1. Ids: every document has a stable id (input index, record number), the record number counting
+     the documents of one input in the order its reader yields them. A *unit* is `unit_records`
+     consecutive records of one input: unit (f, b) holds records [b * unit_records,
+     (b + 1) * unit_records) of input f.
+  2. Read: each input file is read whole by one worker (`inputs.iter_documents`), which emits
+     ((f, b), (record, text)). The built-in corpus is read by the driver (it is the driver's own
+     Python) and enters the pipeline as data, as one input.
+  3. Per unit, after a GroupByKey: sort by record number (and check they are exactly the unit's
+     records, once each), tokenize with the tokenizer rebuilt from its spec once per worker
+     process, split into shards by the local rule (a shard closes once it holds `shard_tokens`
+     tokens), write each file under a name derived from the unit (`shard-FFFFF-BBBBB-SSSSS.tokens`
+     and `.offsets`) through a temporary file and a rename, then the unit's done-record
+     `shard-FFFFF-BBBBB.done.json` (the unit's shards, counts and checksums). A retried or
+     duplicated bundle writes the same names with the same bytes: no duplicate, and nothing
+     half-written under a final name.
+  4. One final step, after a `ToList` barrier, orders the units by id, checks that every input's
+     units are contiguous and full (all but its last), writes the manifest atomically (the keys
+     `ShardWriter` writes) and removes the done-records.
+
+The dataset's order is the ids' order whatever the runner and the number of workers, so its
+documents equal the local path's document for document; only the shard boundaries differ (a shard
+never spans two units). A rerun with the same inputs and settings keeps the units whose
+done-records match (resume key, dtype, checksums), reads past their records and redoes the rest.
+
+Example: 2 inputs of 5 and 2 documents, `unit_records=2`: units (0, 0) (0, 1) (0, 2) (1, 0), and
+the dataset holds input 0's documents 0..4, then input 1's 0..1, empty ones skipped and counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from segpack import files
+from segpack import shards as shards_lib
+from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE
+from segpack.text import corpus
+from segpack.text import encode
+from segpack.text import tokenizer_spec
+from segpack.text.inputs import InputFormatError, ReadCounters, iter_documents
+
+__all__ = ["DEFAULT_UNIT_RECORDS", "builtin_splits_beam", "tokenize_files_beam", "unit_names",
+           "write_dataset_beam"]
+
+DEFAULT_UNIT_RECORDS = 10_000
+_METRICS_NAMESPACE = "segpack"
+# Tokenizers rebuilt in this worker process, by spec (filled on first use, never at import).
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def unit_names(index: int, block: int, shard: int | None = None) -> str:
+  """The file stem of shard `shard` of unit (index, block), or of the unit's done-record."""
+  stem = f"shard-{index:05d}-{block:05d}"
+  return stem if shard is None else f"{stem}-{shard:05d}"
+
+
+def _count(name: str, value: int) -> None:
+  """Adds `value` to the Beam counter `segpack/name` (read by the driver for its summary)."""
+  from apache_beam.metrics import Metrics  # optional: runs only inside a Beam pipeline
+  Metrics.counter(_METRICS_NAMESPACE, name).inc(value)
+
+
+def _tokenizer(spec: str, fingerprint: str):
+  tok = _TOKENIZERS.get(spec)
+  if tok is None:
+    tok = _TOKENIZERS[spec] = tokenizer_spec.from_spec(spec)
+  if tok.fingerprint != fingerprint:
+    raise ValueError(f"tokenizer {spec!r} on this worker has fingerprint {tok.fingerprint}, the "
+                     f"driver's has {fingerprint}: every worker must see the same file")
+  return tok
+
+
+# -------------------------------------------------------------------------------------------------
+# The pipeline's steps (plain functions: they pickle by reference to the workers).
+
+
+def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: int,
+                kept: frozenset[tuple[int, int]]) -> Iterator[tuple[tuple[int, int],
+                                                                tuple[int, str]]]:
+  """((f, b), (record, text)) for the documents of input `item = (f, path)` outside kept units."""
+  index, path = item
+  counters = ReadCounters()
+  for record, text in enumerate(iter_documents([Path(path)], counters=counters, **read)):
+    unit = (index, record // unit_records)
+    if unit not in kept:
+      yield unit, (record, text)
+  _count("bad_lines", counters.bad_lines)
+
+
+def _shard_record(output: Path, stem: str, docs: list[np.ndarray], dtype: np.dtype,
+                  vocab_size: int) -> dict[str, Any]:
+  """Writes one shard (`stem.offsets`, then `stem.tokens`, each atomically); its manifest entry."""
+  token_ids = np.concatenate(docs)
+  if int(token_ids.max()) >= vocab_size:
+    raise ValueError(f"{output / stem}: token id {int(token_ids.max())} >= vocab_size "
+                     f"{vocab_size}")
+  tokens = token_ids.astype(dtype, copy=False).tobytes()
+  ends = np.cumsum([d.size for d in docs])
+  offsets = np.concatenate([[0], ends]).astype(OFFSET_DTYPE).tobytes()
+  files.atomic_write_bytes(output / f"{stem}.offsets", offsets)
+  files.atomic_write_bytes(output / f"{stem}.tokens", tokens)
+  return {"tokens": f"{stem}.tokens", "offsets": f"{stem}.offsets", "num_documents": len(docs),
+          "num_tokens": int(ends[-1]), "sha256": {"tokens": hashlib.sha256(tokens).hexdigest(),
+                                                  "offsets": hashlib.sha256(offsets).hexdigest()}}
+
+
+def _write_unit(element: tuple[tuple[int, int], Sequence[tuple[int, str]]], *, output: str,
+                spec: str, fingerprint: str, shard_tokens: int, unit_records: int,
+                resume_key: str) -> dict[str, Any]:
+  """Tokenizes one unit into its shards and done-record; returns the done-record."""
+  (index, block), values = element
+  values = sorted(values)
+  records = [r for r, _ in values]
+  first = block * unit_records
+  if records != list(range(first, first + len(records))) or len(records) > unit_records:
+    raise RuntimeError(f"unit ({index}, {block}) got records {records[:5]}...{records[-5:]}, "
+                       f"expected {first}.. once each")
+  out = Path(output)
+  tok = _tokenizer(spec, fingerprint)
+  texts = [t for _, t in values]
+  shards, docs, size, skipped = [], [], 0, 0
+  for doc in tok.encode_batch(texts):
+    if doc.size == 0:
+      skipped += 1
+      continue
+    docs.append(doc)
+    size += doc.size
+    if size >= shard_tokens:
+      shards.append(_shard_record(out, unit_names(index, block, len(shards)), docs, tok.dtype,
+                                  tok.vocab_size))
+      docs, size = [], 0
+  if docs:
+    shards.append(_shard_record(out, unit_names(index, block, len(shards)), docs, tok.dtype,
+                                tok.vocab_size))
+  record = {"unit": [index, block], "resume_key": resume_key, "dtype": np.dtype(tok.dtype).name,
+            "inputs": len(values), "skipped_empty": skipped, "shards": shards}
+  files.atomic_write_json(out / f"{unit_names(index, block)}.done.json", record)
+  _count("text_bytes", sum(len(t.encode("utf-8")) for t in texts))
+  return record
+
+
+def _check_units(records: list[dict[str, Any]], unit_records: int) -> None:
+  """Every input's units are 0, 1, ..., each once, all full but the last."""
+  by_input: dict[int, list[dict[str, Any]]] = {}
+  for r in records:
+    by_input.setdefault(r["unit"][0], []).append(r)
+  for index, units in by_input.items():
+    blocks = [r["unit"][1] for r in units]
+    if blocks != list(range(len(blocks))):
+      raise RuntimeError(f"input {index}: units {blocks[:10]} are not 0, 1, ... once each")
+    short = [r["unit"][1] for r in units[:-1] if r["inputs"] != unit_records]
+    if short:
+      raise RuntimeError(f"input {index}: units {short[:10]} hold fewer than {unit_records} "
+                         f"records but are not the input's last")
+
+
+def _write_manifest(records: list[dict[str, Any]], *, output: str, header: dict[str, Any],
+                    unit_records: int) -> int:
+  """The final step: the manifest of all units in id order, then the done-records removed."""
+  out = Path(output)
+  records = sorted(records, key=lambda r: tuple(r["unit"]))
+  _check_units(records, unit_records)
+  shards = [s for r in records for s in r["shards"]]
+  manifest = dict(header, num_documents=sum(s["num_documents"] for s in shards),
+                  num_tokens=sum(s["num_tokens"] for s in shards),
+                  skipped_empty=sum(r["skipped_empty"] for r in records),
+                  inputs=sum(r["inputs"] for r in records), shards=shards)
+  files.atomic_write_json(out / shards_lib.MANIFEST_NAME, manifest)
+  for r in records:
+    (out / f"{unit_names(*r['unit'])}.done.json").unlink(missing_ok=True)
+  for path in out.iterdir():  # Temporary files of attempts killed mid-write.
+    if path.name.endswith(".tmp") and OWNED_FILE.match(path.name):
+      path.unlink(missing_ok=True)
+  return len(shards)
+
+
+# -------------------------------------------------------------------------------------------------
+# The driver.
+
+
+def _kept_units(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
+  """Done-records of an interrupted run with the same key whose files match their checksums."""
+  kept = []
+  for done in sorted(output.glob("shard-*-*.done.json")):
+    try:
+      record = json.loads(done.read_text("utf-8"))
+      ok = (record.get("resume_key") == resume_key and record.get("dtype") == dtype.name
+            and done.name == f"{unit_names(*record['unit'])}.done.json"
+            and all(files.sha256_file(output / s[kind]) == s["sha256"][kind]
+                    for s in record["shards"] for kind in ("tokens", "offsets")))
+    except (OSError, ValueError, KeyError, TypeError):
+      ok = False
+    if ok:
+      kept.append(record)
+  return kept
+
+
+def _prepare(output: Path, resume_key: str, dtype: np.dtype, overwrite: bool
+             ) -> dict[str, Any] | list[dict[str, Any]]:
+  """A finished dataset with the same key (returned as is), else the kept done-records; removes
+  the manifest first (so the directory never looks finished), then every owned file not kept."""
+  manifest_path = output / shards_lib.MANIFEST_NAME
+  if manifest_path.exists():
+    try:
+      old = json.loads(manifest_path.read_text("utf-8"))
+    except ValueError:
+      old = {}
+    if isinstance(old, dict) and old.get("resume_key") == resume_key:
+      return old
+    if not overwrite:
+      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
+                             f"inputs or settings; pass --overwrite to replace it")
+  output.mkdir(parents=True, exist_ok=True)
+  manifest_path.unlink(missing_ok=True)
+  kept = _kept_units(output, resume_key, dtype)
+  keep = {f"{unit_names(*r['unit'])}.done.json" for r in kept}
+  keep.update(s[k] for r in kept for s in r["shards"] for k in ("tokens", "offsets"))
+  for path in output.iterdir():
+    if OWNED_FILE.match(path.name) and path.name not in keep:
+      path.unlink()
+  return kept
+
+
+def _beam_options(beam_options: str):
+  from apache_beam.options.pipeline_options import PipelineOptions  # optional: segpack[beam]
+  try:
+    flags = shlex.split(beam_options)
+  except ValueError as e:
+    raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
+  return PipelineOptions(flags=flags)
+
+
+def _import_beam():
+  """Apache Beam, imported on first use; its import-time warnings about the Google Cloud
+  clients it finds missing (BigQuery, irrelevant here) are not shown."""
+  root = logging.getLogger()
+  level = root.level
+  root.setLevel(logging.ERROR)
+  try:
+    import apache_beam  # optional: the extra segpack[beam], needed only for --runner beam
+  except ImportError as e:
+    raise InputFormatError(f"--runner beam needs Apache Beam: pip install 'segpack[beam]' "
+                           f"({e})") from e
+  finally:
+    root.setLevel(level)
+  return apache_beam
+
+
+def write_dataset_beam(
+    output: str | Path,
+    *,
+    tokenizer: Any,
+    resume_key: str,
+    files_in: Sequence[Path] | None = None,
+    documents: Sequence[str] | None = None,
+    read: dict[str, Any] | None = None,
+    shard_tokens: int,
+    unit_records: int = DEFAULT_UNIT_RECORDS,
+    beam_options: str = "",
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> tuple[dict[str, Any], int, int, int]:
+  """Tokenizes `files_in` (or the in-memory `documents`) into a shard dataset with Beam.
+
+  Args:
+    output: dataset directory; a path every worker sees (local, NFS, a mounted bucket).
+    tokenizer: carries `spec` (workers rebuild it with `tokenizer_spec.from_spec`), `fingerprint`,
+      `vocab_size`, `dtype` and `describe()`.
+    resume_key: identifies the inputs and settings (as in `encode.write_dataset`).
+    files_in: input files, each read whole by one worker with `read` options.
+    documents: instead of files: the documents of one input (the built-in corpus).
+    read: `iter_documents` options (`doc_separator`, `text_field`, `skip_bad_lines`).
+    shard_tokens: a shard closes once it holds this many tokens (shards never span units).
+    unit_records: records per unit (the unit of parallelism, retry and resume).
+    beam_options: Beam pipeline flags, as on a command line (`--runner=FlinkRunner ...`); none:
+      the DirectRunner.
+    metadata: stored in the manifest, with `tokenizer` (`describe()`) and `runner` added.
+    overwrite: replace a complete dataset made with a different key (else InputFormatError).
+
+  Returns:
+    (manifest, shards kept from an earlier run, UTF-8 bytes tokenized, bad lines skipped).
+  """
+  if (files_in is None) == (documents is None):
+    raise ValueError("write_dataset_beam: pass exactly one of files_in and documents")
+  if not isinstance(unit_records, int) or unit_records < 1:
+    raise InputFormatError(f"--unit-records must be a positive int, got {unit_records!r}")
+  beam = _import_beam()
+  output = Path(output).resolve()
+  dtype = np.dtype(tokenizer.dtype)
+  prepared = _prepare(output, resume_key, dtype, overwrite)
+  if isinstance(prepared, dict):
+    return prepared, len(prepared.get("shards", [])), 0, 0
+  kept = prepared
+  header = {
+      "format": shards_lib.FORMAT_NAME, "format_version": shards_lib.FORMAT_VERSION,
+      "dtype": dtype.name, "byte_order": "little", "vocab_size": tokenizer.vocab_size,
+      "tokenizer_fingerprint": tokenizer.fingerprint, "resume_key": resume_key,
+      "metadata": dict(metadata or {}, tokenizer=tokenizer.describe(), runner="beam",
+                       unit_records=unit_records)}
+  json.dumps(header)  # Fails early when the metadata is not serialisable.
+  kept_units = frozenset(tuple(r["unit"]) for r in kept)
+  pipeline = beam.Pipeline(options=_beam_options(beam_options))
+  if files_in is not None:
+    items = [(i, str(Path(p).resolve())) for i, p in enumerate(files_in)]
+    keyed = (pipeline | "Inputs" >> beam.Create(items) | "Spread" >> beam.Reshuffle()
+             | "Read" >> beam.FlatMap(_read_input, read=dict(read or {}),
+                                      unit_records=unit_records, kept=kept_units))
+  else:
+    keyed = pipeline | "Documents" >> beam.Create([
+        ((0, r // unit_records), (r, t)) for r, t in enumerate(documents)
+        if (0, r // unit_records) not in kept_units])
+  written = (keyed | "Units" >> beam.GroupByKey()
+             | "Tokenize" >> beam.Map(_write_unit, output=str(output), spec=tokenizer.spec,
+                                      fingerprint=tokenizer.fingerprint,
+                                      shard_tokens=shard_tokens, unit_records=unit_records,
+                                      resume_key=resume_key))
+  _ = ((written, pipeline | "Kept" >> beam.Create(kept)) | "All" >> beam.Flatten()
+       | "Barrier" >> beam.combiners.ToList()
+       | "Manifest" >> beam.Map(_write_manifest, output=str(output), header=header,
+                                unit_records=unit_records))
+  result = pipeline.run()
+  state = result.wait_until_finish()
+  if str(state).rsplit(".", 1)[-1] != "DONE":
+    raise RuntimeError(f"Beam pipeline for {output} ended in state {state}")
+  manifest = json.loads((output / shards_lib.MANIFEST_NAME).read_text("utf-8"))
+  return (manifest, sum(len(r["shards"]) for r in kept), _counter(result, "text_bytes"),
+          _counter(result, "bad_lines"))
+
+
+def _counter(result, name: str) -> int:
+  """A `segpack` counter of a finished pipeline (0 when the runner reports no metrics)."""
+  from apache_beam.metrics.metric import MetricsFilter  # optional: segpack[beam]
+  try:
+    found = result.metrics().query(
+        MetricsFilter().with_namespace(_METRICS_NAMESPACE).with_name(name))["counters"]
+  except (NotImplementedError, KeyError):
+    return 0
+  return int(sum(c.committed or 0 for c in found))
+
+
+def tokenize_files_beam(files_in: Sequence[Path], output: Path, *, tokenizer: Any,
+                        read: dict[str, Any], ident: dict[str, Any], metadata: dict[str, Any],
+                        shard_tokens: int, unit_records: int, beam_options: str,
+                        overwrite: bool) -> encode.Summary:
+  """`segpack tokenize --runner beam` on input files: `write_dataset_beam` and its summary."""
+  start = time.perf_counter()
+  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens,
+                               runner="beam", unit_records=unit_records))
+  manifest, kept, nbytes, bad_lines = write_dataset_beam(
+      output, tokenizer=tokenizer, resume_key=key, files_in=files_in, read=read,
+      shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+      metadata=metadata, overwrite=overwrite)
+  return encode.summarize(output, manifest, resumed=kept, bad_lines=bad_lines,
+                          seconds=time.perf_counter() - start, text_bytes=nbytes)
+
+
+def builtin_splits_beam(output: Path, size: str, tokenizer: Any, *, shard_tokens: int,
+                        unit_records: int, beam_options: str, progress: bool,
+                        overwrite: bool) -> list[encode.Summary]:
+  """Both splits of the built-in corpus into `output/train` and `output/eval`, with Beam.
+
+  The driver enumerates the documents (`corpus.builtin_documents`: this Python's corpus, which a
+  worker's Python may not share); the pipeline tokenizes and writes them.
+  """
+  summaries = []
+  for split in ("train", "eval"):
+    start = time.perf_counter()
+    texts = [text for _, text in corpus.builtin_documents(split=split, size=size)]
+    key = encode.resume_key({"builtin": corpus.corpus_key(size), "split": split,
+                             "tokenizer": tokenizer.fingerprint, "shard_tokens": shard_tokens,
+                             "runner": "beam", "unit_records": unit_records})
+    manifest, kept, nbytes, _ = write_dataset_beam(
+        output / split, tokenizer=tokenizer, resume_key=key, documents=texts,
+        shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+        metadata={"source": f"builtin:{size}", "split": split, "python": sys.version},
+        overwrite=overwrite)
+    summaries.append(encode.summarize(output / split, manifest, resumed=kept, bad_lines=0,
+                                      seconds=time.perf_counter() - start, text_bytes=nbytes))
+    encode.say(progress, f"tokenized the {split} split with Beam: "
+                         f"{manifest['num_documents']:,} documents, "
+                         f"{manifest['num_tokens']:,} tokens in "
+                         f"{time.perf_counter() - start:.1f} s")
+  return summaries
