@@ -173,17 +173,46 @@ def train_spm(
   if first is None:
     raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
   model = io.BytesIO()
+  raised: list[BaseException] = []
   # Sentences from an iterator and the model into memory: the model file then records no
   # temporary paths in its trainer spec, so it is byte-identical from run to run.
+  try:
+    _train(_reraisable(itertools.chain([first], sentences), raised), model,
+           vocab_size=vocab_size, model_type=model_type,
+           user_defined_symbols=["\n", "\t"] + [x for x in symbols if x not in ("\n", "\t")])
+    failure = None
+  except RuntimeError as e:
+    failure = e
+  if raised:  # The texts' own error (a bad input record, Ctrl-C), as itself.
+    raise raised[0]
+  if failure is not None:
+    raise ValueError(f"train_spm: SentencePiece could not train {model_file}: {failure}"
+                     ) from failure
+  files.atomic_write_bytes(model_file, model.getvalue())
+  return SpmTokenizer(model_file)
+
+
+def _reraisable(sentences: Iterator[str], raised: list[BaseException]) -> Iterator[str]:
+  """`sentences`, keeping what it raises in `raised`: SentencePiece turns an exception raised
+  by its sentence iterator into a RuntimeError ("INTERNAL: ..."), and `train_spm` raises the
+  original instead (an InputFormatError naming the file and line stays one)."""
+  try:
+    yield from sentences
+  except BaseException as e:
+    raised.append(e)
+    raise
+
+
+def _train(sentences: Iterator[str], model: io.BytesIO, *, vocab_size: int, model_type: str,
+           user_defined_symbols: list[str]) -> None:
+  """SentencePieceTrainer.train with segpack's settings (see the module docstring)."""
   sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=itertools.chain([first], sentences), model_writer=model,
+      sentence_iterator=sentences, model_writer=model,
       vocab_size=vocab_size, model_type=model_type, character_coverage=0.9995,
       byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
       add_dummy_prefix=False, split_by_whitespace=True, allow_whitespace_only_pieces=True,
-      user_defined_symbols=["\n", "\t"] + [x for x in symbols if x not in ("\n", "\t")],
+      user_defined_symbols=user_defined_symbols,
       pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, num_threads=TRAIN_THREADS,
       shuffle_input_sentence=False, input_sentence_size=0, max_sentence_length=MAX_SENTENCE_BYTES,
       minloglevel=2,
       hard_vocab_limit=False)
-  files.atomic_write_bytes(model_file, model.getvalue())
-  return SpmTokenizer(model_file)
