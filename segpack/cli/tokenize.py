@@ -4,6 +4,7 @@ Usage:
   segpack tokenize --input builtin --output DIR
   segpack tokenize --input a.jsonl.gz b.txt --output DIR --vocab-size 8192
   segpack tokenize --input corpus/ --output DIR --spm-model m.model --workers 8
+  segpack tokenize --input corpus/ --output DIR --tokenizer hf:path/to/tokenizer.json
 
 (`python -m segpack tokenize ...` is the same command.) `--input builtin` (or `builtin:small`) is
 the built-in corpus of this Python's docs and sources; see `segpack.text` for the formats and
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
   tok.add_argument("--spm-model", metavar="FILE", help="an existing SentencePiece model")
   tok.add_argument("--vocab-size", type=int, metavar="N",
                    help="train a SentencePiece model of N pieces on the input first")
+  tok.add_argument("--tokenizer", metavar="KIND:FILE",
+                   help="hf:FILE, a Hugging Face tokenizer.json (needs segpack[hf]; special ids "
+                        "from tokenizer_config.json beside it), or spm:FILE (= --spm-model)")
   p.add_argument("--doc-separator", choices=("file", "blank-line"), default="file",
                  help=".txt files: a file is a document, or blank lines separate documents")
   p.add_argument("--text-field", default="text", help=".jsonl: the field holding the text")
@@ -62,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     summaries = tokenize_files(
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
+        tokenizer=args.tokenizer,
         doc_separator=args.doc_separator, text_field=args.text_field,
         skip_bad_lines=args.skip_bad_lines, workers=args.workers, shard_tokens=args.shard_tokens,
         progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,

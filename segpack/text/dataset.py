@@ -1,6 +1,8 @@
 """`tokenize_files`: inputs to a shard dataset (what `segpack tokenize` runs).
 
-Plain text goes through `encode.write_dataset` (worker processes, resumable); chat conversations
+The tokenizer is `--tokenizer spm:PATH | hf:PATH` (`tokenizer_spec.from_spec`), `--spm-model`
+(the same as `spm:`), or a SentencePiece model trained first (`--vocab-size`). Plain text goes
+through `encode.write_dataset` (worker processes, resumable); chat conversations
 (`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask;
 `builtin[:small]` is the built-in corpus (`corpus.py`), written as DIR/train and DIR/eval with the
 SentencePiece model copied to DIR/spm.model.
@@ -23,6 +25,7 @@ from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
+from segpack.text import tokenizer_spec
 from segpack.text.inputs import (
     InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents)
 
@@ -37,6 +40,7 @@ def tokenize_files(
     *,
     spm_model: str | os.PathLike[str] | None = None,
     vocab_size: int | None = None,
+    tokenizer: str | None = None,
     doc_separator: str = "file",
     text_field: str = "text",
     skip_bad_lines: bool = False,
@@ -51,6 +55,9 @@ def tokenize_files(
 ) -> list[encode.Summary]:
   """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
 
+  `tokenizer` (a spec, `"spm:PATH"` or `"hf:PATH/tokenizer.json"`), `spm_model` and `vocab_size`
+  exclude each other; the other arguments are the CLI's flags.
+
   Returns:
     One summary per dataset written (two for `builtin`: train and eval).
   """
@@ -60,17 +67,18 @@ def tokenize_files(
     raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
   if not isinstance(shard_tokens, int) or shard_tokens < 1:
     raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
-  if spm_model is not None and vocab_size is not None:
-    raise InputFormatError(f"pass --spm-model ({spm_model}) or --vocab-size ({vocab_size}), "
-                           f"not both")
+  given = _given_tokenizer(tokenizer, spm_model, vocab_size)
   builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
   if builtin:
     if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
       raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
                              f"{[str(p) for p in inputs]}")
     size = builtin[0].partition(":")[2] or "full"
-    if spm_model is not None:
-      tokenizer = spm_lib.SpmTokenizer(spm_model)
+    if given is not None and not isinstance(given, spm_lib.SpmTokenizer):
+      raise InputFormatError(f"--tokenizer {tokenizer!r}: --input builtin takes a SentencePiece "
+                             f"model only (spm:PATH or --spm-model)")
+    if given is not None:
+      tokenizer = given
     elif vocab_size is not None:
       train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
       tokenizer = tokenizer_cache.trained_tokenizer(
@@ -87,19 +95,20 @@ def tokenize_files(
   if not files:
     raise InputFormatError("--input: no input files given")
   if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
-    return [_tokenize_chat(files, output, spm_model=spm_model, vocab_size=vocab_size,
+    return [_tokenize_chat(files, output, given=given, vocab_size=vocab_size,
                            train_on=train_on, messages_field=messages_field,
                            shard_tokens=shard_tokens, overwrite=overwrite)]
   read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
   ident = {"inputs": [encode.file_identity(p) for p in files], **read}
-  if spm_model is not None:
-    tokenizer = spm_lib.SpmTokenizer(spm_model)
+  if given is not None:
+    tokenizer = given
   elif vocab_size is not None:
     tokenizer = tokenizer_cache.trained_tokenizer(
         iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
         protect=[output], overwrite=overwrite)
   else:
-    raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
+    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
+                           "--vocab-size N (to train a model first)")
   start = time.perf_counter()
   counters = ReadCounters()
   manifest, resumed, nbytes = encode.write_dataset(
@@ -107,12 +116,36 @@ def tokenize_files(
       resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
                                         shard_tokens=shard_tokens)),
       workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-      metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file), **read})
+      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
   return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
                    seconds=time.perf_counter() - start, text_bytes=nbytes)]
 
 
-def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size, train_on: str,
+def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
+                     vocab_size: int | None) -> tokenizer_spec.Tokenizer | None:
+  """The tokenizer of `--tokenizer` or `--spm-model` (None: neither); at most one of the three."""
+  flags = [(flag, value) for flag, value in (("--tokenizer", spec), ("--spm-model", spm_model),
+                                             ("--vocab-size", vocab_size)) if value is not None]
+  if len(flags) > 1:
+    raise InputFormatError("pass one of --tokenizer, --spm-model, --vocab-size, got " +
+                           ", ".join(f"{flag} {value!r}" for flag, value in flags))
+  if spm_model is not None:
+    return spm_lib.SpmTokenizer(spm_model)
+  if spec is None:
+    return None
+  try:
+    return tokenizer_spec.from_spec(spec)
+  except (ValueError, TypeError, OSError, ImportError) as e:
+    raise InputFormatError(f"--tokenizer {spec!r}: {e}") from e
+
+
+def _model_entry(tokenizer: tokenizer_spec.Tokenizer) -> dict[str, str]:
+  """The manifest metadata entry naming the tokenizer's file."""
+  key = "spm_model" if isinstance(tokenizer, spm_lib.SpmTokenizer) else "tokenizer_file"
+  return {key: str(getattr(tokenizer, "model_file", tokenizer.spec))}
+
+
+def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, train_on: str,
                    messages_field: str, shard_tokens: int, overwrite: bool) -> encode.Summary:
   """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`)."""
   def conversations():
@@ -122,8 +155,8 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size
   ident = {"inputs": [encode.file_identity(p) for p in files], "format": "chat",
            "messages_field": messages_field, "train_on": train_on,
            "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
-  if spm_model is not None:
-    tokenizer = spm_lib.SpmTokenizer(spm_model)
+  if given is not None:
+    tokenizer = given
   elif vocab_size is not None:
     texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
              for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
@@ -142,7 +175,8 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size
                                     user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
       atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
   else:
-    raise InputFormatError("pass --spm-model FILE or --vocab-size N (to train a model first)")
+    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
+                           "--vocab-size N (to train a model first)")
   encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
   if not encoder.markers_are_symbols:
     _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
@@ -160,7 +194,7 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, spm_model, vocab_size
   start = time.perf_counter()
   manifest = chat.write_chat_dataset(
       conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,
-      metadata={"inputs": [str(p) for p in files], "spm_model": str(tokenizer.model_file)})
+      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
   return encode.summarize(output, manifest, resumed=0, bad_lines=0,
                   seconds=time.perf_counter() - start,
                   text_bytes=sum(p.stat().st_size for p in files))

@@ -116,6 +116,8 @@ class HfTokenizer:
   def __init__(self, tokenizer_file: str | os.PathLike[str]):
     """Loads `tokenizer_file`; raises FileNotFoundError / ValueError naming it."""
     self.model_file = Path(tokenizer_file)
+    if self.model_file.is_dir():
+      raise ValueError(f"{str(self.model_file)!r} is a directory; name the tokenizer.json in it")
     if not self.model_file.is_file():
       raise FileNotFoundError(f"tokenizer file {str(self.model_file)!r} does not exist")
     raw = self.model_file.read_bytes()
@@ -199,11 +201,14 @@ class HfTokenizer:
                             skip_special_tokens=False)
 
   def symbol_id(self, piece: str) -> int | None:
-    """The id of `piece` when it is an added token (always encoded as that one token), else
-    None; special added tokens are not matched in text, so they give None too."""
+    """The id of `piece` when it is an added token (special or not), else None.
+
+    The chat encoder (`segpack.text.chat.ChatEncoder`) puts its role markers in by this id, while
+    message text goes through `encode`, where a special token written in the text stays text.
+    """
     for token_id, added in self._tok.get_added_tokens_decoder().items():
-      if added.content == piece and not added.special:
-        return token_id
+      if added.content == piece:
+        return int(token_id)
     return None
 
   def describe(self) -> dict[str, Any]:
