@@ -22,6 +22,7 @@ from segpack.data.options import PipelineConfigError, SpecialTokens  # noqa: E40
 from segpack.shards import ShardSource  # noqa: E402
 from segpack.text import dataset  # noqa: E402
 from segpack.text import hf  # noqa: E402
+from segpack.text import spm  # noqa: E402
 from segpack.text import tokenizer_spec  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold "
@@ -251,3 +252,34 @@ def test_config_naming_an_unknown_token_and_missing_library(tmp_path, bpe, monke
   monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` now fails.
   with pytest.raises(ImportError, match=r"segpack\[hf\]"):
     hf.HfTokenizer(bpe)
+
+
+def test_chat_conversations_with_markers_as_added_tokens(tmp_path, bpe):
+  markers = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+  tok = tokenizers.Tokenizer.from_file(str(bpe))
+  tok.add_special_tokens(markers)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  inp = tmp_path / "chat.jsonl"
+  inp.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"},
+                                          {"role": "assistant", "content": "the fox"}]}) + "\n")
+  dataset.tokenize_files([inp], tmp_path / "out", tokenizer=f"hf:{tmp_path / 'tokenizer.json'}",
+                         input_format="chat")
+  user, assistant, end = (tok.token_to_id(m) for m in markers[1:])
+  enc = [tok.encode(t, add_special_tokens=False).ids for t in ("\n", "hi there", "the fox")]
+  nl, hi, fox = enc
+  want = [user, *nl, *hi, end, *nl, assistant, *nl, *fox, end]
+  want_mask = [0] * (len(want) - len(fox) - 1) + [1] * (len(fox) + 1)
+  src = ShardSource(tmp_path / "out")
+  assert src.has_loss_mask and np.asarray(src[0]).tolist() == want
+  assert np.asarray(src.loss_mask(0)).tolist() == want_mask
+
+
+def test_spm_spec_is_the_same_as_spm_model(tmp_path):
+  model = spm.train_spm(_lines(400, seed=2), tmp_path / "m.model", vocab_size=320).model_file
+  inp = _jsonl(tmp_path / "in.jsonl", _docs())
+  dataset.tokenize_files([inp], tmp_path / "a", spm_model=model, workers=1)
+  dataset.tokenize_files([inp], tmp_path / "b", tokenizer=f"spm:{model}", workers=1)
+  assert ShardSource(tmp_path / "a").fingerprint == ShardSource(tmp_path / "b").fingerprint
+  tok = tokenizer_spec.from_spec(f"spm:{model}")
+  assert isinstance(tok, spm.SpmTokenizer) and isinstance(tok, tokenizer_spec.Tokenizer)
+  assert tok.spec == f"spm:{model.resolve()}"
