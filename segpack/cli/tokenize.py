@@ -5,6 +5,8 @@ Usage:
   segpack tokenize --input a.jsonl.gz b.txt --output DIR --vocab-size 8192
   segpack tokenize --input corpus/ --output DIR --spm-model m.model --workers 8
   segpack tokenize --input corpus/ --output DIR --tokenizer hf:path/to/tokenizer.json
+  segpack tokenize --input corpus/ --output DIR --spm-model m.model --runner beam \
+      --beam-options "--runner=DirectRunner --direct_num_workers=4"
 
 (`python -m segpack tokenize ...` is the same command.) `--input builtin` (or `builtin:small`) is
 the built-in corpus of this Python's docs and sources; see `segpack.text` for the formats and
@@ -18,6 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
 
@@ -55,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
                  help="cache for the built-in corpus's model (default $SEGPACK_CACHE or "
                       "~/.cache/segpack)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  beam = p.add_argument_group("Apache Beam (docs/ingest.md)")
+  beam.add_argument("--runner", choices=("local", "beam"), default="local",
+                    help="local: worker processes on this machine; beam: an Apache Beam "
+                         "pipeline (needs segpack[beam])")
+  beam.add_argument("--beam-options", default="", metavar="FLAGS",
+                    help="Beam pipeline flags in one string, e.g. \"--runner=DataflowRunner "
+                         "--project=P --region=R\" (default: the DirectRunner)")
+  beam.add_argument("--unit-records", type=int, default=DEFAULT_UNIT_RECORDS, metavar="N",
+                    help=f"beam: documents per work unit (default {DEFAULT_UNIT_RECORDS})")
   return p
 
 
@@ -63,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if not logging.getLogger().handlers:
     logging.basicConfig(level=logging.INFO, format="segpack tokenize: %(message)s")
+  if args.runner == "beam":  # Beam logs every stage at INFO.
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
   try:
     summaries = tokenize_files(
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
@@ -70,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc_separator=args.doc_separator, text_field=args.text_field,
         skip_bad_lines=args.skip_bad_lines, workers=args.workers, shard_tokens=args.shard_tokens,
         progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
-        input_format=args.format, train_on=args.train_on, messages_field=args.messages_field)
+        input_format=args.format, train_on=args.train_on, messages_field=args.messages_field,
+        runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
     print(f"segpack tokenize: error: {e}", file=sys.stderr)
     return 2

@@ -5,7 +5,8 @@ The tokenizer is `--tokenizer spm:PATH | hf:PATH` (`tokenizer_spec.from_spec`), 
 through `encode.write_dataset` (worker processes, resumable); chat conversations
 (`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask;
 `builtin[:small]` is the built-in corpus (`corpus.py`), written as DIR/train and DIR/eval with the
-SentencePiece model copied to DIR/spm.model.
+SentencePiece model copied to DIR/spm.model. `runner="beam"` (`--runner beam`) writes plain text
+and the built-in corpus with an Apache Beam pipeline instead (`beam_pipeline`, docs/ingest.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from segpack.files import atomic_write_json
 from segpack import shards as shards_lib
+from segpack.text import beam_pipeline
 from segpack.text import chat
 from segpack.text import corpus
 from segpack.text import encode
@@ -52,6 +54,9 @@ def tokenize_files(
     input_format: str = "auto",
     train_on: str = "assistant",
     messages_field: str = "messages",
+    runner: str = "local",
+    beam_options: str = "",
+    unit_records: int = beam_pipeline.DEFAULT_UNIT_RECORDS,
 ) -> list[encode.Summary]:
   """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
 
@@ -67,6 +72,8 @@ def tokenize_files(
     raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
   if not isinstance(shard_tokens, int) or shard_tokens < 1:
     raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
+  if runner not in ("local", "beam"):
+    raise InputFormatError(f"--runner must be 'local' or 'beam', got {runner!r}")
   given = _given_tokenizer(tokenizer, spm_model, vocab_size)
   builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
   if builtin:
@@ -88,6 +95,10 @@ def tokenize_files(
     else:
       tokenizer = corpus.builtin_tokenizer(size=size, cache_dir=cache_dir)
     tokenizer = tokenizer_cache.copy_model(tokenizer, output, overwrite=overwrite)
+    if runner == "beam":
+      return beam_pipeline.builtin_splits_beam(
+          output, size, tokenizer, shard_tokens=shard_tokens, unit_records=unit_records,
+          beam_options=beam_options, progress=progress, overwrite=overwrite)
     return corpus.builtin_splits(output, size, tokenizer, workers=workers,
                                  shard_tokens=shard_tokens, progress=progress, overwrite=overwrite)
 
@@ -95,6 +106,9 @@ def tokenize_files(
   if not files:
     raise InputFormatError("--input: no input files given")
   if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
+    if runner == "beam":
+      raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) run "
+                             "with the local runner")
     return [_tokenize_chat(files, output, given=given, vocab_size=vocab_size,
                            train_on=train_on, messages_field=messages_field,
                            shard_tokens=shard_tokens, overwrite=overwrite)]
@@ -109,6 +123,12 @@ def tokenize_files(
   else:
     raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
                            "--vocab-size N (to train a model first)")
+  if runner == "beam":
+    return [beam_pipeline.tokenize_files_beam(
+        files, output, tokenizer=tokenizer, read=read, ident=ident,
+        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+        shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+        overwrite=overwrite)]
   start = time.perf_counter()
   counters = ReadCounters()
   manifest, resumed, nbytes = encode.write_dataset(
