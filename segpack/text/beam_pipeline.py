@@ -6,10 +6,11 @@ tokenize what one machine cannot.
 
 Algorithm:
   1. Ids: every document has a stable id (input index, record number), the record number counting
-     the documents of one input in the order its reader yields them. A *unit* is `unit_records`
-     consecutive records of one input: unit (f, b) holds records [b * unit_records,
-     (b + 1) * unit_records) of input f.
-  2. Read: each input file is read whole by one worker (`inputs.iter_documents`), which emits
+     the documents of one input (0, 1, ...) in the order `inputs.iter_file_records` yields them
+     (lines without a document, and bad lines skipped with `skip_bad_lines`, take no number). A
+     *unit* is `unit_records` consecutive records of one input: unit (f, b) holds records
+     [b * unit_records, (b + 1) * unit_records) of input f.
+  2. Read: each input file is read whole by one worker (`inputs.iter_file_records`), which emits
      ((f, b), (record, text)). The built-in corpus is read by the driver (it is the driver's own
      Python) and enters the pipeline as data, as one input.
   3. Per unit, after a GroupByKey: sort by record number (and check they are exactly the unit's
@@ -53,7 +54,7 @@ from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE
 from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import tokenizer_spec
-from segpack.text.inputs import InputFormatError, ReadCounters, iter_documents
+from segpack.text.inputs import InputFormatError, ReadCounters, iter_file_records
 
 __all__ = ["DEFAULT_UNIT_RECORDS", "builtin_splits_beam", "tokenize_files_beam", "unit_names",
            "write_dataset_beam"]
@@ -96,7 +97,7 @@ def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: in
   """((f, b), (record, text)) for the documents of input `item = (f, path)` outside kept units."""
   index, path = item
   counters = ReadCounters()
-  for record, text in enumerate(iter_documents([Path(path)], counters=counters, **read)):
+  for record, (_, text) in enumerate(iter_file_records(path, counters=counters, **read)):
     unit = (index, record // unit_records)
     if unit not in kept:
       yield unit, (record, text)
