@@ -127,6 +127,9 @@ def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 
 def _raw_lines(path: Path) -> Iterator[bytes]:
+  if path.name.endswith((".gz", ".zst")) and path.stat().st_size == 0:
+    # Even empty text compresses to a few bytes; an empty file was cut off or never written.
+    raise _CorruptStream("the file is empty: no compressed data, not even an empty stream")
   if path.name.endswith(".gz"):
     with gzip.open(path, "rb") as f:
       yield from f
