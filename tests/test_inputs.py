@@ -281,3 +281,19 @@ def test_train_spm_raises_the_iterator_error_itself_and_writes_no_model(tmp_path
       spm.train_spm(texts(error), tmp_path / "m.model", vocab_size=300)
     assert caught.value is error
     assert not (tmp_path / "m.model").exists()
+
+
+def test_truncated_chat_gzip_is_the_one_line_error_in_both_phases(tmp_path, model):
+  data = gzip.compress(b"".join(json.dumps({"messages": [
+      {"role": "user", "content": f"question {i}"},
+      {"role": "assistant", "content": f"answer {i}"}]}).encode() + b"\n" for i in range(200)))
+  path = tmp_path / "chat.jsonl.gz"
+  path.write_bytes(data[:len(data) - 10])
+  for name, flags in (("train", ["--vocab-size", "300"]), ("encode", ["--spm-model", str(model)])):
+    rc, out, err = _cli(["--input", str(path), "--output", str(tmp_path / name), "--format",
+                         "chat", *flags])
+    assert rc == 2 and out == ""
+    assert err.startswith(f"segpack tokenize: error: {path}: unreadable (EOFError")
+    assert err.count("\n") == 1, err
+    assert not (tmp_path / name / "manifest.json").exists()
+    assert not (tmp_path / name / "spm.model").exists()

@@ -4,6 +4,8 @@ Usage:
   segpack tokenize --input builtin --output DIR
   segpack tokenize --input a.jsonl.gz b.txt --output DIR --vocab-size 8192
   segpack tokenize --input corpus/ --output DIR --spm-model m.model --workers 8
+  segpack tokenize --input data/*.parquet hf-disk:saved/train --text-field text --output DIR \
+      --vocab-size 8192
   segpack tokenize --input corpus/ --output DIR --tokenizer hf:path/to/tokenizer.json
   segpack tokenize --input corpus/ --output DIR --spm-model m.model --runner beam \
       --beam-options "--runner=DirectRunner --direct_num_workers=4"
@@ -29,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="segpack tokenize",
                               description="Tokenize text into a segpack shard dataset.")
   p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                 help=".txt, .jsonl, .jsonl.gz files or directories; or builtin[:small]")
+                 help=".txt, .jsonl (each also .gz or .zst) and .parquet files, directories of "
+                      "them, hf-disk:PATH (a datasets save_to_disk directory, hf-disk:PATH/SPLIT "
+                      "for a DatasetDict); or builtin[:small]")
   p.add_argument("--output", required=True, metavar="DIR")
   tok = p.add_mutually_exclusive_group()
   tok.add_argument("--spm-model", metavar="FILE", help="an existing SentencePiece model")
@@ -40,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                         "from tokenizer_config.json beside it), or spm:FILE (= --spm-model)")
   p.add_argument("--doc-separator", choices=("file", "blank-line"), default="file",
                  help=".txt files: a file is a document, or blank lines separate documents")
-  p.add_argument("--text-field", default="text", help=".jsonl: the field holding the text")
+  p.add_argument("--text-field", default="text",
+                 help=".jsonl: the field holding the text; .parquet, hf-disk: the column")
   p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
                  help="chat: .jsonl conversations with a loss mask; auto: chat when the first "
                       "record has --messages-field and no --text-field")
@@ -48,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                  default="assistant", help="chat: which tokens carry loss")
   p.add_argument("--messages-field", default="messages", help="chat: the field of the messages")
   p.add_argument("--skip-bad-lines", action="store_true",
-                 help=".jsonl: count and skip lines that are not JSON or lack the field")
+                 help="count and skip records without usable text (.jsonl lines that are not "
+                      "JSON or lack the field, null or non-string cells); unreadable files "
+                      "still stop the run")
   p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPUs)")
   p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                  help=f"target tokens per shard (default {DEFAULT_SHARD_TOKENS})")
@@ -87,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         input_format=args.format, train_on=args.train_on, messages_field=args.messages_field,
         runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
-    print(f"segpack tokenize: error: {e}", file=sys.stderr)
+    # One line, whatever the message holds (a library's message may span several).
+    print(f"segpack tokenize: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("segpack tokenize: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -170,7 +171,10 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
   """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`)."""
   def conversations():
     for path in files:
-      yield from chat.read_conversations(path, messages_field=messages_field)
+      try:
+        yield from chat.read_conversations(path, messages_field=messages_field)
+      except (OSError, EOFError, zlib.error) as e:  # Corrupt or truncated gzip, I/O errors.
+        raise InputFormatError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
 
   ident = {"inputs": [encode.file_identity(p) for p in files], "format": "chat",
            "messages_field": messages_field, "train_on": train_on,
