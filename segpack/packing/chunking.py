@@ -14,15 +14,35 @@ class PackingArgumentError(ValueError):
   """A packing argument is invalid; the message names the argument and echoes its value."""
 
 
-@dataclasses.dataclass(frozen=True)
+# Documents (or chunks) per block of the blockwise passes: bounds their int64 temporaries.
+BLOCK = 1 << 20
+
+
+def index_dtype(n: int) -> type:
+  """The narrowest signed dtype for indices `0..n`: int32 below 2**31, else int64."""
+  return np.int32 if n < 2**31 - 1 else np.int64
+
+
+def length_dtype(seq_len: int) -> type:
+  """The dtype of chunk lengths `1..seq_len`: uint16 up to 65535, else int32."""
+  return np.uint16 if seq_len <= 0xFFFF else np.int32
+
+
+@dataclasses.dataclass(eq=False)
 class Chunks:
   """Chunks in document order: chunk `i` is `length[i]` virtual slots of `doc[i]` from `start[i]`.
 
+  Stored compactly: 2 bytes per chunk for `length` (uint16 up to seq_len 65535), 4 for `doc`
+  (int32 below 2**31 documents) when it is not the identity, and the starts of the continuation
+  chunks only (all others start at 0).
+
   Attributes:
-    doc: int64 `[num_chunks]`, non-decreasing; None when it is `arange(num_chunks)` (nothing
-      dropped or split).
-    start: int32 `[num_chunks]`; None when all zeros (nothing split).
-    length: int32 `[num_chunks]`, each in `[1, seq_len]`.
+    doc: `[num_chunks]` document indices (int32, or int64 from 2**31 documents), non-decreasing;
+      None when it is `arange(num_chunks)` (nothing dropped or split).
+    length: `[num_chunks]` (`length_dtype(seq_len)`), each in `[1, seq_len]`.
+    cont: int64 `[num_continuations]`, the indices of the chunks that start after slot 0, in
+      increasing order.
+    cont_start: int32 `[num_continuations]`, their first virtual slots.
     stats: `documents`, `dropped` (by `min_len` or empty), `split` (documents cut into more than
       one chunk), `truncated` (documents cut short under `long_docs="truncate"`), `chunks`,
       `tokens` (slots the chunks occupy, repeated overlap slots included), `dropped_tokens`
@@ -30,13 +50,24 @@ class Chunks:
   """
 
   doc: np.ndarray | None
-  start: np.ndarray | None
   length: np.ndarray
+  cont: np.ndarray
+  cont_start: np.ndarray
   stats: dict[str, Any]
+
+  @property
+  def start(self) -> np.ndarray | None:
+    """int32 `[num_chunks]` first virtual slot of every chunk; None when all are 0."""
+    if not len(self.cont):
+      return None
+    start = np.zeros(len(self.length), np.int32)
+    start[self.cont] = self.cont_start
+    return start
 
 
 def check_lengths(lengths: Any) -> np.ndarray:
-  """Returns `lengths` as an int64 1-D array, or raises naming `lengths` and the bad value."""
+  """Returns `lengths` as a 1-D integer array (its own integer dtype, never copied when it is
+  one), or raises naming `lengths` and the bad value."""
   arr = np.asarray(lengths)
   if arr.ndim != 1:
     raise PackingArgumentError(f"lengths must be 1-D, got shape {arr.shape}")
@@ -44,7 +75,8 @@ def check_lengths(lengths: Any) -> np.ndarray:
     raise PackingArgumentError("lengths is empty: there are no documents to pack")
   if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
     raise PackingArgumentError(f"lengths must hold integers, got dtype {arr.dtype}")
-  arr = arr.astype(np.int64, copy=False)
+  if arr.dtype == np.uint64:
+    arr = arr.astype(np.int64)
   low = int(arr.min())
   if low < 0:
     bad = int(np.argmin(arr))
@@ -128,8 +160,10 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   `stride = seq_len - overlap`; so consecutive chunks share exactly `overlap` slots and the last
   chunk always brings at least one new slot. Under `"truncate"` only chunk 0 is kept.
 
+  The documents are read in blocks of `BLOCK`, so no int64 temporary spans all of them.
+
   Args:
-    lengths: int64 `[num_documents]` document lengths (validated by `check_lengths`).
+    lengths: `[num_documents]` document lengths (validated by `check_lengths`).
     seq_len: slots per row.
     long_docs: `"split"` or `"truncate"`.
     min_len: documents shorter than this many tokens are dropped.
@@ -141,62 +175,94 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   """
   check_args(seq_len, long_docs=long_docs, min_len=min_len, overlap=overlap,
              extra_tokens=extra_tokens)
-  virtual = lengths + extra_tokens if extra_tokens else lengths
-  keep = virtual > 0
-  if min_len > 0:
-    keep &= lengths >= min_len
-  kept = None if keep.all() else np.flatnonzero(keep)
-  vkept = virtual if kept is None else virtual[kept]
-  long = np.flatnonzero(vkept > seq_len)
-  extra_chunks = chunk_counts(vkept[long], seq_len, long_docs=long_docs, overlap=overlap) - 1
-  doc, start, length = _lay_out(kept, vkept, long, extra_chunks, seq_len, seq_len - overlap)
-  tokens = int(length.sum(dtype=np.int64))
-  dropped_tokens = 0 if kept is None else int(virtual[~keep].sum())
-  if long_docs == "truncate":
-    dropped_tokens += int((vkept[long] - seq_len).sum())
+  n = len(lengths)
+  kept_parts, first_parts, long_parts, vlong_parts = [], [], [], []
+  num_kept = dropped_tokens = 0
+  any_dropped = False
+  for a in range(0, n, BLOCK):
+    virtual = lengths[a:a + BLOCK].astype(np.int64) + extra_tokens
+    keep = virtual > 0
+    if min_len > 0:
+      keep &= lengths[a:a + BLOCK] >= min_len
+    sel = None
+    if not keep.all():
+      any_dropped = True
+      sel = np.flatnonzero(keep)
+      dropped_tokens += int(virtual[~keep].sum())
+      virtual = virtual[sel]
+    kept_parts.append((a, a + len(keep), sel))
+    first_parts.append(np.minimum(virtual, seq_len).astype(length_dtype(seq_len)))
+    long = np.flatnonzero(virtual > seq_len)
+    long_parts.append(long + num_kept)
+    vlong_parts.append(virtual[long])
+    num_kept += len(virtual)
+  kept = _kept_docs(kept_parts, num_kept, index_dtype(n)) if any_dropped else None
+  first_len = first_parts[0] if len(first_parts) == 1 else np.concatenate(first_parts)
+  del first_parts
+  long, vlong = np.concatenate(long_parts), np.concatenate(vlong_parts)
+  if long_docs == "split":
+    extra_chunks = _continuations(vlong, seq_len, overlap)
+  else:
+    extra_chunks = np.zeros(len(long), np.int64)
+    dropped_tokens += int((vlong - seq_len).sum())
+  doc, length, cont, cont_start = _lay_out(kept, first_len, long, vlong, extra_chunks, seq_len,
+                                           seq_len - overlap)
   stats = {
-      "documents": int(len(lengths)),
-      "dropped": 0 if kept is None else int(len(lengths) - len(kept)),
+      "documents": int(n),
+      "dropped": int(n - num_kept),
       "split": int(len(long)) if long_docs == "split" else 0,
       "truncated": int(len(long)) if long_docs == "truncate" else 0,
       "chunks": int(len(length)),
-      "tokens": tokens,
+      "tokens": int(length.sum(dtype=np.int64)),
       "dropped_tokens": dropped_tokens,
   }
-  return Chunks(doc=doc, start=start, length=length, stats=stats)
+  return Chunks(doc=doc, length=length, cont=cont, cont_start=cont_start, stats=stats)
 
 
-def _lay_out(kept: np.ndarray | None, vkept: np.ndarray, long: np.ndarray,
-             extra_chunks: np.ndarray, seq_len: int, stride: int
-             ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray]:
-  """Chunk arrays in document order; only the `long` documents get more than one chunk.
+def _kept_docs(parts: list[tuple[int, int, np.ndarray | None]], num_kept: int,
+               dtype: type) -> np.ndarray:
+  """The kept document indices from per-block `(lo, hi, selected or None for all)`."""
+  kept = np.empty(num_kept, dtype)
+  at = 0
+  for lo, hi, sel in parts:
+    if sel is None:
+      kept[at:at + hi - lo] = np.arange(lo, hi, dtype=dtype)
+      at += hi - lo
+    else:
+      kept[at:at + len(sel)] = sel + lo
+      at += len(sel)
+  return kept
 
-  `kept` holds the kept document indices (None: all of them), `vkept` their virtual lengths,
-  `long` the positions (in `kept`) of documents longer than `seq_len`, `extra_chunks` the chunks
-  each of those gets beyond its first.
+
+def _lay_out(kept: np.ndarray | None, first_len: np.ndarray, long: np.ndarray,
+             vlong: np.ndarray, extra_chunks: np.ndarray, seq_len: int, stride: int
+             ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+  """`(doc, length, cont, cont_start)` of the chunks in document order.
+
+  `kept` holds the kept document indices (None: all of them), `first_len` the length of each
+  kept document's first chunk, `long` the positions (in `kept`) of the documents longer than
+  `seq_len`, `vlong` their virtual lengths and `extra_chunks` the chunks each gets beyond its
+  first. The continuation chunks of kept document `j` follow its first chunk.
   """
-  n = len(vkept)
-  length = np.minimum(vkept, seq_len).astype(np.int32)
-  if not extra_chunks.any():
-    return kept, None, length
-  doc_ids = np.arange(n, dtype=np.int64) if kept is None else kept
-  per_doc = np.ones(n, np.int64)
-  per_doc[long] += extra_chunks
-  first = np.cumsum(per_doc) - per_doc
-  total = int(first[-1] + per_doc[-1])
-  # Continuation chunks of the long documents, in document order.
-  cont_first = np.cumsum(extra_chunks) - extra_chunks
-  cont_k = (np.arange(int(extra_chunks.sum()), dtype=np.int64)
-            - np.repeat(cont_first, extra_chunks) + 1)
-  cont_doc = np.repeat(long, extra_chunks)
-  cont_pos = first[cont_doc] + cont_k
-  cont_start = cont_k * stride
-  out_doc = np.empty(total, np.int64)
-  out_start = np.zeros(total, np.int32)
-  out_len = np.empty(total, np.int32)
-  out_doc[first] = doc_ids
-  out_len[first] = length
-  out_doc[cont_pos] = doc_ids[cont_doc]
-  out_start[cont_pos] = cont_start
-  out_len[cont_pos] = np.minimum(seq_len, vkept[cont_doc] - cont_start)
-  return out_doc, out_start, out_len
+  n = len(first_len)
+  num_cont = int(extra_chunks.sum())
+  if not num_cont:
+    return kept, first_len, np.zeros(0, np.int64), np.zeros(0, np.int32)
+  total = n + num_cont
+  ahead = np.cumsum(extra_chunks) - extra_chunks  # continuations of earlier long documents
+  owner = np.repeat(np.arange(len(long)), extra_chunks)
+  k = np.arange(num_cont, dtype=np.int64) - ahead[owner] + 1  # 1 for the second chunk, ...
+  cont = long[owner] + ahead[owner] + k
+  cont_start = k * stride
+  is_first = np.ones(total, bool)
+  is_first[cont] = False
+  length = np.empty(total, first_len.dtype)
+  length[cont] = np.minimum(seq_len, vlong[owner] - cont_start)
+  length[is_first] = first_len
+  del first_len
+  dtype = index_dtype(total) if kept is None else kept.dtype
+  doc_ids = np.arange(n, dtype=dtype) if kept is None else kept
+  doc = np.empty(total, dtype)
+  doc[cont] = doc_ids[long[owner]]
+  doc[is_first] = doc_ids
+  return doc, length, cont, cont_start.astype(np.int32)

@@ -11,7 +11,7 @@ from segpack.packing.runs import Placement, max_bins, open_new_bins, run_decreas
 _BLOCK = 128
 # Up to this many chunks, placing them one by one beats the run-based packer (whose NumPy calls
 # per run of equal lengths cost more than a tree walk per chunk when runs are short).
-_ONE_BY_ONE = 256
+ONE_BY_ONE = 256
 
 
 class FirstFitDecreasing:
@@ -37,7 +37,7 @@ class FirstFitDecreasing:
     """`bins_bound`: at most this many bins will be opened (see `runs.max_bins`)."""
     self.seq_len = seq_len
     nblocks = max(1, -(-bins_bound // _BLOCK))
-    self.cap = np.zeros((nblocks, _BLOCK), np.int64)
+    self.cap = np.zeros((nblocks, _BLOCK), np.int32)  # room <= seq_len
     self.block_max = np.zeros(nblocks, np.int64)
     self.num_bins = 0
 
@@ -51,7 +51,7 @@ class FirstFitDecreasing:
     while True:
       blocks = cand[:take]
       share = (self.cap[blocks] // size).ravel()
-      csum = np.cumsum(share)
+      csum = np.cumsum(share, dtype=np.int64)
       if csum[-1] >= m or take >= len(cand):
         break
       take *= 4
@@ -86,12 +86,12 @@ def first_fit_decreasing(length: np.ndarray, seq_len: int) -> Placement:
   """Exact FFD of chunks with `1 <= length <= seq_len`; pieces in a row in placement order.
 
   Both paths take the chunks in the textbook order (longest first, ties by index) and give the
-  textbook result: up to `_ONE_BY_ONE` chunks (a minibatch) go one by one through
+  textbook result: up to `ONE_BY_ONE` chunks (a minibatch) go one by one through
   `segpack.packing.first_fit` (rows `0..n-1` all empty at first: the leftmost empty row is the
   next new one); more go through `FirstFitDecreasing`, run by run.
   """
   length = np.asarray(length)
-  if len(length) > _ONE_BY_ONE:
+  if len(length) > ONE_BY_ONE:
     packer = FirstFitDecreasing(seq_len, bins_bound=max_bins(length, seq_len))
     return run_decreasing(packer, length, seq_len)
   sizes = length.tolist()

@@ -50,9 +50,12 @@ class Plan:
     extra_tokens: virtual slots added to every document (`add_bos + add_eos`).
     strategy: the planner that made the plan.
     row_splits: int64 `[num_rows + 1]`, starting at 0 and ending at `num_pieces`.
-    doc: int64 `[num_pieces]` document indices.
+    doc: `[num_pieces]` document indices: int32 (int64 from 2**31 documents).
     start: int32 `[num_pieces]` first virtual slot of each piece.
-    length: int32 `[num_pieces]` slots of each piece, `1 <= length <= seq_len`.
+    length: `[num_pieces]` slots of each piece, `1 <= length <= seq_len`: uint16 (int32 for
+      seq_len above 65535). Plans written before these dtypes (int64 `doc`, int32 `length`)
+      load as they are; readers must not assume a dtype (cast before arithmetic that could
+      overflow or go below 0).
     stats: plain-JSON statistics (`documents`, `dropped`, `split`, `truncated`, `chunks`,
       `tokens`, `slots`, `lower_bound`, ...).
   """

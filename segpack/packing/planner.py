@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import numpy as np
 
-from segpack.packing.bfd import best_fit_decreasing
-from segpack.packing.chunking import PackingArgumentError, check_lengths, make_chunks
-from segpack.packing.ffd import first_fit_decreasing
+from segpack.packing import layout
+from segpack.packing.bfd import BestFitDecreasing, best_fit_decreasing
+from segpack.packing.chunking import (Chunks, PackingArgumentError, check_lengths, index_dtype,
+                                      make_chunks)
+from segpack.packing.ffd import ONE_BY_ONE, FirstFitDecreasing, first_fit_decreasing
 from segpack.packing.greedy import next_fit
 from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
 from segpack.packing.plan import Plan
@@ -21,6 +24,13 @@ Planner = Callable[[np.ndarray, int], Placement]
 # The planners whose rows depend only on the sorted chunk lengths (longest first): any order of
 # equal lengths gives rows of the same lengths, so `tie_seed` only changes which chunks meet.
 TIE_SEED_STRATEGIES = ("ffd", "bfd", "sorted_pad")
+
+# The run packers of the strategies `layout.plan_decreasing` plans (FFD above `ONE_BY_ONE`
+# chunks; below, its one-by-one path is faster).
+_RUN_PACKERS = {
+    "ffd": lambda seq_len, bins: FirstFitDecreasing(seq_len, bins_bound=bins),
+    "bfd": lambda seq_len, bins: BestFitDecreasing(seq_len),
+}
 
 STRATEGIES: dict[str, Planner] = {
     "ffd": first_fit_decreasing,
@@ -92,16 +102,19 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     raise PackingArgumentError(
         f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
         f"or empty")
-  placement = _place(planner, chunks.length, seq_len, strategy=strategy, tie_seed=tie_seed)
-  per_row = np.bincount(placement.bins)
-  row_splits = np.zeros(len(per_row) + 1, np.int64)
-  np.cumsum(per_row, out=row_splits[1:])
-  perm = _row_major(placement, row_splits)
+  rng = _tie_rng(tie_seed, strategy)
+  if strategy in _RUN_PACKERS and (strategy == "bfd" or len(chunks.length) > ONE_BY_ONE):
+    row_splits, doc, start, length, per_row = layout.plan_decreasing(
+        chunks, seq_len, functools.partial(_RUN_PACKERS[strategy], seq_len),
+        num_docs=len(lengths), rng=rng)
+  else:
+    row_splits, doc, start, length, per_row = _plan_placement(
+        planner, chunks, seq_len, rng=rng, num_docs=len(lengths))
   stats = dict(chunks.stats)
   tokens = stats["tokens"]
   num_rows = len(per_row)
   if strategy == "sorted_pad":
-    slots = sorted_pad_slots(chunks.length[perm].astype(np.int64), batch_size=batch_size,
+    slots = sorted_pad_slots(length.astype(np.int64), batch_size=batch_size,
                              pad_multiple=pad_multiple, seq_len=seq_len)
     stats.update(batch_size=int(batch_size), pad_multiple=int(pad_multiple))
   else:
@@ -109,29 +122,49 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
   stats.update(rows=num_rows, slots=slots, lower_bound=-(-tokens // seq_len),
                utilization=tokens / slots, segments_per_row_mean=float(per_row.mean()),
                segments_per_row_max=int(per_row.max()))
-  doc = perm if chunks.doc is None else chunks.doc[perm]
-  start = np.zeros(len(perm), np.int32) if chunks.start is None else chunks.start[perm]
   return Plan(seq_len=int(seq_len), overlap=int(overlap), extra_tokens=int(extra_tokens),
-              strategy=strategy, row_splits=row_splits, doc=doc, start=start,
-              length=chunks.length[perm], stats=stats)
+              strategy=strategy, row_splits=row_splits, doc=doc, start=start, length=length,
+              stats=stats)
 
 
-def _place(planner: Planner, length: np.ndarray, seq_len: int, *, strategy: str,
-           tie_seed: Any) -> Placement:
-  """`planner(length, seq_len)`, the chunks first permuted by `tie_seed` when it is given."""
+def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
+                    rng: np.random.Generator | None, num_docs: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """`(row_splits, doc, start, length, per_row)` through a `Placement` planner (the strategies
+  and inputs `layout.plan_decreasing` does not take)."""
+  placement = _place(planner, chunks.length, seq_len, rng=rng)
+  per_row = np.bincount(placement.bins)
+  row_splits = np.zeros(len(per_row) + 1, np.int64)
+  np.cumsum(per_row, out=row_splits[1:])
+  perm = _row_major(placement, row_splits)
+  doc = (perm if chunks.doc is None else chunks.doc[perm]).astype(index_dtype(num_docs))
+  start = chunks.start
+  start = np.zeros(len(perm), np.int32) if start is None else start[perm]
+  return row_splits, doc, start, chunks.length[perm], per_row
+
+
+def _tie_rng(tie_seed: Any, strategy: str) -> np.random.Generator | None:
+  """The generator that orders equal lengths for `tie_seed` (None: ties by index)."""
   if tie_seed is None:
-    return planner(length, seq_len)
+    return None
   if strategy not in TIE_SEED_STRATEGIES:
     raise PackingArgumentError(
         f"tie_seed is only for strategies {list(TIE_SEED_STRATEGIES)} (their row count does "
         f"not depend on the order of equal lengths), got strategy={strategy!r}")
   try:
     entropy = [int(tie_seed)] if np.ndim(tie_seed) == 0 else [int(v) for v in tie_seed]
-    rng = np.random.default_rng(np.random.SeedSequence(entropy))
+    return np.random.default_rng(np.random.SeedSequence(entropy))
   except (TypeError, ValueError) as e:
     raise PackingArgumentError(
         f"tie_seed must be None, a non-negative int or a sequence of them, got "
         f"tie_seed={tie_seed!r}") from e
+
+
+def _place(planner: Planner, length: np.ndarray, seq_len: int, *,
+           rng: np.random.Generator | None) -> Placement:
+  """`planner(length, seq_len)`, the chunks first permuted by `rng` when it is given."""
+  if rng is None:
+    return planner(length, seq_len)
   perm = rng.permutation(len(length))
   placement = planner(length[perm], seq_len)
   return dataclasses.replace(placement, order=perm[placement.order])

@@ -1,0 +1,235 @@
+"""The decreasing planners (FFD, BFD) over all chunks in compact memory.
+
+`plan_decreasing` gives the same plan as `runs.run_decreasing` followed by the row-major counting
+sort of `segpack.packing.planner`, but keeps about 10 bytes per chunk live at its peak (plus the
+plan's own arrays) instead of about 60:
+
+1. A histogram of the chunk lengths gives the runs of equal length, longest first. The packer
+   places the runs from the histogram alone (which chunk of a run goes where does not change the
+   bins), recording for every run the open bins it filled and how many new bins it opened; the
+   chunks per row follow, hence `row_splits`.
+2. A counting sort, block by block, lists the chunks longest first, ties by index (the textbook
+   order): int32 indices, no int64 array over all chunks. With `rng`, the chunks of every run are
+   put in a random order instead.
+3. The sorted chunk indices become document indices in place; the few continuation chunks of split
+   documents are noted (their position and first slot).
+4. The runs are replayed: the `t`-th chunk of a run goes to the `t`-th place of the run's bins,
+   at `row_splits[bin] + chunks already in the bin`, so the pieces are written straight into the
+   row-major plan arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from segpack.packing.chunking import BLOCK, Chunks, index_dtype
+
+
+class RunPacker(Protocol):
+  num_bins: int
+
+  def place_run(self, size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Places `m` chunks of `size` slots: bin `bins[j]` takes the next `counts[j]` chunks."""
+
+
+def length_histogram(length: np.ndarray, seq_len: int) -> np.ndarray:
+  """int64 `[seq_len + 1]`: how many chunks have each length (computed block by block)."""
+  hist = np.zeros(seq_len + 1, np.int64)
+  for a in range(0, len(length), BLOCK):
+    hist += np.bincount(length[a:a + BLOCK], minlength=seq_len + 1)
+  return hist
+
+
+def bins_bound(hist: np.ndarray, seq_len: int) -> int:
+  """`runs.max_bins` from the histogram: at most `2 * ceil(total / seq_len) + 1` bins."""
+  total = int(np.dot(hist, np.arange(len(hist), dtype=np.int64)))
+  return min(int(hist.sum()), 2 * -(-total // seq_len) + 1)
+
+
+def place_runs(packer: RunPacker, hist: np.ndarray, *, max_bins: int
+               ) -> tuple[list[tuple], np.ndarray]:
+  """Runs the packer over the runs of `hist`, longest first.
+
+  Returns:
+    `(runs, per_row)`: per run `(size, m, old_bins, old_counts, first_new, num_new)` (the open bins
+    it filled, in order, and the new bins `first_new ...` it opened), and int64 `[num_bins]` the
+    chunks of each row.
+  """
+  fill = np.zeros(max_bins + 1, np.int32)
+  runs = []
+  for size in np.flatnonzero(hist[::-1][:-1]).tolist():
+    size = len(hist) - 1 - size
+    m = int(hist[size])
+    first_new = packer.num_bins
+    bins, counts = packer.place_run(size, m)
+    num_new = packer.num_bins - first_new
+    k = len(bins) - num_new
+    runs.append((size, m, bins[:k].astype(index_dtype(max_bins)), counts[:k].astype(np.int32),
+                 first_new, num_new))
+    fill[bins] += counts.astype(np.int32)
+  return runs, fill[:packer.num_bins].astype(np.int64)
+
+
+def sorted_documents(length: np.ndarray, doc: np.ndarray | None, cont: np.ndarray,
+                     cont_start: np.ndarray, hist: np.ndarray, *, dtype: type,
+                     rng: np.random.Generator | None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The documents of the chunks longest first, ties by chunk index (or, with `rng`, in a random
+  order per run of equal lengths); `doc`, `cont`, `cont_start` as in `Chunks`.
+
+  A stable counting sort, block by block: each block is radix-sorted by its keys (NumPy sorts
+  16-bit keys by radix), and its chunks go to their buckets' next free places as documents
+  (`doc` is read in the block's own window, not at random).
+
+  Returns:
+    `(docs, cont_pos, cont_starts)`: `dtype` `[num_chunks]` documents in sorted order, and the
+    sorted positions of the continuation chunks (int64, increasing) with their first slots.
+  """
+  seq_len = len(hist) - 1
+  key_dtype = np.uint16 if seq_len <= 0xFFFF else np.int32
+  hist_k = hist[::-1]  # key k = seq_len - length
+  next_k = np.cumsum(hist_k) - hist_k
+  docs = np.empty(len(length), dtype)
+  pos_parts, start_parts = [], []
+  for a in range(0, len(length), BLOCK):
+    key = np.subtract(seq_len, length[a:a + BLOCK], dtype=key_dtype)
+    loc = np.argsort(key, kind="stable")
+    counts = np.bincount(key, minlength=seq_len + 1)
+    used = np.flatnonzero(counts)
+    dest = np.repeat((next_k - (np.cumsum(counts) - counts))[used], counts[used])
+    dest += np.arange(len(key))
+    docs[dest] = loc + a if doc is None else doc[a:a + BLOCK][loc]
+    lo, hi = np.searchsorted(cont, [a, a + len(key)])
+    if hi > lo:
+      # Where the block's continuation chunks went: (key, index) increases along `loc`.
+      c = cont[lo:hi] - a
+      ranked = key[loc].astype(np.int64) * len(key) + loc
+      pos_parts.append(dest[np.searchsorted(ranked, key[c].astype(np.int64) * len(key) + c)])
+      start_parts.append(cont_start[lo:hi])
+    next_k += counts
+  cont_pos = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+  cont_starts = np.concatenate(start_parts) if start_parts else np.zeros(0, np.int32)
+  by_pos = np.argsort(cont_pos, kind="stable")
+  cont_pos, cont_starts = cont_pos[by_pos], cont_starts[by_pos]
+  if rng is not None:
+    _shuffle_runs(docs, hist_k[hist_k > 0].tolist(), rng, cont_pos)
+    by_pos = np.argsort(cont_pos, kind="stable")
+    cont_pos, cont_starts = cont_pos[by_pos], cont_starts[by_pos]
+  return docs, cont_pos, cont_starts
+
+
+def _shuffle_runs(docs: np.ndarray, run_sizes: list[int], rng: np.random.Generator,
+                  cont_pos: np.ndarray) -> None:
+  """Puts every run of `docs` in a random order, in place, and moves the positions `cont_pos`
+  (increasing) along with their chunks."""
+  start = 0
+  bounds = np.searchsorted(cont_pos, np.cumsum([0] + run_sizes)).tolist()
+  for m, lo, hi in zip(run_sizes, bounds, bounds[1:]):
+    run = docs[start:start + m]
+    perm = rng.permutation(m)
+    run[:] = run[perm]
+    if hi > lo:
+      where = np.empty(m, np.int64)
+      where[perm] = np.arange(m)
+      cont_pos[lo:hi] = start + where[cont_pos[lo:hi] - start]
+    start += m
+
+
+def _repeat_range(values: np.ndarray, counts: np.ndarray, cum: np.ndarray, lo: int,
+                  hi: int) -> np.ndarray:
+  """`np.repeat(values, counts)[lo:hi]` without the whole repetition (`cum = cumsum(counts)`)."""
+  j0 = int(np.searchsorted(cum, lo, side="right"))
+  j1 = int(np.searchsorted(cum, hi - 1, side="right")) + 1
+  ends = np.minimum(cum[j0:j1], hi)
+  begins = np.maximum(cum[j0:j1] - counts[j0:j1], lo)
+  return np.repeat(values[j0:j1], ends - begins)
+
+
+def write_rows(runs: list[tuple], row_splits: np.ndarray, docs_sorted: np.ndarray,
+               cont_pos: np.ndarray, *, seq_len: int, doc_out: np.ndarray,
+               length_out: np.ndarray) -> np.ndarray:
+  """Replays the runs: writes each sorted chunk's document and length at its plan position.
+
+  The `t`-th chunk of a run goes to the run's `t`-th place: the open bins it filled (`counts[j]`
+  places in bin `old_bins[j]`, after the chunks already there), then its new bins, `seq_len //
+  size` chunks each. `runs` is emptied as it is consumed.
+
+  Returns:
+    int64: the plan positions of the sorted positions `cont_pos`.
+  """
+  fill = np.zeros(len(row_splits) - 1, np.int64)
+  cont_dest = []
+  start = 0
+  runs.reverse()
+  while runs:
+    size, m, old_bins, old_counts, first_new, num_new = runs.pop()
+    per_bin = seq_len // size
+    m_new = m - int(old_counts.sum())
+    # Each place's bin start minus the places of the run before that bin's share.
+    base_old = row_splits[old_bins] + fill[old_bins] - (np.cumsum(old_counts) - old_counts)
+    fill[old_bins] += old_counts
+    new = np.arange(first_new, first_new + num_new)
+    base_new = row_splits[new] - (m - m_new) - (new - first_new) * per_bin
+    counts_new = np.full(num_new, per_bin, np.int64)
+    if num_new:
+      counts_new[-1] = m_new - (num_new - 1) * per_bin
+      fill[new] = counts_new
+    base = np.concatenate([base_old, base_new])
+    counts = np.concatenate([old_counts, counts_new])
+    cum = np.cumsum(counts)
+    for t0 in range(0, m, BLOCK):
+      t1 = min(m, t0 + BLOCK)
+      if t0 == 0 and t1 == m:
+        dest = np.repeat(base, counts)
+      else:
+        dest = _repeat_range(base, counts, cum, t0, t1)
+      dest += np.arange(t0, t1)
+      doc_out[dest] = docs_sorted[start + t0:start + t1]
+      length_out[dest] = size
+      lo, hi = np.searchsorted(cont_pos, [start + t0, start + t1])
+      if hi > lo:
+        cont_dest.append(dest[cont_pos[lo:hi] - start - t0])
+    start += m
+  return np.concatenate(cont_dest) if cont_dest else np.zeros(0, np.int64)
+
+
+def plan_decreasing(chunks: Chunks, seq_len: int, make_packer: Callable[[int], RunPacker], *,
+                    num_docs: int, rng: np.random.Generator | None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Steps 1-4 of the module docstring. Consumes `chunks`: its `length` and `doc` are set to
+  None, so that they are freed as soon as they are used up (keep only `chunks.stats`).
+
+  Args:
+    chunks: the chunks (`chunking.make_chunks`).
+    seq_len: slots per row.
+    make_packer: a fresh FFD or BFD run packer for at most the given number of bins.
+    num_docs: documents before chunking (the dtype of the document indices).
+    rng: None (ties by index), or the generator that orders every run at random.
+
+  Returns:
+    `(row_splits, doc, start, length, per_row)`: the plan arrays (int64, int32 or int64 for 2**31
+    documents and more, int32, the chunks' length dtype) and int64 pieces per row.
+  """
+  chunk_len, chunk_doc = chunks.length, chunks.doc
+  chunks.length = chunks.doc = None
+  n = len(chunk_len)
+  hist = length_histogram(chunk_len, seq_len)
+  max_bins = bins_bound(hist, seq_len)
+  runs, per_row = place_runs(make_packer(max_bins), hist, max_bins=max_bins)
+  row_splits = np.zeros(len(per_row) + 1, np.int64)
+  np.cumsum(per_row, out=row_splits[1:])
+  docs_sorted, cont_pos, cont_start = sorted_documents(
+      chunk_len, chunk_doc, chunks.cont, chunks.cont_start, hist,
+      dtype=index_dtype(num_docs), rng=rng)
+  length_dtype = chunk_len.dtype
+  del chunk_len, chunk_doc
+  doc = np.empty(n, index_dtype(num_docs))
+  length = np.empty(n, length_dtype)
+  cont_dest = write_rows(runs, row_splits, docs_sorted, cont_pos, seq_len=seq_len, doc_out=doc,
+                         length_out=length)
+  del docs_sorted
+  start = np.zeros(n, np.int32)
+  start[cont_dest] = cont_start
+  return row_splits, doc, start, length, per_row
