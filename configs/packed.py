@@ -35,6 +35,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "attention": deal each global batch's rows to the data-parallel ranks so that their summed
   # attention cost (sum of l(l+1)/2 per row) is even (docs/packing.md); "none": epoch order
   c.packing.balance = "none"
+  # "epoch": every epoch after the first gets its own exact plan, so documents meet new
+  # neighbours each epoch (ffd, bfd, sorted_pad; not with max_segments_per_row); "none": one plan
+  c.packing.repack = "none"
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
@@ -75,6 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.num_steps = 300  # optimizer steps
   c.train.batch_size = 8  # rows per optimizer step, over all processes and micro-batches
   c.train.grad_accum_steps = 1  # micro-batches per step (each batch_size / grad_accum_steps rows)
+  # Resuming with another batch_size is refused unless this is True; then the run continues
+  # from the same row of the data stream with the new batch size (docs/training.md).
+  c.train.allow_batch_size_change = False
   c.train.learning_rate = 3e-3  # peak learning rate
   c.train.warmup_steps = 30  # linear warmup from 0
   c.train.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio

@@ -82,8 +82,8 @@ from test_train import _synthetic
 kill_at = int(sys.argv[2])
 if kill_at:
   log = T._log_batch
-  def log_then_die(path, step, local):
-    log(path, step, local)
+  def log_then_die(path, step, local, *info):
+    log(path, step, local, *info)
     if step == kill_at:
       os.kill(os.getpid(), signal.SIGKILL)
   T._log_batch = log_then_die

@@ -3,7 +3,12 @@
 A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
   * `state`: parameters, optimizer state and step (`StandardSave`; restored straight into the
     target shardings, so a changed mesh reshards on load);
-  * `data`: the Grain iterator state of this process's training batches (`JsonSave`);
+  * `data`: the position of the training data, one value for all processes (`JsonSave`):
+    `{"format": 2, "iterator": STATE, "process_count": Q}`, where `STATE` is the stream position
+    `{"epoch", "index", "rows_per_epoch"}` (global packing) or Grain's `{"next_index": k}`
+    (minibatch packing); neither depends on the process count, so a run resumes on another one.
+    Checkpoints written before the format had `{"<process>": <Grain state>}`; they are converted
+    where that is exact (`legacy_data_state`);
   * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume.
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
 leaves the previous checkpoint as the latest one.
@@ -11,6 +16,7 @@ leaves the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -26,13 +32,18 @@ RESUMABLE_CHANGES = frozenset({
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
     "mesh.fsdp", "mesh.tensor", "attention.implementation", "attention.interpret",
-    "attention.self_check", "train.peak_flops", "data.cache_dir",
+    "attention.self_check", "train.peak_flops", "data.cache_dir", "train.allow_batch_size_change",
 })
+# Resumable only when the current config says `train.allow_batch_size_change=True`: the data
+# position is a row of the stream, so the next steps simply take another number of rows.
+BATCH_SIZE_KEY = "train.batch_size"
+DATA_FORMAT = 2
 # `loss.weighting` is deliberately not resumable: it changes the objective being optimised.
 
 # Keys added to the config after checkpoints were written without them: an absent key reads as
 # this value, the behaviour those checkpoints were trained with.
-DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token", "packing.balance": "none"}
+DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token", "packing.balance": "none",
+                          "packing.repack": "none", "train.allow_batch_size_change": False}
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -51,15 +62,17 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-  """Lines `key: checkpoint has X, config has Y` for every difference outside RESUMABLE_CHANGES."""
+def config_differences(saved: dict[str, Any], current: dict[str, Any], *,
+                       also_resumable: frozenset[str] = frozenset()) -> list[str]:
+  """Lines `key: checkpoint has X, config has Y` for every difference outside RESUMABLE_CHANGES
+  and `also_resumable`."""
   a, b = flatten(saved), flatten(current)
   for key, value in DEFAULTS_OF_ADDED_KEYS.items():
     a.setdefault(key, value)
     b.setdefault(key, value)
   lines = []
   for key in sorted(set(a) | set(b)):
-    if key in RESUMABLE_CHANGES:
+    if key in RESUMABLE_CHANGES or key in also_resumable:
       continue
     if a.get(key, "<absent>") != b.get(key, "<absent>"):
       lines.append(f"{key}: checkpoint has {a.get(key, '<absent>')!r}, "
@@ -67,18 +80,43 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
   return lines
 
 
+class DataStateError(ValueError):
+  """The checkpoint's data position cannot be restored (or the processes disagree on it)."""
+
+
+@dataclasses.dataclass
+class Restored:
+  """What `Checkpointer.restore_or_none` found.
+
+  Attributes:
+    state: the train state, in the target shardings.
+    data_state: the training iterator's state (the same on every process).
+    step: the checkpoint's step.
+    changes: lines for the log, what differs from the run that wrote it (process count, batch
+      size), empty when nothing does.
+  """
+
+  state: Any
+  data_state: dict[str, Any]
+  step: int
+  changes: list[str]
+
+
 class Checkpointer:
   """Saves every `every` steps (and on demand) and restores the latest checkpoint.
 
   Algorithm:
     1. `restore_or_none(abstract_state, config_dict)`: if a committed checkpoint exists, compare its
-       `meta` config with `config_dict` (refuse with the differing keys), then restore `state`
+       `meta` config with `config_dict` (refuse with the differing keys; `train.batch_size` may
+       differ when `config_dict` has `train.allow_batch_size_change=True`), then restore `state`
        into the abstract target's shardings and return it with the data iterator state.
-    2. `maybe_save(step, ...)`: save when `step % every == 0`, or when forced (the last step).
+    2. `maybe_save(step, ...)`: save when `step % every == 0`, or when forced (the last step);
+       the processes' data states are gathered and must agree.
     3. Old checkpoints beyond `max_to_keep` are deleted by orbax after a successful save.
 
-  Example: `every=100`, killed at step 250: the rerun restores step 200 and the data iterator
-  state saved with it, so it trains on batches 201, 202, ... exactly as the first run did.
+  Example: `every=100`, killed at step 250: the rerun restores step 200 and the data position
+  saved with it, so it trains on batches 201, 202, ... exactly as the first run did (on another
+  process count, on the same rows of the stream).
   """
 
   def __init__(self, directory: str | os.PathLike, *, every: int, max_to_keep: int):
@@ -92,52 +130,124 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore_or_none(self, abstract_state: Any, config_dict: dict[str, Any]
-                      ) -> tuple[Any, dict[str, Any], int] | None:
-    """Returns `(state, data_iterator_state, step)` of the latest checkpoint, or None.
+  def restore_or_none(self, abstract_state: Any, config_dict: dict[str, Any], *,
+                      rows_per_epoch: int | None = None) -> Restored | None:
+    """Returns the latest checkpoint as a `Restored`, or None.
+
+    Args:
+      abstract_state: the state's shapes and target shardings.
+      config_dict: this run's config.
+      rows_per_epoch: the training stream's rows per epoch (global packing), None in minibatch
+        mode; only needed to convert a checkpoint of the older per-process format.
 
     Raises:
-      IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`, or it was
-        written by a different number of processes (whose data positions do not map onto ours).
+      IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`.
+      DataStateError: its data position cannot be restored exactly (an older format).
     """
     step = self._manager.latest_step()
     if step is None:
       return None
+    where = f"{self.directory}/{step}"
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    diffs = config_differences(meta["meta"]["config"], config_dict)
+    saved = meta["meta"]["config"]
+    allow = bool(flatten(config_dict).get("train.allow_batch_size_change", False))
+    diffs = config_differences(saved, config_dict,
+                               also_resumable=frozenset({BATCH_SIZE_KEY} if allow else ()))
     if diffs:
+      hint = ("" if allow or not any(d.startswith(BATCH_SIZE_KEY + ":") for d in diffs) else
+              "; to resume with another train.batch_size, set "
+              "--config.train.allow_batch_size_change=True")
       raise IncompatibleCheckpointError(
-          f"cannot resume from {self.directory}/{step}: its config differs from this run's:\n  "
-          + "\n  ".join(diffs) + "\n(use a new --workdir, or the same config)")
+          f"cannot resume from {where}: its config differs from this run's:\n  "
+          + "\n  ".join(diffs) + f"\n(use a new --workdir, or the same config{hint})")
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    data_state = restored["data"].get(str(jax.process_index()))
-    if data_state is None or len(restored["data"]) != jax.process_count():
-      raise IncompatibleCheckpointError(
-          f"cannot resume from {self.directory}/{step}: it holds the data positions of "
-          f"{len(restored['data'])} processes, this run has {jax.process_count()}")
-    return restored["state"], data_state, step
+    item = restored["data"]
+    old_batch = flatten(saved)[BATCH_SIZE_KEY]
+    if item.get("format") == DATA_FORMAT:
+      data_state, old_count = item["iterator"], int(item["process_count"])
+    else:
+      old_count = len(item)
+      data_state = legacy_data_state(
+          item, batch_size=old_batch, rows_per_epoch=rows_per_epoch,
+          balance=flatten(saved).get("packing.balance", "none"), where=where)
+    changes = []
+    if old_count != jax.process_count():
+      changes.append(f"processes: {old_count} -> {jax.process_count()}")
+    new_batch = flatten(config_dict)[BATCH_SIZE_KEY]
+    if old_batch != new_batch:
+      changes.append(f"train.batch_size: {old_batch} -> {new_batch}")
+    return Restored(state=restored["state"], data_state=data_state, step=step, changes=changes)
 
   def maybe_save(self, step: int, state: Any, data_state: dict[str, Any],
                  config_dict: dict[str, Any], *, force: bool = False) -> bool:
     """Saves if `step` is a multiple of `every` (or `force`); returns whether it saved.
 
-    `data_state` is this process's iterator state; every process's state is gathered into the
-    `data` item so a multi-host run restores each process's own position.
+    `data_state` is this process's iterator state; it must be the same on every process (a
+    position in the global stream), checked by gathering them.
+
+    Raises:
+      DataStateError: the processes' data states differ.
     """
     if not force and (self.every <= 0 or step % self.every):
       return False
     if self._manager.latest_step() == step:
       return False
     states = _gather_json(data_state)
+    if any(other != data_state for other in states.values()):
+      raise DataStateError(
+          f"step {step}: the processes' data positions differ, so no single position can be "
+          f"saved: {states}")
+    item = {"format": DATA_FORMAT, "iterator": data_state, "process_count": len(states)}
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(states),
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
         meta=ocp.args.JsonSave({"config": config_dict, "step": step})), force=True)
     self._manager.wait_until_finished()
     return True
 
   def close(self) -> None:
     self._manager.close()
+
+
+def legacy_data_state(states: dict[str, Any], *, batch_size: int, rows_per_epoch: int | None,
+                      balance: str, where: str) -> dict[str, Any]:
+  """The data state of a checkpoint written before `DATA_FORMAT` 2, where that is exact.
+
+  Such a checkpoint holds `{"<process>": {"next_index": k}}` for `C` processes. Minibatch
+  packing (`rows_per_epoch=None`): step `k` was already global, so `{"next_index": k}` is it.
+  Global packing: each process had read `k * batch_size / C` rows of its interleaved share of
+  epochs of `ceil(R / C)` positions, i.e. epoch `e` and, together, the epoch's positions
+  `[0, j * C)`; the stream position is `(e, j * C)`, or `(e + 1, 0)` when only padding was
+  left. With `packing.balance="attention"` the old order permuted groups of `batch_size`
+  positions, so it is exact only at a group boundary.
+
+  Raises:
+    DataStateError: the states disagree or the position is not exact; the message says what
+      to do.
+  """
+  values = list(states.values())
+  todo = ("resume it with the segpack version that wrote it (same process count), or start a "
+          "new --workdir")
+  if not values or any(v != values[0] for v in values) or "next_index" not in values[0]:
+    raise DataStateError(f"cannot resume from {where}: its data item {states!r} is not a "
+                         f"position this version reads; {todo}")
+  k = int(values[0]["next_index"])
+  if rows_per_epoch is None:
+    return {"next_index": k}
+  count = len(values)
+  per_process = -(-rows_per_epoch // count)
+  epoch, j = divmod(k * (batch_size // count), per_process)
+  index = j * count
+  groups_end = (per_process * count // batch_size) * batch_size
+  if balance != "none" and index % batch_size and index < groups_end:
+    raise DataStateError(
+        f"cannot resume from {where}: it was written in the older per-process format with "
+        f"packing.balance={balance!r}, and its position (epoch {epoch}, index {index}) is inside "
+        f"a balanced group of {batch_size} rows, so the rows consumed are not a prefix of the "
+        f"epoch; {todo}")
+  if index >= rows_per_epoch:
+    epoch, index = epoch + 1, 0
+  return {"epoch": epoch, "index": index, "rows_per_epoch": rows_per_epoch}
 
 
 def _gather_json(value: dict[str, Any]) -> dict[str, Any]:

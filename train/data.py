@@ -1,11 +1,15 @@
 """Training and evaluation batches for the trainer: the built-in corpus, the built-in chat corpus
 (assistant-only loss) or synthetic documents.
 
-Each process reads only its own rows (`pack_dataset(shard_options=ShardOptions(process_index,
-process_count))`) and batches them to `batch_size / process_count` rows; the step
-function assembles the global batch with `jax.make_array_from_process_local_data`. The training
-set is an infinite `grain.MapDataset` of batches, so its position is one integer, which Grain's
-`DatasetIterator.get_state()` exposes and the checkpoint stores.
+The training rows are one global stream (`pack_dataset` on one shard, infinite, reshuffled every
+epoch; `segpack.data.stream`): global batch `k` is the next `batch_size` rows of the stream, and
+process `p` of `Q` takes its contiguous block of `batch_size / Q` of them; the step function
+assembles the global batch with `jax.make_array_from_process_local_data`. The iterator's state is
+a position in the stream, `{"epoch", "index"}`, the same on every process and independent of the
+process count and the batch size, so the checkpoint stores one value and a run resumes on another
+number of processes (docs/training.md, "Resuming on another process count or batch size").
+Held-out rows are split per process (`pack_dataset(shard_options=ShardOptions(process_index,
+process_count))`).
 
 With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
 minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
@@ -21,10 +25,10 @@ from typing import Any
 import grain
 import numpy as np
 
-from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch import pack_minibatches
 from segpack.data.options import LongDocs, SpecialTokens
-from segpack.data.packed import pack_dataset
+from segpack.data.packed import REPACK_MODES, pack_dataset
+from segpack.data.stream import StreamBatches
 from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
@@ -58,6 +62,7 @@ class DataSpec:
   tokens_per_batch: int | None = None  # minibatch mode: instead, a token budget per step
   train_on: str = "assistant"  # builtin_chat: which tokens carry loss
   balance: str = "none"  # "attention": global batches balanced over the data-parallel ranks
+  repack: str = "none"  # "epoch": a fresh plan every epoch (pack_dataset(repack="epoch"))
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -69,7 +74,8 @@ class DataSpec:
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
                mode=p.get("mode", "global"), examples_per_batch=p.get("examples_per_batch"),
                tokens_per_batch=p.get("tokens_per_batch"),
-               train_on=d.get("train_on", "assistant"), balance=p.get("balance", "none"))
+               train_on=d.get("train_on", "assistant"), balance=p.get("balance", "none"),
+               repack=p.get("repack", "none"))
 
 
 @dataclasses.dataclass
@@ -77,10 +83,12 @@ class Data:
   """Per-process batches.
 
   Attributes:
-    train: infinite `MapDataset` of training batches (element `i` = the batch of step `i + 1`).
+    train: infinite `MapDataset` of this process's training batches (element `i` = the batch of
+      step `i + 1` of a run from scratch): a `segpack.data.stream.StreamBatches` in global
+      mode, a `MinibatchPackedDataset` in minibatch mode.
     eval: finite `MapDataset` of held-out batches (one pass).
     vocab_size: tokenizer vocabulary size.
-    train_rows_per_epoch: rows this process reads per epoch.
+    train_rows_per_epoch: rows of one training epoch over all processes.
     description: a one-line summary for the log.
     max_segments_in_row: the most segments (documents or chunks) any train or eval row can hold,
       the same on every process: the plans' exact most in global mode; in minibatch mode with
@@ -95,6 +103,17 @@ class Data:
   train_rows_per_epoch: int
   description: str
   max_segments_in_row: int | None = None
+
+  def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
+    """An iterator over `train` whose `get_state()` does not depend on the process count.
+
+    Global mode: a `segpack.data.stream.StreamIterator` (state `{"epoch", "index",
+    "rows_per_epoch"}`, also accepted from a run with another batch size). Minibatch mode: Grain's
+    iterator (state `{"next_index": k}`: element `k` is global step `k` on every process count).
+    """
+    if isinstance(self.train, StreamBatches):
+      return self.train.iterator(read_options=read_options)
+    return self.train.to_iter_dataset(read_options).__iter__()
 
 
 def synthetic_documents(*, num_docs: int, mean_len: int, vocab: int, seed: int) -> list[np.ndarray]:
@@ -143,6 +162,9 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   if batch_size % process_count:
     raise DataConfigError(
         f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
+  if spec.repack not in REPACK_MODES:
+    raise DataConfigError(
+        f"packing.repack must be one of {list(REPACK_MODES)}, got {spec.repack!r}")
   local = batch_size // process_count
   train_src, eval_src, vocab, ids = _sources(spec)
   common = dict(
@@ -157,32 +179,38 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       raise DataConfigError(
           f"packing.balance={spec.balance!r} is for packing.mode='global' (minibatch mode keeps "
           f"each step's examples as unpacked sampling draws them); set packing.balance='none'")
+    if spec.repack != "none":
+      raise DataConfigError(
+          f"packing.repack={spec.repack!r} is for packing.mode='global' (minibatch mode packs "
+          f"every minibatch afresh already); set packing.repack='none'")
     return _minibatch_data(spec, train_src, eval_rows, common, batch_size=batch_size,
                            local=local, vocab=vocab)
   if spec.mode != "global":
     raise DataConfigError(f"packing.mode must be 'global' or 'minibatch', got {spec.mode!r}")
+  stream = dict(common, shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
   train_rows = pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
-                            max_segments_per_row=spec.max_segments_per_row,
-                            balance=_balance(spec, batch_size=batch_size, num_ranks=num_ranks),
-                            **common)
+                            max_segments_per_row=spec.max_segments_per_row, repack=spec.repack,
+                            **stream)
+  train = StreamBatches(train_rows, global_batch_size=batch_size, process_index=process_index,
+                        process_count=process_count,
+                        balance_ranks=_balance_ranks(spec, num_ranks=num_ranks))
   return Data(
-      train=train_rows.batch(local, drop_remainder=True),
-      eval=eval_rows.batch(local, drop_remainder=False),
-      vocab_size=vocab, train_rows_per_epoch=train_rows.rows_per_epoch,
+      train=train, eval=eval_rows.batch(local, drop_remainder=False),
+      vocab_size=vocab, train_rows_per_epoch=train_rows.num_plan_rows,
       description=(f"{spec.source} data, {spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.num_plan_rows} train rows/epoch, {eval_rows.num_plan_rows} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
 
 
-def _balance(spec: DataSpec, *, batch_size: int, num_ranks: int) -> BalanceOptions | None:
-  """`packing.balance` as the dataset's option (None: the epoch order)."""
+def _balance_ranks(spec: DataSpec, *, num_ranks: int) -> int | None:
+  """`packing.balance` as `StreamBatches(balance_ranks=...)` (None: the stream order)."""
   if spec.balance == "none":
     return None
   if spec.balance != "attention":
     raise DataConfigError(
         f"packing.balance must be 'none' or 'attention', got {spec.balance!r}")
-  return BalanceOptions(global_batch_size=batch_size, num_ranks=num_ranks)
+  return num_ranks
 
 
 def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict[str, Any], *,
@@ -207,7 +235,7 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict
     bound = max(min(int(spec.examples_per_batch), spec.seq_len), eval_rows.max_segments_in_row)
   return Data(
       train=train, eval=eval_rows.batch(local, drop_remainder=False), vocab_size=vocab,
-      train_rows_per_epoch=steps * local, max_segments_in_row=bound,
+      train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
       description=(f"{spec.source} data, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "

@@ -4,8 +4,9 @@ Algorithm:
   1. Check the workdir; build the mesh; pack the data (each process its own rows).
   2. Derive parameter and optimizer-state shardings from abstract shapes (`nnx.eval_shape`,
      `jax.eval_shape`), then initialise the state directly into them under `jax.jit`.
-  3. Restore the latest checkpoint if there is one (state + data iterator position), after
-     checking that its config matches.
+  3. Restore the latest checkpoint if there is one (state + data position), after checking that
+     its config matches. The data position is a row of the global stream, so the checkpoint may
+     come from another process count (or batch size, with `train.allow_batch_size_change`).
   4. Loop: fetch this process's rows, assemble the global batch, run the jitted step (gradient
      accumulation over micro-batches with one global token count, AdamW, clipping), log metrics,
      evaluate on the held-out split, checkpoint every N steps and at the end.
@@ -159,6 +160,7 @@ class Run:
   iterator: Any
   start_step: int
   num_params: int
+  resume_changes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -227,20 +229,23 @@ def setup(config: Any, workdir: str) -> Run:
   config_dict = json.loads(config.to_json())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                        every=t.checkpoint_every, max_to_keep=t.max_checkpoints)
-  iterator = data.train.to_iter_dataset(
-      grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)).__iter__()
+  iterator = data.train_iterator(
+      read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
   abstract_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              abstract, state_sh)
-  restored = checkpointer.restore_or_none(abstract_sh, config_dict)
+  restored = checkpointer.restore_or_none(
+      abstract_sh, config_dict,
+      rows_per_epoch=data.train_rows_per_epoch if config.packing.get("mode", "global") == "global"
+      else None)
   if restored is None:
     def init():
       params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size, mesh=mesh,
                                          max_segments_in_row=data.max_segments_in_row))[1]
       return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-    state, start_step = jax.jit(init, out_shardings=state_sh)(), 0
+    state, start_step, changes = jax.jit(init, out_shardings=state_sh)(), 0, []
   else:
-    state, data_state, start_step = restored
-    iterator.set_state(data_state)
+    state, start_step, changes = restored.state, restored.step, restored.changes
+    iterator.set_state(restored.data_state)
   batch_sh = sharding_lib.batch_sharding(mesh)
   weighting = config.loss.weighting
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
@@ -254,7 +259,7 @@ def setup(config: Any, workdir: str) -> Run:
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
-             num_params=num_params)
+             num_params=num_params, resume_changes=changes)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -273,12 +278,18 @@ def evaluate(run: Run) -> dict[str, float]:
   return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(tokens))
 
 
-def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray]) -> None:
+def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
+               position: dict[str, Any] | None = None, plan_rows: Any = None) -> None:
+  """Appends the step's batch fingerprints, the data position the batch started at and (global
+  packing) every local row's `[epoch, plan row]` to `path` (nothing when None)."""
   if path is None:
     return
   whole, rows = data_lib.fingerprint(local)
+  record = dict(step=step, fingerprint=whole, rows=rows, position=position)
+  if plan_rows is not None:
+    record["plan_rows"] = np.stack(plan_rows, axis=1).tolist()
   with open(path, "a", encoding="utf-8") as f:
-    f.write(json.dumps(dict(step=step, fingerprint=whole, rows=rows)) + "\n")
+    f.write(json.dumps(record) + "\n")
     f.flush()
 
 
@@ -317,6 +328,9 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
     print(f"{run.data.description}; {run.num_params:,} parameters; mesh {dict(run.mesh.shape)}; "
           f"{'resuming at step ' + str(run.start_step) if run.start_step else 'from scratch'}",
           flush=True)
+    if run.resume_changes:
+      print(f"resuming at data position {run.iterator.get_state()} with changes: "
+            f"{'; '.join(run.resume_changes)}", flush=True)
   t0, first_loss, last_loss, eval_rec, real_total = time.perf_counter(), None, None, None, 0.0
   initial_eval = None
   if run.start_step == 0 and t.eval_every > 0:
@@ -331,8 +345,9 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
                                       compute_dtype=_compute_dtype(config)))
   window = []
   for step in range(run.start_step + 1, t.num_steps + 1):
+    position = run.iterator.get_state() if batches_path else None
     local = next(run.iterator)
-    _log_batch(batches_path, step, local)
+    _log_batch(batches_path, step, local, position, getattr(run.iterator, "last_plan_rows", None))
     run.state, step_metrics = run.train_step(run.state, sharding_lib.global_batch(local, run.mesh))
     window.append(step_metrics)
     last_step = step == t.num_steps

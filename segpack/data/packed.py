@@ -87,8 +87,10 @@ class PackedDataset(grain.MapDataset):
                max_segments_in_row: int, drop_remainder: bool = False,
                balance: balance_lib.BalanceOptions | None = None,
                row_costs: np.ndarray | None = None,
-               epoch_planner: EpochPlanner | None = None):
+               epoch_planner: EpochPlanner | None = None,
+               plan: packing.Plan | None = None):
     super().__init__()
+    self._plan = plan
     self._epoch_planner = epoch_planner
     self._builders: dict[int, rows_lib.RowBuilder] = {0: builder}
     self._pending: dict[int, threading.Thread] = {}
@@ -174,7 +176,8 @@ class PackedDataset(grain.MapDataset):
       thread = threading.Thread(target=self._plan_in_background, args=(epoch,), daemon=True,
                                 name=f"segpack-repack-epoch-{epoch}")
       self._pending[epoch] = thread
-    thread.start()
+      # Started under the lock: another reader that finds it pending may join it at once.
+      thread.start()
 
   def _plan_in_background(self, epoch: int) -> None:
     try:
@@ -206,6 +209,35 @@ class PackedDataset(grain.MapDataset):
   def rows_per_epoch(self) -> int:
     """Rows one process reads per epoch."""
     return self._rows_per_process
+
+  @property
+  def shard_count(self) -> int:
+    """Processes the epochs are split over (1: this dataset is the whole row stream)."""
+    return self._shard_count
+
+  @property
+  def num_epochs(self) -> int | None:
+    """Epochs (None: infinite)."""
+    return self._num_epochs
+
+  @property
+  def balance(self) -> balance_lib.BalanceOptions | None:
+    """The epoch-aligned balancing option, or None."""
+    return self._balance
+
+  def row_attention_costs(self) -> np.ndarray:
+    """int64 `[num_plan_rows]`: `segpack.data.balance.row_attention_cost` of every plan row.
+
+    The same for every epoch's plan with `repack="epoch"` (its rows have the same piece
+    lengths). Computed on first use and kept (8 bytes per plan row).
+    """
+    if self._row_costs is None:
+      if self._plan is None:
+        raise PipelineConfigError(
+            "PackedDataset.row_attention_costs: this dataset was built without its plan; "
+            "build it with segpack.pack_dataset")
+      self._row_costs = balance_lib.row_attention_cost(self._plan)
+    return self._row_costs
 
   def __len__(self) -> int:
     return self._length
@@ -553,6 +585,7 @@ def pack_dataset(
                           max_segments_in_row=_max_pieces_per_row(arrays), balance=balance,
                           row_costs=(None if balance is None
                                      else balance_lib.row_attention_cost(arrays)),
+                          plan=arrays,
                           epoch_planner=None if repack == "none" else EpochPlanner(
                               lengths=lengths, seed=int(seed), plan_kwargs=dict(
                                   seq_len=int(seq_len), strategy=strategy,

@@ -1,0 +1,278 @@
+"""The global row stream: batches whose position does not depend on the process count.
+
+`pack_dataset` on one shard (`shard_count=1`), infinite and shuffled, is the *stream*: element
+`t` is the row at position `t`, epoch `t // R` and index `t % R` of that epoch's permutation of
+the `R` plan rows (no padding rows: they only existed to split an epoch evenly over processes).
+`StreamBatches` cuts the stream into global batches and hands each process its part;
+`StreamIterator` walks them and checkpoints the position as `{"epoch", "index"}`, so a run
+saved on `P` processes resumes on `Q` (and with another global batch size) at the same row:
+every row of every epoch is consumed exactly once over all processes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import sys
+from typing import Any
+
+import grain
+import numpy as np
+
+from segpack.data import balance as balance_lib
+from segpack.data.options import PipelineConfigError
+from segpack.data.packed import PackedDataset
+
+__all__ = ["StreamBatches", "StreamIterator", "StreamPosition", "StreamStateError"]
+
+
+class StreamStateError(ValueError):
+  """A stream state cannot be restored here; the message names the field and its value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPosition:
+  """A position in the row stream: row `index` of epoch `epoch`'s permutation.
+
+  Attributes:
+    epoch: the epoch (0, 1, ...).
+    index: the index into the epoch's permutation, `0 <= index < rows_per_epoch`.
+  """
+
+  epoch: int
+  index: int
+
+  def offset(self, *, rows_per_epoch: int) -> int:
+    """The stream offset `epoch * rows_per_epoch + index`."""
+    return self.epoch * rows_per_epoch + self.index
+
+  @classmethod
+  def at(cls, offset: int, *, rows_per_epoch: int) -> "StreamPosition":
+    """The position of stream offset `offset`."""
+    epoch, index = divmod(int(offset), int(rows_per_epoch))
+    return cls(epoch=epoch, index=index)
+
+  def to_state(self, *, rows_per_epoch: int) -> dict[str, int]:
+    """The iterator state: `{"epoch", "index", "rows_per_epoch"}` (the last to check on load)."""
+    return {"epoch": int(self.epoch), "index": int(self.index),
+            "rows_per_epoch": int(rows_per_epoch)}
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any], *, rows_per_epoch: int) -> "StreamPosition":
+    """Reads `to_state`'s dict, refusing a state of another data set (another row count).
+
+    Raises:
+      StreamStateError: a field is missing or invalid, or `rows_per_epoch` differs.
+    """
+    if not isinstance(state, dict) or not {"epoch", "index"} <= set(state):
+      raise StreamStateError(
+          f"stream state must be a dict with 'epoch' and 'index', got {state!r}")
+    epoch, index = state["epoch"], state["index"]
+    saved_rows = state.get("rows_per_epoch", rows_per_epoch)
+    if saved_rows != rows_per_epoch:
+      raise StreamStateError(
+          f"stream state has rows_per_epoch={saved_rows!r}, but this data set's plan has "
+          f"{rows_per_epoch} rows per epoch: the data or the packing changed since it was saved")
+    if (not isinstance(epoch, (int, np.integer)) or not isinstance(index, (int, np.integer))
+        or epoch < 0 or not 0 <= index < rows_per_epoch):
+      raise StreamStateError(
+          f"stream state needs 0 <= epoch and 0 <= index < {rows_per_epoch}, got epoch={epoch!r}, "
+          f"index={index!r}")
+    return cls(epoch=int(epoch), index=int(index))
+
+
+def _positive(name: str, value: Any) -> int:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+    raise PipelineConfigError(f"StreamBatches: {name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+class StreamBatches(grain.MapDataset):
+  """This process's part of every global batch of the row stream, from a start position.
+
+  Algorithm for element `k` (`B` = `global_batch_size`, `Q` = `process_count`, `R` rows per
+  epoch, `s` the start's stream offset):
+
+  1. Global batch `k` is stream offsets `[s + k*B, s + (k+1)*B)`; offset `t` is row
+     `perm_e[t % R]` of epoch `e = t // R`, built from epoch `e`'s plan (batches may straddle
+     an epoch boundary; no row is padding).
+  2. With `balance_ranks=N`, the batch's offsets are reordered by
+     `segpack.data.balance.assign_rows` on their rows' attention costs, so that rank `r` (which
+     takes the contiguous block `[r*B/N, (r+1)*B/N)`) gets a balanced share.
+  3. Process `p` takes the contiguous block `[p*B/Q, (p+1)*B/Q)` of the batch, the rows that
+     `jax.make_array_from_process_local_data` places on its devices for a batch split over the
+     mesh's `data` x `fsdp` devices in process order.
+  4. The rows are built in one vectorized call (`PackedDataset.get_batch`).
+
+  Worked example: R = 5, B = 4, Q = 2, start (0, 0), epoch permutations [3, 0, 4, 1, 2] and
+  [1, 4, 0, 2, 3]. Batch 0 is offsets 0..3: process 0 reads rows 3, 0 and process 1 rows 4, 1.
+  Batch 1 is offsets 4..7: process 0 reads row 2 of epoch 0 and row 1 of epoch 1, process 1
+  rows 4 and 0 of epoch 1. Saved after batch 1, the position is (1, 3); resumed on one process
+  with B = 2, batch 0 is rows 2, 3 of epoch 1: every row of epoch 1 once.
+
+  Every element is a pure function of `k`, the start and the layout.
+  """
+
+  def __init__(self, rows: PackedDataset, *, global_batch_size: int, process_index: int,
+               process_count: int, start: StreamPosition = StreamPosition(0, 0),
+               balance_ranks: int | None = None):
+    """Creates the batches.
+
+    Args:
+      rows: the stream, `pack_dataset(..., num_epochs=None, shard_options=ShardOptions(0, 1))`
+        without `balance` (shuffled or not, `repack` either way).
+      global_batch_size: rows per global batch, a multiple of `process_count`.
+      process_index: this process, `0 <= process_index < process_count`.
+      process_count: processes that split every global batch.
+      start: the stream position of batch 0's first row.
+      balance_ranks: None (stream order), or the data-parallel ranks to balance every global
+        batch over by attention cost: divides `global_batch_size`, a multiple of
+        `process_count`.
+
+    Raises:
+      PipelineConfigError: naming the argument that does not fit.
+    """
+    super().__init__()
+    if not isinstance(rows, PackedDataset):
+      raise PipelineConfigError(f"StreamBatches: rows must be a PackedDataset, got {rows!r}")
+    if rows.shard_count != 1 or rows.num_epochs is not None or rows.balance is not None:
+      raise PipelineConfigError(
+          f"StreamBatches: rows must be the whole stream: pack_dataset(..., num_epochs=None, "
+          f"shard_options=ShardOptions(shard_index=0, shard_count=1), balance=None), got "
+          f"shard_count={rows.shard_count}, num_epochs={rows.num_epochs}, "
+          f"balance={rows.balance}")
+    self._rows = rows
+    self._batch = _positive("global_batch_size", global_batch_size)
+    self._count = _positive("process_count", process_count)
+    if not isinstance(process_index, (int, np.integer)) or not 0 <= process_index < self._count:
+      raise PipelineConfigError(
+          f"StreamBatches: process_index must be in [0, {self._count}), got {process_index!r}")
+    self._index = int(process_index)
+    if self._batch % self._count:
+      raise PipelineConfigError(
+          f"StreamBatches: global_batch_size={self._batch} is not divisible by "
+          f"process_count={self._count}")
+    if balance_ranks is not None:
+      ranks = _positive("balance_ranks", balance_ranks)
+      if self._batch % ranks or ranks % self._count:
+        raise PipelineConfigError(
+            f"StreamBatches: balance_ranks={ranks} must divide global_batch_size="
+            f"{self._batch} and be a multiple of process_count={self._count}")
+    self._ranks = balance_ranks
+    self._rows_per_epoch = rows.num_plan_rows
+    if not isinstance(start, StreamPosition) or not 0 <= start.index < self._rows_per_epoch:
+      raise PipelineConfigError(
+          f"StreamBatches: start must be a StreamPosition with 0 <= index < "
+          f"{self._rows_per_epoch}, got {start!r}")
+    self._start = start.offset(rows_per_epoch=self._rows_per_epoch)
+
+  @property
+  def rows_per_epoch(self) -> int:
+    """Rows of one epoch of the stream (the plan's rows, over all processes)."""
+    return self._rows_per_epoch
+
+  @property
+  def global_batch_size(self) -> int:
+    return self._batch
+
+  @property
+  def local_batch_size(self) -> int:
+    """Rows of every element on this process."""
+    return self._batch // self._count
+
+  @property
+  def start(self) -> StreamPosition:
+    return StreamPosition.at(self._start, rows_per_epoch=self._rows_per_epoch)
+
+  def starting_at(self, start: StreamPosition) -> "StreamBatches":
+    """The same batches' layout from another start position."""
+    return StreamBatches(self._rows, global_batch_size=self._batch,
+                         process_index=self._index, process_count=self._count, start=start,
+                         balance_ranks=self._ranks)
+
+  def position(self, k: int) -> StreamPosition:
+    """The stream position of global batch `k`'s first row (= where batch `k` starts)."""
+    return StreamPosition.at(self._start + int(k) * self._batch,
+                             rows_per_epoch=self._rows_per_epoch)
+
+  def global_offsets(self, k: int) -> np.ndarray:
+    """int64 `[B]`: the stream offsets of global batch `k`, in the order the ranks take them."""
+    if k < 0:
+      raise IndexError(f"StreamBatches: negative batch index {k}")
+    offsets_B = self._start + int(k) * self._batch + np.arange(self._batch, dtype=np.int64)
+    if self._ranks is None:
+      return offsets_B
+    costs_B = self._rows.row_attention_costs()[self._rows.plan_rows(offsets_B)]
+    return offsets_B[balance_lib.assign_rows(costs_B, num_ranks=self._ranks)]
+
+  def local_offsets(self, k: int) -> np.ndarray:
+    """int64 `[B / Q]`: the stream offsets of this process's rows of global batch `k`."""
+    local = self.local_batch_size
+    return self.global_offsets(k)[self._index * local:(self._index + 1) * local]
+
+  def plan_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(epoch, plan row)` of each of this process's rows of batch `k` (int64 `[B / Q]` each).
+
+    The plan row indexes epoch `epoch`'s plan (with `repack="epoch"` every epoch has its own).
+    """
+    offsets = self.local_offsets(k)
+    return offsets // self._rows_per_epoch, self._rows.plan_rows(offsets)
+
+  def __len__(self) -> int:
+    return sys.maxsize
+
+  def __str__(self) -> str:
+    return (f"StreamBatches(global_batch_size={self._batch}, process={self._index}/"
+            f"{self._count}, start={self.start}, balance_ranks={self._ranks})")
+
+  def __getitem__(self, index):
+    if isinstance(index, builtins.slice):
+      return self.slice(index)
+    with self._stats.record_self_time():
+      return self._stats.record_output_spec(self._rows.get_batch(self.local_offsets(int(index))))
+
+  def iterator(self, *, read_options: grain.ReadOptions | None = None) -> "StreamIterator":
+    """A `StreamIterator` over these batches (its state is the stream position)."""
+    return StreamIterator(self, read_options=read_options)
+
+
+class StreamIterator(grain.DatasetIterator):
+  """Iterates `StreamBatches`; its state is the position of the next batch in the stream.
+
+  `get_state()` is `{"epoch": e, "index": i, "rows_per_epoch": R}`: the next global batch
+  starts at index `i` of epoch `e`'s permutation. It is the same on every process and does not
+  depend on the process count or the batch size, so `set_state` accepts a state saved by a run
+  with another layout: the iterator restarts its batches at that position (the rows before it
+  were consumed, the rows from it on are not). Batches are prefetched by Grain
+  (`read_options`) from the position on.
+  """
+
+  def __init__(self, batches: StreamBatches, *, read_options: grain.ReadOptions | None = None):
+    super().__init__()
+    self._batches = batches
+    self._read_options = read_options
+    self._consumed = 0
+    self._inner = None
+    self.last_plan_rows: tuple[np.ndarray, np.ndarray] | None = None
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._inner is None:
+      dataset = self._batches.to_iter_dataset(self._read_options or grain.ReadOptions())
+      self._inner = iter(dataset)
+    batch = next(self._inner)
+    self.last_plan_rows = self._batches.plan_rows(self._consumed)
+    self._consumed += 1
+    return batch
+
+  def position(self) -> StreamPosition:
+    """Where the next batch starts."""
+    return self._batches.position(self._consumed)
+
+  def get_state(self) -> dict[str, Any]:
+    return self.position().to_state(rows_per_epoch=self._batches.rows_per_epoch)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    start = StreamPosition.from_state(state, rows_per_epoch=self._batches.rows_per_epoch)
+    self._batches = self._batches.starting_at(start)
+    self._consumed = 0
+    self._inner = None
