@@ -111,6 +111,26 @@ def test_jsonl_on_two_beam_worker_processes_equals_the_local_path(tmp_path, mode
   assert any(n.startswith("shard-00001-") for n in names)
 
 
+def test_hugging_face_tokenizer_is_rebuilt_on_the_workers(tmp_path, texts):
+  tokenizers = pytest.importorskip("tokenizers")
+  byte_level = tokenizers.pre_tokenizers.ByteLevel
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = byte_level(add_prefix_space=False)
+  tok.train_from_iterator(texts[:20], tokenizers.trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<unk>"], show_progress=False,
+      initial_alphabet=byte_level.alphabet()))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts[:40]])
+  spec = f"hf:{tmp_path / 'tokenizer.json'}"
+  dataset.tokenize_files([inp], tmp_path / "local", tokenizer=spec, workers=1)
+  dataset.tokenize_files([inp], tmp_path / "beam", tokenizer=spec, runner="beam",
+                         unit_records=8)
+  _assert_same_dataset(tmp_path / "beam", tmp_path / "local")
+  want = [np.array(tok.encode(t, add_special_tokens=False).ids) for t in texts[:40]]
+  assert len(_documents(tmp_path / "beam")) == len(want) == 40
+  assert all(np.array_equal(g, w) for g, w in zip(_documents(tmp_path / "beam"), want))
+
+
 def test_killed_beam_run_reruns_complete_and_identical(tmp_path, model, texts):
   docs = [t for _ in range(8) for t in texts]
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": t} for t in docs])

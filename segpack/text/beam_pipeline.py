@@ -62,7 +62,7 @@ __all__ = ["DEFAULT_UNIT_RECORDS", "builtin_splits_beam", "tokenize_files_beam",
 DEFAULT_UNIT_RECORDS = 10_000
 _METRICS_NAMESPACE = "segpack"
 # Tokenizers rebuilt in this worker process, by spec (filled on first use, never at import).
-_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS: dict[str, tokenizer_spec.Tokenizer] = {}
 
 
 def unit_names(index: int, block: int, shard: int | None = None) -> str:
@@ -77,7 +77,9 @@ def _count(name: str, value: int) -> None:
   Metrics.counter(_METRICS_NAMESPACE, name).inc(value)
 
 
-def _tokenizer(spec: str, fingerprint: str):
+def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
+  """The tokenizer of `spec`, built once per worker process; it must have the driver's
+  fingerprint."""
   tok = _TOKENIZERS.get(spec)
   if tok is None:
     tok = _TOKENIZERS[spec] = tokenizer_spec.from_spec(spec)
@@ -212,23 +214,29 @@ def _kept_units(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str
   return kept
 
 
-def _prepare(output: Path, resume_key: str, dtype: np.dtype, overwrite: bool
-             ) -> dict[str, Any] | list[dict[str, Any]]:
-  """A finished dataset with the same key (returned as is), else the kept done-records; removes
-  the manifest first (so the directory never looks finished), then every owned file not kept."""
+def _finished(output: Path, resume_key: str, overwrite: bool) -> dict[str, Any] | None:
+  """The manifest of a finished dataset with the same key at `output` (None: there is none);
+  raises when another dataset is there and `overwrite` is not set."""
   manifest_path = output / shards_lib.MANIFEST_NAME
-  if manifest_path.exists():
-    try:
-      old = json.loads(manifest_path.read_text("utf-8"))
-    except ValueError:
-      old = {}
-    if isinstance(old, dict) and old.get("resume_key") == resume_key:
-      return old
-    if not overwrite:
-      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
-                             f"inputs or settings; pass --overwrite to replace it")
+  if not manifest_path.exists():
+    return None
+  try:
+    old = json.loads(manifest_path.read_text("utf-8"))
+  except ValueError:
+    old = {}
+  if isinstance(old, dict) and old.get("resume_key") == resume_key:
+    return old
+  if not overwrite:
+    raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
+                           f"inputs or settings; pass --overwrite to replace it")
+  return None
+
+
+def _clear(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
+  """Removes the manifest first (the directory never looks finished), then every file the format
+  owns except the kept units' (`_kept_units`); returns the kept done-records."""
   output.mkdir(parents=True, exist_ok=True)
-  manifest_path.unlink(missing_ok=True)
+  (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
   kept = _kept_units(output, resume_key, dtype)
   keep = {f"{unit_names(*r['unit'])}.done.json" for r in kept}
   keep.update(s[k] for r in kept for s in r["shards"] for k in ("tokens", "offsets"))
@@ -266,7 +274,7 @@ def _import_beam():
 def write_dataset_beam(
     output: str | Path,
     *,
-    tokenizer: Any,
+    tokenizer: tokenizer_spec.Tokenizer,
     resume_key: str,
     files_in: Sequence[Path] | None = None,
     documents: Sequence[str] | None = None,
@@ -286,7 +294,7 @@ def write_dataset_beam(
     resume_key: identifies the inputs and settings (as in `encode.write_dataset`).
     files_in: input files, each read whole by one worker with `read` options.
     documents: instead of files: the documents of one input (the built-in corpus).
-    read: `iter_documents` options (`doc_separator`, `text_field`, `skip_bad_lines`).
+    read: `iter_file_records` options (`doc_separator`, `text_field`, `skip_bad_lines`).
     shard_tokens: a shard closes once it holds this many tokens (shards never span units).
     unit_records: records per unit (the unit of parallelism, retry and resume).
     beam_options: Beam pipeline flags, as on a command line (`--runner=FlinkRunner ...`); none:
@@ -304,10 +312,10 @@ def write_dataset_beam(
   beam = _import_beam()
   output = Path(output).resolve()
   dtype = np.dtype(tokenizer.dtype)
-  prepared = _prepare(output, resume_key, dtype, overwrite)
-  if isinstance(prepared, dict):
-    return prepared, len(prepared.get("shards", [])), 0, 0
-  kept = prepared
+  finished = _finished(output, resume_key, overwrite)
+  if finished is not None:
+    return finished, len(finished.get("shards", [])), 0, 0
+  kept = _clear(output, resume_key, dtype)
   header = {
       "format": shards_lib.FORMAT_NAME, "format_version": shards_lib.FORMAT_VERSION,
       "dtype": dtype.name, "byte_order": "little", "vocab_size": tokenizer.vocab_size,
@@ -355,10 +363,10 @@ def _counter(result, name: str) -> int:
   return int(sum(c.committed or 0 for c in found))
 
 
-def tokenize_files_beam(files_in: Sequence[Path], output: Path, *, tokenizer: Any,
-                        read: dict[str, Any], ident: dict[str, Any], metadata: dict[str, Any],
-                        shard_tokens: int, unit_records: int, beam_options: str,
-                        overwrite: bool) -> encode.Summary:
+def tokenize_files_beam(files_in: Sequence[Path], output: Path, *,
+                        tokenizer: tokenizer_spec.Tokenizer, read: dict[str, Any],
+                        ident: dict[str, Any], metadata: dict[str, Any], shard_tokens: int,
+                        unit_records: int, beam_options: str, overwrite: bool) -> encode.Summary:
   """`segpack tokenize --runner beam` on input files: `write_dataset_beam` and its summary."""
   start = time.perf_counter()
   key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens,
@@ -371,8 +379,8 @@ def tokenize_files_beam(files_in: Sequence[Path], output: Path, *, tokenizer: An
                           seconds=time.perf_counter() - start, text_bytes=nbytes)
 
 
-def builtin_splits_beam(output: Path, size: str, tokenizer: Any, *, shard_tokens: int,
-                        unit_records: int, beam_options: str, progress: bool,
+def builtin_splits_beam(output: Path, size: str, tokenizer: tokenizer_spec.Tokenizer, *,
+                        shard_tokens: int, unit_records: int, beam_options: str, progress: bool,
                         overwrite: bool) -> list[encode.Summary]:
   """Both splits of the built-in corpus into `output/train` and `output/eval`, with Beam.
 
