@@ -83,14 +83,16 @@ def test_parquet_wrong_column_type_missing_column_binary_and_bad_utf8(tmp_path):
                      match=r"t.parquet: no column 'body' \(found: \['n', 'text'\]\)"):
     _records(path, text_field="body")
   blob = _parquet(tmp_path / "b.parquet", {"text": pa.array([b"ok \xc3\xa9", b"\xff\xfe"])})
-  with pytest.raises(inputs.InputFormatError, match=r"b.parquet: row 2: column 'text' is not UTF-8"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"b.parquet: row 2: column 'text' is not UTF-8"):
     _records(blob)
   assert _records(blob, skip_bad_lines=True) == [(1, "ok é")]
   # A string column holding bytes that are not UTF-8 (pyarrow does not check on write).
   raw = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(
       b"\x00\x00\x00\x00\x02\x00\x00\x00\x04\x00\x00\x00"), pa.py_buffer(b"hi\xff\xfe")])
   bad = _parquet(tmp_path / "s.parquet", {"text": raw})
-  with pytest.raises(inputs.InputFormatError, match=r"s.parquet: row 2: column 'text' is not UTF-8"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"s.parquet: row 2: column 'text' is not UTF-8"):
     _records(bad)
 
 

@@ -11,8 +11,8 @@ Inputs are read in the order given (a directory: its supported files, sorted by 
   `hf-disk:PATH/SPLIT` for a `DatasetDict`), its Arrow files read like Parquet
   (`segpack.text.arrow_inputs`).
 
-`.zst` needs the `zstandard` package and Parquet / `hf-disk:` need pyarrow (`segpack[parquet]`);
-both are imported only when such an input is read.
+`.zst` needs the `zstandard` package (`segpack[zstd]`) and Parquet / `hf-disk:` need pyarrow
+(`segpack[parquet]`); both are imported only when such an input is read.
 
 A record is usable when its field is a string (a Parquet / Arrow `binary` cell: UTF-8 bytes).
 Anything else (not JSON, not an object, no such field, a number, a null, text that is not valid
@@ -87,10 +87,10 @@ def _zstd_chunks(f, path: Path) -> Iterator[bytes]:
   """The decompressed bytes of a zstd file (frames one after another); a stream that ends
   inside a frame raises `_CorruptStream`, so a truncated file never reads as a shorter one."""
   try:
-    import zstandard  # optional: only .zst inputs need it (pip install zstandard)
+    import zstandard  # optional: only .zst inputs need it (the `segpack[zstd]` extra)
   except ImportError as e:
-    raise InputFormatError(f"{path}: reading .zst files needs the zstandard package (pip install "
-                           f"zstandard)") from e
+    raise InputFormatError(f"{path}: reading .zst files needs the zstandard package: pip install "
+                           f"'segpack[zstd]'") from e
   dctx = zstandard.ZstdDecompressor()
   dobj, fed = dctx.decompressobj(), False
   try:
