@@ -28,8 +28,10 @@ from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
 from segpack.data.packed import PackedDataset
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
+from test_train import _synthetic
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
+from train import train as train_lib
 
 SEQ_LEN, SEED, BOS, EOS = 64, 3, 1, 2
 ONE = grain.sharding.ShardOptions(shard_index=0, shard_count=1)
@@ -280,6 +282,58 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
       "train.batch_size: checkpoint has 8, config has 4"]
   assert ckpt_lib.config_differences(saved, current,
                                      also_resumable=frozenset({"train.batch_size"})) == []
+
+
+def test_minibatch_steps_resume_on_another_process_count():
+  """Minibatch packing: step k is the same global minibatch on any process count, so Grain's
+  `{"next_index": k}` saved on 2 processes resumes on 4 with the same rows per step."""
+  docs = make_docs(80, seed=5)
+
+  def steps(index, count):
+    return segpack.pack_minibatches(
+        docs, seq_len=SEQ_LEN, examples_per_batch=6, rows_per_batch=8, seed=SEED,
+        special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS),
+        shard_options=grain.sharding.ShardOptions(index, count))
+
+  whole = steps(0, 1)
+  two = [iter(steps(p, 2).to_iter_dataset()) for p in range(2)]
+  for _ in range(3):
+    for it in two:
+      next(it)
+  states = [it.get_state() for it in two]
+  assert states[0] == states[1]
+  four = [iter(steps(p, 4).to_iter_dataset()) for p in range(4)]
+  for it in four:
+    it.set_state(states[0])
+  for k in range(3, 20):  # into the second epoch
+    got = [next(it) for it in four]
+    keys = sorted(row_key(b["input_ids"][n], b["segment_ids"][n]) for b in got for n in range(2))
+    want = whole[k]
+    assert keys == sorted(row_key(want["input_ids"][n], want["segment_ids"][n])
+                          for n in range(8)), k
+
+
+def test_trainer_refuses_a_batch_size_change_unless_allowed_and_reads_old_checkpoints(tmp_path):
+  """The trainer's restore: `train.batch_size` may change only with the flag, the log names
+  the change, and an older checkpoint's per-process data item is read as a stream position."""
+  base = {"train.eval_every": 0, "attention.self_check": False, "train.log_every": 1}
+  train_lib.train_and_evaluate(_synthetic(**base, **{"train.num_steps": 2}), str(tmp_path))
+  bigger = {**base, "train.num_steps": 3, "train.batch_size": 16}
+  with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+                     match=r"batch_size: checkpoint has 8, config has 16(.|\n)*"
+                           r"allow_batch_size_change=True"):
+    train_lib.train_and_evaluate(_synthetic(**bigger), str(tmp_path))
+  # An older checkpoint: the data item was {"<process>": Grain state}; step 2 read rows 0..15.
+  data_file = tmp_path / "checkpoints" / "2" / "data" / "metadata"
+  assert json.loads(data_file.read_text())["iterator"]["index"] == 16
+  data_file.write_text(json.dumps({"0": {"next_index": 2}}))
+  train_lib.train_and_evaluate(
+      _synthetic(**bigger, **{"train.allow_batch_size_change": True}), str(tmp_path))
+  logged = _logged(tmp_path)
+  assert [r["step"] for r in logged] == [1, 2, 3]
+  assert [r["position"]["index"] for r in logged] == [0, 8, 16]
+  assert [len(r["rows"]) for r in logged] == [8, 8, 16]
+  assert len({tuple(row) for r in logged for row in r["plan_rows"]}) == 32  # none repeated
 
 
 _CHILD = """

@@ -1,8 +1,9 @@
 """Two local CPU processes (jax.distributed, gloo collectives) train like one process.
 
-Each process owns 2 CPU devices and reads its own rows (pack_dataset shards by process). Their rows
-must be disjoint, together be exactly the single process's rows, and the loss of every step must
-equal the loss of one 4-device process on the same global batch.
+Each process owns 2 CPU devices and reads its own block of every global batch of the row stream.
+Their rows must be disjoint, together be exactly the single process's rows, and the loss of every
+step must equal the loss of one 4-device process on the same global batch. (Resuming on another
+process count: tests/test_elastic.py.)
 """
 
 import json
