@@ -28,6 +28,7 @@ from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
 from segpack.data.packed import PackedDataset
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
+from configs import packed
 from test_train import _synthetic
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
@@ -276,6 +277,14 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
   with pytest.raises(data_lib.DataConfigError, match="packing.repack must be"):
     data_lib.make_data(data_lib.DataSpec(**{**spec.__dict__, "repack": "always"}),
                        batch_size=8, process_index=0, process_count=1)
+  config = packed.get_config()
+  assert data_lib.DataSpec.from_config(config).repack == "none"
+  config.packing.repack = "epoch"
+  assert data_lib.DataSpec.from_config(config).repack == "epoch"
+  with pytest.raises(data_lib.DataConfigError, match="packing.repack='epoch' is for"):
+    data_lib.make_data(data_lib.DataSpec(**{**spec.__dict__, "mode": "minibatch",
+                                            "examples_per_batch": 4}),
+                       batch_size=8, process_index=0, process_count=1)
   saved = {"train": {"batch_size": 8}, "packing": {"repack": "epoch"}}
   current = {"train": {"batch_size": 4}, "packing": {"repack": "epoch"}}
   assert ckpt_lib.config_differences(saved, current) == [
@@ -345,6 +354,7 @@ if int(count) > 1:
   jax.distributed.initialize(coordinator_address=f"localhost:{port}",
                              num_processes=int(count), process_id=int(index))
 from train import train as T
+from configs import packed
 from test_train import _synthetic
 c = _synthetic(**{"train.num_steps": int(steps), "train.batch_size": int(batch),
                   "train.allow_batch_size_change": True, "train.eval_every": 0,

@@ -77,6 +77,10 @@ class PackedDataset(grain.MapDataset):
   `num_epochs=None` makes the dataset infinite (`len == sys.maxsize`, as Grain's `repeat()`);
   otherwise `len == num_epochs * P` and indices wrap around modulo the length.
 
+  The per-process split depends on `shard_count`, so an iterator state of this dataset resumes
+  only on the same process count. For training that may resume on another one, read the whole
+  stream (`shard_count=1`) through `segpack.data.stream.StreamBatches` instead.
+
   `max_segments_in_row` is the most segments (plan pieces) in any row of the plan, over all
   processes, after any `max_segments_per_row` cap: every process reads the same value, the static
   bound a segment-count-shaped kernel (cuDNN's packed layout) needs.

@@ -253,16 +253,21 @@ class StreamIterator(grain.DatasetIterator):
     self._read_options = read_options
     self._consumed = 0
     self._inner = None
-    self.last_plan_rows: tuple[np.ndarray, np.ndarray] | None = None
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._inner is None:
       dataset = self._batches.to_iter_dataset(self._read_options or grain.ReadOptions())
       self._inner = iter(dataset)
     batch = next(self._inner)
-    self.last_plan_rows = self._batches.plan_rows(self._consumed)
     self._consumed += 1
     return batch
+
+  @property
+  def last_plan_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+    """`StreamBatches.plan_rows` of the batch `next` returned last (None before the first)."""
+    if not self._consumed:
+      return None
+    return self._batches.plan_rows(self._consumed - 1)
 
   def position(self) -> StreamPosition:
     """Where the next batch starts."""
