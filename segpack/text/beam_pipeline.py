@@ -247,12 +247,15 @@ def _clear(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any
 
 
 def _beam_options(beam_options: str):
+  """Beam's PipelineOptions of the `--beam-options` string; the SDK workers log warnings and
+  errors only (Beam's INFO lines per worker would bury the summary) unless the string says
+  otherwise (`--default_sdk_harness_log_level=INFO`)."""
   from apache_beam.options.pipeline_options import PipelineOptions  # optional: segpack[beam]
   try:
     flags = shlex.split(beam_options)
   except ValueError as e:
     raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
-  return PipelineOptions(flags=flags)
+  return PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
 
 
 def _import_beam():
