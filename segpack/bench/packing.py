@@ -17,6 +17,10 @@ Prints a table (or JSON with `--json`). Sections:
   global batches of `--balance-batch` rows over `--balance-ranks` ranks: the largest rank's
   causal attention cost over the mean, in the epoch permutation's order and balanced
   (`segpack.data.balance`), and an ESTIMATE on paper of the step time the slowest rank saves.
+- `scale`: `--scale-docs` lognormal documents (e.g. 100,000,000) as an int32 `.npy` file, loaded
+  and planned (FFD, BOS + EOS) by a fresh subprocess: plan seconds, its peak RSS with and without
+  the input lengths (bytes per document), the plan's bytes per document, and the save and
+  memory-mapped reload of the plan. `--sections scale --scale-docs 100000000` runs only it.
 - `repack`: `--repack-docs` lognormal documents, FFD at seq_len: the fixed plan against
   `repack="epoch"`'s plan of epoch 1 (`tie_seed=(0, 1)`): plan seconds (best of `--repeats`),
   utilization, and the share of the pairs of documents sharing a row in epoch 0 that share one
@@ -30,6 +34,7 @@ import json
 import math
 import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -243,6 +248,73 @@ def bench_repack(lengths: np.ndarray, *, seq_len: int, repeats: int) -> list[dic
   return out
 
 
+def write_lognormal_lengths(path: str, n: int, *, mean: float = 800.0, sigma: float = 1.0,
+                            seed: int = 0, block: int = 1 << 22) -> None:
+  """`lognormal_lengths(n, ...)` as an int32 `.npy` file, written block by block (the same
+  values: the generator draws the same stream in blocks)."""
+  mu = math.log(mean) - sigma * sigma / 2
+  rng = np.random.default_rng(seed)
+  out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(n,))
+  for a in range(0, n, block):
+    m = min(block, n - a)
+    out[a:a + m] = np.maximum(np.round(rng.lognormal(mu, sigma, m)), 1)
+  out.flush()
+  del out
+
+
+def _rss_bytes() -> int:
+  """This process's resident set size now (Linux `/proc/self/statm`)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def scale_child(lengths_path: str, seq_len: int, plan_dir: str) -> dict[str, Any]:
+  """Plans the lengths of `lengths_path` in this (fresh) process, saves the plan, reloads it
+  memory-mapped; returns times and RSS (the `scale` section runs it in a subprocess)."""
+  lengths = np.load(lengths_path)  # read into memory: the input, counted in `input_rss`
+  input_rss = _rss_bytes()
+  c0, t0 = time.process_time(), time.perf_counter()
+  p = packing.plan(lengths, seq_len, strategy="ffd", extra_tokens=2)
+  seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  t0 = time.perf_counter()
+  p.save(plan_dir)
+  save_s = time.perf_counter() - t0
+  nbytes, rows, stats = p.nbytes, p.num_rows, p.stats
+  del p
+  rss_before_load = _rss_bytes()
+  t0 = time.perf_counter()
+  q = packing.Plan.load(plan_dir, mmap=True)
+  load_s = time.perf_counter() - t0
+  mapped = all(isinstance(getattr(q, f), np.memmap) for f in ("row_splits", "doc", "start",
+                                                               "length"))
+  return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss": peak, "input_rss": input_rss,
+          "input_bytes": int(lengths.nbytes), "plan_bytes": nbytes, "rows": rows,
+          "lower_bound": stats["lower_bound"], "utilization": stats["utilization"],
+          "save_seconds": save_s, "load_seconds": load_s, "load_memory_mapped": mapped,
+          "load_rss_growth": _rss_bytes() - rss_before_load}
+
+
+def bench_scale(num_docs: int, *, seq_len: int, work_dir: str | None, mean: float,
+                sigma: float) -> dict[str, Any]:
+  """Plan time and peak RSS of one fresh process that loads `num_docs` int32 lognormal lengths
+  and plans them (FFD, BOS + EOS), then saves and memory-maps the plan."""
+  with tempfile.TemporaryDirectory(dir=work_dir, prefix="segpack-scale-") as tmp:
+    path = os.path.join(tmp, "lengths.npy")
+    write_lognormal_lengths(path, num_docs, mean=mean, sigma=sigma)
+    code = ("import json, sys; from segpack.bench.packing import scale_child; "
+            "print(json.dumps(scale_child(sys.argv[1], int(sys.argv[2]), sys.argv[3])))")
+    out = subprocess.run([sys.executable, "-c", code, path, str(seq_len),
+                          os.path.join(tmp, "plan")], check=True, capture_output=True, text=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+  n = num_docs
+  return {"section": "scale", "data": f"lognormal({mean:g}, {sigma:g}) int32", "case": "ffd",
+          "documents": n, "seq_len": seq_len, **r, "docs_per_s": n / r["seconds"],
+          "rows_over_bound": r["rows"] / r["lower_bound"], "bytes_per_doc": r["plan_bytes"] / n,
+          "peak_bytes_per_doc": r["peak_rss"] / n,
+          "peak_over_input_bytes_per_doc": (r["peak_rss"] - r["input_rss"]) / n}
+
+
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
             ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 11),
             ("docs_per_s", "{:,.0f}", 13),
@@ -274,6 +346,14 @@ def format_table(results: list[dict[str, Any]]) -> str:
   notes += [f"repack ({r['case']}): {r['rows']:,} rows, utilization {r['utilization']:.4f}, "
             f"{r['pairs_again']:.1%} of epoch 0's document pairs share a row again"
             for r in results if r["section"] == "repack"]
+  notes += [f"scale ({r['documents']:,} documents, fresh process): plan {r['seconds']:.1f} s "
+            f"({r['cpu_seconds']:.1f} s CPU), peak RSS {r['peak_rss'] / 2**20:,.0f} MB = "
+            f"{r['peak_bytes_per_doc']:.1f} B/doc with the int32 input "
+            f"({r['input_bytes'] / 2**20:,.0f} MB), {r['peak_over_input_bytes_per_doc']:.1f} "
+            f"B/doc over it; plan {r['bytes_per_doc']:.1f} B/doc, saved in "
+            f"{r['save_seconds']:.1f} s, memory-mapped back in {r['load_seconds'] * 1e3:.1f} ms "
+            f"(RSS +{r['load_rss_growth'] / 2**20:.1f} MB)"
+            for r in results if r["section"] == "scale"]
   return "\n".join(lines + notes)
 
 
@@ -303,12 +383,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--balance-ranks", type=int, default=8)
   ap.add_argument("--repack-docs", type=int, default=1_000_000,
                   help="0 skips the repack section")
+  ap.add_argument("--scale-docs", type=int, default=0,
+                  help="documents of the scale section (0 skips it), e.g. 100000000: plan time "
+                       "and peak RSS of a fresh process")
+  ap.add_argument("--sections", default=None,
+                  help="comma-separated sections to run (plan,grain,load,builtin,balance,repack,"
+                       "scale); default: every section whose size is not 0")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   strategies = [s for s in args.strategies.split(",") if s]
   for s in strategies:
     packing.planner.check_strategy(s)
   results = []
+  wanted = None if args.sections is None else set(args.sections.split(","))
+  for name, flag in (("plan", "num_docs"), ("grain", "grain_docs"), ("load", "load_docs"),
+                     ("balance", "balance_docs"), ("repack", "repack_docs"),
+                     ("scale", "scale_docs")):
+    if wanted is not None and name not in wanted:
+      setattr(args, flag, 0)
+  if wanted is not None and "builtin" not in wanted:
+    args.builtin = "none"
   if args.num_docs:
     lengths = lognormal_lengths(args.num_docs, mean=args.mean, sigma=args.sigma)
     label = f"lognormal({args.mean:g}, {args.sigma:g})"
@@ -336,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results += bench_repack(
         lognormal_lengths(args.repack_docs, mean=args.mean, sigma=args.sigma, seed=2),
         seq_len=args.seq_len, repeats=args.repeats)
+  if args.scale_docs:
+    results.append(bench_scale(args.scale_docs, seq_len=args.seq_len, work_dir=args.work_dir,
+                               mean=args.mean, sigma=args.sigma))
   results_meta = {"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "load_average": os.getloadavg(), "cpus": os.cpu_count()}
   if args.json:

@@ -12,7 +12,7 @@ import numpy as np
 
 from segpack.packing import cap as cap_lib
 from segpack.packing import planner as _planner
-from segpack.packing.chunking import PackingArgumentError, check_lengths
+from segpack.packing.chunking import BLOCK, PackingArgumentError, check_lengths
 from segpack.packing.plan import FORMAT_VERSION, Plan, PlanError
 
 _log = logging.getLogger(__name__)
@@ -20,8 +20,10 @@ _log = logging.getLogger(__name__)
 
 def lengths_fingerprint(lengths: np.ndarray) -> str:
   """A content hash of a lengths array, for sources without a fingerprint of their own."""
-  arr = np.ascontiguousarray(lengths, dtype=np.int64)
-  return "lengths-sha256:" + hashlib.sha256(arr.tobytes()).hexdigest()
+  digest = hashlib.sha256()
+  for a in range(0, len(lengths), BLOCK):  # the bytes of the int64 array, one block at a time
+    digest.update(np.ascontiguousarray(lengths[a:a + BLOCK], dtype=np.int64).tobytes())
+  return "lengths-sha256:" + digest.hexdigest()
 
 
 def plan_key(key: str, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",

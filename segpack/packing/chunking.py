@@ -15,7 +15,7 @@ class PackingArgumentError(ValueError):
 
 
 # Documents (or chunks) per block of the blockwise passes: bounds their int64 temporaries.
-BLOCK = 1 << 20
+BLOCK = 1 << 17
 
 
 def index_dtype(n: int) -> type:
@@ -32,16 +32,16 @@ def length_dtype(seq_len: int) -> type:
 class Chunks:
   """Chunks in document order: chunk `i` is `length[i]` virtual slots of `doc[i]` from `start[i]`.
 
-  Stored compactly: 2 bytes per chunk for `length` (uint16 up to seq_len 65535), 4 for `doc`
-  (int32 below 2**31 documents) when it is not the identity, and the starts of the continuation
-  chunks only (all others start at 0).
+  Stored compactly: 2 bytes per chunk for `length` (uint16 up to seq_len 65535), the kept
+  documents only when some are dropped, and the continuation chunks of split documents (the
+  chunks that do not start at slot 0, a few percent); `doc` and `start` are derived from them.
 
   Attributes:
-    doc: `[num_chunks]` document indices (int32, or int64 from 2**31 documents), non-decreasing;
-      None when it is `arange(num_chunks)` (nothing dropped or split).
     length: `[num_chunks]` (`length_dtype(seq_len)`), each in `[1, seq_len]`.
+    kept: None (no document dropped), or the kept document indices in increasing order (int32,
+      or int64 from 2**31 documents).
     cont: int64 `[num_continuations]`, the indices of the chunks that start after slot 0, in
-      increasing order.
+      increasing order (each follows the previous chunk of its document).
     cont_start: int32 `[num_continuations]`, their first virtual slots.
     stats: `documents`, `dropped` (by `min_len` or empty), `split` (documents cut into more than
       one chunk), `truncated` (documents cut short under `long_docs="truncate"`), `chunks`,
@@ -49,11 +49,30 @@ class Chunks:
       (virtual slots of dropped documents and of truncated tails).
   """
 
-  doc: np.ndarray | None
   length: np.ndarray
+  kept: np.ndarray | None
   cont: np.ndarray
   cont_start: np.ndarray
   stats: dict[str, Any]
+
+  def docs(self, lo: int, hi: int) -> np.ndarray:
+    """The documents of chunks `lo..hi-1` (int64): chunk `c` belongs to kept document
+    `c - (continuations at or before c)`."""
+    idx = np.arange(lo, hi, dtype=np.int64)
+    c_lo, c_hi = np.searchsorted(self.cont, [lo, hi])
+    idx -= c_lo
+    if c_hi > c_lo:
+      step = np.zeros(hi - lo, np.int64)
+      step[self.cont[c_lo:c_hi] - lo] = 1
+      idx -= np.cumsum(step)
+    return idx if self.kept is None else self.kept[idx].astype(np.int64)
+
+  @property
+  def doc(self) -> np.ndarray | None:
+    """int64 `[num_chunks]` document of every chunk; None when it is `arange(num_chunks)`."""
+    if self.kept is None and not len(self.cont):
+      return None
+    return self.docs(0, len(self.length))
 
   @property
   def start(self) -> np.ndarray | None:
@@ -176,37 +195,29 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   check_args(seq_len, long_docs=long_docs, min_len=min_len, overlap=overlap,
              extra_tokens=extra_tokens)
   n = len(lengths)
-  kept_parts, first_parts, long_parts, vlong_parts = [], [], [], []
+  sel_parts, long_parts, vlong_parts = [], [], []
   num_kept = dropped_tokens = 0
-  any_dropped = False
   for a in range(0, n, BLOCK):
-    virtual = lengths[a:a + BLOCK].astype(np.int64) + extra_tokens
-    keep = virtual > 0
-    if min_len > 0:
-      keep &= lengths[a:a + BLOCK] >= min_len
-    sel = None
-    if not keep.all():
-      any_dropped = True
-      sel = np.flatnonzero(keep)
-      dropped_tokens += int(virtual[~keep].sum())
-      virtual = virtual[sel]
-    kept_parts.append((a, a + len(keep), sel))
-    first_parts.append(np.minimum(virtual, seq_len).astype(length_dtype(seq_len)))
+    virtual, sel = _kept_block(lengths, a, extra_tokens=extra_tokens, min_len=min_len)
+    sel_parts.append(sel)
     long = np.flatnonzero(virtual > seq_len)
     long_parts.append(long + num_kept)
     vlong_parts.append(virtual[long])
     num_kept += len(virtual)
-  kept = _kept_docs(kept_parts, num_kept, index_dtype(n)) if any_dropped else None
-  first_len = first_parts[0] if len(first_parts) == 1 else np.concatenate(first_parts)
-  del first_parts
+  kept = None
+  if any(sel is not None for sel in sel_parts):
+    kept = _kept_docs(sel_parts, n, num_kept, index_dtype(n))
+    dropped_tokens = _dropped_tokens(lengths, extra_tokens=extra_tokens, min_len=min_len)
+  del sel_parts
   long, vlong = np.concatenate(long_parts), np.concatenate(vlong_parts)
   if long_docs == "split":
     extra_chunks = _continuations(vlong, seq_len, overlap)
   else:
     extra_chunks = np.zeros(len(long), np.int64)
     dropped_tokens += int((vlong - seq_len).sum())
-  doc, length, cont, cont_start = _lay_out(kept, first_len, long, vlong, extra_chunks, seq_len,
-                                           seq_len - overlap)
+  length, cont, cont_start = _lay_out(lengths, num_kept, long, vlong, extra_chunks, seq_len,
+                                      seq_len - overlap, extra_tokens=extra_tokens,
+                                      min_len=min_len)
   stats = {
       "documents": int(n),
       "dropped": int(n - num_kept),
@@ -216,16 +227,46 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
       "tokens": int(length.sum(dtype=np.int64)),
       "dropped_tokens": dropped_tokens,
   }
-  return Chunks(doc=doc, length=length, cont=cont, cont_start=cont_start, stats=stats)
+  return Chunks(length=length, kept=kept, cont=cont, cont_start=cont_start, stats=stats)
 
 
-def _kept_docs(parts: list[tuple[int, int, np.ndarray | None]], num_kept: int,
-               dtype: type) -> np.ndarray:
-  """The kept document indices from per-block `(lo, hi, selected or None for all)`."""
+def _kept_block(lengths: np.ndarray, a: int, *, extra_tokens: int, min_len: int
+                ) -> tuple[np.ndarray, np.ndarray | None]:
+  """Block `a:a + BLOCK`: int64 virtual lengths of its kept documents, and their positions in
+  the block (None: all kept)."""
+  block = lengths[a:a + BLOCK]
+  virtual = block.astype(np.int64) + extra_tokens
+  keep = virtual > 0
+  if min_len > 0:
+    keep &= block >= min_len
+  if keep.all():
+    return virtual, None
+  sel = np.flatnonzero(keep)
+  return virtual[sel], sel
+
+
+def _dropped_tokens(lengths: np.ndarray, *, extra_tokens: int, min_len: int) -> int:
+  """Virtual slots of the dropped documents."""
+  total = 0
+  for a in range(0, len(lengths), BLOCK):
+    block = lengths[a:a + BLOCK]
+    virtual = block.astype(np.int64) + extra_tokens
+    drop = virtual <= 0
+    if min_len > 0:
+      drop |= block < min_len
+    total += int(virtual[drop].sum())
+  return total
+
+
+def _kept_docs(parts: list[np.ndarray | None], n: int, num_kept: int, dtype: type
+               ) -> np.ndarray:
+  """The kept document indices from the per-block selections (None: all of the block)."""
   kept = np.empty(num_kept, dtype)
   at = 0
-  for lo, hi, sel in parts:
+  for b, sel in enumerate(parts):
+    lo = b * BLOCK
     if sel is None:
+      hi = min(n, lo + BLOCK)
       kept[at:at + hi - lo] = np.arange(lo, hi, dtype=dtype)
       at += hi - lo
     else:
@@ -234,35 +275,40 @@ def _kept_docs(parts: list[tuple[int, int, np.ndarray | None]], num_kept: int,
   return kept
 
 
-def _lay_out(kept: np.ndarray | None, first_len: np.ndarray, long: np.ndarray,
-             vlong: np.ndarray, extra_chunks: np.ndarray, seq_len: int, stride: int
-             ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
-  """`(doc, length, cont, cont_start)` of the chunks in document order.
+def _lay_out(lengths: np.ndarray, num_kept: int, long: np.ndarray, vlong: np.ndarray,
+             extra_chunks: np.ndarray, seq_len: int, stride: int, *, extra_tokens: int,
+             min_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`(length, cont, cont_start)` of the chunks in document order.
 
-  `kept` holds the kept document indices (None: all of them), `first_len` the length of each
-  kept document's first chunk, `long` the positions (in `kept`) of the documents longer than
-  `seq_len`, `vlong` their virtual lengths and `extra_chunks` the chunks each gets beyond its
-  first. The continuation chunks of kept document `j` follow its first chunk.
+  `long` holds the positions (among the kept documents) of the documents longer than `seq_len`,
+  `vlong` their virtual lengths and `extra_chunks` the chunks each gets beyond its first. The
+  continuation chunks of kept document `j` follow its first chunk, so that first chunk is chunk
+  `j + (continuations of the long documents before j)`. Written block by block.
   """
-  n = len(first_len)
   num_cont = int(extra_chunks.sum())
-  if not num_cont:
-    return kept, first_len, np.zeros(0, np.int64), np.zeros(0, np.int32)
-  total = n + num_cont
   ahead = np.cumsum(extra_chunks) - extra_chunks  # continuations of earlier long documents
   owner = np.repeat(np.arange(len(long)), extra_chunks)
   k = np.arange(num_cont, dtype=np.int64) - ahead[owner] + 1  # 1 for the second chunk, ...
   cont = long[owner] + ahead[owner] + k
   cont_start = k * stride
-  is_first = np.ones(total, bool)
-  is_first[cont] = False
-  length = np.empty(total, first_len.dtype)
+  conts_before = np.concatenate([[0], np.cumsum(extra_chunks)])  # by long documents before
+  length = np.empty(num_kept + num_cont, length_dtype(seq_len))
+  at = 0
+  for a in range(0, len(lengths), BLOCK):
+    virtual, _ = _kept_block(lengths, a, extra_tokens=extra_tokens, min_len=min_len)
+    first = np.minimum(virtual, seq_len)
+    if num_cont:
+      # First chunk of kept document j: j + continuations of the long documents before j.
+      i0, i1 = np.searchsorted(long, [at, at + len(virtual)])
+      pos = np.zeros(len(virtual), np.int64)
+      after = long[i0:i1] + 1 - at
+      inside = after < len(virtual)
+      pos[after[inside]] = extra_chunks[i0:i1][inside]
+      np.cumsum(pos, out=pos)
+      pos += np.arange(at + conts_before[i0], at + conts_before[i0] + len(virtual))
+      length[pos] = first
+    else:
+      length[at:at + len(virtual)] = first
+    at += len(virtual)
   length[cont] = np.minimum(seq_len, vlong[owner] - cont_start)
-  length[is_first] = first_len
-  del first_len
-  dtype = index_dtype(total) if kept is None else kept.dtype
-  doc_ids = np.arange(n, dtype=dtype) if kept is None else kept
-  doc = np.empty(total, dtype)
-  doc[cont] = doc_ids[long[owner]]
-  doc[is_first] = doc_ids
-  return doc, length, cont, cont_start.astype(np.int32)
+  return length, cont, cont_start.astype(np.int32)

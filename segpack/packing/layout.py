@@ -54,7 +54,7 @@ def place_runs(packer: RunPacker, hist: np.ndarray, *, max_bins: int
 
   Returns:
     `(runs, per_row)`: per run `(size, m, old_bins, old_counts, first_new, num_new)` (the open bins
-    it filled, in order, and the new bins `first_new ...` it opened), and int64 `[num_bins]` the
+    it filled, in order, and the new bins `first_new ...` it opened), and int32 `[num_bins]` the
     chunks of each row.
   """
   fill = np.zeros(max_bins + 1, np.int32)
@@ -69,25 +69,26 @@ def place_runs(packer: RunPacker, hist: np.ndarray, *, max_bins: int
     runs.append((size, m, bins[:k].astype(index_dtype(max_bins)), counts[:k].astype(np.int32),
                  first_new, num_new))
     fill[bins] += counts.astype(np.int32)
-  return runs, fill[:packer.num_bins].astype(np.int64)
+  return runs, fill[:packer.num_bins].copy()
 
 
-def sorted_documents(length: np.ndarray, doc: np.ndarray | None, cont: np.ndarray,
-                     cont_start: np.ndarray, hist: np.ndarray, *, dtype: type,
+def sorted_documents(chunks: Chunks, hist: np.ndarray, *, dtype: type,
                      rng: np.random.Generator | None
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The documents of the chunks longest first, ties by chunk index (or, with `rng`, in a random
-  order per run of equal lengths); `doc`, `cont`, `cont_start` as in `Chunks`.
+  order per run of equal lengths).
 
   A stable counting sort, block by block: each block is radix-sorted by its keys (NumPy sorts
   16-bit keys by radix), and its chunks go to their buckets' next free places as documents
-  (`doc` is read in the block's own window, not at random).
+  (`chunks.docs` of the block's own window).
 
   Returns:
     `(docs, cont_pos, cont_starts)`: `dtype` `[num_chunks]` documents in sorted order, and the
     sorted positions of the continuation chunks (int64, increasing) with their first slots.
   """
   seq_len = len(hist) - 1
+  length, cont, cont_start = chunks.length, chunks.cont, chunks.cont_start
+  identity = chunks.kept is None and not len(cont)
   key_dtype = np.uint16 if seq_len <= 0xFFFF else np.int32
   hist_k = hist[::-1]  # key k = seq_len - length
   next_k = np.cumsum(hist_k) - hist_k
@@ -100,7 +101,7 @@ def sorted_documents(length: np.ndarray, doc: np.ndarray | None, cont: np.ndarra
     used = np.flatnonzero(counts)
     dest = np.repeat((next_k - (np.cumsum(counts) - counts))[used], counts[used])
     dest += np.arange(len(key))
-    docs[dest] = loc + a if doc is None else doc[a:a + BLOCK][loc]
+    docs[dest] = loc + a if identity else chunks.docs(a, a + len(key))[loc]
     lo, hi = np.searchsorted(cont, [a, a + len(key)])
     if hi > lo:
       # Where the block's continuation chunks went: (key, index) increases along `loc`.
@@ -159,7 +160,7 @@ def write_rows(runs: list[tuple], row_splits: np.ndarray, docs_sorted: np.ndarra
   Returns:
     int64: the plan positions of the sorted positions `cont_pos`.
   """
-  fill = np.zeros(len(row_splits) - 1, np.int64)
+  fill = np.zeros(len(row_splits) - 1, np.int32)
   cont_dest = []
   start = 0
   runs.reverse()
@@ -198,8 +199,8 @@ def write_rows(runs: list[tuple], row_splits: np.ndarray, docs_sorted: np.ndarra
 def plan_decreasing(chunks: Chunks, seq_len: int, make_packer: Callable[[int], RunPacker], *,
                     num_docs: int, rng: np.random.Generator | None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Steps 1-4 of the module docstring. Consumes `chunks`: its `length` and `doc` are set to
-  None, so that they are freed as soon as they are used up (keep only `chunks.stats`).
+  """Steps 1-4 of the module docstring. Consumes `chunks`: its `length` and `kept` are set to
+  None once sorted, so that they are freed (keep only `chunks.stats`).
 
   Args:
     chunks: the chunks (`chunking.make_chunks`).
@@ -210,21 +211,18 @@ def plan_decreasing(chunks: Chunks, seq_len: int, make_packer: Callable[[int], R
 
   Returns:
     `(row_splits, doc, start, length, per_row)`: the plan arrays (int64, int32 or int64 for 2**31
-    documents and more, int32, the chunks' length dtype) and int64 pieces per row.
+    documents and more, int32, the chunks' length dtype) and int32 pieces per row.
   """
-  chunk_len, chunk_doc = chunks.length, chunks.doc
-  chunks.length = chunks.doc = None
-  n = len(chunk_len)
-  hist = length_histogram(chunk_len, seq_len)
+  n = len(chunks.length)
+  hist = length_histogram(chunks.length, seq_len)
   max_bins = bins_bound(hist, seq_len)
   runs, per_row = place_runs(make_packer(max_bins), hist, max_bins=max_bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
-  docs_sorted, cont_pos, cont_start = sorted_documents(
-      chunk_len, chunk_doc, chunks.cont, chunks.cont_start, hist,
-      dtype=index_dtype(num_docs), rng=rng)
-  length_dtype = chunk_len.dtype
-  del chunk_len, chunk_doc
+  docs_sorted, cont_pos, cont_start = sorted_documents(chunks, hist, dtype=index_dtype(num_docs),
+                                                       rng=rng)
+  length_dtype = chunks.length.dtype
+  chunks.length = chunks.kept = None  # consumed
   doc = np.empty(n, index_dtype(num_docs))
   length = np.empty(n, length_dtype)
   cont_dest = write_rows(runs, row_splits, docs_sorted, cont_pos, seq_len=seq_len, doc_out=doc,
