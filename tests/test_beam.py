@@ -224,3 +224,22 @@ def test_errors_name_the_flag_and_the_extra(tmp_path, model, monkeypatch):
   with pytest.raises(inputs.InputFormatError, match=r"segpack\[beam\]"):
     dataset.tokenize_files([inp], tmp_path / "o", spm_model=model, runner="beam")
   assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["in_memory", "multi_processing"])
+def test_bad_record_is_one_line_error_without_traceback(tmp_path, model, mode):
+  good = _jsonl(tmp_path / "a.jsonl", [{"text": "fine text"}] * 3)
+  bad = _jsonl(tmp_path / "b.jsonl", [{"text": "ok"}, {"text": 5}, {"text": "never read"}])
+  out = tmp_path / "out"
+  options = f"--direct_running_mode={mode} --direct_num_workers=2"
+  cmd = [sys.executable, "-m", "segpack", "tokenize", "--input", str(good), str(bad), "--output",
+         str(out), "--spm-model", str(model), "--runner", "beam", "--beam-options", options,
+         "--no-progress"]
+  run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True)
+  assert run.returncode == 2, run.stderr
+  assert "Traceback" not in run.stderr
+  ours = [line for line in run.stderr.splitlines() if line.startswith("segpack")]
+  assert ours == [f"segpack tokenize: error: {bad}:2: field 'text' is int, not a string: 5 "
+                  f"(pass --skip-bad-lines to count and skip such records)"]
+  assert not (out / "manifest.json").exists() and not (out / beam_pipeline.ERRORS_FILE).exists()

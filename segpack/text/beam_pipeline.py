@@ -36,6 +36,7 @@ the dataset holds input 0's documents 0..4, then input 1's 0..1, empty ones skip
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -93,16 +94,25 @@ def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
 # The pipeline's steps (plain functions: they pickle by reference to the workers).
 
 
+_ERRORS = "errors"  # The Read step's output of bad inputs: (input index, message).
+ERRORS_FILE = "beam-errors.json"  # Where the final step leaves them for the driver.
+
+
 def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: int,
                 kept: frozenset[tuple[int, int]]) -> Iterator[tuple[tuple[int, int],
                                                                 tuple[int, str]]]:
   """((f, b), (record, text)) for the documents of input `item = (f, path)` outside kept units."""
   index, path = item
   counters = ReadCounters()
-  for record, (_, text) in enumerate(iter_file_records(path, counters=counters, **read)):
-    unit = (index, record // unit_records)
-    if unit not in kept:
-      yield unit, (record, text)
+  try:
+    for record, (_, text) in enumerate(iter_file_records(path, counters=counters, **read)):
+      unit = (index, record // unit_records)
+      if unit not in kept:
+        yield unit, (record, text)
+  except InputFormatError as e:  # To the driver as data: a raised error is logged with a trace.
+    from apache_beam import pvalue  # optional: segpack[beam]
+    yield pvalue.TaggedOutput(_ERRORS, (index, str(e)))
+    return
   _count("bad_lines", counters.bad_lines)
 
 
@@ -174,9 +184,15 @@ def _check_units(records: list[dict[str, Any]], unit_records: int) -> None:
 
 
 def _write_manifest(records: list[dict[str, Any]], *, output: str, header: dict[str, Any],
-                    unit_records: int) -> int:
-  """The final step: the manifest of all units in id order, then the done-records removed."""
+                    unit_records: int, errors: Sequence[tuple[int, str]] = ()) -> int:
+  """The final step: the manifest of all units in id order, then the done-records removed.
+
+  With bad inputs (`errors`), no manifest: the errors are written to `ERRORS_FILE` instead, for
+  the driver to raise the first one (in input order)."""
   out = Path(output)
+  if errors:
+    files.atomic_write_json(out / ERRORS_FILE, sorted([list(e) for e in errors]))
+    return 0
   records = sorted(records, key=lambda r: tuple(r["unit"]))
   _check_units(records, unit_records)
   shards = [s for r in records for s in r["shards"]]
@@ -330,13 +346,16 @@ def write_dataset_beam(
   pipeline = beam.Pipeline(options=_beam_options(beam_options))
   if files_in is not None:
     items = [(i, str(Path(p).resolve())) for i, p in enumerate(files_in)]
-    keyed = (pipeline | "Inputs" >> beam.Create(items) | "Spread" >> beam.Reshuffle()
-             | "Read" >> beam.FlatMap(_read_input, read=dict(read or {}),
-                                      unit_records=unit_records, kept=kept_units))
+    read_out = (pipeline | "Inputs" >> beam.Create(items) | "Spread" >> beam.Reshuffle()
+                | "Read" >> beam.FlatMap(_read_input, read=dict(read or {}),
+                                         unit_records=unit_records, kept=kept_units
+                                         ).with_outputs(_ERRORS, main="documents"))
+    keyed, errors = read_out.documents, read_out[_ERRORS]
   else:
     keyed = pipeline | "Documents" >> beam.Create([
         ((0, r // unit_records), (r, t)) for r, t in enumerate(documents)
         if (0, r // unit_records) not in kept_units])
+    errors = pipeline | "NoErrors" >> beam.Create([])
   written = (keyed | "Units" >> beam.GroupByKey()
              | "Tokenize" >> beam.Map(_write_unit, output=str(output), spec=tokenizer.spec,
                                       fingerprint=tokenizer.fingerprint,
@@ -345,14 +364,40 @@ def write_dataset_beam(
   _ = ((written, pipeline | "Kept" >> beam.Create(kept)) | "All" >> beam.Flatten()
        | "Barrier" >> beam.combiners.ToList()
        | "Manifest" >> beam.Map(_write_manifest, output=str(output), header=header,
-                                unit_records=unit_records))
-  result = pipeline.run()
-  state = result.wait_until_finish()
+                                unit_records=unit_records, errors=beam.pvalue.AsList(errors)))
+  with _quiet_step_errors():
+    result = pipeline.run()
+    state = result.wait_until_finish()
   if str(state).rsplit(".", 1)[-1] != "DONE":
     raise RuntimeError(f"Beam pipeline for {output} ended in state {state}")
+  _raise_input_errors(output)
   manifest = json.loads((output / shards_lib.MANIFEST_NAME).read_text("utf-8"))
   return (manifest, sum(len(r["shards"]) for r in kept), _counter(result, "text_bytes"),
           _counter(result, "bad_lines"))
+
+
+def _raise_input_errors(output: Path) -> None:
+  """Raises the first bad input (in input order) that the pipeline reported, if any."""
+  path = output / ERRORS_FILE
+  if not path.exists():
+    return
+  errors = json.loads(path.read_text("utf-8"))
+  path.unlink()
+  raise InputFormatError(errors[0][1] if len(errors) == 1 else
+                         f"{errors[0][1]} (and {len(errors) - 1} more bad inputs)")
+
+
+@contextlib.contextmanager
+def _quiet_step_errors():
+  """Beam logs a failing step's traceback before it re-raises the step's exception (which names
+  the step); the exception reaches the caller, so the CLI prints one line, not a traceback."""
+  logger = logging.getLogger("apache_beam.runners.common")
+  level = logger.level
+  logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
 
 
 def _counter(result, name: str) -> int:
