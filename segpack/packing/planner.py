@@ -104,15 +104,15 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
         f"or empty")
   rng = _tie_rng(tie_seed, strategy)
   if strategy in _RUN_PACKERS and (strategy == "bfd" or len(chunks.length) > ONE_BY_ONE):
-    row_splits, doc, start, length, per_row = layout.plan_decreasing(
+    row_splits, doc, start, length, max_per_row = layout.plan_decreasing(
         chunks, seq_len, functools.partial(_RUN_PACKERS[strategy], seq_len),
         num_docs=len(lengths), rng=rng)
   else:
-    row_splits, doc, start, length, per_row = _plan_placement(
+    row_splits, doc, start, length, max_per_row = _plan_placement(
         planner, chunks, seq_len, rng=rng, num_docs=len(lengths))
   stats = dict(chunks.stats)
   tokens = stats["tokens"]
-  num_rows = len(per_row)
+  num_rows = len(row_splits) - 1
   if strategy == "sorted_pad":
     slots = sorted_pad_slots(length.astype(np.int64), batch_size=batch_size,
                              pad_multiple=pad_multiple, seq_len=seq_len)
@@ -120,8 +120,8 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
   else:
     slots = num_rows * seq_len
   stats.update(rows=num_rows, slots=slots, lower_bound=-(-tokens // seq_len),
-               utilization=tokens / slots, segments_per_row_mean=float(per_row.mean()),
-               segments_per_row_max=int(per_row.max()))
+               utilization=tokens / slots, segments_per_row_mean=len(doc) / num_rows,
+               segments_per_row_max=max_per_row)
   return Plan(seq_len=int(seq_len), overlap=int(overlap), extra_tokens=int(extra_tokens),
               strategy=strategy, row_splits=row_splits, doc=doc, start=start, length=length,
               stats=stats)
@@ -129,8 +129,8 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
 
 def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
                     rng: np.random.Generator | None, num_docs: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """`(row_splits, doc, start, length, per_row)` through a `Placement` planner (the strategies
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+  """`(row_splits, doc, start, length, max_per_row)` through a `Placement` planner (the strategies
   and inputs `layout.plan_decreasing` does not take)."""
   placement = _place(planner, chunks.length, seq_len, rng=rng)
   per_row = np.bincount(placement.bins)
@@ -140,7 +140,7 @@ def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
   doc = (perm if chunks.doc is None else chunks.doc[perm]).astype(index_dtype(num_docs))
   start = chunks.start
   start = np.zeros(len(perm), np.int32) if start is None else start[perm]
-  return row_splits, doc, start, chunks.length[perm], per_row
+  return row_splits, doc, start, chunks.length[perm], int(per_row.max())
 
 
 def _tie_rng(tie_seed: Any, strategy: str) -> np.random.Generator | None:
