@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from segpack import packing
+from segpack.data.options import SpecialTokens
+from segpack.data.rows import RowBuilder
 
 
 def test_memory_mapped_plan_pickles_as_file_references(tmp_path):
@@ -66,3 +68,44 @@ def test_plan_docstring_example_and_save_without_overwrite(tmp_path):
   assert not other.save(tmp_path / "plan", overwrite=False)  # the first plan stays
   assert packing.Plan.load(tmp_path / "plan").doc.tolist() == [2, 0, 1]
   assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
+
+
+def test_plan_arrays_are_compact():
+  lengths = np.random.default_rng(3).integers(0, 200, 3000)
+  p = packing.plan(lengths, 64, overlap=4, extra_tokens=2)
+  assert (p.row_splits.dtype, p.doc.dtype, p.start.dtype, p.length.dtype) == (
+      np.int64, np.int32, np.int32, np.uint16)
+  assert p.nbytes == 8 * (p.num_rows + 1) + (4 + 4 + 2) * p.num_pieces
+  wide = packing.plan(np.array([70_000, 5, 65_536]), 65_536)  # lengths above uint16
+  assert wide.length.dtype == np.int32
+  assert sorted(wide.length.tolist()) == [5, 4464, 65_536, 65_536]
+
+
+def test_cached_plan_is_memory_mapped_and_rows_equal_the_in_memory_plan(tmp_path):
+  rng = np.random.default_rng(4)
+  lengths = rng.integers(0, 150, 800)  # some split (seq_len 64), some empty
+  docs = [rng.integers(3, 1000, n).astype(np.int32) for n in lengths]
+  kwargs = dict(overlap=3, extra_tokens=2)
+  in_memory = packing.plan(lengths, 64, **kwargs)
+  mapped = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="k", **kwargs)
+  again = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="k", **kwargs)  # reloaded
+  for plan in (mapped, again):
+    for name in ("row_splits", "doc", "start", "length"):
+      array = getattr(plan, name)
+      assert isinstance(array, np.memmap) and not array.flags.owndata, name
+  special = SpecialTokens(bos_id=1, eos_id=2)
+  want = RowBuilder(docs, in_memory, special=special, doc_lengths=lengths)
+  got = RowBuilder(docs, again, special=special, doc_lengths=lengths)
+  rows = list(range(in_memory.num_rows)) + [-1]
+  assert again.num_rows == in_memory.num_rows
+  expected, built = want.build(rows), got.build(rows)
+  for name in expected:
+    np.testing.assert_array_equal(built[name], expected[name])
+  for r in (0, in_memory.num_rows // 2, in_memory.num_rows - 1):
+    single = got.build_row(r)
+    for name in expected:
+      np.testing.assert_array_equal(single[name], expected[name][r])
+  # The builder reads the memory maps in place: its arrays are views of the mapped files.
+  views = got._plan_views()  # pylint: disable=protected-access
+  for name in ("row_splits", "doc", "start", "length"):
+    assert np.shares_memory(getattr(views, name), getattr(again, name)), name

@@ -10,6 +10,7 @@ import pytest
 from packing_oracles import (NAIVE, bisect_bfd, naive_bfd, naive_chunks, naive_ffd, plan_rows,
                              random_lengths, tree_ffd)
 from segpack import packing
+from segpack.packing import chunking, layout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,3 +263,45 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
   assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The compact-memory path, block by block
+
+
+@pytest.mark.parametrize("strategy", ["ffd", "bfd"])
+def test_blockwise_planning_equals_naive_oracle(strategy, monkeypatch):
+  # Blocks of 7 chunks: every blockwise pass (chunking, counting sort, replay of long runs) spans
+  # many blocks, with split documents, overlaps, dropped and empty documents.
+  monkeypatch.setattr(chunking, "BLOCK", 7)
+  monkeypatch.setattr(layout, "BLOCK", 7)
+  rng = np.random.default_rng(77)
+  for trial in range(12):
+    seq_len = int(rng.choice([16, 33, 64]))
+    lengths = random_lengths(rng, int(rng.integers(300, 700)), seq_len)
+    kw = dict(extra_tokens=int(rng.integers(0, 3)), min_len=int(rng.integers(0, 3)),
+              overlap=int(rng.integers(0, seq_len)) if trial % 2 else 0)
+    chunks = naive_chunks(lengths.tolist(), seq_len, **kw)
+    expected = [[chunks[i] for i in b] for b in NAIVE[strategy]([c[2] for c in chunks], seq_len)]
+    got = packing.plan(lengths.astype(np.int32), seq_len, strategy=strategy, **kw)
+    assert plan_rows(got) == expected, (trial, seq_len)
+
+
+@pytest.mark.parametrize("block", [7, 1 << 17])
+def test_tie_seed_with_split_documents_keeps_every_row_length(block, monkeypatch):
+  monkeypatch.setattr(chunking, "BLOCK", block)
+  monkeypatch.setattr(layout, "BLOCK", block)
+  rng = np.random.default_rng(5)
+  for trial in range(6):
+    seq_len = int(rng.choice([16, 64]))
+    lengths = rng.integers(0, 3 * seq_len, 600)
+    kw = dict(extra_tokens=2, min_len=trial % 2, overlap=3 * (trial % 3))
+    chunks = naive_chunks(lengths.tolist(), seq_len, **kw)
+    for strategy in ("ffd", "bfd"):
+      fixed = packing.plan(lengths, seq_len, strategy=strategy, **kw)
+      tied = packing.plan(lengths, seq_len, strategy=strategy, tie_seed=(trial, 1), **kw)
+      np.testing.assert_array_equal(tied.row_splits, fixed.row_splits)
+      np.testing.assert_array_equal(tied.length, fixed.length)
+      pieces = list(zip(tied.doc.tolist(), tied.start.tolist(), tied.length.tolist()))
+      assert sorted(pieces) == sorted(chunks)  # every chunk once, with its own start and length
+      assert (tied.doc != fixed.doc).any()
