@@ -3,6 +3,7 @@ strategies): exactness against naive textbook planners, plan invariants and stat
 and the plumbing of the statistics CLI and the packing benchmark."""
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -305,3 +306,21 @@ def test_tie_seed_with_split_documents_keeps_every_row_length(block, monkeypatch
       pieces = list(zip(tied.doc.tolist(), tied.start.tolist(), tied.length.tolist()))
       assert sorted(pieces) == sorted(chunks)  # every chunk once, with its own start and length
       assert (tied.doc != fixed.doc).any()
+
+
+def test_tie_planner_equals_plan_with_the_same_seed():
+  rng = np.random.default_rng(8)
+  lengths = np.concatenate([rng.integers(0, 200, 900), [0, 500, 3]])
+  for strategy in ("ffd", "bfd", "sorted_pad", "greedy"):
+    kw = dict(strategy=strategy, overlap=5, extra_tokens=2, min_len=1)
+    tp = packing.TiePlanner(lengths, 64, **kw)
+    seeds = [None] if strategy == "greedy" else [(0, 1), (0, 2), (0, 1)]
+    for seed in seeds:
+      want = packing.plan(lengths, 64, tie_seed=seed, **kw)
+      got = tp.plan(seed)
+      assert plan_rows(got) == plan_rows(want), (strategy, seed)
+      assert got.stats == want.stats
+    back = pickle.loads(pickle.dumps(tp))  # without its cached rows; recomputes them
+    assert plan_rows(back.plan(seeds[-1])) == plan_rows(tp.plan(seeds[-1]))
+  with pytest.raises(packing.PackingArgumentError, match="tie_seed"):
+    packing.TiePlanner(lengths, 64, strategy="greedy").plan(1)

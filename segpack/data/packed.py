@@ -42,8 +42,12 @@ class EpochPlanner:
   seed: int
   plan_kwargs: dict[str, Any]
 
+  def __post_init__(self):
+    # The chunks and rows are the same every epoch: computed once (on first use), then shared.
+    object.__setattr__(self, "_planner", packing.TiePlanner(self.lengths, **self.plan_kwargs))
+
   def plan(self, epoch: int) -> packing.Plan:
-    return packing.plan(self.lengths, tie_seed=(self.seed, int(epoch)), **self.plan_kwargs)
+    return self._planner.plan((self.seed, int(epoch)))
 
 
 __all__ = ["EpochPlanner", "LongDocs", "PackedBatchDataset", "PackedDataset", "PipelineConfigError",

@@ -1,6 +1,6 @@
 """The decreasing planners (FFD, BFD) over all chunks in compact memory.
 
-`plan_decreasing` gives the same plan as `runs.run_decreasing` followed by the row-major counting
+`place_rows` and `lay_out` give the same plan as `runs.run_decreasing` followed by the row-major counting
 sort of `segpack.packing.planner`, but keeps about 10 bytes per chunk live at its peak (plus the
 plan's own arrays) instead of about 60:
 
@@ -21,6 +21,7 @@ plan's own arrays) instead of about 60:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import mmap
 import sys
@@ -204,48 +205,71 @@ def write_rows(runs: list[tuple], row_splits: np.ndarray, docs_sorted: np.ndarra
   return np.concatenate(cont_dest) if cont_dest else np.zeros(0, np.int64)
 
 
-def plan_decreasing(chunks: Chunks, seq_len: int, make_packer: Callable[[int], RunPacker], *,
-                    num_docs: int, rng: np.random.Generator | None
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-  """Steps 1-4 of the module docstring. Consumes `chunks`: its `length` and `kept` are set to
-  None once sorted, so that they are freed (keep only `chunks.stats`).
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """What `lay_out` needs besides the chunks: it does not depend on the order of equal lengths.
 
-  Args:
-    chunks: the chunks (`chunking.make_chunks`).
-    seq_len: slots per row.
-    make_packer: a fresh FFD or BFD run packer for at most the given number of bins.
-    num_docs: documents before chunking (the dtype of the document indices).
-    rng: None (ties by index), or the generator that orders every run at random.
-
-  Returns:
-    `(row_splits, doc, start, length, max_per_row)`: the plan arrays (int64, int32 or int64 for
-    2**31 documents and more, int32, the chunks' length dtype) and the most pieces in a row.
+  Attributes:
+    hist: int64 `[seq_len + 1]` chunks of each length.
+    runs: per run of equal lengths, longest first, `(size, m, old_bins, old_counts, first_new,
+      num_new)` (see `place_runs`).
+    row_splits: int64 `[num_rows + 1]`, read-only.
+    max_per_row: the most pieces in a row.
   """
-  n = len(chunks.length)
-  trim = _trim_heap if n >= 1 << 22 else (lambda: None)
-  trim()
+
+  hist: np.ndarray
+  runs: list[tuple]
+  row_splits: np.ndarray
+  max_per_row: int
+
+
+def place_rows(chunks: Chunks, seq_len: int, make_packer: Callable[[int], RunPacker]) -> Rows:
+  """Step 1 of the module docstring: the rows, from the histogram of the chunk lengths."""
   hist = length_histogram(chunks.length, seq_len)
   max_bins = bins_bound(hist, seq_len)
   runs, per_row = place_runs(make_packer(max_bins), hist, max_bins=max_bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
-  max_per_row = int(per_row.max())
-  del per_row
+  row_splits.flags.writeable = False
+  return Rows(hist=hist, runs=runs, row_splits=row_splits, max_per_row=int(per_row.max()))
+
+
+def lay_out(chunks: Chunks, rows: Rows, *, seq_len: int, num_docs: int,
+            rng: np.random.Generator | None, consume: bool
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Steps 2-4 of the module docstring: `(doc, start, length)` of the pieces, row by row.
+
+  Args:
+    chunks: the chunks `rows` was placed from.
+    rows: `place_rows(chunks, ...)`.
+    seq_len: slots per row.
+    num_docs: documents before chunking (the dtype of the document indices).
+    rng: None (ties by index), or the generator that orders every run at random.
+    consume: set `chunks.length` and `chunks.kept` to None once sorted, so that they are freed
+      before the plan's arrays fill up (keep only `chunks.stats` then).
+
+  Returns:
+    int32 (int64 from 2**31 documents) documents, int32 first slots and the chunks' length dtype.
+  """
+  n = len(chunks.length)
+  trim = _trim_heap if n >= 1 << 22 else (lambda: None)
   trim()
   buffer = _ReleasableArray(n, index_dtype(num_docs))
-  docs_sorted, cont_pos, cont_start = sorted_documents(chunks, hist, out=buffer.array, rng=rng)
+  docs_sorted, cont_pos, cont_start = sorted_documents(chunks, rows.hist, out=buffer.array,
+                                                       rng=rng)
   length_dtype = chunks.length.dtype
-  chunks.length = chunks.kept = None  # consumed
+  if consume:
+    chunks.length = chunks.kept = None
   trim()
   doc = np.empty(n, index_dtype(num_docs))
   length = np.empty(n, length_dtype)
-  cont_dest = write_rows(runs, row_splits, docs_sorted, cont_pos, seq_len=seq_len, doc_out=doc,
-                         length_out=length, release=buffer.release)
+  cont_dest = write_rows(list(rows.runs), rows.row_splits, docs_sorted, cont_pos,
+                         seq_len=seq_len, doc_out=doc, length_out=length, release=buffer.release)
   del docs_sorted, buffer
   trim()
   start = np.zeros(n, np.int32)
   start[cont_dest] = cont_start
-  return row_splits, doc, start, length, max_per_row
+  return doc, start, length
 
 
 def _trim_heap() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -25,7 +26,7 @@ Planner = Callable[[np.ndarray, int], Placement]
 # equal lengths gives rows of the same lengths, so `tie_seed` only changes which chunks meet.
 TIE_SEED_STRATEGIES = ("ffd", "bfd", "sorted_pad")
 
-# The run packers of the strategies `layout.plan_decreasing` plans (FFD above `ONE_BY_ONE`
+# The run packers of the strategies `layout` plans (FFD above `ONE_BY_ONE`
 # chunks; below, its one-by-one path is faster).
 _RUN_PACKERS = {
     "ffd": lambda seq_len, bins: FirstFitDecreasing(seq_len, bins_bound=bins),
@@ -92,6 +93,86 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     PackingArgumentError: an argument is invalid; the message names it and its value.
   """
   planner = check_strategy(strategy)
+  chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
+                           overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
+                           pad_multiple=pad_multiple)
+  num_docs = chunks.stats["documents"]
+  rng = _tie_rng(tie_seed, strategy)
+  if _runs_apply(strategy, chunks):
+    rows = layout.place_rows(chunks, seq_len, functools.partial(_RUN_PACKERS[strategy], seq_len))
+    doc, start, length = layout.lay_out(chunks, rows, seq_len=seq_len, num_docs=num_docs,
+                                        rng=rng, consume=True)
+    row_splits, max_per_row = rows.row_splits, rows.max_per_row
+  else:
+    row_splits, doc, start, length, max_per_row = _plan_placement(
+        planner, chunks, seq_len, rng=rng, num_docs=num_docs)
+  return _finish(chunks.stats, seq_len, row_splits, doc, start, length, max_per_row,
+                 strategy=strategy, overlap=overlap, extra_tokens=extra_tokens,
+                 batch_size=batch_size, pad_multiple=pad_multiple)
+
+
+class TiePlanner:
+  """`plan(lengths, seq_len, tie_seed=s, **kwargs)` for many seeds `s`, sharing the work that
+  does not depend on `s` (what `pack_dataset(repack="epoch")` plans every epoch).
+
+  FFD's and BFD's rows depend only on the sorted chunk lengths, so the chunks and the rows
+  (`layout.place_rows`) are computed on the first call and kept; every call then only orders the
+  chunks (a counting sort, each run of equal lengths shuffled by the seed) and writes them into
+  the rows. It keeps about 5 bytes per document between calls (the chunk lengths, the runs and
+  `row_splits`, which the plans share, read-only). Other strategies, and inputs small enough for
+  FFD's one-by-one path, call `plan` every time. `plan(s)` equals `packing.plan(...,
+  tie_seed=s)`, and may be called from several threads at once.
+  """
+
+  def __init__(self, lengths: Any, seq_len: int, *, strategy: str = "ffd",
+               long_docs: str = "split", min_len: int = 0, overlap: int = 0,
+               extra_tokens: int = 0, batch_size: int = 8, pad_multiple: int = 128):
+    check_strategy(strategy)
+    self._lengths = lengths
+    self._seq_len = seq_len
+    self._kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len,
+                        overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
+                        pad_multiple=pad_multiple)
+    self._state: tuple[Chunks, layout.Rows] | None = None
+    self._lock = threading.Lock()
+
+  def __getstate__(self) -> dict[str, Any]:
+    state = self.__dict__.copy()
+    state["_state"] = None  # recomputed where it is needed
+    del state["_lock"]
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
+  def plan(self, tie_seed: Any) -> Plan:
+    """The plan with `tie_seed` (see `plan`)."""
+    kw = self._kwargs
+    strategy, seq_len = kw["strategy"], self._seq_len
+    rng = _tie_rng(tie_seed, strategy)
+    with self._lock:
+      if self._state is None:
+        chunks = _checked_chunks(self._lengths, seq_len, **{k: v for k, v in kw.items()
+                                                            if k != "strategy"})
+        rows = None
+        if _runs_apply(strategy, chunks):
+          rows = layout.place_rows(chunks, seq_len,
+                                   functools.partial(_RUN_PACKERS[strategy], seq_len))
+        self._state = (chunks, rows)
+      chunks, rows = self._state
+    if rows is None:
+      return plan(self._lengths, seq_len, tie_seed=tie_seed, **kw)
+    num_docs = chunks.stats["documents"]
+    doc, start, length = layout.lay_out(chunks, rows, seq_len=seq_len, num_docs=num_docs,
+                                        rng=rng, consume=False)
+    return _finish(chunks.stats, seq_len, rows.row_splits, doc, start, length, rows.max_per_row,
+                   **{k: v for k, v in kw.items() if k not in ("long_docs", "min_len")})
+
+
+def _checked_chunks(lengths: Any, seq_len: int, *, long_docs: str, min_len: int, overlap: int,
+                    extra_tokens: int, batch_size: int, pad_multiple: int) -> Chunks:
+  """Validates the arguments and cuts the documents into chunks (at least one)."""
   lengths = check_lengths(lengths)
   for name, value in (("batch_size", batch_size), ("pad_multiple", pad_multiple)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -102,15 +183,19 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     raise PackingArgumentError(
         f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
         f"or empty")
-  rng = _tie_rng(tie_seed, strategy)
-  if strategy in _RUN_PACKERS and (strategy == "bfd" or len(chunks.length) > ONE_BY_ONE):
-    row_splits, doc, start, length, max_per_row = layout.plan_decreasing(
-        chunks, seq_len, functools.partial(_RUN_PACKERS[strategy], seq_len),
-        num_docs=len(lengths), rng=rng)
-  else:
-    row_splits, doc, start, length, max_per_row = _plan_placement(
-        planner, chunks, seq_len, rng=rng, num_docs=len(lengths))
-  stats = dict(chunks.stats)
+  return chunks
+
+
+def _runs_apply(strategy: str, chunks: Chunks) -> bool:
+  """Whether `layout` plans these chunks (FFD above `ONE_BY_ONE` chunks, BFD always)."""
+  return strategy in _RUN_PACKERS and (strategy == "bfd" or len(chunks.length) > ONE_BY_ONE)
+
+
+def _finish(chunk_stats: dict[str, Any], seq_len: int, row_splits: np.ndarray, doc: np.ndarray,
+            start: np.ndarray, length: np.ndarray, max_per_row: int, *, strategy: str,
+            overlap: int, extra_tokens: int, batch_size: int, pad_multiple: int) -> Plan:
+  """The `Plan` of these arrays, with its statistics."""
+  stats = dict(chunk_stats)
   tokens = stats["tokens"]
   num_rows = len(row_splits) - 1
   if strategy == "sorted_pad":
@@ -131,7 +216,7 @@ def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
                     rng: np.random.Generator | None, num_docs: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
   """`(row_splits, doc, start, length, max_per_row)` through a `Placement` planner (the strategies
-  and inputs `layout.plan_decreasing` does not take)."""
+  and inputs `layout` does not take)."""
   placement = _place(planner, chunks.length, seq_len, rng=rng)
   per_row = np.bincount(placement.bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
