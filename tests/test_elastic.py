@@ -185,7 +185,7 @@ def test_stream_batches_are_contiguous_blocks_of_the_stream():
   for q in (1, 2, 4):
     for p in range(q):
       part = StreamBatches(stream, global_batch_size=8, process_index=p, process_count=q,
-                           start=StreamPosition(0, 4))
+                           start=StreamPosition(epoch=0, index=4))
       for k in range(4):
         got = part[k]["input_ids"]
         want = [whole[4 + k * 8 + p * (8 // q) + n]["input_ids"] for n in range(8 // q)]

@@ -30,7 +30,7 @@ class StreamStateError(ValueError):
   """A stream state cannot be restored here; the message names the field and its value."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StreamPosition:
   """A position in the row stream: row `index` of epoch `epoch`'s permutation.
 
@@ -114,7 +114,7 @@ class StreamBatches(grain.MapDataset):
   """
 
   def __init__(self, rows: PackedDataset, *, global_batch_size: int, process_index: int,
-               process_count: int, start: StreamPosition = StreamPosition(0, 0),
+               process_count: int, start: StreamPosition = StreamPosition(epoch=0, index=0),
                balance_ranks: int | None = None):
     """Creates the batches.
 
