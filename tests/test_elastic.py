@@ -322,27 +322,19 @@ def test_minibatch_steps_resume_on_another_process_count():
                           for n in range(8)), k
 
 
-def test_trainer_refuses_a_batch_size_change_unless_allowed_and_reads_old_checkpoints(tmp_path):
-  """The trainer's restore: `train.batch_size` may change only with the flag, the log names
-  the change, and an older checkpoint's per-process data item is read as a stream position."""
-  base = {"train.eval_every": 0, "attention.self_check": False, "train.log_every": 1}
-  train_lib.train_and_evaluate(_synthetic(**base, **{"train.num_steps": 2}), str(tmp_path))
-  bigger = {**base, "train.num_steps": 3, "train.batch_size": 16}
+def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
+  """Resuming with another `train.batch_size` names the flag that allows it (the allowed
+  change is trained in `test_trainer_resumes_2_to_1_to_4_to_2_processes`)."""
+  base = {"train.eval_every": 0, "attention.self_check": False}
+  train_lib.train_and_evaluate(_synthetic(**base, **{"train.num_steps": 1}), str(tmp_path))
+  bigger = {**base, "train.num_steps": 2, "train.batch_size": 16}
   with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
                      match=r"batch_size: checkpoint has 8, config has 16(.|\n)*"
                            r"allow_batch_size_change=True"):
     train_lib.train_and_evaluate(_synthetic(**bigger), str(tmp_path))
-  # An older checkpoint: the data item was {"<process>": Grain state}; step 2 read rows 0..15.
-  data_file = tmp_path / "checkpoints" / "2" / "data" / "metadata"
-  assert json.loads(data_file.read_text())["iterator"]["index"] == 16
-  data_file.write_text(json.dumps({"0": {"next_index": 2}}))
-  train_lib.train_and_evaluate(
-      _synthetic(**bigger, **{"train.allow_batch_size_change": True}), str(tmp_path))
-  logged = _logged(tmp_path)
-  assert [r["step"] for r in logged] == [1, 2, 3]
-  assert [r["position"]["index"] for r in logged] == [0, 8, 16]
-  assert [len(r["rows"]) for r in logged] == [8, 8, 16]
-  assert len({tuple(row) for r in logged for row in r["plan_rows"]}) == 32  # none repeated
+  data_item = json.loads((tmp_path / "checkpoints" / "1" / "data" / "metadata").read_text())
+  assert data_item["format"] == 2 and data_item["process_count"] == 1
+  assert data_item["iterator"]["epoch"] == 0 and data_item["iterator"]["index"] == 8
 
 
 _CHILD = """
@@ -385,7 +377,7 @@ def _phase(workdir, *, count, steps, batch):
       raise
     assert proc.returncode == 0, err[-4000:]
     outs.append(out)
-  return json.loads(outs[0].strip().splitlines()[-1])
+  return json.loads(outs[0].strip().splitlines()[-1]), outs[0]
 
 
 def _logged(workdir):
@@ -399,11 +391,25 @@ def _logged(workdir):
 
 @pytest.mark.slow
 def test_trainer_resumes_2_to_1_to_4_to_2_processes(tmp_path):
-  """One run over 2, 1, 4 and 2 processes (batch 8, 8, 12, 8): every plan row once per epoch."""
+  """One run over 2, 1, 4 and 2 processes (batch 8, 8, 12, 8; the first checkpoint rewritten
+  in the older per-process format): every plan row once per epoch."""
   work = tmp_path / "run"
   phases = [(2, 3, 8), (1, 7, 8), (4, 11, 12), (2, 16, 8)]  # (processes, last step, batch)
-  resumed = [_phase(work, count=c, steps=s, batch=b)["resumed_from"] for c, s, b in phases]
+  resumed, logs = [], []
+  for n, (count, steps, batch) in enumerate(phases):
+    summary, log = _phase(work, count=count, steps=steps, batch=batch)
+    resumed.append(summary["resumed_from"])
+    logs.append(log)
+    if n == 0:
+      # Rewrite the data item into the older format, every process's Grain state (step 3 read
+      # batches 0..2 of 4 rows each): the next phase must convert it to the stream position.
+      item = work / "checkpoints" / "3" / "data" / "metadata"
+      assert json.loads(item.read_text())["iterator"]["index"] == 24
+      item.write_text(json.dumps({"0": {"next_index": 3}, "1": {"next_index": 3}}))
   assert resumed == [0, 3, 7, 11]
+  assert "changes: processes: 2 -> 1\n" in logs[1]
+  assert "changes: processes: 1 -> 4; train.batch_size: 8 -> 12" in logs[2]
+  assert "changes: processes: 4 -> 2; train.batch_size: 12 -> 8" in logs[3]
   records = _logged(work)
   # Oracle: the plan's rows from the documents' lengths, outside the trainer.
   docs = data_lib.synthetic_documents(num_docs=50, mean_len=30, vocab=97, seed=0)
