@@ -248,22 +248,26 @@ def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
                      "--grain-docs", "50",
                      "--load-docs", "300", "--load-batches", "3", "--builtin", "none",
                      "--balance-docs", "3000", "--balance-seq-len", "2048", "--balance-batch", "8",
-                     "--balance-ranks", "4", "--repack-docs", "3000", "--work-dir", str(tmp_path),
-                     "--json"]) == 0
+                     "--balance-ranks", "4", "--repack-docs", "3000", "--scale-docs", "5000",
+                     "--work-dir", str(tmp_path), "--json"]) == 0
   out = json.loads(capsys.readouterr().out)
   sections = [r["section"] for r in out["results"]]
-  assert sections == ["plan", "plan", "grain", "grain", "load", "balance", "repack", "repack"]
-  fixed, repacked = out["results"][-2:]
-  assert fixed["rows"] == repacked["rows"] and fixed["pairs_again"] == 1.0
-  assert 0.0 <= repacked["pairs_again"] < 1.0
-  balance = out["results"][-3]
+  assert sections == ["plan", "plan", "grain", "grain", "load", "balance", "repack", "repack",
+                      "repack", "scale"]
+  fixed, repacked, tied = out["results"][-4:-1]
+  assert fixed["rows"] == repacked["rows"] == tied["rows"] and fixed["pairs_again"] == 1.0
+  assert 0.0 <= repacked["pairs_again"] < 1.0 and 0.0 <= tied["pairs_again"] < 1.0
+  assert repacked["same_rows_as_fixed"] and tied["same_rows_as_fixed"]
+  scale = out["results"][-1]
+  assert scale["documents"] == 5000 and scale["load_memory_mapped"]
+  assert scale["peak_rss"] >= scale["input_rss"] > scale["input_bytes"] == 4 * 5000
+  assert scale["rows"] >= scale["lower_bound"]
+  balance = out["results"][-5]
   assert 1.0 <= balance["balanced_max_over_mean"] <= balance["random_max_over_mean"]
   plan_rows_ = [r for r in out["results"] if r["section"] == "plan"]
   assert all(r["rows"] >= r["lower_bound"] for r in plan_rows_)
-  load = out["results"][-4]
+  load = out["results"][-6]
   assert load["features"] == ["input_ids", "labels", "segment_ids", "segment_positions"]
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from segpack.packing.chunking import BLOCK, Chunks, index_dtype
+from segpack.packing.chunking import BLOCK, Chunks, index_dtype, length_dtype
 
 
 class RunPacker(Protocol):
@@ -120,27 +120,34 @@ def sorted_documents(chunks: Chunks, hist: np.ndarray, *, out: np.ndarray,
   by_pos = np.argsort(cont_pos, kind="stable")
   cont_pos, cont_starts = cont_pos[by_pos], cont_starts[by_pos]
   if rng is not None:
-    _shuffle_runs(docs, hist_k[hist_k > 0].tolist(), rng, cont_pos)
-    by_pos = np.argsort(cont_pos, kind="stable")
-    cont_pos, cont_starts = cont_pos[by_pos], cont_starts[by_pos]
+    return shuffle_runs(docs, cont_pos, cont_starts, hist, rng=rng, out=docs)
   return docs, cont_pos, cont_starts
 
 
-def _shuffle_runs(docs: np.ndarray, run_sizes: list[int], rng: np.random.Generator,
-                  cont_pos: np.ndarray) -> None:
-  """Puts every run of `docs` in a random order, in place, and moves the positions `cont_pos`
-  (increasing) along with their chunks."""
+def shuffle_runs(docs: np.ndarray, cont_pos: np.ndarray, cont_start: np.ndarray,
+                 hist: np.ndarray, *, rng: np.random.Generator, out: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`docs` (sorted, as `sorted_documents` returns them) with every run of equal lengths in a
+  random order (`rng.permutation` per run, longest run first), written to `out` (which may be
+  `docs`); the continuation chunks' positions move along.
+
+  Returns:
+    `(out, cont_pos, cont_start)`, the continuation chunks again by increasing position.
+  """
+  run_sizes = hist[::-1][hist[::-1] > 0].tolist()
+  cont_pos = cont_pos.copy()
   start = 0
   bounds = np.searchsorted(cont_pos, np.cumsum([0] + run_sizes)).tolist()
   for m, lo, hi in zip(run_sizes, bounds, bounds[1:]):
-    run = docs[start:start + m]
     perm = rng.permutation(m)
-    run[:] = run[perm]
+    out[start:start + m] = docs[start:start + m][perm]
     if hi > lo:
       where = np.empty(m, np.int64)
       where[perm] = np.arange(m)
       cont_pos[lo:hi] = start + where[cont_pos[lo:hi] - start]
     start += m
+  by_pos = np.argsort(cont_pos, kind="stable")
+  return out, cont_pos[by_pos], cont_start[by_pos]
 
 
 def _repeat_range(values: np.ndarray, counts: np.ndarray, cum: np.ndarray, lo: int,
@@ -235,29 +242,40 @@ def place_rows(chunks: Chunks, seq_len: int, make_packer: Callable[[int], RunPac
 
 
 def lay_out(chunks: Chunks, rows: Rows, *, seq_len: int, num_docs: int,
-            rng: np.random.Generator | None, consume: bool
+            rng: np.random.Generator | None, consume: bool,
+            presorted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Steps 2-4 of the module docstring: `(doc, start, length)` of the pieces, row by row.
 
   Args:
-    chunks: the chunks `rows` was placed from.
+    chunks: the chunks `rows` was placed from (only their `length` dtype and count are read
+      when `presorted` is given).
     rows: `place_rows(chunks, ...)`.
     seq_len: slots per row.
     num_docs: documents before chunking (the dtype of the document indices).
     rng: None (ties by index), or the generator that orders every run at random.
     consume: set `chunks.length` and `chunks.kept` to None once sorted, so that they are freed
       before the plan's arrays fill up (keep only `chunks.stats` then).
+    presorted: `sorted_documents(chunks, ..., rng=None)`, kept from an earlier call: step 2 is
+      then only the shuffle of its runs.
 
   Returns:
     int32 (int64 from 2**31 documents) documents, int32 first slots and the chunks' length dtype.
   """
-  n = len(chunks.length)
+  n = chunks.stats["chunks"]
   trim = _trim_heap if n >= 1 << 22 else (lambda: None)
   trim()
   buffer = _ReleasableArray(n, index_dtype(num_docs))
-  docs_sorted, cont_pos, cont_start = sorted_documents(chunks, rows.hist, out=buffer.array,
-                                                       rng=rng)
-  length_dtype = chunks.length.dtype
+  if presorted is None:
+    docs_sorted, cont_pos, cont_start = sorted_documents(chunks, rows.hist, out=buffer.array,
+                                                         rng=rng)
+  elif rng is None:
+    buffer.array[:] = presorted[0]
+    docs_sorted, cont_pos, cont_start = buffer.array, presorted[1], presorted[2]
+  else:
+    docs_sorted, cont_pos, cont_start = shuffle_runs(*presorted, rows.hist, rng=rng,
+                                                     out=buffer.array)
+  length_dtype = length_dtype_of(chunks, seq_len)
   if consume:
     chunks.length = chunks.kept = None
   trim()
@@ -270,6 +288,11 @@ def lay_out(chunks: Chunks, rows: Rows, *, seq_len: int, num_docs: int,
   start = np.zeros(n, np.int32)
   start[cont_dest] = cont_start
   return doc, start, length
+
+
+def length_dtype_of(chunks: Chunks, seq_len: int) -> type:
+  """The dtype of the chunk lengths (also once `chunks.length` has been released)."""
+  return chunks.length.dtype if chunks.length is not None else length_dtype(seq_len)
 
 
 def _trim_heap() -> None:
