@@ -119,9 +119,10 @@ class TiePlanner:
   (`layout.place_rows`) and the documents sorted longest first (ties by index) are computed on
   the first call and kept; every call then only shuffles each run of equal lengths by the seed
   and writes the documents into the rows. It keeps about 7 bytes per document between calls (the
-  sorted documents, the runs and `row_splits`, which the plans share, read-only). Other strategies, and inputs small enough for
-  FFD's one-by-one path, call `plan` every time. `plan(s)` equals `packing.plan(...,
-  tie_seed=s)`, and may be called from several threads at once.
+  sorted documents, the runs and `row_splits`, which the plans share, read-only). Other
+  strategies, and inputs small enough for FFD's one-by-one path, call `plan` every time.
+  `plan(s)` equals `packing.plan(..., tie_seed=s)`, and may be called from several threads at
+  once.
   """
 
   def __init__(self, lengths: Any, seq_len: int, *, strategy: str = "ffd",
