@@ -328,3 +328,16 @@ def test_tie_planner_equals_plan_with_the_same_seed():
     assert plan_rows(back.plan(seeds[-1])) == plan_rows(tp.plan(seeds[-1]))
   with pytest.raises(packing.PackingArgumentError, match="tie_seed"):
     packing.TiePlanner(lengths, 64, strategy="greedy").plan(1)
+
+
+def test_sorted_documents_released_page_by_page_give_the_same_plan(monkeypatch):
+  # Every buffer in its own memory map, its pages handed back after each run: a page read after
+  # its release would read zeros (document 0) and break the equality with the textbook planner.
+  monkeypatch.setattr(layout, "RELEASE_MIN_BYTES", 0)
+  monkeypatch.setattr(layout, "RELEASE_STEP_BYTES", 1)
+  rng = np.random.default_rng(12)
+  lengths = rng.integers(1, 40, 20_000)  # 80 kB of sorted documents, about 20 pages
+  chunks = naive_chunks(lengths.tolist(), 64, extra_tokens=2)
+  for strategy, oracle in (("ffd", tree_ffd), ("bfd", bisect_bfd)):
+    expected = [[chunks[i] for i in b] for b in oracle([c[2] for c in chunks], 64)]
+    assert plan_rows(packing.plan(lengths, 64, strategy=strategy, extra_tokens=2)) == expected

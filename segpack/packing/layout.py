@@ -317,6 +317,11 @@ def _libc_malloc_trim() -> Callable[[int], int] | None:
     return None
 
 
+# Arrays from this size on are released page by page, in steps of at least RELEASE_STEP_BYTES.
+RELEASE_MIN_BYTES = 1 << 24
+RELEASE_STEP_BYTES = 1 << 22
+
+
 class _ReleasableArray:
   """A 1-D array in its own anonymous memory map whose prefix can be handed back to the OS
   (`madvise(MADV_DONTNEED)`) once it has been read for the last time; a plain array where the
@@ -326,7 +331,7 @@ class _ReleasableArray:
     nbytes = n * np.dtype(dtype).itemsize
     self._map = None
     self._released = 0
-    if nbytes >= 1 << 24 and hasattr(mmap, "MADV_DONTNEED"):
+    if nbytes >= RELEASE_MIN_BYTES and hasattr(mmap, "MADV_DONTNEED"):
       self._map = mmap.mmap(-1, nbytes)
       self.array = np.frombuffer(self._map, dtype=dtype, count=n)
     else:
@@ -337,6 +342,6 @@ class _ReleasableArray:
     if self._map is None:
       return
     end = upto * self.array.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
-    if end - self._released >= 1 << 22:  # in steps of at least 4 MiB
+    if end - self._released >= RELEASE_STEP_BYTES:
       self._map.madvise(mmap.MADV_DONTNEED, self._released, end - self._released)
       self._released = end
