@@ -6,8 +6,6 @@ same order, with the same tokens, whatever the number of Beam workers, after a k
 too. Shard boundaries may differ (a Beam shard never spans two work units).
 """
 
-import gzip
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +23,8 @@ from segpack.text import dataset
 from segpack.text import inputs
 from segpack.text import spm
 
+import small_corpus
+
 ROOT = Path(__file__).resolve().parents[1]
 TWO_PROCESSES = "--direct_num_workers=2 --direct_running_mode=multi_processing"
 TWO_THREADS = "--direct_num_workers=2 --direct_running_mode=multi_threading"
@@ -32,26 +32,20 @@ TWO_THREADS = "--direct_num_workers=2 --direct_running_mode=multi_threading"
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory):
-  """The small built-in corpus's cache (shared with test_corpus and test_tokenize)."""
-  cache = tmp_path_factory.getbasetemp() / "segpack-cache"
-  corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
-  return cache
+  return small_corpus.cache_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
-def model(cache):
-  return corpus.ensure_builtin(size="small", cache_dir=cache, workers=1).spm_model
+def model(tmp_path_factory):
+  return small_corpus.spm_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def texts():
-  return [t for _, t in corpus.builtin_documents(split="train", size="small")][:120]
+  return small_corpus.train_texts()
 
 
-def _jsonl(path, records, *, gz=False):
-  data = "".join(json.dumps(r) + "\n" for r in records).encode()
-  path.write_bytes(gzip.compress(data) if gz else data)
-  return path
+_jsonl = small_corpus.write_jsonl
 
 
 def _documents(path):

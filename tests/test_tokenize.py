@@ -20,25 +20,22 @@ from segpack.text import encode
 from segpack.text import inputs
 from segpack.shards import ShardFormatError, ShardSource
 
+import small_corpus
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory):
-  """The small built-in corpus's SentencePiece model (shared cache with test_corpus)."""
-  cache = tmp_path_factory.getbasetemp() / "segpack-cache"
-  return corpus.ensure_builtin(size="small", cache_dir=cache, workers=1).spm_model
+  return small_corpus.spm_model(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def texts():
-  return [t for _, t in corpus.builtin_documents(split="train", size="small")][:120]
+  return small_corpus.train_texts()
 
 
-def _jsonl(path, records, *, gz=False):
-  data = "".join(json.dumps(r) + "\n" for r in records).encode()
-  path.write_bytes(gzip.compress(data) if gz else data)
-  return path
+_jsonl = small_corpus.write_jsonl
 
 
 def _decoded(path, model):

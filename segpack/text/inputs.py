@@ -220,18 +220,24 @@ def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
   return text, problem
 
 
-def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
-                counters: ReadCounters) -> Iterator[tuple[int, str]]:
-  for lineno, raw in _numbered_lines(path):
-    if not raw.strip():
-      continue
-    text, problem = _json_problem(raw, text_field)
+def _kept(path: Path, checked: Iterator[tuple[int, str | None, str | None]], where: str,
+          skip_bad_lines: bool, counters: ReadCounters) -> Iterator[tuple[int, str]]:
+  """(number, text) of the good records of `checked` = (number, text, problem); a bad one is
+  counted with `skip_bad_lines`, else raised as `{path}:{where}: {problem}`."""
+  for number, text, problem in checked:
     if problem is None:
-      yield lineno, text
+      yield number, text
     elif skip_bad_lines:
       counters.bad_lines += 1
     else:
-      raise InputFormatError(f"{path}:{lineno}: {problem} {_SKIP_HINT}")
+      raise InputFormatError(f"{path}:{where.format(number)}: {problem} {_SKIP_HINT}")
+
+
+def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
+                counters: ReadCounters) -> Iterator[tuple[int, str]]:
+  checked = ((lineno, *_json_problem(raw, text_field))
+             for lineno, raw in _numbered_lines(path) if raw.strip())
+  return _kept(path, checked, "{}", skip_bad_lines, counters)
 
 
 def _read_arrow(path: Path, text_field: str, skip_bad_lines: bool,
@@ -240,14 +246,8 @@ def _read_arrow(path: Path, text_field: str, skip_bad_lines: bool,
     values = arrow_inputs.parquet_values(path, text_field=text_field)
   else:
     values = arrow_inputs.arrow_stream_values(path, text_field=text_field)
-  for row, value in values:
-    text, problem = _text_of(value, f"column {text_field!r}")
-    if problem is None:
-      yield row, text
-    elif skip_bad_lines:
-      counters.bad_lines += 1
-    else:
-      raise InputFormatError(f"{path}: row {row}: {problem} {_SKIP_HINT}")
+  checked = ((row, *_text_of(value, f"column {text_field!r}")) for row, value in values)
+  return _kept(path, checked, " row {}", skip_bad_lines, counters)
 
 
 def iter_file_records(
