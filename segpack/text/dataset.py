@@ -81,27 +81,11 @@ def tokenize_files(
     if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
       raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
                              f"{[str(p) for p in inputs]}")
-    size = builtin[0].partition(":")[2] or "full"
-    if given is not None and not isinstance(given, spm_lib.SpmTokenizer):
-      raise InputFormatError(f"--tokenizer {tokenizer!r}: --input builtin takes a SentencePiece "
-                             f"model only (spm:PATH or --spm-model)")
-    if given is not None:
-      tokenizer = given
-    elif vocab_size is not None:
-      train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
-      tokenizer = tokenizer_cache.trained_tokenizer(
-          train_texts, output / "spm.model", vocab_size=vocab_size,
-          key={"builtin": corpus.corpus_key(size)}, protect=[output / "train", output / "eval"],
-          overwrite=overwrite)
-    else:
-      tokenizer = corpus.builtin_tokenizer(size=size, cache_dir=cache_dir)
-    tokenizer = tokenizer_cache.copy_model(tokenizer, output, overwrite=overwrite)
-    if runner == "beam":
-      return beam_pipeline.builtin_splits_beam(
-          output, size, tokenizer, shard_tokens=shard_tokens, unit_records=unit_records,
-          beam_options=beam_options, progress=progress, overwrite=overwrite)
-    return corpus.builtin_splits(output, size, tokenizer, workers=workers,
-                                 shard_tokens=shard_tokens, progress=progress, overwrite=overwrite)
+    return _tokenize_builtin(
+        builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
+        vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
+        shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+        progress=progress, overwrite=overwrite)
 
   files = expand_inputs(inputs)
   if not files:
@@ -140,6 +124,33 @@ def tokenize_files(
       metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
   return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
                    seconds=time.perf_counter() - start, text_bytes=nbytes)]
+
+
+def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,
+                      vocab_size: int | None, cache_dir, runner: str, workers: int,
+                      shard_tokens: int, unit_records: int, beam_options: str, progress: bool,
+                      overwrite: bool) -> list[encode.Summary]:
+  """`--input builtin[:size]`: the built-in corpus's train and eval splits under `output`."""
+  if given is not None and not isinstance(given, spm_lib.SpmTokenizer):
+    raise InputFormatError(f"--tokenizer {tokenizer!r}: --input builtin takes a SentencePiece "
+                           f"model only (spm:PATH or --spm-model)")
+  if given is not None:
+    model = given
+  elif vocab_size is not None:
+    train_texts = (t for _, t in corpus.builtin_documents(split="train", size=size))
+    model = tokenizer_cache.trained_tokenizer(
+        train_texts, output / "spm.model", vocab_size=vocab_size,
+        key={"builtin": corpus.corpus_key(size)}, protect=[output / "train", output / "eval"],
+        overwrite=overwrite)
+  else:
+    model = corpus.builtin_tokenizer(size=size, cache_dir=cache_dir)
+  model = tokenizer_cache.copy_model(model, output, overwrite=overwrite)
+  if runner == "beam":
+    return beam_pipeline.builtin_splits_beam(
+        output, size, model, shard_tokens=shard_tokens, unit_records=unit_records,
+        beam_options=beam_options, progress=progress, overwrite=overwrite)
+  return corpus.builtin_splits(output, size, model, workers=workers,
+                               shard_tokens=shard_tokens, progress=progress, overwrite=overwrite)
 
 
 def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
