@@ -6,7 +6,7 @@ import pytest
 from packing_oracles import naive_chunks
 from segpack import packing
 from segpack.packing.chunking import chunk_counts, chunk_spans, make_chunks
-from segpack.packing.minibatch import MinibatchPlanner
+from segpack.packing.minibatch_planner import MinibatchPlanner
 
 
 def _random_case(rng):

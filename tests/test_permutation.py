@@ -8,7 +8,7 @@ import pytest
 import segpack
 from segpack.data.options import SpecialTokens
 from segpack.data.permutation import epoch_permutation
-from segpack.packing.minibatch import MinibatchPlanner
+from segpack.packing.minibatch_planner import MinibatchPlanner
 
 
 def recipe(n, seed, epoch):

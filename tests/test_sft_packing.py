@@ -16,7 +16,7 @@ import pytest
 from masked_source import MaskedDocs
 from segpack import packing
 from segpack.data import packed as pipeline
-from segpack.data.minibatch import pack_minibatches
+from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.options import LongDocs, SpecialTokens
 from segpack import shards
 

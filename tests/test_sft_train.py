@@ -8,7 +8,7 @@ import pytest
 
 from configs import sft
 from segpack import shards
-from segpack.data.minibatch import pack_minibatches
+from segpack.data.minibatch_dataset import pack_minibatches
 from train import data as data_lib
 
 

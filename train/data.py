@@ -25,7 +25,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from segpack.data.minibatch import pack_minibatches
+from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.options import LongDocs, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches

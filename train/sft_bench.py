@@ -39,7 +39,7 @@ from flax import nnx
 
 from segpack.text import chat_corpus
 from segpack import loss as loss_lib
-from segpack.data.minibatch import pack_minibatches
+from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.packed import pack_dataset
 from segpack import shards
 from train import model as model_lib

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from segpack.data.options import PipelineConfigError
-from segpack.packing.plan import Plan
+from segpack.packing.plan_format import Plan
 
 __all__ = ["BalanceOptions", "assign_rows", "balance_epoch", "row_attention_cost"]
 

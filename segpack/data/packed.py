@@ -21,7 +21,7 @@ import numpy as np
 
 from segpack import packing
 from segpack.data import balance as balance_lib
-from segpack.data import minibatch as minibatch_lib
+from segpack.data import minibatch_dataset as minibatch_lib
 from segpack.data import rows as rows_lib
 from segpack.data import options
 from segpack.data import sources

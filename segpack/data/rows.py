@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack.data.options import SpecialTokens
-from segpack.packing.plan import Plan
+from segpack.packing.plan_format import Plan
 from segpack.shards.reader import make_mask_reader, make_token_reader
 
 IGNORE_LABEL = -100

@@ -6,7 +6,7 @@ docs/packing.md.
 
 from segpack.packing.cache import load_or_plan, plan_key
 from segpack.packing.chunking import LONG_DOCS, PackingArgumentError
-from segpack.packing.plan import Plan, PlanError
+from segpack.packing.plan_format import Plan, PlanError
 from segpack.packing.planner import STRATEGIES, TiePlanner, plan
 
 __all__ = ["LONG_DOCS", "STRATEGIES", "PackingArgumentError", "Plan", "PlanError",

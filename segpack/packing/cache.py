@@ -13,7 +13,7 @@ import numpy as np
 from segpack.packing import cap as cap_lib
 from segpack.packing import planner as _planner
 from segpack.packing.chunking import BLOCK, PackingArgumentError, check_lengths
-from segpack.packing.plan import FORMAT_VERSION, Plan, PlanError
+from segpack.packing.plan_format import FORMAT_VERSION, Plan, PlanError
 
 _log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from segpack.packing.first_fit import first_fit
-from segpack.packing.plan import Plan
+from segpack.packing.plan_format import Plan
 
 __all__ = ["cap_segments_per_row"]
 

@@ -2,7 +2,7 @@
 
 One primitive for every first-fit placement in the package: the small-input path of
 first-fit-decreasing (`segpack.packing.ffd`), the segment cap's pool placement
-(`segpack.packing.cap`) and the token-budget minibatches (`segpack.packing.minibatch`). The
+(`segpack.packing.cap`) and the token-budget minibatches (`segpack.packing.minibatch_planner`). The
 run-based vectorized FFD over a whole data set (`ffd.FirstFitDecreasing`) places thousands of
 equal items per step instead and does not use it.
 """

@@ -16,7 +16,7 @@ from segpack.packing.chunking import (Chunks, PackingArgumentError, check_length
 from segpack.packing.ffd import ONE_BY_ONE, FirstFitDecreasing, first_fit_decreasing
 from segpack.packing.greedy import next_fit
 from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
-from segpack.packing.plan import Plan
+from segpack.packing.plan_format import Plan
 from segpack.packing.runs import Placement
 
 # A planner maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).

@@ -1,5 +1,5 @@
 """`pack_minibatches`: packed minibatches, one element per optimizer step (a
-`MinibatchPackedDataset`; the planner is `segpack.packing.minibatch`).
+`MinibatchPackedDataset`; the planner is `segpack.packing.minibatch_planner`).
 
 Global packing (FFD over the whole epoch) needs the fewest rows, so with a fixed batch of rows an
 epoch takes fewer optimizer steps than unpacked training with the same batch size. For
@@ -22,7 +22,7 @@ from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
-from segpack.packing.minibatch import EpochPlan, MinibatchPlanner
+from segpack.packing.minibatch_planner import EpochPlan, MinibatchPlanner
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 

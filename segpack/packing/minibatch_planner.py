@@ -1,6 +1,6 @@
 """The minibatch planner: cut an epoch's example order into minibatches and pack each one.
 
-`segpack.data.minibatch.MinibatchPackedDataset` serves its plans as one element per optimizer
+`segpack.data.minibatch_dataset.MinibatchPackedDataset` serves its plans as one element per optimizer
 step.
 """
 
@@ -15,7 +15,7 @@ from segpack.data.permutation import epoch_permutation
 from segpack.packing.chunking import chunk_counts, chunk_spans
 from segpack.packing.ffd import first_fit_decreasing
 from segpack.packing.first_fit import FirstFitTree
-from segpack.packing.plan import Plan
+from segpack.packing.plan_format import Plan
 from segpack.packing.planner import plan as plan_rows
 
 __all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner"]

@@ -1,11 +1,11 @@
-"""Tests for segpack.packing.minibatch: the minibatch planner, against naive loops written out
+"""Tests for segpack.packing.minibatch_planner: the minibatch planner, against naive loops written out
 here (the documented permutation, a slot-by-slot chunk walk, textbook first fit and FFD)."""
 
 import numpy as np
 import pytest
 
 from packing_oracles import naive_bfd
-from segpack.packing.minibatch import MinibatchConfigError, MinibatchPlanner
+from segpack.packing.minibatch_planner import MinibatchConfigError, MinibatchPlanner
 
 
 def naive_chunks(n, seq_len, extra, overlap, long_docs):
