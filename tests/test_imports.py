@@ -1,6 +1,6 @@
-"""Imports of segpack/ and train/: none inside a function, and no cycle between modules.
+"""Imports of segpack/ and train/ (none inside a function, no cycle) and the size of the code.
 
-Rules (issue 10):
+Rules of the imports (issue 10):
 - An import inside a function is allowed only for a truly optional dependency (matplotlib, the
   private cuDNN module), and its line says why: `# optional: <reason>`.
 - The module-level imports of segpack/ and train/ (absolute `segpack.*` / `train.*` imports,
@@ -9,26 +9,41 @@ Rules (issue 10):
   `segpack.attention.pallas`, `from segpack.attention.checks import X` to
   `segpack.attention.checks` (a package's `__init__` running first is not counted).
 
-The checks are parsed from the source with `ast`; nothing is imported.
+Rules of size, for segpack/, train/ and configs/:
+- A module holds at most 450 lines (`MAX_MODULE_LINES`).
+- A function or method holds at most 80 lines of code (`MAX_FUNCTION_LINES`): the lines of its
+  span (the `def` line to its last line, nested functions included) that are not blank, not
+  only a comment, and not inside its docstring.
+- `segpack.data.packed.pack_dataset` takes at most 12 parameters
+  (`MAX_PACK_DATASET_PARAMETERS`) and no `**kwargs`.
+
+The checks are parsed from the source with `ast` (comments found with `tokenize`); nothing is
+imported.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("segpack", "train")
+SIZED_PACKAGES = ("segpack", "train", "configs")
 REASON = re.compile(r"#\s*optional:\s*\S")
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+MAX_PACK_DATASET_PARAMETERS = 12
 
 
-def module_files() -> dict[str, pathlib.Path]:
-  """Dotted module name -> file, for every module of `PACKAGES`."""
+def module_files(packages: tuple[str, ...] = PACKAGES) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every module of `packages`."""
   out = {}
-  for package in PACKAGES:
+  for package in packages:
     for path in sorted((REPO / package).rglob("*.py")):
       parts = list(path.relative_to(REPO).with_suffix("").parts)
       if parts[-1] == "__init__":
@@ -115,6 +130,64 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
+def module_lines(source: str) -> int:
+  """Lines of a module, as an editor numbers them (a last line without a newline counts)."""
+  return len(source.splitlines())
+
+
+def _docstring_lines(node: ast.AST) -> set[int]:
+  """The line numbers of the docstring of a function, class or module node (empty: none)."""
+  body = getattr(node, "body", None) or [None]
+  first = body[0]
+  if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+      and isinstance(first.value.value, str)):
+    return set(range(first.lineno, first.end_lineno + 1))
+  return set()
+
+
+def function_code_lines(source: str) -> list[tuple[str, int, int]]:
+  """`(qualified name, def line, lines of code)` of every function and method of `source`.
+
+  The lines of code are the lines of the function's span that are not blank, not only a comment
+  and not inside its docstring (a `#` line inside a string is code).
+  """
+  lines = source.splitlines()
+  comment_only = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if tok.type == tokenize.COMMENT
+                  and not lines[tok.start[0] - 1][:tok.start[1]].strip()}
+  out = []
+
+  def visit(node: ast.AST, prefix: str) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        skip = _docstring_lines(child) | comment_only
+        count = sum(1 for n in range(child.lineno, child.end_lineno + 1)
+                    if n not in skip and lines[n - 1].strip())
+        out.append((prefix + child.name, child.lineno, count))
+        visit(child, f"{prefix}{child.name}.")
+      elif isinstance(child, ast.ClassDef):
+        visit(child, f"{prefix}{child.name}.")
+      else:
+        visit(child, prefix)
+
+  visit(ast.parse(source), "")
+  return out
+
+
+def function_parameters(source: str, name: str) -> tuple[int, bool]:
+  """`(parameters, takes **kwargs)` of the module-level function `name` of `source`.
+
+  The parameters are the named ones (positional, keyword-only) and `*args`; `**kwargs` is
+  reported apart.
+  """
+  for node in ast.parse(source).body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+      a = node.args
+      count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+      return count, a.kwarg is not None
+  raise LookupError(f"no module-level function {name!r}")
+
+
 # The checks on small inputs (they must catch what they are for).
 
 def test_function_level_import_is_found_unless_it_gives_a_reason():
@@ -146,6 +219,46 @@ def test_find_cycle_finds_one_and_accepts_a_dag():
   assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"a", "b", "c"}
 
 
+def test_module_lines_counts_blank_and_comment_lines():
+  assert module_lines("import os\n\n# a comment\nx = 1\n") == 4
+  assert module_lines("x = 1\ny = 2") == 2  # no newline at the end
+  assert module_lines("x = 1\n" * (MAX_MODULE_LINES + 1)) > MAX_MODULE_LINES
+
+
+def test_function_code_lines_skip_blanks_comments_and_the_docstring_only():
+  source = ("def f(a,\n"            # 1: code
+            "      b):\n"           # 2: code
+            "  \"\"\"Doc.\n"          # 3: docstring
+            "\n"                    # 4: docstring (blank too)
+            "  More.\"\"\"\n"         # 5: docstring
+            "  # a comment\n"       # 6: comment only
+            "\n"                    # 7: blank
+            "  x = a  # trailing\n"  # 8: code
+            "  s = \"\"\"\n"          # 9: code
+            "# in a string\n"       # 10: code (a string, not a comment)
+            "\"\"\"\n"                # 11: code
+            "  def g():\n"          # 12: code (f's and g's)
+            "    \"\"\"G's doc.\"\"\"\n"  # 13: g's docstring, code of f
+            "    return b\n"        # 14: code
+            "  return x, s, g\n"    # 15: code
+            "\n"
+            "class C:\n"
+            "  @property\n"
+            "  def m(self):\n"
+            "    return 1\n")
+  assert function_code_lines(source) == [("f", 1, 10), ("f.g", 12, 2), ("C.m", 19, 2)]
+
+
+def test_function_parameters_counts_named_ones_and_star_args_and_flags_kwargs():
+  source = ("def other(a, b, c, d): pass\n"
+            "def pack(source, /, x, *args, seq_len, seed=0, **deprecated):\n  pass\n"
+            "class K:\n  def pack(self): pass\n")
+  assert function_parameters(source, "pack") == (5, True)
+  assert function_parameters("def pack(a, *, b=1):\n  pass\n", "pack") == (2, False)
+  with pytest.raises(LookupError):
+    function_parameters("class K:\n  def pack(self): pass\n", "pack")
+
+
 # The rules on the project.
 
 @pytest.mark.parametrize("module", sorted(module_files()))
@@ -162,3 +275,30 @@ def test_the_module_import_graph_has_no_cycle():
   assert len(graph) > 50 and graph["train.model"] >= {"segpack.attention"}  # the graph is real
   cycle = find_cycle(graph)
   assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("module", sorted(module_files(SIZED_PACKAGES)))
+def test_module_is_not_too_long(module):
+  path = module_files(SIZED_PACKAGES)[module]
+  n = module_lines(path.read_text())
+  assert n <= MAX_MODULE_LINES, (
+      f"{path.relative_to(REPO)}: {n} lines, over {MAX_MODULE_LINES}: split it along its concerns")
+
+
+@pytest.mark.parametrize("module", sorted(module_files(SIZED_PACKAGES)))
+def test_no_function_is_too_long(module):
+  path = module_files(SIZED_PACKAGES)[module]
+  offenders = [(name, line, n) for name, line, n in function_code_lines(path.read_text())
+               if n > MAX_FUNCTION_LINES]
+  assert not offenders, (
+      f"{path.relative_to(REPO)}: functions over {MAX_FUNCTION_LINES} lines of code "
+      f"(name, line, lines of code): {offenders}")
+
+
+def test_pack_dataset_takes_few_parameters_and_no_kwargs():
+  path = REPO / "segpack" / "data" / "packed.py"
+  count, kwargs = function_parameters(path.read_text(), "pack_dataset")
+  assert count <= MAX_PACK_DATASET_PARAMETERS and not kwargs, (
+      f"{path.relative_to(REPO)}: pack_dataset takes {count} parameters"
+      f"{' and **kwargs' if kwargs else ''}; at most {MAX_PACK_DATASET_PARAMETERS} and no "
+      f"**kwargs (group related options into an options object)")

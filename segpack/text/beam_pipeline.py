@@ -36,11 +36,8 @@ the dataset holds input 0's documents 0..4, then input 1's 0..1, empty ones skip
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
-import shlex
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -52,30 +49,25 @@ import numpy as np
 from segpack import files
 from segpack import shards as shards_lib
 from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE
+from segpack.text import beam_driver
 from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import tokenizer_spec
+from segpack.text.beam_driver import ERRORS_FILE, unit_names
 from segpack.text.inputs import InputFormatError, ReadCounters, iter_file_records
 
-__all__ = ["DEFAULT_UNIT_RECORDS", "builtin_splits_beam", "tokenize_files_beam", "unit_names",
-           "write_dataset_beam"]
+__all__ = ["DEFAULT_UNIT_RECORDS", "ERRORS_FILE", "builtin_splits_beam", "tokenize_files_beam",
+           "unit_names", "write_dataset_beam"]
 
 DEFAULT_UNIT_RECORDS = 10_000
-_METRICS_NAMESPACE = "segpack"
 # Tokenizers rebuilt in this worker process, by spec (filled on first use, never at import).
 _TOKENIZERS: dict[str, tokenizer_spec.Tokenizer] = {}
-
-
-def unit_names(index: int, block: int, shard: int | None = None) -> str:
-  """The file stem of shard `shard` of unit (index, block), or of the unit's done-record."""
-  stem = f"shard-{index:05d}-{block:05d}"
-  return stem if shard is None else f"{stem}-{shard:05d}"
 
 
 def _count(name: str, value: int) -> None:
   """Adds `value` to the Beam counter `segpack/name` (read by the driver for its summary)."""
   from apache_beam.metrics import Metrics  # optional: runs only inside a Beam pipeline
-  Metrics.counter(_METRICS_NAMESPACE, name).inc(value)
+  Metrics.counter(beam_driver.METRICS_NAMESPACE, name).inc(value)
 
 
 def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
@@ -95,7 +87,6 @@ def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
 
 
 _ERRORS = "errors"  # The Read step's output of bad inputs: (input index, message).
-ERRORS_FILE = "beam-errors.json"  # Where the final step leaves them for the driver.
 
 
 def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: int,
@@ -210,84 +201,7 @@ def _write_manifest(records: list[dict[str, Any]], *, output: str, header: dict[
 
 
 # -------------------------------------------------------------------------------------------------
-# The driver.
-
-
-def _kept_units(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
-  """Done-records of an interrupted run with the same key whose files match their checksums."""
-  kept = []
-  for done in sorted(output.glob("shard-*-*.done.json")):
-    try:
-      record = json.loads(done.read_text("utf-8"))
-      ok = (record.get("resume_key") == resume_key and record.get("dtype") == dtype.name
-            and done.name == f"{unit_names(*record['unit'])}.done.json"
-            and all(files.sha256_file(output / s[kind]) == s["sha256"][kind]
-                    for s in record["shards"] for kind in ("tokens", "offsets")))
-    except (OSError, ValueError, KeyError, TypeError):
-      ok = False
-    if ok:
-      kept.append(record)
-  return kept
-
-
-def _finished(output: Path, resume_key: str, overwrite: bool) -> dict[str, Any] | None:
-  """The manifest of a finished dataset with the same key at `output` (None: there is none);
-  raises when another dataset is there and `overwrite` is not set."""
-  manifest_path = output / shards_lib.MANIFEST_NAME
-  if not manifest_path.exists():
-    return None
-  try:
-    old = json.loads(manifest_path.read_text("utf-8"))
-  except ValueError:
-    old = {}
-  if isinstance(old, dict) and old.get("resume_key") == resume_key:
-    return old
-  if not overwrite:
-    raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
-                           f"inputs or settings; pass --overwrite to replace it")
-  return None
-
-
-def _clear(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
-  """Removes the manifest first (the directory never looks finished), then every file the format
-  owns except the kept units' (`_kept_units`); returns the kept done-records."""
-  output.mkdir(parents=True, exist_ok=True)
-  (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
-  kept = _kept_units(output, resume_key, dtype)
-  keep = {f"{unit_names(*r['unit'])}.done.json" for r in kept}
-  keep.update(s[k] for r in kept for s in r["shards"] for k in ("tokens", "offsets"))
-  for path in output.iterdir():
-    if OWNED_FILE.match(path.name) and path.name not in keep:
-      path.unlink()
-  return kept
-
-
-def _beam_options(beam_options: str):
-  """Beam's PipelineOptions of the `--beam-options` string; the SDK workers log warnings and
-  errors only (Beam's INFO lines per worker would bury the summary) unless the string says
-  otherwise (`--default_sdk_harness_log_level=INFO`)."""
-  from apache_beam.options.pipeline_options import PipelineOptions  # optional: segpack[beam]
-  try:
-    flags = shlex.split(beam_options)
-  except ValueError as e:
-    raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
-  return PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
-
-
-def _import_beam():
-  """Apache Beam, imported on first use; its import-time warnings about the Google Cloud
-  clients it finds missing (BigQuery, irrelevant here) are not shown."""
-  root = logging.getLogger()
-  level = root.level
-  root.setLevel(logging.ERROR)
-  try:
-    import apache_beam  # optional: the extra segpack[beam], needed only for --runner beam
-  except ImportError as e:
-    raise InputFormatError(f"--runner beam needs Apache Beam: pip install 'segpack[beam]' "
-                           f"({e})") from e
-  finally:
-    root.setLevel(level)
-  return apache_beam
+# The driver (its checks of the output directory, Beam's import and options: beam_driver).
 
 
 def write_dataset_beam(
@@ -328,13 +242,13 @@ def write_dataset_beam(
     raise ValueError("write_dataset_beam: pass exactly one of files_in and documents")
   if not isinstance(unit_records, int) or unit_records < 1:
     raise InputFormatError(f"--unit-records must be a positive int, got {unit_records!r}")
-  beam = _import_beam()
+  beam = beam_driver.import_beam()
   output = Path(output).resolve()
   dtype = np.dtype(tokenizer.dtype)
-  finished = _finished(output, resume_key, overwrite)
+  finished = beam_driver.finished_manifest(output, resume_key, overwrite)
   if finished is not None:
     return finished, len(finished.get("shards", [])), 0, 0
-  kept = _clear(output, resume_key, dtype)
+  kept = beam_driver.clear_output(output, resume_key, dtype)
   header = {
       "format": shards_lib.FORMAT_NAME, "format_version": shards_lib.FORMAT_VERSION,
       "dtype": dtype.name, "byte_order": "little", "vocab_size": tokenizer.vocab_size,
@@ -343,7 +257,7 @@ def write_dataset_beam(
                        unit_records=unit_records)}
   json.dumps(header)  # Fails early when the metadata is not serialisable.
   kept_units = frozenset(tuple(r["unit"]) for r in kept)
-  pipeline = beam.Pipeline(options=_beam_options(beam_options))
+  pipeline = beam.Pipeline(options=beam_driver.pipeline_options(beam_options))
   if files_in is not None:
     items = [(i, str(Path(p).resolve())) for i, p in enumerate(files_in)]
     read_out = (pipeline | "Inputs" >> beam.Create(items) | "Spread" >> beam.Reshuffle()
@@ -365,50 +279,16 @@ def write_dataset_beam(
        | "Barrier" >> beam.combiners.ToList()
        | "Manifest" >> beam.Map(_write_manifest, output=str(output), header=header,
                                 unit_records=unit_records, errors=beam.pvalue.AsList(errors)))
-  with _quiet_step_errors():
+  with beam_driver.quiet_step_errors():
     result = pipeline.run()
     state = result.wait_until_finish()
   if str(state).rsplit(".", 1)[-1] != "DONE":
     raise RuntimeError(f"Beam pipeline for {output} ended in state {state}")
-  _raise_input_errors(output)
+  beam_driver.raise_input_errors(output)
   manifest = json.loads((output / shards_lib.MANIFEST_NAME).read_text("utf-8"))
-  return (manifest, sum(len(r["shards"]) for r in kept), _counter(result, "text_bytes"),
-          _counter(result, "bad_lines"))
-
-
-def _raise_input_errors(output: Path) -> None:
-  """Raises the first bad input (in input order) that the pipeline reported, if any."""
-  path = output / ERRORS_FILE
-  if not path.exists():
-    return
-  errors = json.loads(path.read_text("utf-8"))
-  path.unlink()
-  raise InputFormatError(errors[0][1] if len(errors) == 1 else
-                         f"{errors[0][1]} (and {len(errors) - 1} more bad inputs)")
-
-
-@contextlib.contextmanager
-def _quiet_step_errors():
-  """Beam logs a failing step's traceback before it re-raises the step's exception (which names
-  the step); the exception reaches the caller, so the CLI prints one line, not a traceback."""
-  logger = logging.getLogger("apache_beam.runners.common")
-  level = logger.level
-  logger.setLevel(logging.CRITICAL)
-  try:
-    yield
-  finally:
-    logger.setLevel(level)
-
-
-def _counter(result, name: str) -> int:
-  """A `segpack` counter of a finished pipeline (0 when the runner reports no metrics)."""
-  from apache_beam.metrics.metric import MetricsFilter  # optional: segpack[beam]
-  try:
-    found = result.metrics().query(
-        MetricsFilter().with_namespace(_METRICS_NAMESPACE).with_name(name))["counters"]
-  except (NotImplementedError, KeyError):
-    return 0
-  return int(sum(c.committed or 0 for c in found))
+  return (manifest, sum(len(r["shards"]) for r in kept),
+          beam_driver.read_counter(result, "text_bytes"),
+          beam_driver.read_counter(result, "bad_lines"))
 
 
 def tokenize_files_beam(files_in: Sequence[Path], output: Path, *,
