@@ -1,4 +1,4 @@
-"""Balancing global batches by attention cost (`segpack.data.balance`, `pack_dataset(balance=)`).
+"""Balancing global batches by attention cost (`segpack.data.balance`, `StreamBatches(balance=)`).
 
 Oracles: exhaustive search over all equal-quota assignments (the optimum), attention costs
 counted with plain loops over the rows' slots, and the unbalanced dataset's own rows.
@@ -7,7 +7,6 @@ counted with plain loops over the rows' slots, and the unbalanced dataset's own 
 from __future__ import annotations
 
 import collections
-import types
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from segpack.data.options import PipelineConfigError
 from train import data as data_lib
 
 BOS, EOS = 1, 2
+FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
 
 
 def optimum(costs, num_ranks):
@@ -159,12 +159,15 @@ def make_docs(n, seed):
   return [rng.integers(3, 500, size=int(k), dtype=np.int32) for k in lengths]
 
 
-def pack(docs, *, index=0, count=1, balance=None, **kwargs):
+def pack(docs, **kwargs):
   return segpack.pack_dataset(
       docs, seq_len=64, seed=3, special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS),
-      shard_options=types.SimpleNamespace(shard_index=index, shard_count=count,
-                                          drop_remainder=False),
-      balance=balance, **kwargs)
+      **kwargs)
+
+
+def batches(rows, *, batch, index=0, count=1, balance=None):
+  return segpack.StreamBatches(rows, global_batch_size=batch, process_index=index,
+                               process_count=count, balance=balance)
 
 
 def row_keys(batch):
@@ -172,67 +175,60 @@ def row_keys(batch):
                 for r in range(len(batch["input_ids"])))
 
 
-def test_dataset_ranks_get_the_optimal_split_of_the_same_rows():
-  """2 processes x 2 devices, global batch 8: two rows per rank, so the split is optimal."""
+def test_stream_ranks_get_the_optimal_split_of_the_same_rows():
+  """2 processes x 3 devices, global batch 12: two rows per rank, so the split is optimal, in
+  every step, the steps that straddle two epochs included."""
   docs = make_docs(400, seed=5)
-  options = BalanceOptions(global_batch_size=8, num_ranks=4)
-  plain = [pack(docs, index=p, count=2, num_epochs=2) for p in range(2)]
-  balanced = [pack(docs, index=p, count=2, num_epochs=2, balance=options) for p in range(2)]
-  steps = len(plain[0]) // 4
-  assert steps >= 8 and len(balanced[0]) == len(plain[0])
-  improved = checked = 0
+  rows = pack(docs, num_epochs=2)
+  options = BalanceOptions(num_ranks=6)
+  plain = [batches(rows, batch=12, index=p, count=2) for p in range(2)]
+  balanced = [batches(rows, batch=12, index=p, count=2, balance=options) for p in range(2)]
+  steps = len(plain[0])
+  assert steps >= 8 and len(balanced[0]) == steps and rows.rows_per_epoch % 12
+  improved = 0
   for step in range(steps):
-    locals_ = [b.get_batch(np.arange(step * 4, step * 4 + 4)) for b in balanced]
-    base = [b.get_batch(np.arange(step * 4, step * 4 + 4)) for b in plain]
-    global_rows = {k: np.concatenate([x[k] for x in locals_]) for k in locals_[0]}
-    base_rows = {k: np.concatenate([x[k] for x in base]) for k in base[0]}
-    # Balanced are the groups of 8 epoch positions that are one whole step; a step that
-    # straddles two epochs (when 4 does not divide the rows per epoch) keeps its order.
-    j0 = step * 4 % plain[0].rows_per_epoch
-    full_group = j0 % 4 == 0 and j0 + 4 <= plain[0].rows_per_epoch
+    global_rows = {k: np.concatenate([b[step][k] for b in balanced]) for k in FEATURES}
+    base_rows = {k: np.concatenate([b[step][k] for b in plain]) for k in FEATURES}
     assert row_keys(global_rows) == row_keys(base_rows), step  # the same rows in every step
     costs = [naive_cost(row) for row in global_rows["segment_ids"]]
-    # Process-major global batch; each of a process's 2 devices takes 2 contiguous rows.
-    ranks = np.asarray(costs).reshape(4, 2).sum(axis=1)
-    base_ranks = np.asarray([naive_cost(r) for r in base_rows["segment_ids"]]).reshape(4, 2)
-    if full_group:
-      assert ranks.max() == optimum(costs, 4), step
-      improved += ranks.max() < base_ranks.sum(axis=1).max()
-      checked += 1
-  assert checked >= 8 and improved > checked // 2
+    # Process-major global batch; each of a process's 3 devices takes 2 contiguous rows.
+    ranks = np.asarray(costs).reshape(6, 2).sum(axis=1)
+    base_ranks = np.asarray([naive_cost(r) for r in base_rows["segment_ids"]]).reshape(6, 2)
+    assert ranks.max() == optimum(costs, 6), step
+    improved += ranks.max() < base_ranks.sum(axis=1).max()
+  assert improved > steps // 2
 
 
-def test_dataset_is_deterministic_and_resumes():
+def test_stream_balance_is_deterministic_and_resumes():
   docs = make_docs(300, seed=6)
-  options = BalanceOptions(global_batch_size=6, num_ranks=3)
-  ds = pack(docs, balance=options).batch(6).to_iter_dataset()
-  it = iter(ds)
-  states, batches = [], []
+  options = BalanceOptions(num_ranks=3)
+  it = batches(pack(docs), batch=6, balance=options).iterator()
+  states, got = [], []
   for _ in range(10):
     states.append(it.get_state())
-    batches.append(next(it))
-  again = iter(pack(docs, balance=options).batch(6).to_iter_dataset())
-  for want in batches:
-    got = next(again)
-    assert all(np.array_equal(got[k], want[k]) for k in want)
+    got.append(next(it))
+  again = batches(pack(docs), batch=6, balance=options).iterator()
+  for want in got:
+    nxt = next(again)
+    assert all(np.array_equal(nxt[k], want[k]) for k in want)
   for k in (0, 3, 7):
-    resumed = iter(ds)
+    resumed = batches(pack(docs), batch=6, balance=options).iterator()
     resumed.set_state(states[k])
-    for want in batches[k:k + 3]:
-      got = next(resumed)
-      assert all(np.array_equal(got[f], want[f]) for f in want), k
-  row = pack(docs, balance=options)[5]
-  assert np.array_equal(row["input_ids"], batches[0]["input_ids"][5])
+    for want in got[k:k + 3]:
+      nxt = next(resumed)
+      assert all(np.array_equal(nxt[f], want[f]) for f in want), k
 
 
-def test_dataset_balance_errors():
-  docs = make_docs(50, seed=7)
-  with pytest.raises(PipelineConfigError, match="global_batch_size=10"):
-    pack(docs, balance=BalanceOptions(global_batch_size=10, num_ranks=4))
-  with pytest.raises(PipelineConfigError, match="shard_count=2"):
-    pack(docs, count=2, balance=BalanceOptions(global_batch_size=9, num_ranks=3))
-  with pytest.raises(PipelineConfigError, match="balance must be"):
-    pack(docs, balance=(8, 4))
+def test_stream_balance_errors():
+  rows = pack(make_docs(50, seed=7))
+  with pytest.raises(PipelineConfigError, match="num_ranks=4 must divide global_batch_size=10"):
+    batches(rows, batch=10, balance=BalanceOptions(num_ranks=4))
+  with pytest.raises(PipelineConfigError, match="multiple of process_count=2"):
+    batches(rows, batch=6, count=2, balance=BalanceOptions(num_ranks=3))
+  with pytest.raises(PipelineConfigError, match="balance.num_ranks must be a positive int"):
+    batches(rows, batch=6, balance=BalanceOptions(num_ranks=0))
+  with pytest.raises(PipelineConfigError, match="balance must be a BalanceOptions"):
+    batches(rows, batch=8, balance=(8, 4))
 
 
 def _rank_costs(batch, num_ranks):

@@ -26,7 +26,6 @@ import segpack
 from segpack import packing
 from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
-from segpack.data.packed import PackedDataset
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
 from test_train import _synthetic
@@ -35,7 +34,6 @@ from train import data as data_lib
 from train import train as train_lib
 
 SEQ_LEN, SEED, BOS, EOS = 64, 3, 1, 2
-ONE = grain.sharding.ShardOptions(shard_index=0, shard_count=1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -47,7 +45,7 @@ def make_docs(n=160, seed=0):
 
 def make_stream(docs, *, repack="none"):
   return segpack.pack_dataset(docs, seq_len=SEQ_LEN, seed=SEED, num_epochs=None,
-                              shard_options=ONE, repack=repack,
+                              repack=repack,
                               special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS))
 
 
@@ -108,8 +106,9 @@ class Counter:
 
 def run_processes(stream, counter, *, count, batch, steps, ranks=None, state=None):
   """`count` simulated processes take `steps` global batches from `state`; returns the state."""
+  balance = None if ranks is None else BalanceOptions(num_ranks=ranks)
   parts = [StreamBatches(stream, global_batch_size=batch, process_index=p, process_count=count,
-                         balance_ranks=ranks) for p in range(count)]
+                         balance=balance) for p in range(count)]
   iterators = [b.iterator() for b in parts]
   if state is not None:
     for it in iterators:
@@ -141,7 +140,7 @@ def test_resume_on_another_process_count_consumes_every_row_once(before, after, 
   counter = Counter(docs, repack=repack)
   stream = make_stream(docs, repack=repack)
   rows = counter.rows_per_epoch()
-  assert stream.num_plan_rows == rows  # the stream has no padding rows
+  assert stream.rows_per_epoch == rows  # the stream has no padding rows
   (p, b1), (q, b2) = before, after
   steps1 = rows // b1 + 2  # into epoch 1, mid-epoch
   state = run_processes(stream, counter, count=p, batch=b1, steps=steps1,
@@ -155,26 +154,6 @@ def test_resume_on_another_process_count_consumes_every_row_once(before, after, 
   assert end["epoch"] * rows + end["index"] == steps1 * b1 + steps2 * b2 >= 3 * rows
   counter.check_epochs(3)
   assert sum(counter.counts.values()) == steps1 * b1 + steps2 * b2
-
-
-def test_balanced_batches_hold_the_stream_rows_with_lower_worst_rank():
-  docs = make_docs(400, seed=4)
-  stream = make_stream(docs)
-  plain = StreamBatches(stream, global_batch_size=16, process_index=0, process_count=1)
-  balanced = StreamBatches(stream, global_batch_size=16, process_index=0, process_count=1,
-                           balance_ranks=8)
-  better = 0
-  for k in range(12):  # batches straddling an epoch boundary included
-    a, b = plain[k], balanced[k]
-    assert sorted(map(bytes, a["input_ids"])) == sorted(map(bytes, b["input_ids"]))
-    worst = []
-    for x in (a, b):
-      costs = [sum(n * (n + 1) // 2 for n in collections.Counter(row[row > 0].tolist()).values())
-               for row in x["segment_ids"]]
-      worst.append(np.asarray(costs).reshape(8, 2).sum(axis=1).max())
-    assert worst[1] <= worst[0], k  # two rows per rank: largest with smallest is optimal
-    better += worst[1] < worst[0]
-  assert better > 0
 
 
 def test_stream_batches_are_contiguous_blocks_of_the_stream():
@@ -197,68 +176,17 @@ def test_bad_arguments_and_states_are_refused_by_name():
   stream = make_stream(docs)
   with pytest.raises(PipelineConfigError, match="global_batch_size=6 is not divisible"):
     StreamBatches(stream, global_batch_size=6, process_index=0, process_count=4)
-  with pytest.raises(PipelineConfigError, match="balance_ranks=3"):
+  with pytest.raises(PipelineConfigError, match="num_ranks=3"):
     StreamBatches(stream, global_batch_size=8, process_index=0, process_count=2,
-                  balance_ranks=3)
-  sharded = segpack.pack_dataset(docs, seq_len=SEQ_LEN, num_epochs=None,
-                                 special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS),
-                                 shard_options=grain.sharding.ShardOptions(0, 2))
-  assert isinstance(sharded, PackedDataset)
-  with pytest.raises(PipelineConfigError, match="shard_count=2"):
-    StreamBatches(sharded, global_batch_size=8, process_index=0, process_count=1)
+                  balance=BalanceOptions(num_ranks=3))
   it = StreamBatches(stream, global_batch_size=4, process_index=0, process_count=1).iterator()
-  rows = stream.num_plan_rows
+  rows = stream.rows_per_epoch
   with pytest.raises(StreamStateError, match=f"rows_per_epoch={rows + 1}"):
     it.set_state({"epoch": 0, "index": 0, "rows_per_epoch": rows + 1})
   with pytest.raises(StreamStateError, match=f"index={rows}"):
     it.set_state({"epoch": 1, "index": rows, "rows_per_epoch": rows})
   with pytest.raises(StreamStateError, match="next_index"):
     it.set_state({"next_index": 3})
-
-
-@pytest.mark.parametrize("count,batch,balance", [(2, 8, "none"), (3, 6, "none"),
-                                                 (2, 8, "attention")])
-def test_legacy_per_process_state_converts_to_the_same_rows(count, batch, balance):
-  """An old checkpoint's per-process `next_index` maps to the stream position whose prefix is
-  exactly the rows the old interleaved processes had read (oracle: the old per-process
-  datasets' own `plan_rows`)."""
-  docs = make_docs(90, seed=3)
-  stream = make_stream(docs)
-  rows = stream.num_plan_rows
-  local = batch // count
-  options = (None if balance == "none"
-             else BalanceOptions(global_batch_size=batch, num_ranks=count))
-  old = [segpack.pack_dataset(docs, seq_len=SEQ_LEN, seed=SEED, num_epochs=None,
-                              special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS),
-                              shard_options=grain.sharding.ShardOptions(p, count),
-                              balance=options)
-         for p in range(count)]
-  per_process = old[0].rows_per_epoch
-  converted = refused = 0
-  for k in range(0, 3 * rows // batch):
-    read = collections.Counter()
-    for ds in old:
-      idx = np.arange(k * local)
-      read.update(zip((idx // per_process).tolist(), ds.plan_rows(idx).tolist()))
-    read = collections.Counter({key: c for key, c in read.items() if key[1] != -1})
-    states = {str(p): {"next_index": k} for p in range(count)}
-    try:
-      state = ckpt_lib.legacy_data_state(states, batch_size=batch, rows_per_epoch=rows,
-                                         balance=balance, where="ckpt")
-    except ckpt_lib.DataStateError as e:
-      assert balance != "none" and "packing.balance='attention'" in str(e)
-      refused += 1
-      continue
-    converted += 1
-    t = state["epoch"] * rows + state["index"]
-    prefix = collections.Counter(zip((np.arange(t) // rows).tolist(),
-                                     stream.plan_rows(np.arange(t)).tolist()))
-    if balance == "none":
-      assert read == prefix, k
-    else:  # the old order was balanced within groups: compare as sets per epoch
-      assert set(read) == set(prefix) and sum(read.values()) == t, k
-  assert converted >= 3
-  assert refused == 0 or balance != "none"
 
 
 def test_trainer_data_stream_and_checkpoint_format(tmp_path):
@@ -391,21 +319,14 @@ def _logged(workdir):
 
 @pytest.mark.slow
 def test_trainer_resumes_2_to_1_to_4_to_2_processes(tmp_path):
-  """One run over 2, 1, 4 and 2 processes (batch 8, 8, 12, 8; the first checkpoint rewritten
-  in the older per-process format): every plan row once per epoch."""
+  """One run over 2, 1, 4 and 2 processes (batch 8, 8, 12, 8): every plan row once per epoch."""
   work = tmp_path / "run"
   phases = [(2, 3, 8), (1, 7, 8), (4, 11, 12), (2, 16, 8)]  # (processes, last step, batch)
   resumed, logs = [], []
-  for n, (count, steps, batch) in enumerate(phases):
+  for count, steps, batch in phases:
     summary, log = _phase(work, count=count, steps=steps, batch=batch)
     resumed.append(summary["resumed_from"])
     logs.append(log)
-    if n == 0:
-      # Rewrite the data item into the older format, every process's Grain state (step 3 read
-      # batches 0..2 of 4 rows each): the next phase must convert it to the stream position.
-      item = work / "checkpoints" / "3" / "data" / "metadata"
-      assert json.loads(item.read_text())["iterator"]["index"] == 24
-      item.write_text(json.dumps({"0": {"next_index": 3}, "1": {"next_index": 3}}))
   assert resumed == [0, 3, 7, 11]
   assert "changes: processes: 2 -> 1\n" in logs[1]
   assert "changes: processes: 1 -> 4; train.batch_size: 8 -> 12" in logs[2]

@@ -10,7 +10,6 @@ import random
 import shutil
 import sys
 
-import grain
 import numpy as np
 import pytest
 
@@ -129,8 +128,7 @@ def test_pack_dataset_puts_the_tokenizers_bos_and_eos_at_document_boundaries(tmp
   ref = tokenizers.Tokenizer.from_file(str(bpe))
   ref.encode_special_tokens = True
   want = sorted([3] + ref.encode(t, add_special_tokens=False).ids + [2] for t in docs if t)
-  packed = pack_dataset(tmp_path / "out", seq_len=256, shuffle=False, num_epochs=1,
-                        shard_options=grain.sharding.NoSharding())
+  packed = pack_dataset(tmp_path / "out", seq_len=256, shuffle=False, num_epochs=1)
   pieces = []
   for row in packed:
     ids, seg = np.asarray(row["input_ids"]), np.asarray(row["segment_ids"])
@@ -173,10 +171,9 @@ def test_a_tokenizer_without_bos_makes_pack_dataset_ask_for_one(tmp_path, bpe):
   meta = ShardSource(tmp_path / "out").manifest["metadata"]["tokenizer"]
   assert meta["bos_id"] is None and meta["eos_id"] is None
   with pytest.raises(PipelineConfigError, match="bos_id"):
-    pack_dataset(tmp_path / "out", seq_len=64, shard_options=grain.sharding.NoSharding())
+    pack_dataset(tmp_path / "out", seq_len=64)
   rows = pack_dataset(tmp_path / "out", seq_len=512, shuffle=False, num_epochs=1,
-                      special_tokens=SpecialTokens(bos_id=3, eos_id=2),
-                      shard_options=grain.sharding.NoSharding())
+                      special_tokens=SpecialTokens(bos_id=3, eos_id=2))
   first = np.asarray(rows[0]["input_ids"])
   assert first[0] == 3
 
@@ -203,8 +200,7 @@ def test_vocabulary_over_65535_writes_uint32_and_packs(tmp_path):
   assert _stored(tmp_path / "out") == want
   meta = src.manifest["metadata"]["tokenizer"]
   assert (meta["bos_id"], meta["eos_id"], meta["pad_id"]) == (70_000, 70_001, None)
-  rows = pack_dataset(tmp_path / "out", seq_len=64, shuffle=False, num_epochs=1,
-                      shard_options=grain.sharding.NoSharding())
+  rows = pack_dataset(tmp_path / "out", seq_len=64, shuffle=False, num_epochs=1)
   pieces = []
   for row in rows:
     ids, seg = np.asarray(row["input_ids"]), np.asarray(row["segment_ids"])

@@ -1,12 +1,10 @@
-"""The option groups of `pack_dataset` / `pack_minibatches`, and the deprecated flat keywords.
+"""The option groups of `pack_dataset` / `pack_minibatches`.
 
-Every deprecated keyword must warn, name its replacement, and give exactly the rows of the new
-spelling; each case also checks that the option changed the rows (so a keyword that is silently
-dropped on both paths fails), with the expected effect read off the rows directly.
+Every option must change the rows, with the expected effect read off the rows directly (so an
+option that is silently dropped fails). A keyword that is not a parameter is a plain TypeError.
 """
 
 import types
-import warnings
 
 import grain
 import numpy as np
@@ -14,7 +12,6 @@ import pytest
 
 import segpack
 from segpack.data import sources
-from train import data as data_lib
 
 FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
 BOS, EOS = 1, 2
@@ -71,35 +68,29 @@ def holds(els, token):
 
 DOCS = make_docs()
 
-# (deprecated keywords, the same in the new spelling, a check of the effect on the rows)
+# (the option in its group, a check of its effect on the rows)
 CASES = {
-    "add_bos": (dict(add_bos=False), dict(special_tokens=segpack.SpecialTokens(add_bos=False)),
+    "add_bos": (dict(special_tokens=segpack.SpecialTokens(add_bos=False)),
                 lambda els: not holds(els, BOS) and slots(els) == real_slots(DOCS, extra=1)),
-    "add_eos": (dict(add_eos=False), dict(special_tokens=segpack.SpecialTokens(add_eos=False)),
+    "add_eos": (dict(special_tokens=segpack.SpecialTokens(add_eos=False)),
                 lambda els: not holds(els, EOS) and slots(els) == real_slots(DOCS, extra=1)),
-    "bos_id": (dict(bos_id=7), dict(special_tokens=segpack.SpecialTokens(bos_id=7)),
+    "bos_id": (dict(special_tokens=segpack.SpecialTokens(bos_id=7)),
                lambda els: holds(els, 7) and not holds(els, BOS)),
-    "eos_id": (dict(eos_id=8), dict(special_tokens=segpack.SpecialTokens(eos_id=8)),
+    "eos_id": (dict(special_tokens=segpack.SpecialTokens(eos_id=8)),
                lambda els: holds(els, 8) and not holds(els, EOS)),
-    "pad_id": (dict(pad_id=9), dict(special_tokens=segpack.SpecialTokens(pad_id=9)),
+    "pad_id": (dict(special_tokens=segpack.SpecialTokens(pad_id=9)),
                lambda els: all((e["input_ids"][e["segment_ids"] == 0] == 9).all() for e in els)
                and holds(els, 9)),
-    "long_docs": (dict(long_docs="truncate"), dict(long_docs=segpack.LongDocs(mode="truncate")),
-                  lambda els: slots(els) == real_slots(DOCS, mode="truncate")),
-    "min_len": (dict(min_len=20), dict(long_docs=segpack.LongDocs(min_len=20)),
-                lambda els: slots(els) == real_slots(DOCS, min_len=20)),
-    "overlap": (dict(overlap=4), dict(long_docs=segpack.LongDocs(overlap=4)),
-                lambda els: slots(els) == real_slots(DOCS, overlap=4)),
-    "long_docs+min_len+overlap": (
-        dict(long_docs="truncate", min_len=3, overlap=2),
+    "long_docs.mode": (dict(long_docs=segpack.LongDocs(mode="truncate")),
+                       lambda els: slots(els) == real_slots(DOCS, mode="truncate")),
+    "long_docs.min_len": (dict(long_docs=segpack.LongDocs(min_len=20)),
+                          lambda els: slots(els) == real_slots(DOCS, min_len=20)),
+    "long_docs.overlap": (dict(long_docs=segpack.LongDocs(overlap=4)),
+                          lambda els: slots(els) == real_slots(DOCS, overlap=4)),
+    "long_docs, all fields": (
         dict(long_docs=segpack.LongDocs(mode="truncate", min_len=3, overlap=2)),
         lambda els: slots(els) == real_slots(DOCS, mode="truncate", min_len=3)),
-    "shard_index+shard_count": (
-        dict(shard_index=1, shard_count=2),
-        dict(shard_options=grain.sharding.ShardOptions(shard_index=1, shard_count=2)),
-        lambda els: 0 < slots(els) < real_slots(DOCS)),
-    "bos_id+eos_id+pad_id": (
-        dict(bos_id=7, eos_id=8, pad_id=9),
+    "special_tokens, three ids": (
         dict(special_tokens=segpack.SpecialTokens(bos_id=7, eos_id=8, pad_id=9)),
         lambda els: holds(els, 7) and holds(els, 8) and holds(els, 9) and not holds(els, 0)),
 }
@@ -107,10 +98,9 @@ CASES = {
 
 def _pack(fn, docs, **kw):
   base = dict(seq_len=16, num_epochs=1, seed=3)
-  if "shard_index" not in kw and "shard_options" not in kw:
-    base["shard_options"] = one_shard()
   if fn == "pack_minibatches":
-    return segpack.pack_minibatches(docs, examples_per_batch=4, **base, **kw)
+    return segpack.pack_minibatches(docs, examples_per_batch=4, shard_options=one_shard(),
+                                    **base, **kw)
   return segpack.pack_dataset(docs, **base, **kw)
 
 
@@ -123,20 +113,10 @@ def _rows(fn, ds):
 
 @pytest.mark.parametrize("fn", ["pack_dataset", "pack_minibatches"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_deprecated_keyword_warns_and_equals_the_new_spelling(fn, case):
-  old, new, effect = CASES[case]
-  with pytest.warns(DeprecationWarning) as record:
-    got = _pack(fn, DOCS, **old)
-  ours = [w for w in record if str(w.message).startswith(f"{fn}: ")]
-  replacement = next(iter(new))  # special_tokens, long_docs or shard_options
-  for name in old:
-    assert any(name in str(w.message) and replacement in str(w.message) for w in ours), ours
-  assert all(w.filename == __file__ for w in ours)  # the warning points at the caller
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", DeprecationWarning)
-    want = _pack(fn, DOCS, **new)
-    default = _pack(fn, DOCS)
-  assert same(all_elements(got), all_elements(want))
+def test_each_option_has_its_effect_on_the_rows(fn, case):
+  new, effect = CASES[case]
+  want = _pack(fn, DOCS, **new)
+  default = _pack(fn, DOCS)
   assert not same(all_elements(want), all_elements(default))  # the option did something
   assert slots(_rows(fn, default)) == real_slots(DOCS)
   assert effect(_rows(fn, want)), case
@@ -144,85 +124,28 @@ def test_each_deprecated_keyword_warns_and_equals_the_new_spelling(fn, case):
 
 def test_overlap_repeats_slots_of_the_previous_chunk():
   docs = Docs([np.arange(10, 50, dtype=np.int32)])  # 42 virtual slots, chunks of 16, stride 12
-  with pytest.warns(DeprecationWarning, match="overlap"):
-    old = segpack.pack_dataset(docs, seq_len=16, num_epochs=1, shuffle=False, overlap=4,
-                               shard_options=one_shard())
-  new = segpack.pack_dataset(docs, seq_len=16, num_epochs=1, shuffle=False,
-                             long_docs=segpack.LongDocs(overlap=4), shard_options=one_shard())
-  assert same(all_elements(old), all_elements(new))
+  rows = segpack.pack_dataset(docs, seq_len=16, num_epochs=1, shuffle=False,
+                              long_docs=segpack.LongDocs(overlap=4))
   virtual = [BOS] + list(range(10, 50)) + [EOS]
-  chunks = sorted(tuple(r["input_ids"][r["segment_ids"] > 0].tolist()) for r in new)
+  chunks = sorted(tuple(r["input_ids"][r["segment_ids"] > 0].tolist()) for r in rows)
   assert chunks == sorted(tuple(virtual[c:c + 16]) for c in (0, 12, 24, 36))
 
 
-@pytest.mark.parametrize("old, new", [
-    (dict(mode="minibatch", examples_per_batch=3), dict(examples_per_batch=3)),
-    (dict(mode="minibatch", tokens_per_batch=48), dict(tokens_per_batch=48)),
-    (dict(mode="minibatch", examples_per_batch=3, rows_per_batch=9),
-     dict(examples_per_batch=3, rows_per_batch=9)),
-    (dict(mode="minibatch", examples_per_batch=7, drop_remainder=True),
-     dict(examples_per_batch=7, drop_remainder=True)),
-])
-def test_minibatch_mode_of_pack_dataset_warns_and_equals_pack_minibatches(old, new):
-  docs = make_docs()
-  common = dict(seq_len=16, num_epochs=2, seed=5, shard_options=one_shard())
-  with pytest.warns(DeprecationWarning, match="pack_minibatches") as record:
-    got = segpack.pack_dataset(docs, **common, **old)
-  assert all(w.filename == __file__ for w in record if "pack_dataset" in str(w.message))
-  want = segpack.pack_minibatches(docs, **common, **new)
-  assert isinstance(got, segpack.MinibatchPackedDataset)
-  assert same(all_elements(got), all_elements(want))
-  if "rows_per_batch" in new:
-    assert want.rows_per_batch == 9 and want[0]["input_ids"].shape == (9, 16)
-  if "drop_remainder" in new:
-    assert len(want) == 2 * (len(docs) // 7)  # 30 examples: 4 full batches per epoch
-
-
-def test_mode_global_warns_and_changes_nothing():
-  docs = make_docs()
-  with pytest.warns(DeprecationWarning, match="mode"):
-    got = segpack.pack_dataset(docs, seq_len=16, num_epochs=1, shard_options=one_shard(),
-                               mode="global", drop_remainder=False)
-  want = segpack.pack_dataset(docs, seq_len=16, num_epochs=1, shard_options=one_shard())
-  assert isinstance(got, segpack.PackedDataset) and same(all_elements(got), all_elements(want))
-
-
-def test_deprecated_mode_errors():
-  docs = make_docs(5)
-  kw = dict(seq_len=16, shard_options=one_shard())
-  with pytest.raises(segpack.PipelineConfigError, match="mode must be 'global' or 'minibatch', "
-                     "got 'mini'"):
-    segpack.pack_dataset(docs, mode="mini", **kw)
-  with pytest.raises(segpack.PipelineConfigError,
-                     match="examples_per_batch=4 is only for minibatch packing"):
-    segpack.pack_dataset(docs, examples_per_batch=4, **kw)
-  with pytest.warns(DeprecationWarning), pytest.raises(
-      segpack.PipelineConfigError, match="max_segments_per_row=2 is not supported"):
-    segpack.pack_dataset(docs, mode="minibatch", examples_per_batch=2, max_segments_per_row=2,
-                         **kw)
-
-
-@pytest.mark.parametrize("fn", [segpack.pack_dataset, segpack.pack_minibatches])
-@pytest.mark.parametrize("kw, names", [
-    (dict(bos_id=1, special_tokens=segpack.SpecialTokens(add_eos=False)),
-     ["bos_id=1", "special_tokens=SpecialTokens("]),
-    (dict(pad_id=0, add_bos=True, special_tokens=segpack.SpecialTokens()),
-     ["add_bos=True", "pad_id=0", "special_tokens="]),
-    (dict(min_len=3, long_docs=segpack.LongDocs(overlap=1)), ["min_len=3", "long_docs=LongDocs("]),
-    (dict(overlap=2, long_docs=segpack.LongDocs()), ["overlap=2", "long_docs="]),
-    (dict(shard_index=0, shard_count=1, shard_options=grain.sharding.ShardOptions(0, 1)),
-     ["shard_index=0", "shard_count=1", "shard_options=ShardOptions("]),
-])
-def test_old_keyword_with_its_group_is_an_error_naming_both(fn, kw, names):
-  extra = dict(examples_per_batch=2) if fn is segpack.pack_minibatches else {}
-  with pytest.raises(segpack.PipelineConfigError) as e:
-    fn(make_docs(5), seq_len=16, **extra, **kw)
-  for name in names:
-    assert name in str(e.value), (name, str(e.value))
+@pytest.mark.parametrize("fn", ["pack_dataset", "pack_minibatches"])
+@pytest.mark.parametrize("old", [
+    dict(add_bos=False), dict(bos_id=7), dict(pad_id=9), dict(min_len=3), dict(overlap=2),
+    dict(shard_index=0, shard_count=1), dict(mode="minibatch", examples_per_batch=3)])
+def test_flat_keywords_are_a_type_error(fn, old):
+  """The options live in their groups only (`special_tokens`, `long_docs`; processes:
+  `StreamBatches`, or `shard_options` of `pack_minibatches`); minibatches: `pack_minibatches`."""
+  if fn == "pack_minibatches":
+    old = {k: v for k, v in old.items() if k != "examples_per_batch"}
+  with pytest.raises(TypeError, match="unexpected keyword argument '(" + "|".join(old) + ")'"):
+    _pack(fn, make_docs(5), **old)
 
 
 def test_unknown_keywords_raise_type_error_naming_them():
-  with pytest.raises(TypeError, match="sq_len, strat"):
+  with pytest.raises(TypeError, match="unexpected keyword argument '(strat|sq_len)'"):
     segpack.pack_dataset(make_docs(5), seq_len=16, strat="ffd", sq_len=3)
   with pytest.raises(TypeError, match="max_segments_per_row"):
     segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2,
@@ -231,6 +154,8 @@ def test_unknown_keywords_raise_type_error_naming_them():
     segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2, mode="minibatch")
   with pytest.raises(TypeError, match="positional"):
     segpack.pack_dataset(make_docs(5), 16)  # keyword-only
+  with pytest.raises(TypeError, match="balance"):  # balancing is StreamBatches(balance=...)
+    segpack.pack_dataset(make_docs(5), seq_len=16, balance=None)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -245,6 +170,15 @@ def test_unknown_keywords_raise_type_error_naming_them():
      "long_docs.mode must be one of split, truncate, got 'drop'"),
     (dict(long_docs=segpack.LongDocs(overlap=16)), r"long_docs.overlap .*\[0, 16\), got 16"),
     (dict(long_docs=segpack.LongDocs(min_len=-1)), "long_docs.min_len must .*got -1"),
+])
+@pytest.mark.parametrize("fn", ["pack_dataset", "pack_minibatches"])
+def test_group_errors_name_the_field_and_echo_the_value(fn, kw, match):
+  extra = dict(examples_per_batch=2) if fn == "pack_minibatches" else {}
+  with pytest.raises(segpack.PipelineConfigError, match=f"^{fn}: {match}"):
+    getattr(segpack, fn)(make_docs(5), seq_len=16, **extra, **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
     (dict(shard_options=object()), "shard_options must be a grain.sharding.ShardOptions"),
     (dict(shard_options=types.SimpleNamespace(shard_index=2, shard_count=2,
                                               drop_remainder=False)),
@@ -256,12 +190,9 @@ def test_unknown_keywords_raise_type_error_naming_them():
                                               drop_remainder=None)),
      "shard_options.drop_remainder must be a bool, got None"),
 ])
-@pytest.mark.parametrize("fn", ["pack_dataset", "pack_minibatches"])
-def test_group_errors_name_the_field_and_echo_the_value(fn, kw, match):
-  kw = {"shard_options": one_shard(), **kw}
-  extra = dict(examples_per_batch=2) if fn == "pack_minibatches" else {}
-  with pytest.raises(segpack.PipelineConfigError, match=f"^{fn}: {match}"):
-    getattr(segpack, fn)(make_docs(5), seq_len=16, **extra, **kw)
+def test_shard_option_errors_name_the_field_and_echo_the_value(kw, match):
+  with pytest.raises(segpack.PipelineConfigError, match=f"^pack_minibatches: {match}"):
+    segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2, **kw)
 
 
 def test_special_tokens_resolve_from_the_source_and_unused_ids_are_minus_one():
@@ -284,20 +215,7 @@ def test_groups_are_frozen_and_exported():
   with pytest.raises(AttributeError):
     segpack.LongDocs().mode = "truncate"
   assert {"pack_dataset", "pack_minibatches", "SpecialTokens", "LongDocs", "PackedDataset",
-          "MinibatchPackedDataset", "PipelineConfigError"} <= set(segpack.__all__)
-
-
-@pytest.mark.parametrize("mode", ["global", "minibatch"])
-def test_trainer_data_path_uses_no_deprecated_keyword(mode):
-  spec = data_lib.DataSpec(
-      source="synthetic", size="small", cache_dir=None, seq_len=64, strategy="ffd",
-      long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
-      synthetic_docs=40, synthetic_mean_len=8, synthetic_vocab=100, mode=mode,
-      examples_per_batch=4 if mode == "minibatch" else None)
-  with warnings.catch_warnings(record=True) as record:
-    warnings.simplefilter("always")
-    data = data_lib.make_data(spec, batch_size=16, process_index=0, process_count=1)
-    first = data.train[0]
-  assert not [w for w in record if issubclass(w.category, DeprecationWarning)], [
-      str(w.message) for w in record]
-  assert first["input_ids"].shape == (16, 64) and (first["segment_ids"] > 0).any()
+          "MinibatchPackedDataset", "PipelineConfigError", "StreamBatches",
+          "BalanceOptions"} <= set(segpack.__all__)
+  with pytest.raises(AttributeError):
+    segpack.BalanceOptions(num_ranks=2).num_ranks = 4

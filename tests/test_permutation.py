@@ -1,7 +1,6 @@
 """Tests for segpack.data.permutation: the one epoch permutation, the order unpacked random
 sampling draws, used for the rows of `pack_dataset` and the examples of minibatch packing."""
 
-import grain
 import numpy as np
 import pytest
 
@@ -27,8 +26,7 @@ def test_epoch_permutation_is_the_documented_recipe(n, seed, epoch):
 def test_rows_of_an_epoch_are_the_plan_rows_in_that_order():
   rng = np.random.default_rng(0)
   docs = [rng.integers(3, 1000, int(rng.integers(1, 40))).astype(np.int32) for _ in range(80)]
-  kw = dict(seq_len=32, num_epochs=2, special_tokens=SpecialTokens(bos_id=1, eos_id=2),
-            shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
+  kw = dict(seq_len=32, num_epochs=2, special_tokens=SpecialTokens(bos_id=1, eos_id=2))
   plain = segpack.pack_dataset(docs, shuffle=False, **kw)
   shuffled = segpack.pack_dataset(docs, seed=5, **kw)
   n = plain.rows_per_epoch

@@ -9,7 +9,6 @@ with plain Python loops.
 import collections
 import os
 import sys
-import types
 
 import grain
 import numpy as np
@@ -100,16 +99,9 @@ def row_key(row):
   return tuple(row["input_ids"].tolist()) + tuple(row["segment_ids"].tolist())
 
 
-def one_shard(index=0, count=1, drop_remainder=False):
-  """Sharding as a plain object with ShardOptions' fields (no validation of its own)."""
-  return types.SimpleNamespace(shard_index=index, shard_count=count,
-                               drop_remainder=drop_remainder)
-
-
 def pack(docs, *, add_bos=True, add_eos=True, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-         long_docs="split", overlap=0, min_len=0, shard_index=0, shard_count=1, **kwargs):
-  """`pack_dataset` with the tests' ids and one shard, the flat arguments put into their groups."""
-  kwargs.setdefault("shard_options", one_shard(shard_index, shard_count))
+         long_docs="split", overlap=0, min_len=0, **kwargs):
+  """`pack_dataset` with the tests' ids, the flat arguments put into their groups."""
   return segpack.pack_dataset(
       docs, special_tokens=segpack.SpecialTokens(add_bos=add_bos, add_eos=add_eos, bos_id=bos_id,
                                                  eos_id=eos_id, pad_id=pad_id),
@@ -126,7 +118,7 @@ def test_every_token_once_in_order(strategy, seq_len, overlap, add_bos, add_eos)
             add_eos=add_eos, num_epochs=1)
   assert isinstance(ds, grain.MapDataset)
   rows = list(ds)
-  assert len(rows) == len(ds) == ds.num_plan_rows
+  assert len(rows) == len(ds) == ds.rows_per_epoch
   got = []
   for row in rows:
     check_row(row, seq_len, overlap=overlap, add_bos=add_bos)
@@ -191,36 +183,33 @@ def test_epochs_are_bounded_permutations():
   assert row_key(infinite[2 * n + 3]) == epochs[2][3]
 
 
-@pytest.mark.parametrize("count", [2, 3])
-def test_multiprocess_union(count):
+@pytest.mark.parametrize("count,batch", [(2, 4), (3, 6)])
+def test_stream_batches_split_every_global_batch_over_processes(count, batch):
+  """Process p's part of global batch k is its block of the next `batch` stream rows; over all
+  processes every row of both epochs comes once, the last batch filled with padding rows
+  (oracle: the dataset's own elements, read one by one)."""
   docs = make_docs(61, seed=count)
   whole = pack(docs, seq_len=32, seed=3, num_epochs=2)
   n = whole.rows_per_epoch
-  procs = [pack(docs, seq_len=32, seed=3, num_epochs=2, shard_index=p, shard_count=count)
-           for p in range(count)]
-  per = procs[0].rows_per_epoch
-  assert all(len(p) == 2 * per for p in procs) and per == -(-n // count)
-  for epoch in range(2):
-    got = []
-    for p, ds in enumerate(procs):
-      for j in range(per):
-        row = ds[epoch * per + j]
-        g = j * count + p
-        if g < n:  # process p reads every count-th row of the epoch's order
-          assert rows_equal(row, whole[epoch * n + g])
+  procs = [segpack.StreamBatches(whole, global_batch_size=batch, process_index=p,
+                                 process_count=count) for p in range(count)]
+  assert all(len(b) == -(-2 * n // batch) for b in procs)
+  local = batch // count
+  got = []
+  for k in range(len(procs[0])):
+    for p, batches in enumerate(procs):
+      part = batches[k]
+      assert part["input_ids"].shape == (local, 32)
+      for j in range(local):
+        t = k * batch + p * local + j
+        row = {f: v[j] for f, v in part.items()}
+        if t < 2 * n:
+          assert rows_equal(row, whole[t])
           got.append(row_key(row))
         else:
           assert not row["segment_ids"].any() and (row["labels"] == -100).all()
-    assert sorted(got) == sorted(row_key(whole[epoch * n + i]) for i in range(n))
-  options = grain.sharding.ShardOptions(shard_index=1, shard_count=count, drop_remainder=True)
-  dropped = pack(docs, seq_len=32, seed=3, num_epochs=1, shard_options=options)
-  assert len(dropped) == n // count
-
-
-def test_default_sharding_is_jax_process():
-  ds = segpack.pack_dataset(make_docs(10), seq_len=32, num_epochs=1,
-                            special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS))
-  assert len(ds) == ds.num_plan_rows  # one process
+  assert (2 * n) % batch  # the last batch has padding rows
+  assert sorted(got) == sorted(row_key(whole[i]) for i in range(2 * n))
 
 
 def test_batch_fast_path_equals_grain_batch():
@@ -233,14 +222,6 @@ def test_batch_fast_path_equals_grain_batch():
     a, b = fast[i], slow[i]
     assert all(np.array_equal(a[k], b[k]) for k in FEATURES)
     assert a["input_ids"].dtype == np.int32
-  padding = 0
-  for p in range(4):  # with padding rows
-    sharded = pack(docs, seq_len=32, num_epochs=1, shard_index=p, shard_count=4)
-    batch = sharded.batch(len(sharded))[0]
-    for i in range(len(sharded)):
-      assert rows_equal({k: v[i] for k, v in batch.items()}, sharded[i])
-      padding += not sharded[i]["segment_ids"].any()
-  assert padding == 4 * sharded.rows_per_epoch - sharded.num_plan_rows > 0
   inf = pack(docs, seq_len=32)
   for i in (0, 5, 17):
     a, b = inf.batch(3)[i], grain.MapDataset.batch(inf, 3)[i]
@@ -315,22 +296,19 @@ def test_bad_inputs():
     pack(docs, seq_len=32, eos_id=None)
   with pytest.raises(ValueError, match="overlap"):
     pack(docs, seq_len=32, overlap=32)
-  with pytest.raises(ValueError, match="shard_index"):
-    pack(docs, seq_len=32, shard_index=2, shard_count=2)
   with pytest.raises(ValueError, match="source\\[1\\]"):
     pack([np.arange(3), np.ones((2, 2), np.int32)], seq_len=32)
   with pytest.raises(ValueError, match="min_len"):
     pack(docs, seq_len=32, min_len=10**6)
   with pytest.raises(ValueError, match="seed"):
     pack(docs, seq_len=32, seed=-1)
-  with pytest.raises(ValueError, match="fewer than shard_count=1000"):
-    pack(docs[:2], seq_len=32,
-         shard_options=grain.sharding.ShardOptions(0, 1000, drop_remainder=True))
+  with pytest.raises(TypeError, match="shard_options"):  # StreamBatches splits over processes
+    pack(docs, seq_len=32, shard_options=grain.sharding.ShardOptions(0, 2))
   for name in ("overlap", "min_len", "num_epochs", "max_segments_per_row"):
     with pytest.raises(pipeline.PipelineConfigError, match=f"{name} must .*got True"):
       pack(docs, seq_len=32, **{name: True})  # a bool is not taken for the int 1
   ok = pack(docs, seq_len=32, add_bos=False, add_eos=False, bos_id=None, eos_id=None)
-  assert ok.num_plan_rows >= 1
+  assert ok.rows_per_epoch >= 1
 
 
 def test_long_documents_each_mode():
@@ -376,8 +354,7 @@ def test_special_ids_from_manifest_and_pickling(tmp_path):
   import pickle
   docs = make_docs(30, seed=15, max_len=50)
   src = write_shards(tmp_path / "data", docs, bos_id=BOS, eos_id=EOS)
-  ds = segpack.pack_dataset(str(tmp_path / "data"), seq_len=32, shard_options=one_shard(),
-                            num_epochs=1)
+  ds = segpack.pack_dataset(str(tmp_path / "data"), seq_len=32, num_epochs=1)
   assert sorted(s for r in ds for s in segments_of(r)) == sorted(expected_chunks(docs, 32))
   blob = pickle.dumps(ds)
   assert len(blob) < 20_000 + 16 * len(docs)  # plan arrays travel as file references
@@ -386,13 +363,13 @@ def test_special_ids_from_manifest_and_pickling(tmp_path):
   assert src.fingerprint
 
 
-def test_restore_every_step_sharded_rows_and_mp_prefetch_shards(tmp_path):
+def test_restore_every_step_and_mp_prefetch_shards(tmp_path):
   from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   docs = make_docs(50, seed=16, max_len=60)
   write_shards(tmp_path / "data", docs)
-  ds = pack(str(tmp_path / "data"), seq_len=32, num_epochs=2, shard_index=1, shard_count=3)
+  ds = pack(str(tmp_path / "data"), seq_len=32, num_epochs=2)
   iter_ds = ds.to_iter_dataset()
   it = iter(iter_ds)
   states, items = [], []

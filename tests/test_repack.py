@@ -7,7 +7,6 @@ row (from the built rows' BOS tokens), and a second dataset built from scratch.
 import collections
 import itertools
 
-import grain
 import numpy as np
 import pytest
 
@@ -16,7 +15,6 @@ from segpack import packing
 from segpack.data.options import PipelineConfigError
 
 SEQ_LEN = 64
-ONE = grain.sharding.ShardOptions(shard_index=0, shard_count=1)
 
 
 def _docs(n=600, seed=0):
@@ -28,7 +26,6 @@ def _docs(n=600, seed=0):
 
 
 def _pack(docs, **kwargs):
-  kwargs.setdefault("shard_options", ONE)
   return segpack.pack_dataset(docs, seq_len=SEQ_LEN, seed=5, num_epochs=4,
                               special_tokens=segpack.SpecialTokens(
                                   add_bos=False, add_eos=False, pad_id=0), **kwargs)

@@ -99,7 +99,7 @@ def _rows_of(ds):
 def test_global_packing_trains_exactly_the_masked_pairs(tmp_path, strategy, overlap):
   src, masks = make_source(tmp_path)
   ds = pipeline.pack_dataset(src, seq_len=16, strategy=strategy,
-                             long_docs=LongDocs(overlap=overlap), num_epochs=1, shard_options=ONE,
+                             long_docs=LongDocs(overlap=overlap), num_epochs=1,
                              plan_cache_dir=tmp_path / "plans")
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, overlap)
   # The batched (vectorized) path agrees with the per-row path.
@@ -110,7 +110,7 @@ def test_global_packing_trains_exactly_the_masked_pairs(tmp_path, strategy, over
 
 def test_mask_can_be_ignored_and_sequence_sources_work(tmp_path):
   src, masks = make_source(tmp_path, num=10)
-  full = pipeline.pack_dataset(src, seq_len=16, num_epochs=1, shard_options=ONE,
+  full = pipeline.pack_dataset(src, seq_len=16, num_epochs=1,
                                loss_mask=False, plan_cache_dir=tmp_path / "p")
   every = [np.ones_like(m) for m in masks]
   assert row_pairs(_rows_of(full)) == naive_pairs(every, 16, 0)
@@ -121,8 +121,7 @@ def test_mask_can_be_ignored_and_sequence_sources_work(tmp_path):
                         special_tokens=IDS, examples_per_batch=3)
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
   with pytest.raises(pipeline.PipelineConfigError, match="has no loss mask"):
-    pipeline.pack_dataset([np.arange(3, 9)], seq_len=16, special_tokens=IDS, loss_mask=True,
-                          shard_options=ONE)
+    pipeline.pack_dataset([np.arange(3, 9)], seq_len=16, special_tokens=IDS, loss_mask=True)
 
 
 @pytest.mark.parametrize("k, drop", [(4, False), (7, False), (7, True)])
@@ -177,10 +176,10 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
 
 def test_no_conversation_is_split_unless_longer_than_a_row(tmp_path):
   src, masks = make_source(tmp_path)
-  for pack, kw in ((pack_minibatches, dict(examples_per_batch=6)),
-                   (pack_minibatches, dict(tokens_per_batch=96)),
+  for pack, kw in ((pack_minibatches, dict(examples_per_batch=6, shard_options=ONE)),
+                   (pack_minibatches, dict(tokens_per_batch=96, shard_options=ONE)),
                    (pipeline.pack_dataset, dict(strategy="ffd"))):
-    ds = pack(src, seq_len=16, num_epochs=1, shard_options=ONE, **kw)
+    ds = pack(src, seq_len=16, num_epochs=1, **kw)
     segments = collections.Counter()
     for row in _rows_of(ds):
       for s in set(row["segment_ids"].tolist()) - {0}:

@@ -25,7 +25,6 @@ import sys
 import time
 from typing import Any, Sequence
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,8 +56,7 @@ def _documents(size: str, num_docs: int, seed: int) -> tuple[list[np.ndarray], i
 
 def _epoch_batches(docs, *, strategy: str, seq_len: int, batch_size: int, ids: dict[str, int]):
   rows = pack_dataset(docs, seq_len=seq_len, strategy=strategy, shuffle=False, num_epochs=1,
-                      special_tokens=SpecialTokens(**ids),
-                      shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
+                      special_tokens=SpecialTokens(**ids))
   batches = rows.batch(batch_size, drop_remainder=False)
   return [data_lib.pad_batch(batches[i], batch_size) for i in range(len(batches))]
 

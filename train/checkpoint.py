@@ -7,8 +7,7 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
     `{"format": 2, "iterator": STATE, "process_count": Q}`, where `STATE` is the stream position
     `{"epoch", "index", "rows_per_epoch"}` (global packing) or Grain's `{"next_index": k}`
     (minibatch packing); neither depends on the process count, so a run resumes on another one.
-    Checkpoints written before the format had `{"<process>": <Grain state>}`; they are converted
-    where that is exact (`legacy_data_state`);
+    A data item of another format is refused with a `DataStateError`;
   * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume.
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
 leaves the previous checkpoint as the latest one.
@@ -130,19 +129,17 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def restore_or_none(self, abstract_state: Any, config_dict: dict[str, Any], *,
-                      rows_per_epoch: int | None = None) -> Restored | None:
+  def restore_or_none(self, abstract_state: Any,
+                      config_dict: dict[str, Any]) -> Restored | None:
     """Returns the latest checkpoint as a `Restored`, or None.
 
     Args:
       abstract_state: the state's shapes and target shardings.
       config_dict: this run's config.
-      rows_per_epoch: the training stream's rows per epoch (global packing), None in minibatch
-        mode; only needed to convert a checkpoint of the older per-process format.
 
     Raises:
       IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`.
-      DataStateError: its data position cannot be restored exactly (an older format).
+      DataStateError: its data item is not of format `DATA_FORMAT`.
     """
     step = self._manager.latest_step()
     if step is None:
@@ -164,13 +161,11 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     item = restored["data"]
     old_batch = flatten(saved)[BATCH_SIZE_KEY]
-    if item.get("format") == DATA_FORMAT:
-      data_state, old_count = item["iterator"], int(item["process_count"])
-    else:
-      old_count = len(item)
-      data_state = legacy_data_state(
-          item, batch_size=old_batch, rows_per_epoch=rows_per_epoch,
-          balance=flatten(saved).get("packing.balance", "none"), where=where)
+    if item.get("format") != DATA_FORMAT:
+      raise DataStateError(
+          f"cannot resume from {where}: its data item has format {item.get('format')!r}, this "
+          f"version reads format {DATA_FORMAT} only; start a new --workdir")
+    data_state, old_count = item["iterator"], int(item["process_count"])
     changes = []
     if old_count != jax.process_count():
       changes.append(f"processes: {old_count} -> {jax.process_count()}")
@@ -207,47 +202,6 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
-
-
-def legacy_data_state(states: dict[str, Any], *, batch_size: int, rows_per_epoch: int | None,
-                      balance: str, where: str) -> dict[str, Any]:
-  """The data state of a checkpoint written before `DATA_FORMAT` 2, where that is exact.
-
-  Such a checkpoint holds `{"<process>": {"next_index": k}}` for `C` processes. Minibatch
-  packing (`rows_per_epoch=None`): step `k` was already global, so `{"next_index": k}` is it.
-  Global packing: each process had read `k * batch_size / C` rows of its interleaved share of
-  epochs of `ceil(R / C)` positions, i.e. epoch `e` and, together, the epoch's positions
-  `[0, j * C)`; the stream position is `(e, j * C)`, or `(e + 1, 0)` when only padding was
-  left. With `packing.balance="attention"` the old order permuted groups of `batch_size`
-  positions, so it is exact only at a group boundary.
-
-  Raises:
-    DataStateError: the states disagree or the position is not exact; the message says what
-      to do.
-  """
-  values = list(states.values())
-  todo = ("resume it with the segpack version that wrote it (same process count), or start a "
-          "new --workdir")
-  if not values or any(v != values[0] for v in values) or "next_index" not in values[0]:
-    raise DataStateError(f"cannot resume from {where}: its data item {states!r} is not a "
-                         f"position this version reads; {todo}")
-  k = int(values[0]["next_index"])
-  if rows_per_epoch is None:
-    return {"next_index": k}
-  count = len(values)
-  per_process = -(-rows_per_epoch // count)
-  epoch, j = divmod(k * (batch_size // count), per_process)
-  index = j * count
-  groups_end = (per_process * count // batch_size) * batch_size
-  if balance != "none" and index % batch_size and index < groups_end:
-    raise DataStateError(
-        f"cannot resume from {where}: it was written in the older per-process format with "
-        f"packing.balance={balance!r}, and its position (epoch {epoch}, index {index}) is inside "
-        f"a balanced group of {batch_size} rows, so the rows consumed are not a prefix of the "
-        f"epoch; {todo}")
-  if index >= rows_per_epoch:
-    epoch, index = epoch + 1, 0
-  return {"epoch": epoch, "index": index, "rows_per_epoch": rows_per_epoch}
 
 
 def _gather_json(value: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ assembles the global batch with `jax.make_array_from_process_local_data`. The it
 a position in the stream, `{"epoch", "index"}`, the same on every process and independent of the
 process count and the batch size, so the checkpoint stores one value and a run resumes on another
 number of processes (docs/training.md, "Resuming on another process count or batch size").
-Held-out rows are split per process (`pack_dataset(shard_options=ShardOptions(process_index,
-process_count))`).
+Held-out rows are one finite pass of the same kind of stream, cut into global batches the same
+way (the last one filled up with padding rows).
 
 With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
 minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
@@ -25,6 +25,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.options import LongDocs, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
@@ -32,6 +33,7 @@ from segpack.data.stream import StreamBatches
 from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
+from train import config_checks
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 
@@ -72,10 +74,9 @@ class DataSpec:
                max_segments_per_row=p.max_segments_per_row, add_bos=d.add_bos,
                add_eos=d.add_eos, seed=d.seed, synthetic_docs=d.synthetic_docs,
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
-               mode=p.get("mode", "global"), examples_per_batch=p.get("examples_per_batch"),
-               tokens_per_batch=p.get("tokens_per_batch"),
-               train_on=d.get("train_on", "assistant"), balance=p.get("balance", "none"),
-               repack=p.get("repack", "none"))
+               mode=p.mode, examples_per_batch=p.examples_per_batch,
+               tokens_per_batch=p.tokens_per_batch, train_on=d.train_on, balance=p.balance,
+               repack=p.repack)
 
 
 @dataclasses.dataclass
@@ -86,7 +87,8 @@ class Data:
     train: infinite `MapDataset` of this process's training batches (element `i` = the batch of
       step `i + 1` of a run from scratch): a `segpack.data.stream.StreamBatches` in global
       mode, a `MinibatchPackedDataset` in minibatch mode.
-    eval: finite `MapDataset` of held-out batches (one pass).
+    eval: finite `StreamBatches` of held-out batches (one pass; this process's rows of each global
+      batch, the last one filled up with padding rows).
     vocab_size: tokenizer vocabulary size.
     train_rows_per_epoch: rows of one training epoch over all processes.
     description: a one-line summary for the log.
@@ -143,7 +145,7 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
     ids = dict(bos_id=tok.bos_id, eos_id=tok.eos_id)
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
   raise DataConfigError(
-      f"data.source must be 'builtin', 'builtin_chat' or 'synthetic', got {spec.source!r}")
+      f"data.source must be one of {list(config_checks.SOURCES)}, got {spec.source!r}")
 
 
 def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
@@ -165,15 +167,15 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   if spec.repack not in REPACK_MODES:
     raise DataConfigError(
         f"packing.repack must be one of {list(REPACK_MODES)}, got {spec.repack!r}")
-  local = batch_size // process_count
   train_src, eval_src, vocab, ids = _sources(spec)
   common = dict(
       seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
-      special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids),
-      shard_options=grain.sharding.ShardOptions(shard_index=process_index,
-                                                shard_count=process_count))
+      special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))
+  layout = dict(global_batch_size=batch_size, process_index=process_index,
+                process_count=process_count)
   eval_rows = pack_dataset(eval_src, shuffle=False, num_epochs=1,
                            max_segments_per_row=spec.max_segments_per_row, **common)
+  eval_batches = StreamBatches(eval_rows, **layout)
   if spec.mode == "minibatch":
     if spec.balance != "none":
       raise DataConfigError(
@@ -183,38 +185,36 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       raise DataConfigError(
           f"packing.repack={spec.repack!r} is for packing.mode='global' (minibatch mode packs "
           f"every minibatch afresh already); set packing.repack='none'")
-    return _minibatch_data(spec, train_src, eval_rows, common, batch_size=batch_size,
-                           local=local, vocab=vocab)
+    shard = grain.sharding.ShardOptions(shard_index=process_index, shard_count=process_count)
+    return _minibatch_data(spec, train_src, eval_rows, eval_batches,
+                           dict(common, shard_options=shard), batch_size=batch_size, vocab=vocab)
   if spec.mode != "global":
-    raise DataConfigError(f"packing.mode must be 'global' or 'minibatch', got {spec.mode!r}")
-  stream = dict(common, shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
+    raise DataConfigError(
+        f"packing.mode must be one of {list(config_checks.PACKING_MODES)}, got {spec.mode!r}")
   train_rows = pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
                             max_segments_per_row=spec.max_segments_per_row, repack=spec.repack,
-                            **stream)
-  train = StreamBatches(train_rows, global_batch_size=batch_size, process_index=process_index,
-                        process_count=process_count,
-                        balance_ranks=_balance_ranks(spec, num_ranks=num_ranks))
+                            **common)
+  train = StreamBatches(train_rows, balance=_balance(spec, num_ranks=num_ranks), **layout)
   return Data(
-      train=train, eval=eval_rows.batch(local, drop_remainder=False),
-      vocab_size=vocab, train_rows_per_epoch=train_rows.num_plan_rows,
+      train=train, eval=eval_batches, vocab_size=vocab,
+      train_rows_per_epoch=train_rows.rows_per_epoch,
       description=(f"{spec.source} data, {spec.strategy} packing, seq_len {spec.seq_len}: "
-                   f"{train_rows.num_plan_rows} train rows/epoch, {eval_rows.num_plan_rows} "
+                   f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
 
 
-def _balance_ranks(spec: DataSpec, *, num_ranks: int) -> int | None:
-  """`packing.balance` as `StreamBatches(balance_ranks=...)` (None: the stream order)."""
+def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:
+  """`packing.balance` as `StreamBatches(balance=...)` (None: the stream order)."""
   if spec.balance == "none":
     return None
-  if spec.balance != "attention":
-    raise DataConfigError(
-        f"packing.balance must be 'none' or 'attention', got {spec.balance!r}")
-  return num_ranks
+  config_checks.check_choice("packing.balance", spec.balance, config_checks.BALANCE_MODES,
+                             error=DataConfigError)
+  return BalanceOptions(num_ranks=num_ranks)
 
 
-def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict[str, Any], *,
-                    batch_size: int, local: int, vocab: int) -> Data:
+def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches: Any,
+                    common: dict[str, Any], *, batch_size: int, vocab: int) -> Data:
   """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
   if spec.tokens_per_batch is not None and spec.tokens_per_batch // spec.seq_len != batch_size:
     raise DataConfigError(
@@ -234,14 +234,14 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, common: dict
   if spec.examples_per_batch is not None:
     bound = max(min(int(spec.examples_per_batch), spec.seq_len), eval_rows.max_segments_in_row)
   return Data(
-      train=train, eval=eval_rows.batch(local, drop_remainder=False), vocab_size=vocab,
+      train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
       description=(f"{spec.source} data, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "
                    f"{batch_size} rows, seq_len {spec.seq_len}: {steps} steps/epoch, "
                    f"{train.padded_slot_fraction(0):.1%} padded slots, "
-                   f"{eval_rows.num_plan_rows} eval rows, vocab {vocab}"))
+                   f"{eval_rows.rows_per_epoch} eval rows, vocab {vocab}"))
 
 
 def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

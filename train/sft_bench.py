@@ -84,12 +84,12 @@ class Result:
 
 def _batches(method: str, source: Any, *, seq_len: int, k: int, seed: int) -> list[dict]:
   """One epoch of batches (NumPy), each a dict of `[rows, seq_len]` int32 arrays."""
-  common = dict(seq_len=seq_len, seed=seed, num_epochs=1, shard_options=_ONE_PROCESS)
+  common = dict(seq_len=seq_len, seed=seed, num_epochs=1)
   if method == "global":
     ds = pack_dataset(source, strategy="ffd", **common)
     batched = ds.batch(k)
     return [batched[i] for i in range(len(batched))]
-  ds = pack_minibatches(source, examples_per_batch=k,
+  ds = pack_minibatches(source, examples_per_batch=k, shard_options=_ONE_PROCESS,
                         strategy="pad" if method == "padding" else "ffd", **common)
   return [ds[i] for i in range(len(ds))]
 
@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
   data = chat_corpus.ensure_builtin_chat(size=args.size, cache_dir=args.cache_dir)
   train = shards.ShardSource(data.train_dir)
   source = SubsetSource(train, args.max_train or len(train))
-  held = pack_dataset(data.eval_dir, seq_len=args.seq_len, num_epochs=1, shuffle=False,
-                      shard_options=_ONE_PROCESS).batch(args.examples_per_batch)
+  held = pack_dataset(data.eval_dir, seq_len=args.seq_len, num_epochs=1,
+                      shuffle=False).batch(args.examples_per_batch)
   eval_batches = [held[i] for i in range(len(held))]
   print(f"built-in chat corpus ({args.size}): {len(source)} training conversations, "
         f"{int(source.lengths.sum()):,} tokens; {len(shards.ShardSource(data.eval_dir))} held out; "

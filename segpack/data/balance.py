@@ -10,8 +10,8 @@ batch's content is unchanged, every rank keeps the same number of rows. Pure Num
 - `row_attention_cost`: the causal attention cost of each row of a plan or of a segment-id
   batch.
 - `assign_rows`: the balanced order of one global batch (or of many at once).
-- `BalanceOptions` and `balance_epoch`: the option of `segpack.pack_dataset(balance=...)`,
-  applied to every consecutive group of `global_batch_size` epoch rows.
+- `BalanceOptions`: the option of `segpack.StreamBatches(balance=...)`, which applies
+  `assign_rows` to every global batch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from segpack.data.options import PipelineConfigError
 from segpack.packing.plan_format import Plan
 
-__all__ = ["BalanceOptions", "assign_rows", "balance_epoch", "row_attention_cost"]
+__all__ = ["BalanceOptions", "assign_rows", "row_attention_cost"]
 
 
 class BalanceError(ValueError):
@@ -123,78 +123,24 @@ def assign_rows(costs_R: np.ndarray, *, num_ranks: int) -> np.ndarray:
   return perm_GxR.reshape(costs.shape).astype(np.int64)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BalanceOptions:
-  """Balances every global batch of a `pack_dataset` over its data-parallel ranks.
+  """Balances every global batch of a `segpack.StreamBatches` over its data-parallel ranks.
 
   Attributes:
-    global_batch_size: rows per optimizer step over all processes (the trainer's batch size);
-      a multiple of `num_ranks`.
     num_ranks: data-parallel ranks that split the global batch (devices along the batch axes of
-      the mesh, over all processes); a multiple of the dataset's `shard_count` (processes).
+      the mesh, over all processes); divides the global batch size and is a multiple of the
+      process count.
   """
 
-  global_batch_size: int
   num_ranks: int
 
-  def check(self, *, shard_count: int, fn: str) -> None:
+  def check(self, *, global_batch_size: int, process_count: int, fn: str) -> None:
     """Raises a `PipelineConfigError` naming the field unless the layout divides evenly."""
-    for name in ("global_batch_size", "num_ranks"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or value <= 0:
-        raise PipelineConfigError(f"{fn}: balance.{name} must be a positive int, got {value!r}")
-    if self.global_batch_size % self.num_ranks:
+    n = self.num_ranks
+    if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+      raise PipelineConfigError(f"{fn}: balance.num_ranks must be a positive int, got {n!r}")
+    if global_batch_size % n or n % process_count:
       raise PipelineConfigError(
-          f"{fn}: balance.global_batch_size={self.global_batch_size} is not divisible by "
-          f"balance.num_ranks={self.num_ranks}")
-    if self.num_ranks % shard_count:
-      raise PipelineConfigError(
-          f"{fn}: balance.num_ranks={self.num_ranks} is not a multiple of the "
-          f"shard_count={shard_count} processes")
-
-
-def rank_positions(options: BalanceOptions, *, shard_count: int) -> np.ndarray:
-  """Where the trainer puts the `t`-th row of `assign_rows`' order, within one global batch.
-
-  `pack_dataset` interleaves processes (process `p` reads group positions `p, p + C, ...`, `C`
-  processes, `B / C` rows per step) and each of a process's `N / C` devices takes a contiguous
-  block of `m = B / N` of its rows. So rank `r = p * (N / C) + d` (device `d` of process `p`)
-  takes group positions `(d * m + u) * C + p` for `u < m`; the result maps `t = r * m + u` to
-  that position.
-  """
-  b, n, c = options.global_batch_size, options.num_ranks, shard_count
-  m = b // n
-  t = np.arange(b, dtype=np.int64)
-  rank, u = np.divmod(t, m)
-  process, device = np.divmod(rank, n // c)
-  return (device * m + u) * c + process
-
-
-def balance_epoch(rows_E: np.ndarray, costs_E: np.ndarray, *, options: BalanceOptions,
-                  shard_count: int) -> np.ndarray:
-  """Reorders an epoch's rows within every consecutive group of `global_batch_size` positions.
-
-  Args:
-    rows_E: the epoch's rows in position order (any values: plan rows, -1 for padding).
-    costs_E: the cost of each position's row (0 for padding).
-    options: the batch layout.
-    shard_count: processes the dataset is split over.
-
-  Returns:
-    `rows_E` with each full group permuted so that, split as the trainer splits a global batch
-    (`rank_positions`), every rank's cost sum is balanced by `assign_rows`. A last group shorter
-    than `global_batch_size` keeps its order.
-  """
-  b = options.global_batch_size
-  full = (len(rows_E) // b) * b
-  out = np.array(rows_E, copy=True)
-  if not full:
-    return out
-  costs_GxB = np.asarray(costs_E[:full]).reshape(-1, b)
-  order_GxB = assign_rows(costs_GxB, num_ranks=options.num_ranks)
-  target_B = rank_positions(options, shard_count=shard_count)
-  rows_GxB = np.asarray(rows_E[:full]).reshape(-1, b)
-  balanced_GxB = np.empty_like(rows_GxB)
-  balanced_GxB[:, target_B] = np.take_along_axis(rows_GxB, order_GxB, axis=1)
-  out[:full] = balanced_GxB.ravel()
-  return out
+          f"{fn}: balance.num_ranks={n} must divide global_batch_size={global_batch_size} and "
+          f"be a multiple of process_count={process_count}")

@@ -184,7 +184,6 @@ def pack_minibatches(
     long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
     shard_options: grain.sharding.ShardOptions | None = None,
     loss_mask: bool | None = None,
-    **deprecated: Any,
 ) -> MinibatchPackedDataset:
   """Packs the minibatches that unpacked random sampling draws, each on its own.
 
@@ -230,10 +229,6 @@ def pack_minibatches(
       `jax.process_index()` of `jax.process_count()`. Its `drop_remainder` has no effect here
       (every batch's rows are a multiple of `shard_count`).
     loss_mask: apply the source's per-token loss mask; None: when the source has one.
-    **deprecated: the previous release's keywords `add_bos`, `add_eos`, `bos_id`, `eos_id`,
-      `pad_id` (use `special_tokens`), `long_docs` as a string, `min_len`, `overlap` (use
-      `long_docs`), `shard_index`, `shard_count` (use `shard_options`), each with a
-      DeprecationWarning until the next release.
 
   Returns:
     A `MinibatchPackedDataset`.
@@ -241,12 +236,8 @@ def pack_minibatches(
   Raises:
     PipelineConfigError: an argument is invalid, the source is empty, no document survives, or
       a batch needs more than `rows_per_batch` rows.
-    TypeError: an unknown keyword.
   """
   fn = "pack_minibatches"
-  grouped = options.group_deprecated(fn, deprecated, special_tokens=special_tokens,
-                                     long_docs=long_docs, shard_options=shard_options)
-  special_tokens, long_docs = grouped.special_tokens, grouped.long_docs
   options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
                      special_tokens=special_tokens, long_docs=long_docs)
   if (examples_per_batch is None) == (tokens_per_batch is None):
@@ -258,7 +249,7 @@ def pack_minibatches(
     options.positive_or_none(fn, name, value)
   if not isinstance(drop_remainder, (bool, np.bool_)):
     raise PipelineConfigError(f"{fn}: drop_remainder must be a bool, got {drop_remainder!r}")
-  index, count, _ = options.resolve_shard(fn, grouped.shard_options)
+  index, count = options.resolve_shard(fn, shard_options)
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   planner = MinibatchPlanner(
       prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,

@@ -1,16 +1,14 @@
 """The options of `pack_dataset` and `pack_minibatches`: their groups, validation and error type.
 
 The groups are small frozen dataclasses, in the style of `grain.sharding.ShardOptions`:
-`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row). Process
-sharding takes a `grain.sharding.ShardOptions` itself. `group_deprecated` maps the keyword names
-of the previous release onto these groups, with a DeprecationWarning naming the replacement.
+`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row).
+`pack_minibatches` takes a `grain.sharding.ShardOptions` itself for its process split.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Protocol
-import warnings
 
 import jax
 import numpy as np
@@ -74,23 +72,8 @@ class ShardOptionsLike(Protocol):
   drop_remainder: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class _Shard:
-  """Sharding given by the deprecated `shard_index` / `shard_count` keywords."""
-
-  shard_index: int
-  shard_count: int
-  drop_remainder: bool = False
-
-
 DEFAULT_SPECIAL_TOKENS = SpecialTokens()
 DEFAULT_LONG_DOCS = LongDocs()
-
-SPECIAL_TOKEN_NAMES = ("add_bos", "add_eos", "bos_id", "eos_id", "pad_id")
-LONG_DOC_NAMES = ("overlap", "min_len")
-SHARD_NAMES = ("shard_index", "shard_count")
-MINIBATCH_NAMES = ("examples_per_batch", "tokens_per_batch", "rows_per_batch", "drop_remainder")
-
 
 def strategies() -> tuple[str, ...]:
   return tuple(packing.STRATEGIES)
@@ -183,10 +166,10 @@ def check_max_segments(fn: str, max_segments_per_row: Any) -> None:
         f"{max_segments_per_row!r}")
 
 
-def resolve_shard(fn: str, shard_options: ShardOptionsLike | None) -> tuple[int, int, bool]:
-  """(shard_index, shard_count, drop_remainder); None: this JAX process of all of them."""
+def resolve_shard(fn: str, shard_options: ShardOptionsLike | None) -> tuple[int, int]:
+  """(shard_index, shard_count); None: this JAX process of all of them."""
   if shard_options is None:
-    return jax.process_index(), jax.process_count(), False
+    return jax.process_index(), jax.process_count()
   try:
     index, count = shard_options.shard_index, shard_options.shard_count
     drop = shard_options.drop_remainder
@@ -203,130 +186,9 @@ def resolve_shard(fn: str, shard_options: ShardOptionsLike | None) -> tuple[int,
   if _not_bool(drop):
     raise PipelineConfigError(
         f"{fn}: shard_options.drop_remainder must be a bool, got {drop!r}")
-  return int(index), int(count), bool(drop)
+  return int(index), int(count)
 
 
 def positive_or_none(fn: str, name: str, value: Any) -> None:
   if value is not None and (not_int(value) or value < 1):
     raise PipelineConfigError(f"{fn}: {name} must be None or an int >= 1, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Grouped:
-  """The option groups after the deprecated keywords are folded in.
-
-  Attributes:
-    special_tokens: the `special_tokens` argument, or the one the old keywords spell.
-    long_docs: likewise for `long_docs` (never a string).
-    shard_options: likewise for `shard_options`.
-    rest: deprecated keywords the caller handles itself (`passthrough`), by name.
-  """
-
-  special_tokens: SpecialTokens
-  long_docs: LongDocs
-  shard_options: ShardOptionsLike | None
-  rest: dict[str, Any]
-
-
-def deprecation(message: str, stacklevel: int) -> None:
-  """Warns that a keyword is deprecated (`stacklevel`: as the caller would pass it to `warn`)."""
-  warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
-
-
-def group_deprecated(fn: str, deprecated: dict[str, Any], *, special_tokens: Any,
-                     long_docs: Any, shard_options: Any, passthrough: tuple[str, ...] = (),
-                     stacklevel: int = 3) -> Grouped:
-  """Folds the previous release's keywords into the option groups, warning for each.
-
-  Args:
-    fn: the entry point's name (for the messages).
-    deprecated: the entry point's `**deprecated` keywords.
-    special_tokens: its `special_tokens` argument (`DEFAULT_SPECIAL_TOKENS` when not passed).
-    long_docs: its `long_docs` argument (`DEFAULT_LONG_DOCS` when not passed, or an old string).
-    shard_options: its `shard_options` argument.
-    passthrough: other deprecated names the entry point accepts and handles itself.
-    stacklevel: the warnings' stack level as `warnings.warn` would take it here (3: the caller
-      of the entry point).
-
-  Returns:
-    The groups, and the passthrough keywords that were given.
-
-  Raises:
-    TypeError: a keyword is not a parameter, old or new, of the entry point.
-    PipelineConfigError: an old keyword and its new group are both given.
-  """
-  known = SPECIAL_TOKEN_NAMES + LONG_DOC_NAMES + SHARD_NAMES + passthrough
-  unknown = sorted(set(deprecated) - set(known))
-  if unknown:
-    raise TypeError(f"{fn}() got unexpected keyword argument(s): {', '.join(unknown)}")
-  level = stacklevel + 1
-  return Grouped(
-      special_tokens=_fold_special_tokens(fn, deprecated, special_tokens, level),
-      long_docs=_fold_long_docs(fn, deprecated, long_docs, level),
-      shard_options=_fold_shard(fn, deprecated, shard_options, level),
-      rest={k: deprecated[k] for k in passthrough if k in deprecated})
-
-
-def _spelled(values: dict[str, Any]) -> str:
-  return ", ".join(f"{k}={v!r}" for k, v in values.items())
-
-
-def _fold_special_tokens(fn: str, deprecated: dict[str, Any], special: Any,
-                         stacklevel: int) -> Any:
-  old = {k: deprecated[k] for k in SPECIAL_TOKEN_NAMES if k in deprecated}
-  if not old:
-    return special
-  if special is not DEFAULT_SPECIAL_TOKENS:
-    raise PipelineConfigError(
-        f"{fn}: got both {_spelled(old)} and special_tokens={special!r}; set "
-        f"{', '.join(old)} inside special_tokens")
-  for name in ("add_bos", "add_eos"):
-    if name in old:
-      old[name] = bool(old[name])  # The old keywords took any truthy value.
-  deprecation(f"{fn}: the keyword(s) {', '.join(old)} are deprecated; pass "
-              f"special_tokens=segpack.SpecialTokens({_spelled(old)})", stacklevel)
-  return dataclasses.replace(DEFAULT_SPECIAL_TOKENS, **old)
-
-
-def _fold_long_docs(fn: str, deprecated: dict[str, Any], long_docs: Any,
-                    stacklevel: int) -> Any:
-  old = {k: deprecated[k] for k in LONG_DOC_NAMES if k in deprecated}
-  if isinstance(long_docs, str):
-    old = {"mode": long_docs, **old}
-  elif old and long_docs is not DEFAULT_LONG_DOCS:
-    raise PipelineConfigError(
-        f"{fn}: got both {_spelled(old)} and long_docs={long_docs!r}; set "
-        f"{', '.join(old)} inside long_docs")
-  if not old:
-    return long_docs
-  names = ", ".join("long_docs as a string" if k == "mode" else k for k in old)
-  verb = "is" if len(old) == 1 else "are"
-  deprecation(f"{fn}: {names} {verb} deprecated; pass long_docs=segpack.LongDocs({_spelled(old)})",
-              stacklevel)
-  return dataclasses.replace(DEFAULT_LONG_DOCS, **old)
-
-
-def _fold_shard(fn: str, deprecated: dict[str, Any], shard_options: Any,
-                stacklevel: int) -> Any:
-  old = {k: deprecated[k] for k in SHARD_NAMES if k in deprecated}
-  if not old:
-    return shard_options
-  given = {k: v for k, v in old.items() if v is not None}
-  if given and shard_options is not None:
-    raise PipelineConfigError(
-        f"{fn}: got both {_spelled(given)} and shard_options={shard_options!r}; pass "
-        f"shard_options only")
-  deprecation(f"{fn}: the keyword(s) {', '.join(old)} are deprecated; pass shard_options="
-              f"grain.sharding.ShardOptions({_spelled(old)})", stacklevel)
-  if not given:
-    return shard_options  # None for both meant "this JAX process", as shard_options=None does.
-  index, count = old.get("shard_index"), old.get("shard_count")
-  if index is None or count is None:
-    raise PipelineConfigError(
-        f"{fn}: give both shard_index and shard_count, got shard_index={index!r}, "
-        f"shard_count={count!r}")
-  if not_int(count) or count < 1:
-    raise PipelineConfigError(f"{fn}: shard_count must be an int >= 1, got {count!r}")
-  if not_int(index) or not 0 <= index < count:
-    raise PipelineConfigError(f"{fn}: shard_index must be in [0, {count}), got {index!r}")
-  return _Shard(shard_index=int(index), shard_count=int(count))

@@ -1,8 +1,7 @@
 """The global row stream: batches whose position does not depend on the process count.
 
-`pack_dataset` on one shard (`shard_count=1`), infinite and shuffled, is the *stream*: element
-`t` is the row at position `t`, epoch `t // R` and index `t % R` of that epoch's permutation of
-the `R` plan rows (no padding rows: they only existed to split an epoch evenly over processes).
+A `pack_dataset` is the *stream*: element `t` is the row at position `t`, epoch `t // R` and
+index `t % R` of that epoch's permutation of the `R` plan rows, the same on every process.
 `StreamBatches` cuts the stream into global batches and hands each process its part;
 `StreamIterator` walks them and checkpoints the position as `{"epoch", "index"}`, so a run
 saved on `P` processes resumes on `Q` (and with another global batch size) at the same row:
@@ -20,6 +19,7 @@ import grain
 import numpy as np
 
 from segpack.data import balance as balance_lib
+from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
 from segpack.data.packed import PackedDataset
 
@@ -95,8 +95,9 @@ class StreamBatches(grain.MapDataset):
 
   1. Global batch `k` is stream offsets `[s + k*B, s + (k+1)*B)`; offset `t` is row
      `perm_e[t % R]` of epoch `e = t // R`, built from epoch `e`'s plan (batches may straddle
-     an epoch boundary; no row is padding).
-  2. With `balance_ranks=N`, the batch's offsets are reordered by
+     an epoch boundary). A finite stream (`num_epochs` epochs) ends with its last, partly
+     filled batch: offsets past its end are all-padding rows.
+  2. With `balance=BalanceOptions(num_ranks=N)`, the batch's offsets are reordered by
      `segpack.data.balance.assign_rows` on their rows' attention costs, so that rank `r` (which
      takes the contiguous block `[r*B/N, (r+1)*B/N)`) gets a balanced share.
   3. Process `p` takes the contiguous block `[p*B/Q, (p+1)*B/Q)` of the batch, the rows that
@@ -115,19 +116,20 @@ class StreamBatches(grain.MapDataset):
 
   def __init__(self, rows: PackedDataset, *, global_batch_size: int, process_index: int,
                process_count: int, start: StreamPosition = StreamPosition(epoch=0, index=0),
-               balance_ranks: int | None = None):
+               balance: BalanceOptions | None = None):
     """Creates the batches.
 
     Args:
-      rows: the stream, `pack_dataset(..., num_epochs=None, shard_options=ShardOptions(0, 1))`
-        without `balance` (shuffled or not, `repack` either way).
+      rows: the stream, a `pack_dataset(...)` (shuffled or not, `repack` either way; infinite
+        for training, finite for one pass over held-out data).
       global_batch_size: rows per global batch, a multiple of `process_count`.
       process_index: this process, `0 <= process_index < process_count`.
       process_count: processes that split every global batch.
       start: the stream position of batch 0's first row.
-      balance_ranks: None (stream order), or the data-parallel ranks to balance every global
-        batch over by attention cost: divides `global_batch_size`, a multiple of
-        `process_count`.
+      balance: None (stream order), or `BalanceOptions(num_ranks=N)`: every global batch is
+        balanced by attention cost over the `N` data-parallel ranks (devices along the batch
+        axes of the mesh, over all processes); `N` divides `global_batch_size` and is a
+        multiple of `process_count`.
 
     Raises:
       PipelineConfigError: naming the argument that does not fit.
@@ -135,12 +137,6 @@ class StreamBatches(grain.MapDataset):
     super().__init__()
     if not isinstance(rows, PackedDataset):
       raise PipelineConfigError(f"StreamBatches: rows must be a PackedDataset, got {rows!r}")
-    if rows.shard_count != 1 or rows.num_epochs is not None or rows.balance is not None:
-      raise PipelineConfigError(
-          f"StreamBatches: rows must be the whole stream: pack_dataset(..., num_epochs=None, "
-          f"shard_options=ShardOptions(shard_index=0, shard_count=1), balance=None), got "
-          f"shard_count={rows.shard_count}, num_epochs={rows.num_epochs}, "
-          f"balance={rows.balance}")
     self._rows = rows
     self._batch = _positive("global_batch_size", global_batch_size)
     self._count = _positive("process_count", process_count)
@@ -152,19 +148,21 @@ class StreamBatches(grain.MapDataset):
       raise PipelineConfigError(
           f"StreamBatches: global_batch_size={self._batch} is not divisible by "
           f"process_count={self._count}")
-    if balance_ranks is not None:
-      ranks = _positive("balance_ranks", balance_ranks)
-      if self._batch % ranks or ranks % self._count:
+    if balance is not None:
+      if not isinstance(balance, BalanceOptions):
         raise PipelineConfigError(
-            f"StreamBatches: balance_ranks={ranks} must divide global_batch_size="
-            f"{self._batch} and be a multiple of process_count={self._count}")
-    self._ranks = balance_ranks
-    self._rows_per_epoch = rows.num_plan_rows
+            f"StreamBatches: balance must be a BalanceOptions or None, got {balance!r}")
+      balance.check(global_batch_size=self._batch, process_count=self._count,
+                    fn="StreamBatches")
+    self._balance = balance
+    self._rows_per_epoch = rows.rows_per_epoch
     if not isinstance(start, StreamPosition) or not 0 <= start.index < self._rows_per_epoch:
       raise PipelineConfigError(
           f"StreamBatches: start must be a StreamPosition with 0 <= index < "
           f"{self._rows_per_epoch}, got {start!r}")
     self._start = start.offset(rows_per_epoch=self._rows_per_epoch)
+    self._end = (sys.maxsize if rows.num_epochs is None
+                 else rows.num_epochs * self._rows_per_epoch)
 
   @property
   def rows_per_epoch(self) -> int:
@@ -188,7 +186,7 @@ class StreamBatches(grain.MapDataset):
     """The same batches' layout from another start position."""
     return StreamBatches(self._rows, global_batch_size=self._batch,
                          process_index=self._index, process_count=self._count, start=start,
-                         balance_ranks=self._ranks)
+                         balance=self._balance)
 
   def position(self, k: int) -> StreamPosition:
     """The stream position of global batch `k`'s first row (= where batch `k` starts)."""
@@ -200,10 +198,12 @@ class StreamBatches(grain.MapDataset):
     if k < 0:
       raise IndexError(f"StreamBatches: negative batch index {k}")
     offsets_B = self._start + int(k) * self._batch + np.arange(self._batch, dtype=np.int64)
-    if self._ranks is None:
+    if self._balance is None:
       return offsets_B
-    costs_B = self._rows.row_attention_costs()[self._rows.plan_rows(offsets_B)]
-    return offsets_B[balance_lib.assign_rows(costs_B, num_ranks=self._ranks)]
+    real_B = offsets_B < self._end
+    costs_B = np.zeros(self._batch, dtype=np.int64)
+    costs_B[real_B] = self._rows.row_attention_costs()[self._rows.plan_rows(offsets_B[real_B])]
+    return offsets_B[balance_lib.assign_rows(costs_B, num_ranks=self._balance.num_ranks)]
 
   def local_offsets(self, k: int) -> np.ndarray:
     """int64 `[B / Q]`: the stream offsets of this process's rows of global batch `k`."""
@@ -213,23 +213,40 @@ class StreamBatches(grain.MapDataset):
   def plan_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
     """`(epoch, plan row)` of each of this process's rows of batch `k` (int64 `[B / Q]` each).
 
-    The plan row indexes epoch `epoch`'s plan (with `repack="epoch"` every epoch has its own).
+    The plan row indexes epoch `epoch`'s plan (with `repack="epoch"` every epoch has its own);
+    a padding row past the end of a finite stream is plan row -1.
     """
     offsets = self.local_offsets(k)
-    return offsets // self._rows_per_epoch, self._rows.plan_rows(offsets)
+    real = offsets < self._end
+    rows = np.full(offsets.shape, -1, dtype=np.int64)
+    rows[real] = self._rows.plan_rows(offsets[real])
+    return offsets // self._rows_per_epoch, rows
 
   def __len__(self) -> int:
-    return sys.maxsize
+    if self._end == sys.maxsize:
+      return sys.maxsize
+    return -(-max(self._end - self._start, 0) // self._batch)
 
   def __str__(self) -> str:
     return (f"StreamBatches(global_batch_size={self._batch}, process={self._index}/"
-            f"{self._count}, start={self.start}, balance_ranks={self._ranks})")
+            f"{self._count}, start={self.start}, balance={self._balance})")
 
   def __getitem__(self, index):
     if isinstance(index, builtins.slice):
       return self.slice(index)
     with self._stats.record_self_time():
-      return self._stats.record_output_spec(self._rows.get_batch(self.local_offsets(int(index))))
+      return self._stats.record_output_spec(self._build(self.local_offsets(int(index))))
+
+  def _build(self, offsets: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows at `offsets`; those past the end of a finite stream are all padding."""
+    real = offsets < self._end
+    if real.all():
+      return self._rows.get_batch(offsets)
+    out = self._rows.padding_rows(len(offsets))
+    if real.any():
+      for key, value in self._rows.get_batch(offsets[real]).items():
+        out[key][real] = value
+    return out
 
   def iterator(self, *, read_options: grain.ReadOptions | None = None) -> "StreamIterator":
     """A `StreamIterator` over these batches (its state is the stream position)."""

@@ -26,18 +26,12 @@ import dataclasses
 import functools
 import mmap
 import sys
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
 from segpack.packing.chunking import BLOCK, Chunks, index_dtype, length_dtype
-
-
-class RunPacker(Protocol):
-  num_bins: int
-
-  def place_run(self, size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Places `m` chunks of `size` slots: bin `bins[j]` takes the next `counts[j]` chunks."""
+from segpack.packing.runs import RunPacker
 
 
 def length_histogram(length: np.ndarray, seq_len: int) -> np.ndarray:

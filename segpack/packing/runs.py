@@ -28,6 +28,10 @@ class Placement:
 
 
 class RunPacker(Protocol):
+  """A decreasing planner's state, fed one run of equal chunk lengths at a time (longest first):
+  FFD's and BFD's packers, used by `run_decreasing` and by `layout.place_runs`."""
+
+  num_bins: int  # bins opened so far
 
   def place_run(self, size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """Places `m` chunks of `size` slots; returns `(bins, counts)`: bin `bins[j]` takes the next
