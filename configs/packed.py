@@ -17,8 +17,11 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "builtin"  # "builtin" (Python docs + stdlib corpus) or "synthetic" (random)
-  c.data.size = "full"  # builtin corpus size: "full" (vocab 8192) or "small" (vocab 2048)
+  # "builtin" (Python docs + stdlib corpus), "builtin_chat" (conversations about them,
+  # configs/sft.py) or "synthetic" (random documents)
+  c.data.source = "builtin"
+  c.data.size = "full"  # built-in corpus size: "full" (vocab 8192) or "small" (vocab 2048)
+  c.data.train_on = "assistant"  # builtin_chat loss on: "assistant", "last_assistant" or "all"
   c.data.cache_dir = config_dict.placeholder(str)  # corpus cache; None: $SEGPACK_CACHE or ~/.cache
   c.data.add_bos = True  # BOS before every document
   c.data.add_eos = True  # EOS after every document
@@ -38,6 +41,11 @@ def base_config() -> ml_collections.ConfigDict:
   # "epoch": every epoch after the first gets its own exact plan, so documents meet new
   # neighbours each epoch (ffd, bfd, sorted_pad; not with max_segments_per_row); "none": one plan
   c.packing.repack = "none"
+  # "global": the rows of one plan per epoch; "minibatch": every step packs the minibatch that
+  # unpacked sampling would draw (chat fine-tuning, docs/sft.md)
+  c.packing.mode = "global"
+  c.packing.examples_per_batch = config_dict.placeholder(int)  # minibatch mode: examples per step
+  c.packing.tokens_per_batch = config_dict.placeholder(int)  # minibatch mode: or tokens per step
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
@@ -129,12 +137,7 @@ def gpu(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   6,292,992; 16 layers 100,687,872; embedding and output projection 2*V*E = 12,582,912; final norm
   768: 113,271,552 in all, 106,954,752 of them in matmuls (the FLOP count's N, train/flops.py).
 
-  Memory of one step (16 rows x 4096 slots in 2 micro-batches of 8, no rematerialisation), checked
-  on the CPU by tests/test_gpu_config.py and written up in docs/training.md: the analytic estimate
-  (float32 parameters, gradients and Adam moments; bfloat16 activations kept for the backward
-  pass; float32 logits) is 24.3 GB, XLA's CPU buffer assignment for the same step 41.4 GB, both
-  well under the 80 GB of an H100 (one micro-batch of 16 rows: 46.3 and 79.2 GB). Not yet
-  measured on a GPU.
+  Memory of one step (how it fits in 80 GB): docs/training.md, "The `:gpu` config's memory".
 
   The built-in corpus is 3.84M tokens per epoch, ~940 rows of 4096, so ~59 steps per epoch: 240
   steps are ~4 epochs (~15.7M tokens), a short run; repeating data much longer overfits a model

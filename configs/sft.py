@@ -14,21 +14,17 @@ per epoch). See docs/sft.md.
 from __future__ import annotations
 
 import ml_collections
-from ml_collections import config_dict
 
 from configs import packed
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The packed config with chat data and minibatch packing."""
+  """The packed config with chat data (assistant-only loss) and minibatch packing."""
   c = packed.base_config()
   c.data.source = "builtin_chat"  # conversations about the built-in docs (segpack.chat_corpus)
-  c.data.size = "full"  # chat corpus size: "full" (vocab 8192) or "small" (vocab 2048)
-  c.data.train_on = "assistant"  # loss on: "assistant", "last_assistant" or "all"
   c.packing.seq_len = 512
-  c.packing.mode = "minibatch"  # "minibatch" (steps of unpacked training) or "global" (FFD)
-  c.packing.examples_per_batch = 16  # conversations per optimizer step (minibatch mode)
-  c.packing.tokens_per_batch = config_dict.placeholder(int)  # instead: a token budget per step
+  c.packing.mode = "minibatch"  # each step packs the minibatch unpacked training would draw
+  c.packing.examples_per_batch = 16  # conversations per optimizer step
   # Rows per step: minibatch mode packs each minibatch into these. On the full chat corpus a
   # minibatch of 16 needs at most 8 rows of 512 (10 epochs measured); 10 leaves a margin.
   c.train.batch_size = 10
