@@ -39,11 +39,6 @@ BATCH_SIZE_KEY = "train.batch_size"
 DATA_FORMAT = 2
 # `loss.weighting` is deliberately not resumable: it changes the objective being optimised.
 
-# Keys added to the config after checkpoints were written without them: an absent key reads as
-# this value, the behaviour those checkpoints were trained with.
-DEFAULTS_OF_ADDED_KEYS = {"loss.weighting": "token", "packing.balance": "none",
-                          "packing.repack": "none", "train.allow_batch_size_change": False}
-
 
 class IncompatibleCheckpointError(ValueError):
   """The checkpoint in the workdir was written by a config that differs in a way that matters."""
@@ -66,9 +61,6 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *,
   """Lines `key: checkpoint has X, config has Y` for every difference outside RESUMABLE_CHANGES
   and `also_resumable`."""
   a, b = flatten(saved), flatten(current)
-  for key, value in DEFAULTS_OF_ADDED_KEYS.items():
-    a.setdefault(key, value)
-    b.setdefault(key, value)
   lines = []
   for key in sorted(set(a) | set(b)):
     if key in RESUMABLE_CHANGES or key in also_resumable:
