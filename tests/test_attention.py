@@ -1,12 +1,15 @@
 """segment_attention: the XLA reference against the per-document oracle, block ranges, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from segpack import attention as attention_lib
 from segpack.attention import (AttentionInputError, AttentionTypeError,
-                               NonContiguousSegmentsError, segment_attention)
+                               NonContiguousSegmentsError, PallasOptions, segment_attention)
 from segpack.attention import blocks
 from test_attention_oracle import reference
 
@@ -163,20 +166,36 @@ class TestBadInput:
 
   def test_bad_block(self):
     with pytest.raises(AttentionInputError, match="`block_q` must be a power of two >= 16, got 48"):
-      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas", block_q=48,
-                        interpret=True)
+      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas",
+                        pallas=PallasOptions(block_q=48, interpret=True))
 
   def test_bad_backward_block(self):
     with pytest.raises(AttentionInputError, match="`block_k_bwd` must be a power of two >= 16, "
                        "got 8"):
-      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas", block_k_bwd=8,
-                        interpret=True)
+      segment_attention(self.q, self.k, self.v, self.seg, implementation="pallas",
+                        pallas=PallasOptions(block_k_bwd=8, interpret=True))
 
   def test_head_dim_too_large(self):
     q = jnp.zeros((1, 16, 1, 320))
     with pytest.raises(AttentionInputError, match="D=320 is above 256"):
       segment_attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="pallas",
-                        interpret=True)
+                        pallas=PallasOptions(interpret=True))
+
+  @pytest.mark.skipif(jax.default_backend() == "gpu", reason="None means XLA only off a GPU")
+  def test_pallas_options_are_refused_by_other_backends(self):
+    for impl, named in (("xla", "implementation='xla'"), ("cudnn", "implementation='cudnn'"),
+                        (None, r"implementation=None \(here 'xla'\)")):
+      with pytest.raises(AttentionInputError, match=r"`pallas`=PallasOptions\(.*interpret=True\) "
+                         f"is a Pallas setting, but {named} does not use it"):
+        segment_attention(self.q, self.k, self.v, self.seg, implementation=impl,
+                          pallas=PallasOptions(interpret=True))
+
+  def test_cudnn_segment_bound_is_refused_by_other_backends(self):
+    for impl in ("xla", "pallas"):
+      with pytest.raises(AttentionInputError, match=f"`cudnn_segment_bound`=8 is a cuDNN "
+                         f"setting, but implementation='{impl}' does not use it"):
+        segment_attention(self.q, self.k, self.v, self.seg, implementation=impl,
+                          cudnn_segment_bound=8)
 
   def test_noncontiguous_segments_concrete(self):
     seg = jnp.array([[1] * 8 + [2] * 8 + [1] * 16, [1] * 32])
@@ -190,3 +209,49 @@ class TestBadInput:
     with pytest.raises(Exception, match="row 1 reopens segment 3 at position 8"):
       jax.block_until_ready(f(seg))
     jax.block_until_ready(f(self.seg))
+
+
+def test_pallas_options_are_frozen_keyword_only_with_auto_defaults():
+  opts = PallasOptions()
+  assert (opts.block_q, opts.block_k, opts.block_q_bwd, opts.block_k_bwd, opts.num_warps,
+          opts.num_stages, opts.smem_bytes, opts.interpret) == ("auto",) * 6 + (None, False)
+  with pytest.raises(TypeError):
+    PallasOptions(64)  # pylint: disable=too-many-function-args
+  with pytest.raises(AttributeError):
+    opts.interpret = True
+  assert hash(PallasOptions(block_q=32)) == hash(PallasOptions(block_q=32))  # a static argument
+
+
+def test_resolve_implementation_rules():
+  """None by platform; settings only for their backend; Pallas on the CPU only interpreted."""
+  resolve = attention_lib.resolve_implementation
+  assert resolve(implementation=None, platform="gpu") == "pallas"
+  assert resolve(implementation=None, platform="cpu") == "xla"
+  assert resolve(implementation=None, platform="gpu", pallas=PallasOptions()) == "pallas"
+  assert resolve(implementation="cudnn", platform="cpu", cudnn_segment_bound=4) == "cudnn"
+  interpret = PallasOptions(interpret=True)
+  assert resolve(implementation="pallas", platform="cpu", pallas=interpret) == "pallas"
+  assert resolve(implementation="pallas") == "pallas"  # no platform: a CPU may lower for cuda
+  for pallas in (None, PallasOptions(block_q=32)):
+    with pytest.raises(AttentionInputError, match=r"implementation='pallas' on the CPU needs "
+                       rf"`pallas.interpret=True`.*got pallas={re.escape(repr(pallas))}"):
+      resolve(implementation="pallas", platform="cpu", pallas=pallas)
+  with pytest.raises(AttentionInputError,
+                     match=r"implementation=None \(here 'xla'\) does not use it"):
+    resolve(implementation=None, platform="cpu", pallas=interpret)
+  with pytest.raises(AttentionInputError, match=r"`pallas` must be a PallasOptions or None, got "
+                     r"\{'interpret': True\}"):
+    resolve(implementation="pallas", pallas={"interpret": True})
+  with pytest.raises(AttentionInputError, match="got 'flash'"):
+    resolve(implementation="flash", platform="cpu")
+
+
+def test_backend_mesh_runs_kernels_under_the_mesh_and_leaves_xla_to_the_partitioner():
+  mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+  assert attention_lib.backend_mesh(implementation="xla", mesh=mesh) is None
+  for impl in ("pallas", "cudnn"):
+    assert attention_lib.backend_mesh(implementation=impl, mesh=mesh) is mesh
+    assert attention_lib.backend_mesh(implementation=impl, mesh=None) is None
+  default = attention_lib.default_implementation()
+  assert attention_lib.backend_mesh(implementation=None, mesh=mesh) is (
+      None if default == "xla" else mesh)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from segpack.attention import AttentionInputError, segment_attention
+from segpack.attention import AttentionInputError, round_segment_bound, segment_attention
 from segpack.attention import cudnn
 from test_attention import _random_rows, layouts
 from test_attention_oracle import reference
@@ -63,8 +63,8 @@ HAND_N = 3
 
 def test_packed_layout_on_hand_made_rows():
   seg = np.array([row for _, row, _ in HAND_ROWS], np.int32)
-  seqlen, offsets = cudnn.packed_layout(jnp.asarray(seg), max_segments_per_row=HAND_N)
-  covered = cudnn.covered_slots(jnp.asarray(seg), max_segments_per_row=HAND_N)
+  seqlen, offsets = cudnn.packed_layout(jnp.asarray(seg), cudnn_segment_bound=HAND_N)
+  covered = cudnn.covered_slots(jnp.asarray(seg), cudnn_segment_bound=HAND_N)
   counts = cudnn.count_segments(jnp.asarray(seg))
   for r, (name, row, runs) in enumerate(HAND_ROWS):
     want_len, want_off = _layout_oracle(row, HAND_N)
@@ -83,8 +83,8 @@ def test_packed_layout_matches_python_oracle_on_random_rows():
   rng = np.random.default_rng(0)
   seg = np.concatenate([layouts(256), _random_rows(rng, 10, 256)])
   n = 40
-  seqlen, offsets = cudnn.packed_layout(jnp.asarray(seg), max_segments_per_row=n)
-  covered = cudnn.covered_slots(jnp.asarray(seg), max_segments_per_row=n)
+  seqlen, offsets = cudnn.packed_layout(jnp.asarray(seg), cudnn_segment_bound=n)
+  covered = cudnn.covered_slots(jnp.asarray(seg), cudnn_segment_bound=n)
   for r in range(len(seg)):
     want_len, want_off = _layout_oracle(list(seg[r]), n)
     np.testing.assert_array_equal(seqlen[r], want_len, err_msg=f"row {r}")
@@ -97,56 +97,57 @@ def test_packed_layout_matches_python_oracle_on_random_rows():
 
 def test_packed_layout_docstring_example():
   ids = jnp.array([[0, 1, 1, 0, 2, 2, 2, 0]])
-  seqlen, offsets = cudnn.packed_layout(ids, max_segments_per_row=3)
+  seqlen, offsets = cudnn.packed_layout(ids, cudnn_segment_bound=3)
   np.testing.assert_array_equal(seqlen, [[2, 3, -1]])
   np.testing.assert_array_equal(offsets, [[1, 4, -1, -1]])
-  np.testing.assert_array_equal(cudnn.covered_slots(ids, max_segments_per_row=3),
+  np.testing.assert_array_equal(cudnn.covered_slots(ids, cudnn_segment_bound=3),
                                 [[0, 1, 1, 0, 1, 1, 1, 0]])
 
 
 def test_checked_mode_counts_the_runs_cudnn_sees():
   seg = jnp.asarray([row for _, row, _ in HAND_ROWS[:5]], jnp.int32)  # at most 3 runs each
-  cudnn.check_segment_count(seg, max_segments_per_row=HAND_N)  # N exactly reached: fine
+  cudnn.check_segment_count(seg, cudnn_segment_bound=HAND_N)  # N exactly reached: fine
   over = jnp.asarray([row for _, row, _ in HAND_ROWS], jnp.int32)
   with pytest.raises(AttentionInputError, match=r"row 5 has 6 segments, more than .*=3"):
-    cudnn.check_segment_count(over, max_segments_per_row=HAND_N)
+    cudnn.check_segment_count(over, cudnn_segment_bound=HAND_N)
   # Padding between documents is no run: 3 documents fit N = 3.
-  cudnn.check_segment_count(jnp.array([[1, 0, 2, 0, 3, 0]]), max_segments_per_row=3)
+  cudnn.check_segment_count(jnp.array([[1, 0, 2, 0, 3, 0]]), cudnn_segment_bound=3)
   with pytest.raises(AttentionInputError, match="row 0 has 3 segments, more than .*=2"):
-    cudnn.check_segment_count(jnp.array([[1, 0, 2, 0, 3, 0]]), max_segments_per_row=2)
+    cudnn.check_segment_count(jnp.array([[1, 0, 2, 0, 3, 0]]), cudnn_segment_bound=2)
 
 
 def test_checked_mode_under_jit_raises_when_run():
-  check = jax.jit(lambda seg: (cudnn.check_segment_count(seg, max_segments_per_row=2), seg)[1])
+  check = jax.jit(lambda seg: (cudnn.check_segment_count(seg, cudnn_segment_bound=2), seg)[1])
   jax.block_until_ready(check(jnp.array([[1, 1, 0, 2]])))
   with pytest.raises(Exception, match="row 1 has 3 segments, more than .*=2"):
     jax.block_until_ready(check(jnp.array([[1, 1, 0, 2], [1, 0, 2, 3]])))
 
 
-def test_cudnn_segment_bound():
+def test_round_segment_bound():
   def naive(m):
     n = 2
     while n < m:
       n *= 2
     return n
   for m in range(0, 300):
-    got = cudnn.cudnn_segment_bound(m)
+    got = cudnn.round_segment_bound(m)
     assert got == naive(m) and got >= m, m
-  assert cudnn.cudnn_segment_bound(np.int64(9)) == 16
+  assert cudnn.round_segment_bound(np.int64(9)) == 16
+  assert round_segment_bound is cudnn.round_segment_bound  # exported by segpack.attention
   for bad in (-1, True, 2.5, None):
     with pytest.raises(AttentionInputError, match=f"`max_segments` must be an int >= 0, got "
                        f"{re.escape(repr(bad))}"):
-      cudnn.cudnn_segment_bound(bad)
+      cudnn.round_segment_bound(bad)
 
 
 def test_no_default_bound():
-  """Without `max_segments_per_row` the call is refused, naming the memory law and the fix."""
+  """Without `cudnn_segment_bound` the call is refused, naming the memory law and the fix."""
   x = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(AttentionInputError) as e:
     segment_attention(x, x, x, jnp.ones((1, 64), jnp.int32), implementation="cudnn")
   msg = str(e.value)
-  for part in ("`max_segments_per_row`", "B*N*H*S*D", "516 GiB", "max_segments_in_row",
-               "cudnn_segment_bound", "S=64"):
+  for part in ("`cudnn_segment_bound`", "B*N*H*S*D", "516 GiB", "max_segments_in_row",
+               "round_segment_bound", "S=64"):
     assert part in msg, part
 
 
@@ -155,16 +156,16 @@ def test_clear_error_without_cudnn():
   x = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(cudnn.CudnnUnavailableError, match="needs a CUDA GPU with cuDNN"):
     segment_attention(x, x, x, jnp.ones((1, 64), jnp.int32), implementation="cudnn",
-                      max_segments_per_row=4)
+                      cudnn_segment_bound=4)
 
 
-def test_bad_max_segments():
+def test_bad_segment_bound():
   x = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   for bad in (0, -3, 2.0):
-    with pytest.raises(AttentionInputError, match="`max_segments_per_row` must be a positive int, "
+    with pytest.raises(AttentionInputError, match="`cudnn_segment_bound` must be a positive int, "
                        f"got {bad!r}"):
       segment_attention(x, x, x, jnp.ones((1, 64), jnp.int32), implementation="cudnn",
-                        max_segments_per_row=bad)
+                        cudnn_segment_bound=bad)
 
 
 def _fake_cudnn_call(q, k, v, seqlen_BxN, offsets_BxN1, mask_type, scale):
@@ -230,7 +231,7 @@ def test_unwritten_slots_are_zero_forward_and_backward(fake_cudnn, causal):
   q, k, v, dout = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                    for shape in ((b, s, h, d), (b, s, kh, d), (b, s, kh, d), (b, s, h, d)))
   f = lambda q, k, v: segment_attention(q, k, v, jnp.asarray(seg), causal=causal,
-                                        implementation="cudnn", max_segments_per_row=HAND_N)
+                                        implementation="cudnn", cudnn_segment_bound=HAND_N)
   out, vjp = jax.vjp(jax.jit(f), q, k, v)
   grads = vjp(dout)
   kept = np.where([_covered_oracle(row, HAND_N) for row in seg.tolist()], seg, 0)
@@ -256,7 +257,7 @@ def test_backward_warns_once_and_lowers_for_cuda(monkeypatch, caplog):
   sd = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)
   args = (sd(2, 512, 8, 128), sd(2, 512, 2, 128), sd(2, 512, 2, 128), sd(2, 512, dt=jnp.int32))
   fwd = lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="cudnn",
-                                               max_segments_per_row=16)
+                                               cudnn_segment_bound=16)
 
   def grad(q, k, v, seg):
     return jax.grad(lambda q, k, v: fwd(q, k, v, seg).astype(jnp.float32).sum(),

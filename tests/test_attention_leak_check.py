@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from segpack.attention import AttentionInputError, AttentionLeakError, self_check
+from segpack.attention import AttentionInputError, AttentionLeakError, PallasOptions, self_check
 from segpack.attention import cudnn as cudnn_lib
 from segpack.attention import dispatch
 from segpack.attention import leak_check as self_check_lib
@@ -86,8 +86,9 @@ def test_oracle_matches_the_float64_per_document_reference():
 
 @pytest.mark.parametrize("implementation,kwargs", [
     ("xla", {}),
-    ("pallas", dict(interpret=True)),
-    ("pallas", dict(interpret=True, block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)),
+    ("pallas", dict(pallas=PallasOptions(interpret=True))),
+    ("pallas", dict(pallas=PallasOptions(interpret=True, block_q=32, block_k=16, block_q_bwd=16,
+                                         block_k_bwd=32))),
 ])
 def test_real_backends_pass(implementation, kwargs):
   result = self_check(implementation=implementation, **kwargs)
@@ -138,6 +139,20 @@ def test_non_finite_padding_output_is_caught():
 def test_unknown_implementation_is_refused_naming_it():
   with pytest.raises(AttentionInputError, match="'flash'"):
     self_check(implementation="flash")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="None means XLA only off a GPU")
+def test_settings_go_to_their_backend_and_none_is_the_default():
+  """The settings rule of `segment_attention` (`resolve_implementation`) holds for `self_check`;
+  `implementation=None` checks the platform's default backend."""
+  assert self_check().implementation == "xla"
+  with pytest.raises(AttentionInputError, match="`pallas`=.* implementation='xla' does not use"):
+    self_check(implementation="xla", pallas=PallasOptions(interpret=True))
+  with pytest.raises(AttentionInputError, match="`cudnn_segment_bound`=16 is a cuDNN setting"):
+    self_check(implementation="pallas", pallas=PallasOptions(interpret=True),
+               cudnn_segment_bound=16)
+  with pytest.raises(AttentionInputError, match="a callable `implementation` takes neither"):
+    self_check(implementation=ignores_segments, pallas=PallasOptions(interpret=True))
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the error without a GPU")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from segpack.attention import AttentionInputError, segment_attention
+from segpack.attention import AttentionInputError, PallasOptions, segment_attention
 from segpack.attention import resources
 from segpack.attention.pallas import kernel_settings
 from segpack.attention.resources import KernelSettings
@@ -124,11 +124,13 @@ def _small(dtype, d, s=128):
 
 def test_explicit_oversize_setting_is_refused_before_compiling():
   q, k, v, seg = _small(jnp.float32, 128)
-  explicit = dict(implementation="pallas", block_q=128, block_k=128, num_stages=2)
+  settings = dict(block_q=128, block_k=128, num_stages=2)
+  explicit = dict(implementation="pallas", pallas=PallasOptions(**settings))
   want = (r"forward kernel needs 262656 bytes.*232448 available", "float32", "D=128",
           "block_q=128, block_k=128, num_stages=2")
   with pytest.raises(AttentionInputError, match="explicit setting") as err:
-    segment_attention(q, k, v, seg, interpret=True, **explicit)
+    segment_attention(q, k, v, seg, implementation="pallas",
+                      pallas=PallasOptions(interpret=True, **settings))
   for pattern in want:
     assert re.search(pattern, str(err.value)), (pattern, str(err.value))
   # Lowering for the GPU (which never compiles Triton here) is refused the same way.
@@ -138,8 +140,9 @@ def test_explicit_oversize_setting_is_refused_before_compiling():
   # The backward kernels are checked too, both named when both exceed the budget.
   q, k, v, seg = _small(jnp.bfloat16, 128)
   with pytest.raises(AttentionInputError) as err:
-    segment_attention(q, k, v, seg, implementation="pallas", interpret=True, smem_bytes=SM89,
-                      block_q_bwd=128, block_k_bwd=128, num_stages=2, num_warps=8)
+    segment_attention(q, k, v, seg, implementation="pallas", pallas=PallasOptions(
+        interpret=True, smem_bytes=SM89, block_q_bwd=128, block_k_bwd=128, num_stages=2,
+        num_warps=8))
   msg = str(err.value)
   assert "dq kernel needs 131584 bytes" in msg and "dkv kernel needs 197120 bytes" in msg, msg
   assert "bfloat16" in msg and "101376 available" in msg and "block_k=128, num_stages=2" in msg
@@ -151,7 +154,8 @@ def test_bad_settings_are_named():
                                ("num_stages", 0, "integer >= 1, got 0"),
                                ("block_q", "big", "power of two >= 16, got 'big'")):
     with pytest.raises(AttentionInputError, match=f"`{name}` must be an? {pattern}"):
-      segment_attention(q, k, v, seg, implementation="pallas", interpret=True, **{name: value})
+      segment_attention(q, k, v, seg, implementation="pallas",
+                        pallas=PallasOptions(interpret=True, **{name: value}))
 
 
 def _triton_calls(text):
@@ -175,7 +179,7 @@ def test_auto_settings_reach_the_triton_calls(dtype, d, budget, fwd, bwd):
   sd = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
   args = (sd(1, s, 4, d), sd(1, s, 2, d), sd(1, s, 2, d), sd(1, s, dt=jnp.int32))
   attn = lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="pallas",
-                                                smem_bytes=budget)
+                                                pallas=PallasOptions(smem_bytes=budget))
 
   def grad(q, k, v, seg):
     loss = lambda q, k, v: attn(q, k, v, seg).astype(jnp.float32).sum()
@@ -201,7 +205,7 @@ def test_auto_settings_interpret_match_xla_d80():
   seg = jnp.asarray(layouts(100)[:3])
   q, k, v, dout = random_inputs(2, 3, 100, 2, 1, 80)
   pallas = lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="pallas",
-                                                  interpret=True)
+                                                  pallas=PallasOptions(interpret=True))
   xla = lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla")
   out, grads = jax.jit(lambda *a: _fwd_bwd(pallas, *a))(q, k, v, seg, dout)
   out_x, grads_x = jax.jit(lambda *a: _fwd_bwd(xla, *a))(q, k, v, seg, dout)

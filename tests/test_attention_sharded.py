@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from segpack.attention import AttentionInputError, segment_attention
+from segpack.attention import AttentionInputError, PallasOptions, segment_attention
 from segpack.mesh import BATCH_AXES, MESH_AXES, TENSOR_AXIS
 from test_attention import layouts, random_inputs
 from train import sharding as sharding_lib
@@ -37,10 +37,11 @@ def test_sharded_pallas_matches_unsharded_xla_forward_and_grads(mesh):
   segs = jax.device_put(seg, rows)
 
   def fwd_bwd(impl, mesh_arg):
+    pallas = PallasOptions(interpret=True, block_q=64, block_k=64) if impl == "pallas" else None
+
     def f(q, k, v, seg, dout):
       fn = lambda q, k, v: segment_attention(
-          q, k, v, seg, implementation=impl, interpret=True, block_q=64, block_k=64,
-          mesh=mesh_arg)
+          q, k, v, seg, implementation=impl, pallas=pallas, mesh=mesh_arg)
       out, vjp = jax.vjp(fn, q, k, v)
       return out, vjp(dout)
     return jax.jit(f)

@@ -5,7 +5,8 @@ JAX_PLATFORMS=cpu unless it is already set, so run them with
 
     JAX_PLATFORMS=cuda python -m pytest -m gpu tests
 
-The grid and the tolerance rule are `segpack.bench.gpu_checks`'s (see its docstring):
+The grid is `segpack.bench.gpu_cases`'s, the tolerance rule `segpack.bench.gpu_checks`'s (see its
+docstring), the cuDNN memory check `segpack.bench.gpu_memory`'s:
 `python -m segpack.bench.gpu_report` runs the same checks and writes them as one JSON report.
 Collecting this module does no JAX work: the grid is plain Python.
 """
@@ -16,7 +17,9 @@ import os
 import numpy as np
 import pytest
 
+from segpack.bench import gpu_cases
 from segpack.bench import gpu_checks
+from segpack.bench import gpu_memory
 from test_attention_oracle import reference as float64_oracle
 
 pytestmark = pytest.mark.gpu
@@ -32,8 +35,8 @@ def _needs_cuda_gpu():
 
 
 @functools.lru_cache(maxsize=1)
-def _case(seq_len: int, head_dim: int, heads: str) -> gpu_checks.Case:
-  return gpu_checks.case_for(gpu_checks.GridPoint(
+def _case(seq_len: int, head_dim: int, heads: str) -> gpu_cases.Case:
+  return gpu_cases.case_for(gpu_cases.GridPoint(
       implementation="xla", dtype="float32", head_dim=head_dim, seq_len=seq_len, heads=heads,
       causal=True))
 
@@ -46,7 +49,7 @@ def _yardstick(group: tuple) -> gpu_checks.Yardstick:
                                    causal=causal)
 
 
-@pytest.mark.parametrize("point", [pytest.param(p, id=p.id) for p in gpu_checks.grid()])
+@pytest.mark.parametrize("point", [pytest.param(p, id=p.id) for p in gpu_cases.grid()])
 def test_backend_matches_float32_reference(point):
   """Output, dq, dk, dv within 1.5 x XLA's error at the dtype (+ floor); padding exactly 0."""
   yard = _yardstick(point.group)
@@ -60,7 +63,7 @@ def test_backend_matches_float32_reference(point):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_reference_matches_float64_oracle(causal):
   """The on-device reference is exact float32: TF32 (error ~1e-3) would fail the 1e-5 bound."""
-  case = gpu_checks.make_case(seq_len=1000, head_dim=64, num_heads=4, num_kv_heads=1)
+  case = gpu_cases.make_case(seq_len=1000, head_dim=64, num_heads=4, num_kv_heads=1)
   yard = gpu_checks.make_yardstick(case=case, dtype="float32", causal=causal)
   assert yard.error is None, yard.error
   q, k, v, seg, dout = (np.asarray(x) for x in yard.inputs)
@@ -72,7 +75,7 @@ def test_reference_matches_float64_oracle(causal):
 
 def test_cudnn_memory_at_32_segments():
   """cuDNN forward+backward temp bytes at N = 32 within 8.06 bytes per B*N*H*S*D element."""
-  rec = gpu_checks.cudnn_memory_check()
+  rec = gpu_memory.cudnn_memory_check()
   if rec["status"].startswith("unsupported"):
     pytest.skip(rec["status"])
   assert rec["status"] == "passed", rec

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from segpack.attention import segment_attention
+from segpack.bench import gpu_cases
 from segpack.bench import gpu_checks
 from segpack.bench import gpu_report
 
@@ -28,7 +29,7 @@ def test_report_on_the_cpu_end_to_end(tmp_path, capsys):
   assert {"python", "jax", "jaxlib", "segpack", "cuda_plugin", "cudnn"} <= set(report["versions"])
   datetime.datetime.fromisoformat(report["date"])
   checks = report["checks"]
-  assert [c["id"] for c in checks] == [p.id for p in gpu_checks.grid(gpu_checks.CPU_GRID)]
+  assert [c["id"] for c in checks] == [p.id for p in gpu_cases.grid(gpu_cases.CPU_GRID)]
   for rec in checks:
     if rec["implementation"] == "cudnn":
       assert rec["status"].startswith("unsupported: CudnnUnavailableError"), rec["status"]
@@ -58,7 +59,7 @@ def test_report_refuses_to_run_without_a_gpu(tmp_path, capsys):
 
 
 def test_grid_ids_are_readable_and_unique():
-  points = gpu_checks.grid()
+  points = gpu_cases.grid()
   assert len(points) == 2 * 3 * 4 * 3 * 2 * 2
   assert len({p.id for p in points}) == len(points)
   assert points[0].id == "pallas-f32-D64-S1000-mha-causal"
@@ -73,7 +74,7 @@ def _runs(row):
 
 
 def test_case_rows_are_packed_rows_and_the_edge_rows():
-  case = gpu_checks.make_case(seq_len=1000, head_dim=80, num_heads=4, num_kv_heads=1)
+  case = gpu_cases.make_case(seq_len=1000, head_dim=80, num_heads=4, num_kv_heads=1)
   seg = case.segment_ids
   assert seg.shape == (5, 1000) and case.shape == (5, 1000, 4, 1, 80)
   for row in seg[:2]:  # packed rows: documents 1, 2, ... then padding
@@ -85,7 +86,7 @@ def test_case_rows_are_packed_rows_and_the_edge_rows():
   assert runs[-1] == (0, 100)  # a padding tail
   assert 0 in [sid for sid, _ in runs[:-1]]  # a padding gap between documents
   assert not seg[4].any()  # all padding
-  n = case.max_segments_per_row
+  n = case.cudnn_segment_bound
   assert n >= 32 and n & (n - 1) == 0 and n >= max(len(_runs(r)) for r in seg)
 
 
@@ -109,7 +110,7 @@ class _Broken:
 
 @pytest.fixture(scope="module")
 def bf16_yardstick():
-  case = gpu_checks.make_case(seq_len=1000, head_dim=32, num_heads=4, num_kv_heads=2)
+  case = gpu_cases.make_case(seq_len=1000, head_dim=32, num_heads=4, num_kv_heads=2)
   yard = gpu_checks.make_yardstick(case=case, dtype="bfloat16", causal=True)
   assert yard.error is None, yard.error
   return yard

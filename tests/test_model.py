@@ -12,6 +12,7 @@ from flax import nnx
 
 from packing_oracles import naive_rows
 from segpack import loss as loss_lib
+from segpack.attention import PallasOptions
 from train import model as model_lib
 
 VOCAB = 67
@@ -192,7 +193,7 @@ def _cudnn_model_cuda_text(max_segments_in_row):
   ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
   text = jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
       params, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
-  return model.cfg.attention_max_segments_per_row, text
+  return model.cfg.attention_cudnn_segment_bound, text
 
 
 def test_cudnn_attention_gets_the_data_bound_and_runs_on_the_trainer_mesh(monkeypatch):
@@ -224,16 +225,87 @@ def test_cudnn_without_a_data_bound_is_refused():
   config.attention.implementation = "cudnn"
   with pytest.raises(model_lib.ModelConfigError, match="Data.max_segments_in_row"):
     model_lib.build(config, 0, vocab_size=VOCAB)
-  with pytest.raises(model_lib.ModelConfigError, match="needs attention_max_segments_per_row"):
+  with pytest.raises(model_lib.ModelConfigError, match="needs attention_cudnn_segment_bound"):
     _tiny(attention_implementation="cudnn")
   config.attention.implementation = "xla"  # the other backends need no bound and get none
   assert model_lib.build(config, 0, vocab_size=VOCAB, max_segments_in_row=5
-                         ).cfg.attention_max_segments_per_row is None
+                         ).cfg.attention_cudnn_segment_bound is None
 
 
-def test_bad_max_segments_bound_is_refused():
-  with pytest.raises(model_lib.ModelConfigError, match="attention_max_segments_per_row.*0"):
-    _tiny(attention_max_segments_per_row=0)
+def test_bad_cudnn_segment_bound_is_refused():
+  for bad in (0, True, 2.0):
+    with pytest.raises(model_lib.ModelConfigError,
+                       match=f"attention_cudnn_segment_bound must be .* got {bad!r}"):
+      _tiny(attention_implementation="cudnn", attention_cudnn_segment_bound=bad)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="None means XLA only off a GPU")
+@pytest.mark.parametrize("overrides, match", [
+    (dict(attention_implementation="xla", attention_pallas=PallasOptions(interpret=True)),
+     r"`pallas`=PallasOptions\(.*\) is a Pallas setting, but implementation='xla'"),
+    (dict(attention_pallas=PallasOptions(interpret=True)),
+     r"but implementation=None \(here 'xla'\) does not use it"),
+    (dict(attention_implementation="pallas", attention_cudnn_segment_bound=8),
+     "`cudnn_segment_bound`=8 is a cuDNN setting, but implementation='pallas'"),
+])
+def test_a_setting_for_another_backend_is_refused(overrides, match):
+  """`segpack.attention.resolve_implementation`'s rule, as a `ModelConfigError` at construction."""
+  with pytest.raises(model_lib.ModelConfigError, match=match):
+    _tiny(**overrides)
+
+
+def test_the_config_groups_the_attention_settings():
+  """`attention.interpret` becomes `PallasOptions(interpret=True)`; the config keys stay."""
+  from configs import packed  # pylint: disable=g-import-not-at-top
+  config = packed.get_config("smoke")
+  config.attention.implementation = "pallas"
+  cfg = model_lib.decoder_config(config.model, config.attention, vocab_size=VOCAB)
+  assert cfg.attention_pallas is None and cfg.attention_cudnn_segment_bound is None
+  config.attention.interpret = True
+  cfg = model_lib.decoder_config(config.model, config.attention, vocab_size=VOCAB)
+  assert cfg.attention_pallas == PallasOptions(interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal on a CPU")
+def test_the_trainer_refuses_pallas_on_the_cpu_without_interpret_naming_the_keys():
+  """`train.check_attention` applies `resolve_implementation`'s rule to the config and names
+  the config keys; with `attention.interpret=True` Pallas is accepted."""
+  from configs import packed  # pylint: disable=g-import-not-at-top
+  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  config = packed.get_config("smoke")
+  config.attention.implementation = "pallas"
+  with pytest.raises(train_lib.AttentionConfigError) as err:
+    train_lib.check_attention(config.attention, platform="cpu")
+  msg = str(err.value)
+  for part in ("attention.implementation='pallas'", "attention.interpret=False",
+               "attention.interpret=True", "`pallas.interpret=True`", "on the CPU"):
+    assert part in msg, (part, msg)
+  train_lib.check_attention(config.attention, platform="gpu")  # the kernels run there
+  config.attention.interpret = True
+  train_lib.check_attention(config.attention, platform="cpu")
+  config.attention.implementation = None  # None is XLA on the CPU, which has no interpret mode
+  with pytest.raises(train_lib.AttentionConfigError, match="does not use it"):
+    train_lib.check_attention(config.attention, platform="cpu")
+  train_lib.check_attention(config.attention, platform="gpu")  # None is Pallas there
+
+
+def test_xla_attention_gets_no_mesh():
+  """The model runs XLA attention without `shard_map` even when built with a mesh (the jit
+  partitioner splits it); the kernel backends get the mesh (the tests above and below)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
+  model = _tiny(num_layers=1, attention_implementation="xla", attention_mesh=mesh)
+  graphdef, params = nnx.split(model)
+
+  def loss(p, ids_BxS):
+    logits = nnx.merge(graphdef, p)(ids_BxS, segment_ids=ids_BxS, segment_positions=ids_BxS)
+    return logits.sum()
+
+  rows = NamedSharding(mesh, P(("data", "fsdp")))
+  ids = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+  text = jax.jit(jax.grad(loss), in_shardings=(None, rows)).trace(params, ids).lower().as_text()
+  assert "sdy.manual_computation" not in text
 
 
 def test_pallas_attention_on_the_trainer_mesh_matches_xla_logits_and_grads():
@@ -259,7 +331,8 @@ def test_pallas_attention_on_the_trainer_mesh_matches_xla_logits_and_grads():
     return logits, grads
 
   want_logits, want_grads = logits_and_grads(attention_implementation="xla")
-  logits, grads = logits_and_grads(attention_implementation="pallas", attention_interpret=True,
+  logits, grads = logits_and_grads(attention_implementation="pallas",
+                                   attention_pallas=PallasOptions(interpret=True),
                                    attention_mesh=mesh)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

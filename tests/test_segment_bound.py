@@ -2,10 +2,9 @@
 
 `PackedDataset.max_segments_in_row` against a naive count over the rows the dataset yields; the
 trainer's `Data.max_segments_in_row` (global and minibatch packing); and `train.setup` handing
-that bound, rounded up by `cudnn_segment_bound`, to the model.
+that bound, rounded up by `round_segment_bound`, to the model (its `cudnn_segment_bound`).
 """
 
-import grain
 import numpy as np
 import pytest
 
@@ -42,20 +41,19 @@ def _naive_max(datasets):
 def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
   docs = _docs(300, seed=0, max_len=12)  # short documents: many per row
   kw = dict(seq_len=48, num_epochs=1, special_tokens=IDS, max_segments_per_row=cap)
-  shards = [pack_dataset(docs, shard_options=grain.sharding.ShardOptions(i, 2), **kw)
-            for i in range(2)]
-  want = _naive_max(shards)  # over every row of the epoch, both processes
-  assert shards[0].max_segments_in_row == shards[1].max_segments_in_row == want
+  rows = pack_dataset(docs, **kw)
+  want = _naive_max([rows])  # over every row of the epoch
+  assert rows.max_segments_in_row == want
   if cap is None:
     assert want > 5  # the caps below bind
   else:
     assert want == cap
-  assert isinstance(shards[0].max_segments_in_row, int)
+  assert isinstance(rows.max_segments_in_row, int)
 
 
 def test_max_segments_in_row_of_one_document_per_row():
   ds = pack_dataset(_docs(20, seed=1, max_len=30), seq_len=64, num_epochs=1, strategy="pad",
-                    special_tokens=IDS, shard_options=grain.sharding.ShardOptions(0, 1))
+                    special_tokens=IDS)
   assert ds.max_segments_in_row == _naive_max([ds]) == 1
 
 
@@ -109,11 +107,11 @@ def test_trainer_hands_the_data_bound_to_the_model(tmp_path, monkeypatch):
 
   def build(*args, **kwargs):
     model = real_build(*args, **kwargs)
-    seen.append((kwargs.get("max_segments_in_row"), model.cfg.attention_max_segments_per_row))
+    seen.append((kwargs.get("max_segments_in_row"), model.cfg.attention_cudnn_segment_bound))
     return model
 
   monkeypatch.setattr(model_lib, "build", build)
   run = train_lib.setup(c, str(tmp_path))
   assert seen and all(got == (run.data.max_segments_in_row, 8) for got in seen)
   assert run.data.max_segments_in_row == 7  # the cap binds on these short documents
-  assert cudnn.cudnn_segment_bound(7) == 8
+  assert cudnn.round_segment_bound(7) == 8

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from segpack import attention as attention_lib
-from segpack.attention import cudnn
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -46,14 +45,16 @@ class DecoderConfig:
   param_dtype: str = "float32"  # storage dtype of the parameters
   attention_implementation: str | None = None  # None: best available for the platform
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
-  # `segpack.mesh.BATCH_AXES`, heads over `TENSOR_AXIS`. None, or the XLA backend: left to the
-  # jit partitioner.
+  # `segpack.mesh.BATCH_AXES`, heads over `TENSOR_AXIS` (`segpack.attention.backend_mesh`
+  # decides; XLA is left to the jit partitioner).
   attention_mesh: Any = None
+  # Pallas only (refused with another backend): the kernel settings, e.g.
+  # `PallasOptions(interpret=True)` to run the kernels on the CPU, slowly; None: the defaults.
+  attention_pallas: attention_lib.PallasOptions | None = None
   # cuDNN only, and required there: the static bound N on segments per row, from the data
-  # (`build` passes `cudnn_segment_bound(Data.max_segments_in_row)`); the cuDNN backward's memory
+  # (`build` passes `round_segment_bound(Data.max_segments_in_row)`); the cuDNN backward's memory
   # grows as B*N*H*S*D, so there is no default.
-  attention_max_segments_per_row: int | None = None
-  attention_interpret: bool = False  # Pallas only: interpret mode (the kernels on the CPU, slowly)
+  attention_cudnn_segment_bound: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -68,17 +69,20 @@ class DecoderConfig:
     if self.head_dim % 2:
       raise ModelConfigError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
     impl = self.attention_implementation
-    if impl is not None and impl not in attention_lib.IMPLEMENTATIONS:
+    n = self.attention_cudnn_segment_bound
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
       raise ModelConfigError(
-          f"DecoderConfig.attention_implementation (config attention.implementation) must be None "
-          f"or one of {attention_lib.IMPLEMENTATIONS}, got {impl!r}")
-    n = self.attention_max_segments_per_row
-    if n is not None and (not isinstance(n, int) or n < 1):
+          f"DecoderConfig.attention_cudnn_segment_bound must be None or a positive int, got {n!r}")
+    try:
+      impl = attention_lib.resolve_implementation(
+          implementation=impl, pallas=self.attention_pallas, cudnn_segment_bound=n)
+    except attention_lib.AttentionInputError as e:
       raise ModelConfigError(
-          f"DecoderConfig.attention_max_segments_per_row must be None or a positive int, got {n!r}")
+          f"DecoderConfig.attention_implementation={impl!r} (config attention.implementation), "
+          f"attention_pallas, attention_cudnn_segment_bound: {e}") from e
     if impl == "cudnn" and n is None:
       raise ModelConfigError(
-          "DecoderConfig.attention_implementation='cudnn' needs attention_max_segments_per_row, "
+          "DecoderConfig.attention_implementation='cudnn' needs attention_cudnn_segment_bound, "
           "the static bound on segments per row (cuDNN's backward memory grows with it; row "
           "length is no usable default): build the model with the data's bound, "
           "`train.model.build(..., max_segments_in_row=Data.max_segments_in_row)`")
@@ -142,13 +146,12 @@ class Attention(nnx.Module):
     v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
     k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
-    impl = cfg.attention_implementation or attention_lib.default_implementation()
-    mesh = cfg.attention_mesh if impl != "xla" else None
+    impl = cfg.attention_implementation
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS,
-        max_segments_per_row=cfg.attention_max_segments_per_row,
-        interpret=cfg.attention_interpret)
+        mesh=attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh),
+        batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS, pallas=cfg.attention_pallas,
+        cudnn_segment_bound=cfg.attention_cudnn_segment_bound)
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
 
 
@@ -243,17 +246,23 @@ def default_compute_dtype(platform: str | None = None) -> str:
   return "float32" if platform == "cpu" else "bfloat16"
 
 
+def pallas_options(attention_cfg: Any) -> attention_lib.PallasOptions | None:
+  """The Pallas settings of the config's `attention` group: `attention.interpret=True` gives
+  `PallasOptions(interpret=True)`, else None (the defaults, and nothing for other backends)."""
+  return attention_lib.PallasOptions(interpret=True) if attention_cfg.interpret else None
+
+
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
-                   mesh: Any = None, max_segments_per_row: int | None = None) -> DecoderConfig:
+                   mesh: Any = None, cudnn_segment_bound: int | None = None) -> DecoderConfig:
   """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`.
 
   Args:
     model_cfg: the config's `model` group.
-    attention_cfg: the config's `attention` group.
+    attention_cfg: the config's `attention` group (`implementation`, `interpret`).
     vocab_size: the vocabulary size V.
     mesh: the trainer's mesh, on which kernel attention backends run under `shard_map`.
-    max_segments_per_row: the cuDNN backend's static bound N on segments per row (ignored by the
-      other backends).
+    cudnn_segment_bound: the cuDNN backend's static bound N on segments per row (None for the
+      other backends, which refuse it).
   """
   dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
   return DecoderConfig(
@@ -263,15 +272,15 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
       norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
       init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
-      attention_interpret=bool(getattr(attention_cfg, "interpret", False)),
-      attention_max_segments_per_row=(None if max_segments_per_row is None
-                                      else int(max_segments_per_row)))
+      attention_pallas=pallas_options(attention_cfg),
+      attention_cudnn_segment_bound=(None if cudnn_segment_bound is None
+                                     else int(cudnn_segment_bound)))
 
 
 def cudnn_bound(config: Any, max_segments_in_row: int | None) -> int | None:
   """The cuDNN backend's static N for `config`, from the data's most segments in a row.
 
-  `cudnn_segment_bound(max_segments_in_row)` (a power of two) when `attention.implementation` is
+  `round_segment_bound(max_segments_in_row)` (a power of two) when `attention.implementation` is
   "cudnn", else None (the other backends need no bound). `packing.max_segments_per_row` stays the
   cap on the packing; the bound is what the packed data actually holds.
 
@@ -281,14 +290,14 @@ def cudnn_bound(config: Any, max_segments_in_row: int | None) -> int | None:
   if config.attention.implementation != "cudnn":
     return None
   if max_segments_in_row is None:
-    mode = getattr(getattr(config, "packing", None), "mode", "global")
+    mode = config.packing.mode
     raise ModelConfigError(
         "attention.implementation='cudnn' needs a static bound on segments per row from the "
         f"data (Data.max_segments_in_row), and none is known (packing.mode={mode!r}): with "
         "packing.mode='minibatch' and packing.tokens_per_batch a row can hold up to seq_len "
         "segments; set packing.examples_per_batch instead (the bound is then the examples per "
         "step) or use attention.implementation='pallas'")
-  return cudnn.cudnn_segment_bound(int(max_segments_in_row))
+  return attention_lib.round_segment_bound(int(max_segments_in_row))
 
 
 def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = None,
@@ -307,5 +316,5 @@ def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = 
   """
   vocab = vocab_size if vocab_size is not None else config.model.vocab_size
   cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh,
-                       max_segments_per_row=cudnn_bound(config, max_segments_in_row))
+                       cudnn_segment_bound=cudnn_bound(config, max_segments_in_row))
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from train import checkpoint as ckpt_lib
+from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
 from train import metrics as metrics_lib
@@ -174,17 +175,23 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
 
 
 class AttentionConfigError(ValueError):
-  """The `attention` config group asks for a backend this platform cannot run."""
+  """The `attention` config group asks for a backend this platform cannot run, or gives a backend
+  a setting it does not use."""
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> None:
-  """Refuses Pallas kernels on a CPU unless in interpret mode (JAX's own error names no key)."""
-  if (attention_cfg.implementation == "pallas" and platform == "cpu"
-      and not attention_cfg.get("interpret", False)):
+  """Refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g.
+  Pallas on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
+  try:
+    attention_lib.resolve_implementation(
+        implementation=attention_cfg.implementation, platform=platform,
+        pallas=model_lib.pallas_options(attention_cfg))
+  except attention_lib.AttentionInputError as e:
     raise AttentionConfigError(
-        "attention.implementation='pallas' on the CPU needs attention.interpret=True (the GPU "
-        "kernels in Pallas interpret mode, slowly); or leave attention.implementation unset for "
-        "XLA")
+        f"attention.implementation={attention_cfg.implementation!r} with attention.interpret="
+        f"{bool(attention_cfg.interpret)} on the {platform!r} platform: {e} (config keys: "
+        "`implementation` is attention.implementation, and `pallas.interpret=True` is "
+        "attention.interpret=True)") from e
 
 
 def _compute_dtype(config: Any) -> str:
@@ -194,18 +201,18 @@ def _compute_dtype(config: Any) -> str:
 
 def check_attention_leaks(config: Any) -> attention_lib.SelfCheckResult | None:
   """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
-  backend (with `attention.interpret`, in the model's compute dtype) and lets its
-  `AttentionLeakError` stop the run before any work."""
+  backend (None: the library's default for the platform; with `attention.interpret`, in the
+  model's compute dtype) and lets its `AttentionLeakError` stop the run before any work."""
   a = config.attention
-  if not a.get("self_check", True):
+  if not a.self_check:
     return None
-  return attention_lib.self_check(
-      implementation=a.implementation or attention_lib.default_implementation(),
-      interpret=bool(a.get("interpret", False)), dtype=_compute_dtype(config))
+  return attention_lib.self_check(implementation=a.implementation,
+                                  pallas=model_lib.pallas_options(a), dtype=_compute_dtype(config))
 
 
 def setup(config: Any, workdir: str) -> Run:
   """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
+  config_checks.check_config(config)
   check_attention(config.attention, platform=jax.default_backend())
   check_attention_leaks(config)
   workdir = check_workdir(workdir)
@@ -233,10 +240,7 @@ def setup(config: Any, workdir: str) -> Run:
       read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
   abstract_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              abstract, state_sh)
-  restored = checkpointer.restore_or_none(
-      abstract_sh, config_dict,
-      rows_per_epoch=data.train_rows_per_epoch if config.packing.get("mode", "global") == "global"
-      else None)
+  restored = checkpointer.restore_or_none(abstract_sh, config_dict)
   if restored is None:
     def init():
       params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size, mesh=mesh,
@@ -269,10 +273,9 @@ def evaluate(run: Run) -> dict[str, float]:
   of the evaluated batches."""
   limit = run.config.train.eval_batches
   n = len(run.data.eval) if limit <= 0 else min(limit, len(run.data.eval))
-  rows = run.config.train.batch_size // jax.process_count()
   loss_sum, count, tokens = 0.0, 0.0, 0.0
   for i in range(n):
-    local = data_lib.pad_batch(run.data.eval[i], rows)
+    local = run.data.eval[i]  # every process's rows of a global batch, padding rows at the end
     s, c, k = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
     loss_sum, count, tokens = loss_sum + float(s), count + float(c), tokens + float(k)
   return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(tokens))
@@ -341,7 +344,7 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
       start_step=run.start_step, num_steps=t.num_steps,
       flop_model=flops_lib.FlopModel.from_model_config(config.model,
                                                        vocab_size=run.data.vocab_size),
-      peak_flops=flops_lib.peak_flops(t.get("peak_flops"), devices=jax.devices(),
+      peak_flops=flops_lib.peak_flops(t.peak_flops, devices=jax.devices(),
                                       compute_dtype=_compute_dtype(config)))
   window = []
   for step in range(run.start_step + 1, t.num_steps + 1):

@@ -5,7 +5,7 @@ The private JAX API (`jax._src.cudnn.fused_attention_stablehlo`) is used in this
 Algorithm:
   1. From `segment_ids` derive, per row, the start offset and the length of each segment (each
      non-zero run), in row order, into static `[B, N]` lengths and `[B, N + 1]` offsets padded
-     with -1 (N = `max_segments_per_row`). Padding runs are not sequences.
+     with -1 (N = `cudnn_segment_bound`). Padding runs are not sequences.
   2. Call cuDNN with `q_seqlen = kv_seqlen` = lengths and `q_offsets = kv_offsets` = offsets and a
      padding (causal) mask: cuDNN then runs each segment as its own sequence.
   3. Zero the output, and in the backward dQ, dK and dV, at every slot outside the first N
@@ -18,8 +18,9 @@ The static bound N. JAX sizes the packed layout as `B * N` sequences of the full
 the softmax statistics are `[B * N, H, S]` float32 and the backward's cuDNN workspace grows as
 `B * N * H * S * D` (measured on an H100, jax 0.11.2, cuDNN 9.19: 516 GiB at B = 2, N = S = 4096,
 H = 16, K = 4, D = 128, i.e. 8.06 bytes per element; 66 GiB at H = K = 8, D = 64, 4.1 bytes). So N
-must be the data's bound, not S: `cudnn_segment_bound(PackedDataset.max_segments_in_row)`, the
-plan's most documents in a row rounded up to a power of two. Segment attention refuses to guess.
+must be the data's bound, not S: `cudnn_segment_bound=round_segment_bound(
+PackedDataset.max_segments_in_row)`, the plan's most documents in a row rounded up to a power of
+two. Segment attention refuses to guess.
 
 Slots outside every sequence. cuDNN skips every slot that is in no sequence, in O as in dQ, dK and
 dV, so those slots keep whatever their buffer held: XLA zero-fills the cuDNN outputs on its
@@ -60,7 +61,7 @@ _backward_warned = False
 
 BACKWARD_WARNING = (
     "segment_attention(implementation='cudnn'): the cuDNN backward's dV is not yet verified on a "
-    "GPU. On an H100 with max_segments_per_row = S and a padding tail, dV had a relative error "
+    "GPU. On an H100 with cudnn_segment_bound = S and a padding tail, dV had a relative error "
     "of 0.096 (dQ and dK 0.003); gradients at slots outside every cuDNN sequence are now zeroed, "
     "a fix not yet verified on a GPU. Compare with implementation='pallas' or 'xla' before "
     "relying on it.")
@@ -70,8 +71,8 @@ class CudnnUnavailableError(RuntimeError):
   """cuDNN fused attention cannot run here (no CUDA GPU / cuDNN, or an unsupported GPU)."""
 
 
-def cudnn_segment_bound(max_segments: int) -> int:
-  """The static N to pass to cuDNN for rows holding at most `max_segments` documents.
+def round_segment_bound(max_segments: int) -> int:
+  """The `cudnn_segment_bound` (static N) for rows holding at most `max_segments` documents.
 
   N bounds the segments (non-zero runs of `segment_ids`, i.e. documents or document chunks) of
   any row; padding runs do not count (they are no cuDNN sequence). The result is the next power
@@ -89,7 +90,7 @@ def cudnn_segment_bound(max_segments: int) -> int:
   if isinstance(max_segments, (bool, np.bool_)) or not isinstance(
       max_segments, (int, np.integer)) or max_segments < 0:
     raise AttentionInputError(
-        f"cudnn_segment_bound: `max_segments` must be an int >= 0, got {max_segments!r}")
+        f"round_segment_bound: `max_segments` must be an int >= 0, got {max_segments!r}")
   return max(2, next_pow2(int(max_segments)))
 
 
@@ -101,7 +102,7 @@ def _segment_rank(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
   return is_start_BxS, jnp.cumsum(is_start_BxS, axis=1) - 1
 
 
-def packed_layout(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
+def packed_layout(segment_ids_BxS: jax.Array, *, cudnn_segment_bound: int
                   ) -> tuple[jax.Array, jax.Array]:
   """Segment lengths and offsets in cuDNN's packed layout.
 
@@ -110,7 +111,7 @@ def packed_layout(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
 
   Args:
     segment_ids_BxS: contiguous segment ids, 0 = padding.
-    max_segments_per_row: N, the static bound on segments per row. Segments past the N-th in a row
+    cudnn_segment_bound: N, the static bound on segments per row. Segments past the N-th in a row
       are dropped (`count_segments` tells whether that happens).
 
   Returns:
@@ -118,7 +119,7 @@ def packed_layout(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
     -1 past the last segment; offsets have one more column, always -1 at the end.
   """
   b, s = segment_ids_BxS.shape
-  n = max_segments_per_row
+  n = cudnn_segment_bound
   start_BxS, end_BxS = blocks.segment_bounds(segment_ids_BxS)
   is_start_BxS, rank_BxS = _segment_rank(segment_ids_BxS)
   slot_BxS = jnp.where(is_start_BxS & (rank_BxS < n), rank_BxS, n + 1)  # n + 1: dropped
@@ -130,11 +131,11 @@ def packed_layout(segment_ids_BxS: jax.Array, *, max_segments_per_row: int
   return seqlen_BxN, offsets_BxN1
 
 
-def covered_slots(segment_ids_BxS: jax.Array, *, max_segments_per_row: int) -> jax.Array:
+def covered_slots(segment_ids_BxS: jax.Array, *, cudnn_segment_bound: int) -> jax.Array:
   """`[B, S]` bool: the slots inside one of the first N segments of their row, i.e. the slots
   of some cuDNN sequence (all others are padding or dropped segments, which cuDNN never writes)."""
   _, rank_BxS = _segment_rank(segment_ids_BxS)
-  return (segment_ids_BxS != 0) & (rank_BxS < max_segments_per_row)
+  return (segment_ids_BxS != 0) & (rank_BxS < cudnn_segment_bound)
 
 
 def count_segments(segment_ids_BxS: jax.Array) -> jax.Array:
@@ -149,16 +150,16 @@ def _raise_if_too_many(counts, n: int) -> None:
     row = int(np.argmax(counts))
     raise AttentionInputError(
         f"segment_attention(implementation='cudnn', check_segments=True): row {row} has "
-        f"{int(counts[row])} segments, more than `max_segments_per_row`={n}")
+        f"{int(counts[row])} segments, more than `cudnn_segment_bound`={n}")
 
 
-def check_segment_count(segment_ids_BxS: jax.Array, *, max_segments_per_row: int) -> None:
+def check_segment_count(segment_ids_BxS: jax.Array, *, cudnn_segment_bound: int) -> None:
   """Raises `AttentionInputError` if a row has more than N segments (now, or when run under jit)."""
   counts_B = count_segments(segment_ids_BxS)
   if isinstance(counts_B, jax.core.Tracer):
-    jax.debug.callback(_raise_if_too_many, counts_B, max_segments_per_row)
+    jax.debug.callback(_raise_if_too_many, counts_B, cudnn_segment_bound)
   else:
-    _raise_if_too_many(counts_B, max_segments_per_row)
+    _raise_if_too_many(counts_B, cudnn_segment_bound)
 
 
 def _fused_attention_module():
@@ -212,24 +213,24 @@ def _cudnn_attention_bwd(mask_type, scale, residuals, dout_BxSxHxD):
 _cudnn_attention.defvjp(_cudnn_attention_fwd, _cudnn_attention_bwd)
 
 
-def _check_bound(max_segments_per_row: Any, shape: tuple[int, ...]) -> int:
+def _check_bound(cudnn_segment_bound: Any, shape: tuple[int, ...]) -> int:
   """The validated N; refuses None with the memory law (no default is safe)."""
   b, s = shape
-  if max_segments_per_row is None:
+  if cudnn_segment_bound is None:
     raise AttentionInputError(
-        "segment_attention(implementation='cudnn') needs `max_segments_per_row`, the static "
+        "segment_attention(implementation='cudnn') needs `cudnn_segment_bound`, the static "
         "bound N on segments per row: JAX sizes cuDNN's packed layout as B*N sequences of the "
         "full row length S, and the backward's memory grows as B*N*H*S*D (measured on an "
         "H100: 516 GiB at B=2, N=S=4096, H=16, K=4, D=128), so N = S is no usable default "
         f"(here B={b}, S={s}). Pass the plan's bound, "
-        "`segpack.attention.cudnn.cudnn_segment_bound(dataset.max_segments_in_row)` for a "
+        "`segpack.attention.round_segment_bound(dataset.max_segments_in_row)` for a "
         "`pack_dataset` result (its most segments in a row rounded up to a power of two)")
-  if isinstance(max_segments_per_row, bool) or not isinstance(max_segments_per_row, int) or (
-      max_segments_per_row < 1):
+  if isinstance(cudnn_segment_bound, bool) or not isinstance(cudnn_segment_bound, int) or (
+      cudnn_segment_bound < 1):
     raise AttentionInputError(
-        "segment_attention(implementation='cudnn'): `max_segments_per_row` must be a positive int, "
-        f"got {max_segments_per_row!r}")
-  return max_segments_per_row
+        "segment_attention(implementation='cudnn'): `cudnn_segment_bound` must be a positive int, "
+        f"got {cudnn_segment_bound!r}")
+  return cudnn_segment_bound
 
 
 def segment_attention_cudnn(
@@ -240,7 +241,7 @@ def segment_attention_cudnn(
     *,
     causal: bool,
     scale: float,
-    max_segments_per_row: int | None = None,
+    cudnn_segment_bound: int | None = None,
     check_segments: bool = False,
 ) -> jax.Array:
   """Segment attention through cuDNN's packed layout (Hopper or newer, cuDNN >= 9.x).
@@ -252,8 +253,8 @@ def segment_attention_cudnn(
     segment_ids_BxS: contiguous segment ids, 0 = padding.
     causal: causal within each segment.
     scale: logit scale.
-    max_segments_per_row: required static N, the bound on segments (non-zero runs) per row;
-      use `cudnn_segment_bound(PackedDataset.max_segments_in_row)`. The backward's memory grows
+    cudnn_segment_bound: required static N, the bound on segments (non-zero runs) per row;
+      use `round_segment_bound(PackedDataset.max_segments_in_row)`. The backward's memory grows
       as B*N*H*S*D (see the module docstring), so there is no default. At least 2 is passed to
       cuDNN. Segments past the N-th of a row are dropped (zero output and gradients) unless
       `check_segments`.
@@ -264,9 +265,9 @@ def segment_attention_cudnn(
 
   Raises:
     CudnnUnavailableError: no cuDNN / GPU, or the GPU or dtype cannot run the packed layout.
-    AttentionInputError: `max_segments_per_row` missing or not a positive int.
+    AttentionInputError: `cudnn_segment_bound` missing or not a positive int.
   """
-  n = _check_bound(max_segments_per_row, segment_ids_BxS.shape)
+  n = _check_bound(cudnn_segment_bound, segment_ids_BxS.shape)
   fa = _fused_attention_module()
   try:
     fa.check_cudnn_version()
@@ -275,10 +276,10 @@ def segment_attention_cudnn(
         "segment_attention(implementation='cudnn') needs a CUDA GPU with cuDNN (install "
         f"jax[cuda12]); default backend is {jax.default_backend()!r}: {e}") from e
   if check_segments:
-    check_segment_count(segment_ids_BxS, max_segments_per_row=n)
+    check_segment_count(segment_ids_BxS, cudnn_segment_bound=n)
   n = max(n, 2)
-  seqlen_BxN, offsets_BxN1 = packed_layout(segment_ids_BxS, max_segments_per_row=n)
-  covered_BxS = covered_slots(segment_ids_BxS, max_segments_per_row=n)
+  seqlen_BxN, offsets_BxN1 = packed_layout(segment_ids_BxS, cudnn_segment_bound=n)
+  covered_BxS = covered_slots(segment_ids_BxS, cudnn_segment_bound=n)
   mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
   try:
     out_BxSxHxD = _cudnn_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, seqlen_BxN, offsets_BxN1,

@@ -3,31 +3,144 @@
 The backends: `xla.py` (a dense mask, the oracle), `pallas.py` (a flash-attention kernel that
 visits only its segments' blocks) and `cudnn.py` (JAX's cuDNN fused attention, packed layout).
 With a `mesh`, `sharded.py` runs the backend per device.
+
+The rules about backends are written here and nowhere else (the trainer calls these functions):
+
+- `resolve_implementation`: which backend runs (None: Pallas on a GPU, XLA elsewhere); every
+  setting goes to a backend that uses it (`pallas=` to Pallas, `cudnn_segment_bound=` to cuDNN),
+  else it is refused; for a named platform, the backend can run there (Pallas on the CPU only in
+  interpret mode).
+- `backend_mesh`: the kernel backends run per device under a model's mesh; XLA is left to the jit
+  partitioner.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
 
 from segpack.attention import cudnn
-from segpack.attention import pallas
+from segpack.attention import pallas as pallas_lib
 from segpack.attention.checks import AttentionInputError, check_contiguous, default_scale
 from segpack.attention.checks import validate_inputs
+from segpack.attention.pallas import PallasOptions
 from segpack.attention.sharded import shard_attention
 from segpack.attention.xla import segment_attention_xla
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 Implementation = Literal["xla", "pallas", "cudnn"]
 IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+# JAX platform names of a GPU (`jax.default_backend()` says "gpu"; lowering names "cuda", "rocm").
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
-__all__ = ["IMPLEMENTATIONS", "Implementation", "default_implementation", "segment_attention"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "PallasOptions",
+    "backend_mesh",
+    "default_implementation",
+    "resolve_implementation",
+    "segment_attention",
+]
 
 
-def default_implementation() -> str:
-  """The backend `implementation=None` picks: `"pallas"` on a GPU, `"xla"` elsewhere."""
-  return "pallas" if jax.default_backend() == "gpu" else "xla"
+def default_implementation(*, platform: str | None = None) -> str:
+  """The backend `implementation=None` picks: `"pallas"` on a GPU, `"xla"` elsewhere.
+
+  Args:
+    platform: a JAX platform name ("cpu", "gpu", "tpu", ...); None: `jax.default_backend()`.
+  """
+  platform = jax.default_backend() if platform is None else platform
+  return "pallas" if platform in GPU_PLATFORMS else "xla"
+
+
+def _named(implementation: str | None, impl: str) -> str:
+  """How an error names the implementation: as given, and what None resolved to."""
+  if implementation is None:
+    return f"implementation=None (here {impl!r})"
+  return f"implementation={impl!r}"
+
+
+def resolve_implementation(
+    *,
+    implementation: str | None = None,
+    platform: str | None = None,
+    pallas: PallasOptions | None = None,
+    cudnn_segment_bound: int | None = None,
+) -> str:
+  """The backend a `segment_attention` call runs, its settings checked against it.
+
+  Rules:
+    1. `implementation=None` is `default_implementation(platform=platform)`.
+    2. A setting goes only to the backend that uses it: `pallas` to "pallas",
+       `cudnn_segment_bound` to "cudnn". Given to another backend it is refused, not ignored; the
+       check applies to the resolved backend, so `implementation=None` with `pallas` is refused
+       where None means XLA (pass `implementation="pallas"` to mean Pallas).
+    3. Only when `platform` is given: "pallas" on "cpu" needs `pallas.interpret=True` (the
+       Triton kernels need a GPU). Without a platform nothing is checked against one, so a CPU
+       host can still lower for a GPU (`lowering_platforms=("cuda",)`).
+
+  Example: `resolve_implementation(implementation="pallas", platform="cpu",
+  pallas=PallasOptions(interpret=True))` is "pallas"; without `pallas` it raises.
+
+  Args:
+    implementation: "xla", "pallas", "cudnn" or None.
+    platform: where the call runs ("cpu", "gpu", ...), or None (see rule 3).
+    pallas: the Pallas settings, or None.
+    cudnn_segment_bound: cuDNN's static bound on segments per row, or None.
+
+  Returns:
+    "xla", "pallas" or "cudnn".
+
+  Raises:
+    AttentionInputError: an unknown implementation, a setting for another backend, or Pallas on
+      the CPU without interpret mode.
+  """
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise AttentionInputError(
+        f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
+        f"{implementation!r}")
+  impl = default_implementation(platform=platform) if implementation is None else implementation
+  if pallas is not None and not isinstance(pallas, PallasOptions):
+    raise AttentionInputError(
+        f"segment_attention: `pallas` must be a PallasOptions or None, got {pallas!r}")
+  if pallas is not None and impl != "pallas":
+    raise AttentionInputError(
+        f"segment_attention: `pallas`={pallas!r} is a Pallas setting, but "
+        f"{_named(implementation, impl)} does not use it; pass implementation='pallas' or drop "
+        "`pallas`")
+  if cudnn_segment_bound is not None and impl != "cudnn":
+    raise AttentionInputError(
+        f"segment_attention: `cudnn_segment_bound`={cudnn_segment_bound!r} is a cuDNN setting, "
+        f"but {_named(implementation, impl)} does not use it; pass implementation='cudnn' or "
+        "drop `cudnn_segment_bound`")
+  if platform == "cpu" and impl == "pallas" and not (pallas is not None and pallas.interpret):
+    raise AttentionInputError(
+        f"segment_attention: {_named(implementation, impl)} on the CPU needs "
+        "`pallas.interpret=True` (pallas=PallasOptions(interpret=True): the GPU kernels in Pallas "
+        f"interpret mode, slowly), got pallas={pallas!r}; or use implementation='xla'")
+  return impl
+
+
+def backend_mesh(*, implementation: str | None,
+                 mesh: jax.sharding.Mesh | None) -> jax.sharding.Mesh | None:
+  """The `mesh=` for a `segment_attention` call whose inputs are sharded over `mesh`.
+
+  The kernel backends (Pallas, cuDNN) are custom calls the jit partitioner cannot split: under
+  the mesh they run per device in `shard_map`; without it their sharded inputs would be gathered
+  onto every device. XLA's dense attention is ordinary jitted code that the partitioner splits
+  by the inputs' shardings, so it gets None.
+
+  Args:
+    implementation: "xla", "pallas", "cudnn" or None (resolved by `resolve_implementation`).
+    mesh: the caller's mesh, or None.
+
+  Returns:
+    `mesh` for Pallas and cuDNN, None for XLA.
+  """
+  return None if resolve_implementation(implementation=implementation) == "xla" else mesh
 
 
 def segment_attention(
@@ -39,16 +152,9 @@ def segment_attention(
     causal: bool = True,
     scale: float | None = None,
     implementation: Implementation | None = None,
-    block_q: int | Literal["auto"] = "auto",
-    block_k: int | Literal["auto"] = "auto",
-    block_q_bwd: int | Literal["auto"] | None = "auto",
-    block_k_bwd: int | Literal["auto"] | None = "auto",
-    num_warps: int | Literal["auto"] = "auto",
-    num_stages: int | Literal["auto"] = "auto",
-    smem_bytes: int | None = None,
-    interpret: bool = False,
+    pallas: PallasOptions | None = None,
+    cudnn_segment_bound: int | None = None,
     check_segments: bool = False,
-    max_segments_per_row: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
     batch_axis: str | tuple[str, ...] | None = BATCH_AXES,
     head_axis: str | tuple[str, ...] | None = TENSOR_AXIS,
@@ -63,26 +169,18 @@ def segment_attention(
     causal: also hide keys after the query.
     scale: logit scale, default `1/sqrt(D)`.
     implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
-    block_q: Pallas query block (a power of two >= 16) or "auto"; S is padded internally to a
-      multiple of the largest block with padding slots.
-    block_k: Pallas key/value block (a power of two >= 16) or "auto".
-    block_q_bwd: Pallas backward query block, or "auto" (None means "auto").
-    block_k_bwd: Pallas backward key/value block, or "auto" (None means "auto").
-    num_warps: Pallas Triton warps of every kernel, or "auto" (per kernel).
-    num_stages: Pallas Triton pipeline stages of every kernel, or "auto" (per kernel). "auto"
-      settings come from a shared-memory model (`attention/resources.py`, docs/attention.md);
-      explicit ones that the model says do not fit are refused before compiling.
-    smem_bytes: Pallas: shared memory per block of the target GPU (None: the local GPU's, or an
-      H100's when there is none).
-    interpret: run the Pallas kernel in interpret mode (CPU).
-    check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
-      cuDNN backends silently assume it) and, for cuDNN, that no row has more than
-      `max_segments_per_row` segments. Concrete inputs are checked now; traced inputs when the
-      computation runs (host callback).
-    max_segments_per_row: cuDNN only and required there: the static bound N on segments
-      (non-zero runs) per row, e.g. `cudnn.cudnn_segment_bound(PackedDataset.max_segments_in_row)`.
+    pallas: Pallas only: the kernel settings (`PallasOptions`: blocks, warps, stages, shared
+      memory, interpret mode); None: the defaults. Refused with another backend
+      (`resolve_implementation`).
+    cudnn_segment_bound: cuDNN only and required there: the static bound N on segments
+      (non-zero runs) per row, e.g. `round_segment_bound(PackedDataset.max_segments_in_row)`.
       cuDNN's backward memory grows as B*N*H*S*D (516 GiB measured at B=2, N=S=4096, H=16,
       D=128), so N = S is no default; without it the call raises `AttentionInputError`.
+      Refused with another backend.
+    check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
+      cuDNN backends silently assume it) and, for cuDNN, that no row has more than
+      `cudnn_segment_bound` segments. Concrete inputs are checked now; traced inputs when the
+      computation runs (host callback).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
       inputs): the batch split over `batch_axis`, the heads over `head_axis`.
     batch_axis: mesh axis, or tuple of axes, for the batch (None: replicated); default
@@ -95,29 +193,25 @@ def segment_attention(
 
   Raises:
     AttentionInputError: bad shapes, H not a multiple of K, a bad block size, an unknown
-      implementation, or cuDNN without a positive `max_segments_per_row`.
+      implementation, a setting for another backend, or cuDNN without a positive
+      `cudnn_segment_bound`.
     AttentionTypeError: bad dtypes.
     NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs.
   """
   shape = validate_inputs(q, k, v, segment_ids)
   scale = default_scale(shape.head_dim, scale)
+  impl = resolve_implementation(implementation=implementation, pallas=pallas,
+                                cudnn_segment_bound=cudnn_segment_bound)
   if check_segments:
     check_contiguous(segment_ids)
-  impl = default_implementation() if implementation is None else implementation
   if impl == "xla":
     fn, kwargs = segment_attention_xla, {}
   elif impl == "pallas":
-    fn = pallas.segment_attention_pallas
-    kwargs = dict(block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
-                  block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages,
-                  smem_bytes=smem_bytes, interpret=interpret)
-  elif impl == "cudnn":
-    fn = cudnn.segment_attention_cudnn
-    kwargs = dict(max_segments_per_row=max_segments_per_row, check_segments=check_segments)
+    fn = pallas_lib.segment_attention_pallas
+    kwargs = dataclasses.asdict(PallasOptions() if pallas is None else pallas)
   else:
-    raise AttentionInputError(
-        f"segment_attention: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
-        f"{implementation!r}")
+    fn = cudnn.segment_attention_cudnn
+    kwargs = dict(cudnn_segment_bound=cudnn_segment_bound, check_segments=check_segments)
   kwargs.update(causal=causal, scale=scale)
   if mesh is None:
     return fn(q, k, v, segment_ids, **kwargs)

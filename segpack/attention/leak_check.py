@@ -15,8 +15,8 @@ Algorithm:
   4. Compare each tensor; the first one whose worst error exceeds the dtype's tolerance raises
      `AttentionLeakError` naming the backend, the tensor, the row, slot, document and head.
 
-Example: `self_check(implementation="pallas", interpret=True)` on a CPU takes a few seconds and
-returns the worst errors (~1e-6 in float32).
+Example: `self_check(implementation="pallas", pallas=PallasOptions(interpret=True))` on a CPU
+takes a few seconds and returns the worst errors (~1e-6 in float32).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from segpack.attention import dispatch
 from segpack.attention import xla as xla_lib
 from segpack.attention.checks import AttentionInputError
+from segpack.attention.pallas import PallasOptions
 
 # The probe batch: per row, runs of (segment id, length); id 0 is padding. Each row is 128 slots.
 PROBE_ROWS: tuple[tuple[tuple[int, int], ...], ...] = (
@@ -40,9 +41,9 @@ PROBE_ROWS: tuple[tuple[tuple[int, int], ...], ...] = (
     ((1, 70), (2, 1), (0, 3), (3, 9), (4, 1), (5, 30), (0, 14)),
 )
 PROBE_HEADS, PROBE_KV_HEADS, PROBE_HEAD_DIM = 4, 2, 16
-# cuDNN's static bound on segments per row for the probe: a power of two above its 6 segments
-# (and its padding runs).
-PROBE_MAX_SEGMENTS = 16
+# The probe's `cudnn_segment_bound`: a power of two above the segments (and padding runs) of
+# each of its rows.
+PROBE_CUDNN_SEGMENT_BOUND = 16
 TENSORS = ("out", "dq", "dk", "dv")
 # Worst absolute error allowed (inputs are unit normals): (output, gradients), per dtype.
 TOLERANCES = {
@@ -158,24 +159,30 @@ def _probe_and_oracle(dtype_name: str, seed: int) -> tuple[tuple[jax.Array, ...]
   return (q, k, v, dout), _oracle(q, k, v, dout, scale=float(1.0 / np.sqrt(PROBE_HEAD_DIM)))
 
 
-def _resolve(implementation: str | Backend, interpret: bool,
-             kwargs: dict[str, Any]) -> tuple[str, Backend]:
+def _resolve(implementation: str | Backend | None, pallas: PallasOptions | None,
+             cudnn_segment_bound: int | None) -> tuple[str, Backend]:
   """The backend's name and a function with the backend signature."""
   if callable(implementation):
+    if pallas is not None or cudnn_segment_bound is not None:
+      raise AttentionInputError(
+          f"self_check: `pallas`={pallas!r} and `cudnn_segment_bound`={cudnn_segment_bound!r} "
+          "are settings of a named backend; a callable `implementation` takes neither")
     return getattr(implementation, "__name__", repr(implementation)), implementation
-  if implementation not in dispatch.IMPLEMENTATIONS:
+  if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
     raise AttentionInputError(
-        f"self_check: `implementation` must be one of {dispatch.IMPLEMENTATIONS} or a "
+        f"self_check: `implementation` must be one of {dispatch.IMPLEMENTATIONS}, None or a "
         f"callable, got {implementation!r}")
-  kw = dict(kwargs)
-  if implementation == "cudnn":
-    kw.setdefault("max_segments_per_row", PROBE_MAX_SEGMENTS)
+  name = dispatch.resolve_implementation(implementation=implementation, pallas=pallas,
+                                         cudnn_segment_bound=cudnn_segment_bound)
+  if name == "cudnn" and cudnn_segment_bound is None:
+    cudnn_segment_bound = PROBE_CUDNN_SEGMENT_BOUND
 
   def backend(q, k, v, segment_ids, *, causal, scale):
     return dispatch.segment_attention(q, k, v, segment_ids, causal=causal, scale=scale,
-                                      implementation=implementation, interpret=interpret, **kw)
+                                      implementation=name, pallas=pallas,
+                                      cudnn_segment_bound=cudnn_segment_bound)
 
-  return implementation, backend
+  return name, backend
 
 
 def _worst(got: np.ndarray, want: np.ndarray) -> tuple[float, tuple[int, ...]]:
@@ -200,18 +207,21 @@ def _leak_message(name: str, dtype: str, tensor: str, error: float, tol: float,
           f"({dtype}) at row {row}, slot {slot} ({where}), {heads} {head}; worst errors {worst}")
 
 
-def self_check(*, implementation: str | Backend, interpret: bool = False,
-               dtype: Any = None, seed: int = 0, **kwargs: Any) -> SelfCheckResult:
+def self_check(*, implementation: str | Backend | None = None, pallas: PallasOptions | None = None,
+               cudnn_segment_bound: int | None = None, dtype: Any = None,
+               seed: int = 0) -> SelfCheckResult:
   """Checks that a backend's output and gradients see only each token's own document.
 
   Args:
-    implementation: `"xla"`, `"pallas"`, `"cudnn"`, or a callable with the backend signature
+    implementation: `"xla"`, `"pallas"`, `"cudnn"`, None (`segment_attention`'s default for
+      this platform), or a callable with the backend signature
       `(q, k, v, segment_ids, *, causal, scale) -> out`.
-    interpret: Pallas interpret mode (the kernels on the CPU).
+    pallas: Pallas only: its settings (e.g. `PallasOptions(interpret=True)` on a CPU); refused
+      with another backend, as by `segment_attention`.
+    cudnn_segment_bound: cuDNN only: the static bound on segments per row (default
+      `PROBE_CUDNN_SEGMENT_BOUND`, above the probe's segments); refused with another backend.
     dtype: dtype of `q`, `k`, `v` (default float32; bfloat16 for cuDNN, which has no float32).
     seed: seed of the random inputs.
-    **kwargs: passed to `segment_attention` for a named backend (block sizes,
-      `max_segments_per_row`: cuDNN gets `PROBE_MAX_SEGMENTS` unless given).
 
   Returns:
     The worst errors and the time taken.
@@ -219,13 +229,13 @@ def self_check(*, implementation: str | Backend, interpret: bool = False,
   Raises:
     AttentionLeakError: `out`, `dq`, `dk` or `dv` is off by more than the dtype's tolerance
       (`TOLERANCES`) anywhere, padding slots included.
-    AttentionInputError: an unknown implementation name.
+    AttentionInputError: an unknown implementation name, or a setting for another backend.
     CudnnUnavailableError: `"cudnn"` where cuDNN cannot run (propagated unchanged).
   """
   t0 = time.perf_counter()
-  name, fn = _resolve(implementation, interpret, kwargs)
+  name, fn = _resolve(implementation, pallas, cudnn_segment_bound)
   if dtype is None:
-    dtype = jnp.bfloat16 if implementation == "cudnn" else jnp.float32
+    dtype = jnp.bfloat16 if name == "cudnn" else jnp.float32
   dtype_name = jnp.dtype(dtype).name
   if dtype_name not in TOLERANCES:
     raise AttentionInputError(

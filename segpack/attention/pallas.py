@@ -2,8 +2,8 @@
 
 `segment_attention_pallas` chooses the kernel settings (`resources.py`), pads, computes the block
 ranges (`blocks.py`) and calls a `custom_vjp` whose forward and backward are Pallas kernels
-(`pallas_fwd.py`, `pallas_bwd.py`), lowered through Triton on a GPU or run with `interpret=True`
-on the CPU.
+(`pallas_fwd.py`, `pallas_bwd.py`), lowered through Triton on a GPU or run in interpret mode on
+the CPU. `PallasOptions` groups its settings for `segment_attention(..., pallas=...)`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,38 @@ from segpack.attention.pallas_fwd import KernelConfig
 from segpack.attention.resources import AUTO, Auto, KernelSettings
 
 MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasOptions:
+  """The Pallas backend's settings: `segment_attention(..., implementation="pallas", pallas=...)`.
+
+  "auto" settings come from the shared-memory model of `resources.py` (docs/attention.md, "Kernel
+  settings from a resource model"); explicit ones that the model says do not fit are refused
+  before compiling. Values are validated when the kernel is traced.
+
+  Attributes:
+    block_q: forward query block (a power of two >= 16) or "auto"; S is padded internally to a
+      multiple of the largest block with padding slots.
+    block_k: forward key/value block (a power of two >= 16) or "auto".
+    block_q_bwd: query block of the backward kernels (delta, dQ, dK/dV), or "auto" (None means
+      "auto").
+    block_k_bwd: key/value block of the backward kernels, or "auto" (None means "auto").
+    num_warps: Triton warps of every kernel, or "auto" (per kernel).
+    num_stages: Triton pipeline stages of every kernel, or "auto" (per kernel).
+    smem_bytes: shared memory per block of the target GPU; None: the local GPU's, or an H100's
+      (232,448) when JAX has no GPU.
+    interpret: run the kernels in Pallas interpret mode (the GPU kernels on the CPU, slowly).
+  """
+
+  block_q: int | Auto = AUTO
+  block_k: int | Auto = AUTO
+  block_q_bwd: int | Auto | None = AUTO
+  block_k_bwd: int | Auto | None = AUTO
+  num_warps: int | Auto = AUTO
+  num_stages: int | Auto = AUTO
+  smem_bytes: int | None = None
+  interpret: bool = False
 
 
 def _auto(name: str, value, minimum: int, *, pow2: bool):

@@ -37,7 +37,7 @@ import numpy as np
 
 from segpack import packing
 from segpack.attention import blocks
-from segpack.attention import segment_attention
+from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
 from segpack.files import atomic_write_bytes
 
@@ -113,11 +113,12 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
   return 1e3 * float(np.median(times))
 
 
-def _implementations(seg_max: int, block: int, interpret: bool = False
+def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = False
                      ) -> dict[str, Callable[..., jax.Array]]:
   """The attention functions timed on a GPU, each `(q, k, v, seg) -> out`, causal.
 
-  `interpret=True` runs the Pallas ones in interpret mode (to check this code on a CPU).
+  `interpret=True` runs the Pallas ones in interpret mode (to check this code on a CPU);
+  `cudnn_segment_bound` is cuDNN's static bound on segments per row.
   """
 
   def jax_mha(q, k, v, seg):
@@ -131,15 +132,15 @@ def _implementations(seg_max: int, block: int, interpret: bool = False
 
   return {
       "segment": lambda q, k, v, seg: segment_attention(
-          q, k, v, seg, implementation="pallas", block_q=block, block_k=block,
-          interpret=interpret),
+          q, k, v, seg, implementation="pallas",
+          pallas=PallasOptions(block_q=block, block_k=block, interpret=interpret)),
       "pallas_dense": lambda q, k, v, seg: segment_attention_pallas(
           q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, block_q=block, block_k=block,
           skip_blocks=False, interpret=interpret),
       "xla_dense": lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla"),
       "jax_mha": jax_mha,
       "cudnn": lambda q, k, v, seg: segment_attention(
-          q, k, v, seg, implementation="cudnn", max_segments_per_row=seg_max),
+          q, k, v, seg, implementation="cudnn", cudnn_segment_bound=cudnn_segment_bound),
   }
 
 
@@ -155,9 +156,9 @@ def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, bl
   dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
   seg_j = jnp.asarray(seg)
   flops = useful_flops(seg, heads=heads, head_dim=head_dim)
-  seg_max = int(max(len(_runs(r)) for r in seg))
+  cudnn_segment_bound = int(max(len(_runs(r)) for r in seg))  # the rows' most segments
   rec: dict[str, Any] = {}
-  for name, fn in _implementations(seg_max, block, interpret).items():
+  for name, fn in _implementations(cudnn_segment_bound, block, interpret).items():
     fwd = jax.jit(fn)
 
     @jax.jit

@@ -1,11 +1,12 @@
 """GPU correctness checks of the attention backends, shared by the `gpu` tests and the report.
 
-`tests/test_gpu.py` (marked `gpu`) and `segpack bench gpu-report` run the same checks:
+`tests/test_gpu.py` (marked `gpu`) and `segpack bench gpu-report` run the same checks, on the
+grid and the rows of `segpack.bench.gpu_cases` (the cuDNN memory check is
+`segpack.bench.gpu_memory`'s):
 
-1. `make_case`: the segment ids of a grid point: rows of a real first-fit-decreasing packing plan
-   (`segpack.packing.plan`, lognormal document lengths of mean 800, documents longer than S
-   split) and edge rows (one document filling the row; length-1 segments, a padding gap and a
-   padding tail; all padding).
+1. `gpu_cases.case_for`: the segment ids of a grid point: rows of a real first-fit-decreasing
+   packing plan and edge rows (one document filling the row; length-1 segments, a padding gap
+   and a padding tail; all padding).
 2. `make_yardstick`: random inputs rounded to the dtype; the float32 reference ON THE DEVICE (the
    XLA dense-mask backend in float32 under `jax.default_matmul_precision("highest")`, so that
    TF32 does not enter it) for the output and, through `jax.vjp` with a fixed random cotangent
@@ -62,112 +63,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from segpack.attention import segment_attention
+from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.cudnn import CudnnUnavailableError
-from segpack.attention.resources import next_pow2
-from segpack.bench.attention import packed_rows
+from segpack.bench.gpu_cases import DTYPES, Case, GridPoint
 
 TENSORS = ("out", "dq", "dk", "dv")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-NUM_HEADS = 4
-GROUPS = {"mha": 1, "gqa": 4}  # query heads per kv head: H = K, or H = 4 K
 ERROR_FACTOR = 1.5
 WORST_SLOT_FACTOR = 3.0
 ERROR_FLOORS = {"float32": 5e-6, "bfloat16": 2.0**-12, "float16": 2.0**-15}
 WORST_SLOT_FLOOR_FACTOR = 16.0
-PACKED_ROWS = 2
-MIN_MAX_SEGMENTS = 32
-# cuDNN backward workspace, bytes per element of B x N x H x S x D: 516 GiB at B=2, N=S=4096,
-# H=16, K=4, D=128 (8.06); 66 GiB at H=K=8, D=64 (4.1).
-CUDNN_BYTES_PER_ELEMENT = 8.06
 # XLA's GEMM autotuning would run (and allocate) on the GPU during every compile; the checks
 # compare numerics, so the default GEMM configurations do.
 COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
-
-
-@dataclasses.dataclass(frozen=True)
-class GridAxes:
-  """The values every axis of a check grid takes."""
-
-  implementations: tuple[str, ...] = ("pallas", "cudnn")
-  dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-  head_dims: tuple[int, ...] = (64, 80, 128, 256)
-  seq_lens: tuple[int, ...] = (1000, 4096, 8192)
-  heads: tuple[str, ...] = ("mha", "gqa")
-  causal: tuple[bool, ...] = (True, False)
-
-
-FULL_GRID = GridAxes()
-QUICK_GRID = GridAxes(dtypes=("float32", "bfloat16"), head_dims=(80, 128),
-                      seq_lens=(1000, 4096), heads=("gqa",))
-# Pallas in interpret mode: a CPU run proves the code path, not the numbers.
-CPU_GRID = GridAxes(dtypes=("bfloat16",), head_dims=(80,), seq_lens=(200,), heads=("gqa",),
-                    causal=(True,))
-
-
-@dataclasses.dataclass(frozen=True)
-class GridPoint:
-  """One check: a backend at a dtype, head dim, sequence length, head layout and causality."""
-
-  implementation: str
-  dtype: str
-  head_dim: int
-  seq_len: int
-  heads: str
-  causal: bool
-
-  @property
-  def id(self) -> str:
-    """A readable test id, e.g. `pallas-bf16-D128-S4096-gqa-causal`."""
-    return (f"{self.implementation}-{SHORT_DTYPES[self.dtype]}-D{self.head_dim}-S{self.seq_len}-"
-            f"{self.heads}-{'causal' if self.causal else 'full'}")
-
-  @property
-  def group(self) -> tuple:
-    """Everything but the backend: points with the same group share one yardstick."""
-    return (self.seq_len, self.head_dim, self.heads, self.causal, self.dtype)
-
-
-def grid(axes: GridAxes = FULL_GRID) -> list[GridPoint]:
-  """Every point of `axes`; the backend varies fastest, then dtype, so yardsticks are shared."""
-  return [GridPoint(implementation=impl, dtype=dtype, head_dim=d, seq_len=s, heads=heads,
-                    causal=causal)
-          for s in axes.seq_lens for d in axes.head_dims for heads in axes.heads
-          for causal in axes.causal for dtype in axes.dtypes for impl in axes.implementations]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Case:
-  """Segment ids and head layout of one grid point.
-
-  Attributes:
-    segment_ids: int32 `[B, S]`, 0 = padding.
-    row_kinds: what each row is.
-    num_heads: H.
-    num_kv_heads: K.
-    head_dim: D.
-    seed: seeds the rows and the random inputs.
-  """
-
-  segment_ids: np.ndarray
-  row_kinds: tuple[str, ...]
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  seed: int
-
-  @property
-  def shape(self) -> tuple[int, int, int, int, int]:
-    """`(B, S, H, K, D)`."""
-    b, s = self.segment_ids.shape
-    return b, s, self.num_heads, self.num_kv_heads, self.head_dim
-
-  @property
-  def max_segments_per_row(self) -> int:
-    """cuDNN's static N: a power of two >= 32 and >= every row's segments plus padding runs."""
-    runs = max(_count_runs(row) for row in self.segment_ids)
-    return max(MIN_MAX_SEGMENTS, next_pow2(runs))
 
 
 def cuda_skip_reason() -> str | None:
@@ -186,75 +93,28 @@ def cuda_skip_reason() -> str | None:
   return None
 
 
-def _count_runs(row: np.ndarray) -> int:
-  """Runs of equal ids in a row, padding runs included."""
-  return int(np.count_nonzero(np.diff(row))) + 1
-
-
-def edge_rows(seq_len: int) -> tuple[np.ndarray, tuple[str, ...]]:
-  """Hand-made rows: one document filling the row; length-1 segments, other short documents, a
-  padding gap, a long document and a padding tail (ids descending: ids need not be ordered); all
-  padding. `seq_len` >= 64.
-  """
-  if seq_len < 64:
-    raise ValueError(f"edge_rows: seq_len must be >= 64, got {seq_len}")
-  rows = np.zeros((3, seq_len), np.int32)
-  rows[0] = 1
-  tail, gap = max(1, seq_len // 10), 5
-  pieces, pos = [], 0
-  for n in [1] * 8 + [3, 50, 100, 1, 37]:
-    if pos + n > seq_len // 2:
-      break
-    pieces.append((pos, n))
-    pos += n
-  pieces.append((pos + gap, seq_len - tail - pos - gap))
-  for i, (start, n) in enumerate(pieces):
-    rows[1, start:start + n] = len(pieces) - i
-  kinds = ("one document", "length-1 segments, padding gap and tail", "all padding")
-  return rows, kinds
-
-
-def make_case(*, seq_len: int, head_dim: int, num_heads: int = NUM_HEADS,
-              num_kv_heads: int = NUM_HEADS, seed: int = 0) -> Case:
-  """`PACKED_ROWS` rows of a real FFD packing plan, then the `edge_rows`."""
-  packed, source = packed_rows(seq_len, num_rows=PACKED_ROWS, mean=800.0, sigma=1.0, seed=seed)
-  edges, edge_kinds = edge_rows(seq_len)
-  return Case(segment_ids=np.concatenate([packed, edges]).astype(np.int32),
-              row_kinds=(f"packed ({source})",) * PACKED_ROWS + edge_kinds, num_heads=num_heads,
-              num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed)
-
-
-def case_for(point: GridPoint, *, seed: int = 0) -> Case:
-  """The case of a grid point: H = `NUM_HEADS`, K = H / `GROUPS[point.heads]`."""
-  return make_case(seq_len=point.seq_len, head_dim=point.head_dim, num_heads=NUM_HEADS,
-                   num_kv_heads=NUM_HEADS // GROUPS[point.heads], seed=seed)
-
-
 @dataclasses.dataclass(frozen=True)
 class Attention:
   """`segment_attention` with static settings; hashable, so a program's key can name it."""
 
   implementation: str
   causal: bool
-  interpret: bool = False
-  max_segments_per_row: int | None = None
+  pallas: PallasOptions | None = None
+  cudnn_segment_bound: int | None = None
 
   def __call__(self, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS):
-    kwargs: dict[str, Any] = {}
-    if self.implementation == "pallas":
-      kwargs["interpret"] = self.interpret
-    if self.implementation == "cudnn":
-      kwargs["max_segments_per_row"] = self.max_segments_per_row
     return segment_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
-                             causal=self.causal, implementation=self.implementation, **kwargs)
+                             causal=self.causal, implementation=self.implementation,
+                             pallas=self.pallas, cudnn_segment_bound=self.cudnn_segment_bound)
 
 
 def backend_attention(implementation: str, case: Case, *, causal: bool,
                       interpret: bool = False) -> Attention:
-  """The `Attention` a check runs: Pallas interpreted on the CPU, cuDNN with the case's N."""
-  n = case.max_segments_per_row if implementation == "cudnn" else None
-  return Attention(implementation=implementation, causal=causal,
-                   interpret=interpret and implementation == "pallas", max_segments_per_row=n)
+  """The `Attention` a check runs: Pallas interpreted with `interpret`, cuDNN with the case's N."""
+  pallas = PallasOptions(interpret=True) if interpret and implementation == "pallas" else None
+  bound = case.cudnn_segment_bound if implementation == "cudnn" else None
+  return Attention(implementation=implementation, causal=causal, pallas=pallas,
+                   cudnn_segment_bound=bound)
 
 
 # A program is `(key, fn, abstract args)`; a `Compile` turns it into an executable. The report
@@ -269,7 +129,7 @@ def compile_now(key: tuple, fn: Callable[..., Any], args: tuple) -> Any:
   return jax.jit(fn).lower(*args).compile(compiler_options=COMPILER_OPTIONS)
 
 
-def _vjp_all(attn: Callable[..., jax.Array], q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
+def vjp_all(attn: Callable[..., jax.Array], q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS,
              dout_BxSxHxD):
   """`(out, dq, dk, dv)` of `attn` for the cotangent `dout`."""
   out_BxSxHxD, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, segment_ids_BxS), q_BxSxHxD,
@@ -277,7 +137,8 @@ def _vjp_all(attn: Callable[..., jax.Array], q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, se
   return (out_BxSxHxD, *vjp(dout_BxSxHxD))
 
 
-def _abstract(case: Case, dtype: Any) -> tuple:
+def abstract_inputs(case: Case, dtype: Any) -> tuple:
+  """Abstract `(q, k, v, segment_ids, dout)` of a case at `dtype`."""
   b, s, h, kh, d = case.shape
   sd = jax.ShapeDtypeStruct
   return (sd((b, s, h, d), dtype), sd((b, s, kh, d), dtype), sd((b, s, kh, d), dtype),
@@ -286,13 +147,13 @@ def _abstract(case: Case, dtype: Any) -> tuple:
 
 def _reference_fn(causal: bool, *args):
   with jax.default_matmul_precision("highest"):  # entered while tracing: no TF32 in any dot
-    return _vjp_all(Attention("xla", causal), *args)
+    return vjp_all(Attention("xla", causal), *args)
 
 
 def reference_program(case: Case, *, causal: bool) -> Program:
   """The float32 reference: `(q, k, v, segment_ids, dout) -> (out, dq, dk, dv)`."""
   return (("reference", case.shape, causal), functools.partial(_reference_fn, causal),
-          _abstract(case, jnp.float32))
+          abstract_inputs(case, jnp.float32))
 
 
 def _slot_stats(x_BxSxHxD, ref_BxSxHxD, valid_BxS):
@@ -310,7 +171,7 @@ def _slot_stats(x_BxSxHxD, ref_BxSxHxD, valid_BxS):
 
 def _compare_fn(attn: Attention, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, dout_BxSxHxD,
                 *refs):
-  got = _vjp_all(attn, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, dout_BxSxHxD)
+  got = vjp_all(attn, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, dout_BxSxHxD)
   return tuple(_slot_stats(x, ref, segment_ids_BxS != 0) for x, ref in zip(got, refs))
 
 
@@ -321,7 +182,7 @@ def compare_program(attn: Attention, case: Case, dtype: str) -> Program:
   refs = (ref((b, s, h, d), jnp.float32), ref((b, s, h, d), jnp.float32),
           ref((b, s, kh, d), jnp.float32), ref((b, s, kh, d), jnp.float32))
   return (("compare", attn, dtype, case.shape), functools.partial(_compare_fn, attn),
-          _abstract(case, DTYPES[dtype]) + refs)
+          abstract_inputs(case, DTYPES[dtype]) + refs)
 
 
 @functools.partial(jax.jit, static_argnames=("q_shape", "kv_shape"))
@@ -447,7 +308,7 @@ def _record(implementation: str, case: Case, *, dtype: str, causal: bool) -> dic
   rec = dict(id=point.id, implementation=implementation, dtype=dtype, seq_len=s, head_dim=d,
              batch=b, num_heads=h, num_kv_heads=kh, causal=causal, rows=list(case.row_kinds))
   if implementation == "cudnn":
-    rec["max_segments_per_row"] = case.max_segments_per_row
+    rec["cudnn_segment_bound"] = case.cudnn_segment_bound
   return rec
 
 
@@ -504,55 +365,3 @@ def check_backend(*, implementation: str, case: Case, dtype: str, causal: bool,
                                                                    "pad_max_abs")}
   rec["seconds"] = time.perf_counter() - t0
   return rec
-
-
-def cudnn_memory_check(*, batch: int = 2, seq_len: int = 4096, num_heads: int = 16,
-                       num_kv_heads: int = 4, head_dim: int = 128, max_segments_per_row: int = 32,
-                       dtype: str = "bfloat16", compiler: Compile = compile_now
-                       ) -> dict[str, Any]:
-  """cuDNN forward+backward temp memory at N and 2N against the workspace model.
-
-  Model: `CUDNN_BYTES_PER_ELEMENT` (8.06) bytes per element of B x N x H x S x D, plus the
-  arrays besides the workspace: out and dq and one more query-sized array (the unmasked output
-  or the cotangent), dk and dv, and the float32 softmax statistics `[B, H, S]`. Passes when the
-  temp bytes at N stay within the model and the growth from N to 2N, per added element, within
-  8.06 bytes. Never raises.
-  """
-  rec: dict[str, Any] = dict(
-      check="cudnn_memory", batch=batch, seq_len=seq_len, num_heads=num_heads,
-      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-      max_segments_per_row=max_segments_per_row, bytes_per_element_max=CUDNN_BYTES_PER_ELEMENT)
-  elements = batch * max_segments_per_row * num_heads * seq_len * head_dim
-  item = jnp.dtype(DTYPES[dtype]).itemsize
-  q_bytes = batch * seq_len * num_heads * head_dim * item
-  kv_bytes = batch * seq_len * num_kv_heads * head_dim * item
-  non_workspace = 3 * q_bytes + 2 * kv_bytes + 4 * batch * num_heads * seq_len
-  case = Case(segment_ids=np.zeros((batch, seq_len), np.int32), row_kinds=(), seed=0,
-              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-  temps = {}
-  try:
-    for n in (max_segments_per_row, 2 * max_segments_per_row):
-      attn = Attention("cudnn", causal=True, max_segments_per_row=n)
-      args = _abstract(case, DTYPES[dtype])
-      stats = compiler(("cudnn_memory", attn, dtype, case.shape),
-                      functools.partial(_vjp_all, attn), args).memory_analysis()
-      if stats is None:
-        raise RuntimeError("compiled.memory_analysis() returned None")
-      temps[n] = int(stats.temp_size_in_bytes)
-  except CudnnUnavailableError as e:
-    return dict(rec, status=f"unsupported: {describe_error(e)}", failures=[])
-  except Exception as e:  # pylint: disable=broad-except
-    return dict(rec, status="failed", failures=[describe_error(e)])
-  temp, temp_2n = temps[max_segments_per_row], temps[2 * max_segments_per_row]
-  model = CUDNN_BYTES_PER_ELEMENT * elements + non_workspace
-  slope = (temp_2n - temp) / elements
-  failures = []
-  if temp > model:
-    failures.append(f"temp bytes {temp:,} > model {model:,.0f}")
-  if slope > CUDNN_BYTES_PER_ELEMENT:
-    failures.append(f"temp bytes grow by {slope:.3f} per B*N*H*S*D element from N to 2N, more "
-                    f"than {CUDNN_BYTES_PER_ELEMENT}")
-  return dict(rec, status="failed" if failures else "passed", failures=failures,
-              workspace_elements=elements, non_workspace_bytes=non_workspace, model_bytes=model,
-              temp_bytes=temp, temp_bytes_2n=temp_2n, bytes_per_element_growth=slope,
-              implied_bytes_per_element=(temp - non_workspace) / elements)

@@ -4,11 +4,12 @@
                              [--no-bench]            # or python -m segpack.bench.gpu_report
 
 On a CUDA GPU it runs every check of `segpack.bench.gpu_checks` over the grid of the `gpu` tests
-(`tests/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory check at N = 32, and the
-attention benchmark (`segpack.bench.attention` at its default sizes; `--quick`: S = 4096 and
-8192, D = 128), then writes ONE JSON file (temporary file, then `os.replace`; rewritten after
-every group of checks, with `"complete": false` until the end) holding the device, the versions,
-the date, every check record, the benchmark records and a summary, and prints a short table.
+(`segpack.bench.gpu_cases`, `tests/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory
+check at N = 32 (`segpack.bench.gpu_memory`), and the attention benchmark
+(`segpack.bench.attention` at its default sizes; `--quick`: S = 4096 and 8192, D = 128), then
+writes ONE JSON file (temporary file, then `os.replace`; rewritten after every group of checks,
+with `"complete": false` until the end) holding the device, the versions, the date, every check
+record, the benchmark records and a summary, and prints a short table.
 
 Compile counts: one float32 reference per (S, D, heads, causal), one XLA yardstick per dtype on
 top, one program per backend: about 430 programs for the full grid. They are compiled ahead in
@@ -42,7 +43,9 @@ import jaxlib
 
 import segpack
 from segpack.bench import attention as bench
+from segpack.bench import gpu_cases
 from segpack.bench import gpu_checks
+from segpack.bench import gpu_memory
 from segpack.files import atomic_write_bytes
 
 _BENCH_ARGS = {
@@ -89,7 +92,7 @@ class AheadCompiler:
       self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _group_programs(points: list[gpu_checks.GridPoint], case: gpu_checks.Case, *,
+def _group_programs(points: list[gpu_cases.GridPoint], case: gpu_cases.Case, *,
                     interpret: bool) -> list[gpu_checks.Program]:
   """The programs one yardstick group needs, in the order it uses them."""
   p0 = points[0]
@@ -102,17 +105,17 @@ def _group_programs(points: list[gpu_checks.GridPoint], case: gpu_checks.Case, *
   return programs
 
 
-def run_checks(points: list[gpu_checks.GridPoint], *, interpret: bool, jobs: int,
+def run_checks(points: list[gpu_cases.GridPoint], *, interpret: bool, jobs: int,
                on_group: Callable[[list[dict[str, Any]]], None] = lambda records: None
                ) -> list[dict[str, Any]]:
   """Every grid point's record, in grid order; `on_group` sees the records after each group."""
-  cases: dict[tuple, gpu_checks.Case] = {}
+  cases: dict[tuple, gpu_cases.Case] = {}
   groups = []
   for _, pts in itertools.groupby(points, key=lambda p: p.group):
     pts = list(pts)
     key = (pts[0].seq_len, pts[0].head_dim, pts[0].heads)
     if key not in cases:
-      cases[key] = gpu_checks.case_for(pts[0])
+      cases[key] = gpu_cases.case_for(pts[0])
     groups.append((pts, cases[key]))
   compiler = AheadCompiler(jobs)
   programs = [_group_programs(pts, case, interpret=interpret) for pts, case in groups]
@@ -215,10 +218,10 @@ def format_table(report: dict[str, Any]) -> str:
     for t in gpu_checks.TENSORS:
       ratios = [v for v in (_over_tolerance(r, t) for r in recs) if v is not None]
       worst.append(f"{max(ratios):>10.2f}" if ratios else f"{'-':>10}")
-    lines.append(f"{impl:<8} {gpu_checks.SHORT_DTYPES[dtype]:<5} {counts['passed']:>6} "
+    lines.append(f"{impl:<8} {gpu_cases.SHORT_DTYPES[dtype]:<5} {counts['passed']:>6} "
                  f"{counts['failed']:>6} {counts['unsupported']:>7}   " + " ".join(worst))
   mem = report["cudnn_memory"]
-  lines.append(f"cuDNN memory at N={mem['max_segments_per_row']}: {mem['status']}"
+  lines.append(f"cuDNN memory at N={mem['cudnn_segment_bound']}: {mem['status']}"
                + (f"; temp {mem['temp_bytes']:,} bytes, model {mem['model_bytes']:,.0f}"
                   if "temp_bytes" in mem else ""))
   for rec in checks + [mem]:
@@ -271,8 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   t0 = time.perf_counter()
   on_cpu = args.platform == "cpu"
   mode = "cpu" if on_cpu else "quick" if args.quick else "full"
-  axes = {"cpu": gpu_checks.CPU_GRID, "quick": gpu_checks.QUICK_GRID,
-          "full": gpu_checks.FULL_GRID}[mode]
+  axes = {"cpu": gpu_cases.CPU_GRID, "quick": gpu_cases.QUICK_GRID,
+          "full": gpu_cases.FULL_GRID}[mode]
   out = pathlib.Path(args.out)
   report: dict[str, Any] = dict(
       command=" ".join(["segpack bench gpu-report",
@@ -290,8 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   seconds=time.perf_counter() - t0)
     write_report(out, report)
 
-  records = run_checks(gpu_checks.grid(axes), interpret=on_cpu, jobs=args.jobs, on_group=save)
-  report["cudnn_memory"] = gpu_checks.cudnn_memory_check()
+  records = run_checks(gpu_cases.grid(axes), interpret=on_cpu, jobs=args.jobs, on_group=save)
+  report["cudnn_memory"] = gpu_memory.cudnn_memory_check()
   save(records)
   report["benchmark"] = "skipped (--no-bench)" if args.no_bench else run_benchmark(mode)
   report.update(complete=True, summary=summarize(records + [report["cudnn_memory"]]),

@@ -98,8 +98,8 @@ class PackedDataset(grain.MapDataset):
     """The most segments in any row of the plan (after `max_segments_per_row`; 0 if empty).
 
     Rows hold their segments as ids 1..n, so no row this dataset yields has a larger
-    `segment_ids.max()`: the static bound a segment-count-shaped kernel needs (rounded up by
-    `segpack.attention.cudnn`, it is `segment_attention`'s `cudnn_segment_bound`).
+    `segment_ids.max()`: the static bound a segment-count-shaped kernel needs
+    (`segment_attention(cudnn_segment_bound=round_segment_bound(max_segments_in_row))`).
     """
     return self._max_segments_in_row
 
