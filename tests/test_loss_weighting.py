@@ -266,14 +266,15 @@ def test_bad_weighting_and_missing_segments_are_refused():
     train_lib.make_eval_step(None, weighting="mean")
 
 
-def test_weighting_is_not_a_resumable_change_and_old_checkpoints_read_as_token():
-  saved = dict(train=dict(seed=0))  # written before `loss.weighting` existed
-  assert ckpt_lib.config_differences(saved, dict(train=dict(seed=0),
-                                                 loss=dict(weighting="token"))) == []
+def test_weighting_is_not_a_resumable_change():
+  saved = dict(train=dict(seed=0), loss=dict(weighting="token"))
+  assert ckpt_lib.config_differences(saved, saved) == []
   diffs = ckpt_lib.config_differences(saved, dict(train=dict(seed=0),
                                                   loss=dict(weighting="sequence")))
   assert diffs == ["loss.weighting: checkpoint has 'token', config has 'sequence'"]
   assert "loss.weighting" not in ckpt_lib.RESUMABLE_CHANGES
+  absent = ckpt_lib.config_differences(dict(train=dict(seed=0)), saved)  # no silent default
+  assert absent == ["loss.weighting: checkpoint has '<absent>', config has 'token'"]
 
 
 def test_sequence_loss_sharded_over_devices_equals_the_naive_loop():
