@@ -26,7 +26,7 @@ SOURCES = ("builtin", "builtin_chat", "synthetic")
 PACKING_MODES = ("global", "minibatch")
 # `packing.balance`: epoch order, or global batches dealt to the ranks by attention cost.
 BALANCE_MODES = ("none", "attention")
-_DTYPES = tuple(model_lib._DTYPES)  # pylint: disable=protected-access
+_DTYPES = tuple(model_lib.DTYPES)
 
 # Every string-choice key of the config (`group.name`) and its choices.
 CHOICES: dict[str, tuple[Any, ...]] = {

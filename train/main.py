@@ -6,6 +6,7 @@ every host (`jax.distributed.initialize()` then finds the cluster from the envir
 """
 
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -34,7 +35,11 @@ def main(argv):
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
-  train.train_and_evaluate(_CONFIG.value, workdir)
+  try:
+    train.train_and_evaluate(_CONFIG.value, workdir)
+  except train.USER_ERRORS as e:
+    print(f"train.main: {e}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from flax import nnx
 from segpack import attention as attention_lib
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class ModelConfigError(ValueError):
@@ -87,9 +87,9 @@ class DecoderConfig:
           "length is no usable default): build the model with the data's bound, "
           "`train.model.build(..., max_segments_in_row=Data.max_segments_in_row)`")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
+      if getattr(self, name) not in DTYPES:
         raise ModelConfigError(
-            f"DecoderConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+            f"DecoderConfig.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
 
 
 def rope_angles(positions_BxS: jax.Array, *, head_dim: int, theta: float) -> jax.Array:
@@ -122,7 +122,7 @@ class RMSNorm(nnx.Module):
 
 def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float) -> nnx.Linear:
   return nnx.Linear(
-      d_in, d_out, use_bias=False, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype],
+      d_in, d_out, use_bias=False, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
@@ -173,7 +173,7 @@ class Block(nnx.Module):
   """Pre-norm transformer block: attention and SwiGLU, each with a residual connection."""
 
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-    norm = dict(eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype], param_dtype=_DTYPES[cfg.param_dtype])
+    norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
     self.attn_norm = RMSNorm(cfg.d_model, **norm)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
@@ -202,12 +202,12 @@ class Decoder(nnx.Module):
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = nnx.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=_DTYPES[cfg.dtype],
-        param_dtype=_DTYPES[cfg.param_dtype],
+        cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype],
+        param_dtype=DTYPES[cfg.param_dtype],
         embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=_DTYPES[cfg.dtype],
-                              param_dtype=_DTYPES[cfg.param_dtype])
+    self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype],
+                              param_dtype=DTYPES[cfg.param_dtype])
     if not cfg.tie_embeddings:
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, std=cfg.init_std)
 

@@ -179,6 +179,13 @@ class AttentionConfigError(ValueError):
   a setting it does not use."""
 
 
+# What a config, a workdir or a checkpoint can get wrong: `python -m train.main` prints these as
+# one line naming the key or file (exit code 2) instead of a traceback.
+USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
+               sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
+               ckpt_lib.IncompatibleCheckpointError, ckpt_lib.DataStateError)
+
+
 def check_attention(attention_cfg: Any, *, platform: str) -> None:
   """Refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g.
   Pallas on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
