@@ -20,6 +20,13 @@ def base_config() -> ml_collections.ConfigDict:
   # "builtin" (Python docs + stdlib corpus), "builtin_chat" (conversations about them,
   # configs/sft.py) or "synthetic" (random documents)
   c.data.source = "builtin"
+  # A dataset directory written by `segpack tokenize` (plain or chat) to train on instead of
+  # data.source; vocabulary, BOS/EOS/pad ids and the loss mask come from its manifest
+  c.data.train = config_dict.placeholder(str)
+  # with data.train: held-out data of its own (a dataset of the same tokenizer); None: hold out
+  # data.eval_share of data.train's documents, chosen by a stable hash of the document index
+  c.data.eval = config_dict.placeholder(str)
+  c.data.eval_share = 0.02  # with data.train and no data.eval: the held-out share of documents
   c.data.size = "full"  # built-in corpus size: "full" (vocab 8192) or "small" (vocab 2048)
   c.data.train_on = "assistant"  # builtin_chat loss on: "assistant", "last_assistant" or "all"
   c.data.cache_dir = config_dict.placeholder(str)  # corpus cache; None: $SEGPACK_CACHE or ~/.cache

@@ -1,5 +1,6 @@
-"""Training and evaluation batches for the trainer: the built-in corpus, the built-in chat corpus
-(assistant-only loss) or synthetic documents.
+"""Training and evaluation batches for the trainer: a dataset written by `segpack tokenize`
+(`data.train`, plain or chat, with `data.eval` or a held-out share of its documents), the
+built-in corpus, the built-in chat corpus (assistant-only loss) or synthetic documents.
 
 The training rows are one global stream (`pack_dataset` on one shard, infinite, reshuffled every
 epoch; `segpack.data.stream`): global batch `k` is the next `batch_size` rows of the stream, and
@@ -25,9 +26,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from segpack import shards
+from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import pack_minibatches
-from segpack.data.options import LongDocs, SpecialTokens
+from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches
 from segpack.text import chat_corpus
@@ -65,6 +68,9 @@ class DataSpec:
   train_on: str = "assistant"  # builtin_chat: which tokens carry loss
   balance: str = "none"  # "attention": global batches balanced over the data-parallel ranks
   repack: str = "none"  # "epoch": a fresh plan every epoch (pack_dataset(repack="epoch"))
+  train: str | None = None  # a `segpack tokenize` dataset to train on instead of `source`
+  eval: str | None = None  # its held-out dataset; None: `eval_share` of `train`'s documents
+  eval_share: float = 0.02
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -76,7 +82,12 @@ class DataSpec:
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
                mode=p.mode, examples_per_batch=p.examples_per_batch,
                tokens_per_batch=p.tokens_per_batch, train_on=d.train_on, balance=p.balance,
-               repack=p.repack)
+               repack=p.repack, train=d.train, eval=d.eval, eval_share=d.eval_share)
+
+  @property
+  def name(self) -> str:
+    """The training data, for the log: the dataset path, or the built-in source's name."""
+    return self.train if self.train is not None else f"{self.source} data"
 
 
 @dataclasses.dataclass
@@ -125,7 +136,43 @@ def synthetic_documents(*, num_docs: int, mean_len: int, vocab: int, seed: int) 
   return [rng.integers(3, vocab, size=int(n), dtype=np.int32) for n in lengths]
 
 
+def _open_dataset(key: str, path: str) -> shards.ShardSource:
+  try:
+    return shards.ShardSource(path)
+  except (OSError, shards.ShardFormatError) as e:
+    raise DataConfigError(
+        f"{key}={path!r} is not a dataset written by `segpack tokenize`: {e}") from e
+
+
+def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
+  """`data.train` (and `data.eval`, or its held-out share): ids and vocabulary from the manifest."""
+  train = _open_dataset("data.train", spec.train)
+  if spec.eval is not None:
+    held_out = _open_dataset("data.eval", spec.eval)
+    if held_out.tokenizer_fingerprint != train.tokenizer_fingerprint:
+      raise DataConfigError(
+          f"data.train={spec.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
+          f"data.eval={spec.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were tokenized "
+          f"differently; tokenize both with one tokenizer (segpack tokenize --spm-model ...)")
+  else:
+    try:
+      train, held_out = subset.held_out_split(train, share=spec.eval_share)
+    except PipelineConfigError as e:
+      raise DataConfigError(f"data.eval_share={spec.eval_share!r} with data.train: {e}") from e
+  tokenizer = train.manifest.get("metadata", {}).get("tokenizer", {})
+  ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
+  return train, held_out, int(train.vocab_size), ids  # BOS/EOS: from the manifest
+
+
 def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
+  if spec.train is not None:
+    if spec.source != "builtin":
+      raise DataConfigError(
+          f"data.train={spec.train!r} and data.source={spec.source!r} name two training sets; "
+          f"data.train replaces data.source: leave data.source at its default")
+    return _dataset_sources(spec)
+  if spec.eval is not None:
+    raise DataConfigError(f"data.eval={spec.eval!r} is for data.train; set data.train too")
   if spec.source == "synthetic":
     train = synthetic_documents(num_docs=spec.synthetic_docs, mean_len=spec.synthetic_mean_len,
                                 vocab=spec.synthetic_vocab, seed=spec.seed)
@@ -198,7 +245,7 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=train_rows.rows_per_epoch,
-      description=(f"{spec.source} data, {spec.strategy} packing, seq_len {spec.seq_len}: "
+      description=(f"{spec.name}, {spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
@@ -236,7 +283,7 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
-      description=(f"{spec.source} data, minibatch {spec.strategy} packing of "
+      description=(f"{spec.name}, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "
                    f"{batch_size} rows, seq_len {spec.seq_len}: {steps} steps/epoch, "

@@ -1,8 +1,10 @@
 """Readers of document slices for the row builder: straight from shard files, or any source.
 
 `make_token_reader(source)` returns a `ShardTokenReader` for a shard dataset (memory-mapped token
-files, one `searchsorted` per batch of pieces) and a `SequenceSliceReader` for any other
-random-access source; `make_mask_reader` does the same for per-token loss masks.
+files, one `searchsorted` per batch of pieces), a `SubsetReader` over its parent's reader for a
+subset of another source (`segpack.data.subset.DocumentSubset`: it has `parent` and
+`parent_ids`), and a `SequenceSliceReader` for any other random-access source;
+`make_mask_reader` does the same for per-token loss masks.
 """
 
 from __future__ import annotations
@@ -98,9 +100,24 @@ class ShardTokenReader:
         out[dst:dst + b - a] = arrays[s][a:b]
 
 
-def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader:
-  """A `ShardTokenReader` for a shard source (has `path`, `manifest`, `dtype`, `lengths`), else a
-  `SequenceSliceReader`."""
+class SubsetReader:
+  """Reads the documents of a subset through its parent's reader: document `d` is the parent's
+  document `parent_ids[d]`."""
+
+  def __init__(self, parent_reader: Any, parent_ids: np.ndarray):
+    self._parent = parent_reader
+    self._ids = np.asarray(parent_ids, dtype=np.int64)
+
+  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
+           dst_P: np.ndarray) -> None:
+    self._parent.copy(out, self._ids[np.asarray(doc_P, dtype=np.int64)], lo_P, hi_P, dst_P)
+
+
+def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader | SubsetReader:
+  """A `SubsetReader` for a subset (has `parent`, `parent_ids`), a `ShardTokenReader` for a shard
+  source (has `path`, `manifest`, `dtype`, `lengths`), else a `SequenceSliceReader`."""
+  if getattr(source, "parent_ids", None) is not None:
+    return SubsetReader(make_token_reader(source.parent), source.parent_ids)
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and isinstance(manifest.get("shards"), list)
       and hasattr(source, "path") and hasattr(source, "dtype") and hasattr(source, "lengths")):
@@ -111,8 +128,10 @@ def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader:
   return SequenceSliceReader(source.__getitem__)
 
 
-def make_mask_reader(source: Any) -> SequenceSliceReader | ShardTokenReader:
+def make_mask_reader(source: Any) -> SequenceSliceReader | ShardTokenReader | SubsetReader:
   """The loss-mask counterpart of `make_token_reader` (the source must have `loss_mask(d)`)."""
+  if getattr(source, "parent_ids", None) is not None:
+    return SubsetReader(make_mask_reader(source.parent), source.parent_ids)
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and manifest.get("loss_mask") is True
       and hasattr(source, "path") and hasattr(source, "lengths")):

@@ -1,0 +1,113 @@
+"""Some documents of a source, renumbered, and the held-out split of a data set by document id.
+
+`DocumentSubset(parent, ids)` is a random-access source of the parent's documents `ids`, in that
+order: `pack_dataset` packs it like any source, and for a shard dataset the row builder still
+copies slices straight from the memory-mapped shard files (`segpack.shards.reader` maps the ids).
+
+`held_out_split(source, share=...)` splits a source into training and held-out documents by a
+stable hash of each document's index, so the split is the same on every process count, seed and
+machine, and a document is never in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from segpack.data.options import PipelineConfigError
+from segpack.data.sources import document_lengths, open_source
+
+__all__ = ["DocumentSubset", "held_out_mask", "held_out_split"]
+
+_HASH_BITS = 24
+
+
+def held_out_mask(num_docs: int, *, share: float, salt: int = 0) -> np.ndarray:
+  """bool `[num_docs]`: the documents held out, by a stable hash of their index.
+
+  Document `d` is held out when `splitmix64(d + salt * 2**32) mod 2**24 < share * 2**24`: about
+  `share` of the documents, spread over the whole data set (not its tail), and the same for a
+  document whatever the order in which it is asked about.
+
+  Args:
+    num_docs: documents in the source.
+    share: the held-out share, in `[0, 1)`.
+    salt: another split of the same documents (0: the trainer's).
+  """
+  if not isinstance(share, (float, int)) or isinstance(share, bool) or not 0 <= share < 1:
+    raise PipelineConfigError(f"held_out_mask: share must be a number in [0, 1), got {share!r}")
+  x = np.arange(num_docs, dtype=np.uint64) + np.uint64(int(salt) << 32)
+  with np.errstate(over="ignore"):  # splitmix64 works modulo 2**64
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+  return (x & np.uint64((1 << _HASH_BITS) - 1)) < np.uint64(int(share * (1 << _HASH_BITS)))
+
+
+class DocumentSubset:
+  """Documents `ids` of `parent`, as documents `0 .. len(ids) - 1` of a source.
+
+  Lengths, loss masks and the tokenizer's ids come from the parent. The fingerprint combines the
+  parent's with the ids, so the plan cache beside a shard dataset keeps one plan per subset.
+
+  Example: `DocumentSubset(src, ids=np.array([4, 1]))[1]` is `src[1]`, and its `lengths` are
+  `src.lengths[[4, 1]]`.
+  """
+
+  def __init__(self, parent: Any, *, ids: np.ndarray, name: str):
+    self.parent = open_source(parent, fn="DocumentSubset")
+    self.parent_ids = np.asarray(ids, dtype=np.int64)
+    self.name = name
+    parent_lengths = document_lengths(self.parent, fn="DocumentSubset")
+    if self.parent_ids.size and (self.parent_ids.min() < 0
+                                 or self.parent_ids.max() >= parent_lengths.size):
+      raise PipelineConfigError(
+          f"DocumentSubset: ids must be in [0, {parent_lengths.size}), got "
+          f"[{self.parent_ids.min()}, {self.parent_ids.max()}]")
+    self.lengths = parent_lengths[self.parent_ids]
+    parent_print = getattr(self.parent, "fingerprint", None)
+    self.fingerprint = None if parent_print is None else hashlib.sha256(
+        f"{parent_print}|{name}|".encode() + self.parent_ids.tobytes()).hexdigest()[:32]
+    for attr in ("path", "manifest", "vocab_size", "bos_id", "eos_id", "tokenizer",
+                 "tokenizer_fingerprint"):
+      if hasattr(self.parent, attr):
+        setattr(self, attr, getattr(self.parent, attr))
+
+  @property
+  def has_loss_mask(self) -> bool:
+    return bool(getattr(self.parent, "has_loss_mask", False))
+
+  def loss_mask(self, index: int) -> np.ndarray:
+    return self.parent.loss_mask(int(self.parent_ids[index]))
+
+  def __len__(self) -> int:
+    return int(self.parent_ids.size)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    return self.parent[int(self.parent_ids[index])]
+
+  def __repr__(self) -> str:
+    return f"DocumentSubset({self.name}: {len(self)} documents of {self.parent!r:.120})"
+
+
+def held_out_split(source: Any, *, share: float,
+                   salt: int = 0) -> tuple[DocumentSubset, DocumentSubset]:
+  """`(train, held_out)`: the documents of `source` split by `held_out_mask`.
+
+  Raises:
+    PipelineConfigError: `share` is out of range, or either side would hold no document (the
+      message names the source's document count and the share).
+  """
+  source = open_source(source, fn="held_out_split")
+  n = document_lengths(source, fn="held_out_split").size
+  held = held_out_mask(n, share=share, salt=salt)
+  if held.all() or not held.any():
+    raise PipelineConfigError(
+        f"held_out_split: a held-out share of {share!r} of the {n} documents of "
+        f"{source!r:.200} leaves {'no training' if held.all() else 'no held-out'} document; "
+        f"change the share or pass held-out data of its own")
+  return (DocumentSubset(source, ids=np.flatnonzero(~held), name=f"train{share}:{salt}"),
+          DocumentSubset(source, ids=np.flatnonzero(held), name=f"held_out{share}:{salt}"))
