@@ -21,12 +21,16 @@ def base_config() -> ml_collections.ConfigDict:
   # configs/sft.py) or "synthetic" (random documents)
   c.data.source = "builtin"
   # A dataset directory written by `segpack tokenize` (plain or chat) to train on instead of
-  # data.source; vocabulary, BOS/EOS/pad ids and the loss mask come from its manifest
+  # data.source, or a weighted mixture of several, "web=data/web:0.7,code=data/code:0.3" (weights:
+  # shares of trained tokens); vocabulary, BOS/EOS/pad ids and the loss mask from the manifest
   c.data.train = config_dict.placeholder(str)
   # with data.train: held-out data of its own (a dataset of the same tokenizer); None: hold out
   # data.eval_share of data.train's documents, chosen by a stable hash of the document index
   c.data.eval = config_dict.placeholder(str)
   c.data.eval_share = 0.02  # with data.train and no data.eval: the held-out share of documents
+  # with a mixture data.train ("web=data/web:0.7,code=data/code:0.3"): tokens drawn per mixture
+  # epoch over all sources; None: all their tokens
+  c.data.tokens_per_epoch = config_dict.placeholder(int)
   c.data.size = "full"  # built-in corpus size: "full" (vocab 8192) or "small" (vocab 2048)
   c.data.train_on = "assistant"  # builtin_chat loss on: "assistant", "last_assistant" or "all"
   c.data.cache_dir = config_dict.placeholder(str)  # corpus cache; None: $SEGPACK_CACHE or ~/.cache

@@ -18,6 +18,8 @@ _EXPORTS = {
     "StreamBatches": "segpack.data.stream",
     "StreamPosition": "segpack.data.stream",
     "BalanceOptions": "segpack.data.balance",
+    "Mixture": "segpack.data.mixture",
+    "MixtureSource": "segpack.data.mixture",
     "MinibatchPackedDataset": "segpack.data.minibatch_dataset",
     "SpecialTokens": "segpack.data.options",
     "LongDocs": "segpack.data.options",

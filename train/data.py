@@ -30,6 +30,7 @@ from segpack import shards
 from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import pack_minibatches
+from segpack.data.mixture import Mixture
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches
@@ -71,6 +72,7 @@ class DataSpec:
   train: str | None = None  # a `segpack tokenize` dataset to train on instead of `source`
   eval: str | None = None  # its held-out dataset; None: `eval_share` of `train`'s documents
   eval_share: float = 0.02
+  tokens_per_epoch: int | None = None  # a mixture's tokens per epoch (None: all of them)
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -82,7 +84,8 @@ class DataSpec:
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
                mode=p.mode, examples_per_batch=p.examples_per_batch,
                tokens_per_batch=p.tokens_per_batch, train_on=d.train_on, balance=p.balance,
-               repack=p.repack, train=d.train, eval=d.eval, eval_share=d.eval_share)
+               repack=p.repack, train=d.train, eval=d.eval, eval_share=d.eval_share,
+               tokens_per_epoch=d.tokens_per_epoch)
 
   @property
   def name(self) -> str:
@@ -144,8 +147,51 @@ def _open_dataset(key: str, path: str) -> shards.ShardSource:
         f"{key}={path!r} is not a dataset written by `segpack tokenize`: {e}") from e
 
 
+def _mixture(spec: DataSpec) -> Mixture | None:
+  """`data.train` as a `Mixture` when it names weights or several sources, else None."""
+  try:
+    mixture = Mixture.parse(spec.train, tokens_per_epoch=spec.tokens_per_epoch)
+  except PipelineConfigError as e:
+    raise DataConfigError(f"data.train={spec.train!r}: {e}") from e
+  if len(mixture.sources) == 1 and mixture.sources[0].source == spec.train.strip():
+    if spec.tokens_per_epoch is not None:
+      raise DataConfigError(
+          f"data.tokens_per_epoch={spec.tokens_per_epoch} is for a mixture data.train "
+          f"('name=path:weight,...'), got the single dataset {spec.train!r}")
+    return None
+  return mixture
+
+
+def _mixture_sources(spec: DataSpec, mixture: Mixture) -> tuple[Any, Any, int, dict[str, int]]:
+  """A mixture `data.train`: each source split by `held_out_split` (or `data.eval`); the
+  held-out documents of all sources are evaluated together."""
+  opened = [_open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
+  if spec.eval is not None:
+    held_out = _open_dataset("data.eval", spec.eval)
+    train_parts = opened
+  else:
+    try:
+      splits = [subset.held_out_split(src, share=spec.eval_share) for src in opened]
+    except PipelineConfigError as e:
+      raise DataConfigError(f"data.eval_share={spec.eval_share!r} with data.train: {e}") from e
+    train_parts = [t for t, _ in splits]
+    held_out = subset.DocumentSubset(
+        opened, ids=np.concatenate([h.parent_ids for _, h in splits]),
+        parent_index=np.repeat(np.arange(len(splits)), [len(h) for _, h in splits]),
+        name=f"held_out{spec.eval_share}")
+  train = Mixture(sources=tuple(dataclasses.replace(m, source=part)
+                                for m, part in zip(mixture.sources, train_parts)),
+                  tokens_per_epoch=mixture.tokens_per_epoch)
+  tokenizer = opened[0].manifest.get("metadata", {}).get("tokenizer", {})
+  ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
+  return train, held_out, max(int(src.vocab_size) for src in opened), ids
+
+
 def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
   """`data.train` (and `data.eval`, or its held-out share): ids and vocabulary from the manifest."""
+  mixture = _mixture(spec)
+  if mixture is not None:
+    return _mixture_sources(spec, mixture)
   train = _open_dataset("data.train", spec.train)
   if spec.eval is not None:
     held_out = _open_dataset("data.eval", spec.eval)
@@ -224,6 +270,10 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                            max_segments_per_row=spec.max_segments_per_row, **common)
   eval_batches = StreamBatches(eval_rows, **layout)
   if spec.mode == "minibatch":
+    if isinstance(train_src, Mixture):
+      raise DataConfigError(
+          f"data.train={spec.train!r} is a mixture, which packs globally; set "
+          f"packing.mode='global'")
     if spec.balance != "none":
       raise DataConfigError(
           f"packing.balance={spec.balance!r} is for packing.mode='global' (minibatch mode keeps "

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
+from segpack.data.options import PipelineConfigError
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
@@ -183,7 +184,8 @@ class AttentionConfigError(ValueError):
 # one line naming the key or file (exit code 2) instead of a traceback.
 USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
                sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
-               ckpt_lib.IncompatibleCheckpointError, ckpt_lib.DataStateError)
+               ckpt_lib.IncompatibleCheckpointError, ckpt_lib.DataStateError,
+               PipelineConfigError)
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> None:

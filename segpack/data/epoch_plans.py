@@ -1,9 +1,13 @@
-"""The plan of every epoch for `pack_dataset(repack="epoch")`, planned ahead in a thread.
+"""The plan of every epoch when epochs differ, planned ahead in a thread.
 
-Epoch 0 reads the fixed (cached) plan; epoch `e >= 1` reads its own exact plan,
-`segpack.packing.plan(..., tie_seed=(seed, e))`, whose rows have the same piece lengths as the
-fixed plan's (`segpack.packing.TiePlanner`). `EpochBuilders` hands out the row builder of each
-epoch and plans the next epoch in a daemon thread while the current one is read.
+- `EpochPlanner` (`pack_dataset(repack="epoch")`): epoch 0 reads the fixed (cached) plan; epoch
+  `e >= 1` its own exact plan, `segpack.packing.plan(..., tie_seed=(seed, e))`, whose rows have
+  the same piece lengths as the fixed plan's (`segpack.packing.TiePlanner`).
+- `MixturePlanner` (`pack_dataset(Mixture(...))`): every epoch draws its own documents
+  (`segpack.data.mixture`) and plans them, so its row count is its own.
+
+`EpochBuilders` hands out the row builder of each epoch and plans the next epoch in a daemon
+thread while the current one is read.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from typing import Any
 import numpy as np
 
 from segpack import packing
+from segpack.packing import cap as cap_lib
+from segpack.data import mixture as mixture_lib
 from segpack.data import rows as rows_lib
+from segpack.data.options import SpecialTokens
 
-__all__ = ["EpochBuilders", "EpochPlanner"]
+__all__ = ["EpochBuilders", "EpochPlanner", "MixturePlanner"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +42,37 @@ class EpochPlanner:
     # The chunks and rows are the same every epoch: computed once (on first use), then shared.
     object.__setattr__(self, "_planner", packing.TiePlanner(self.lengths, **self.plan_kwargs))
 
+  same_rows = True  # every epoch's rows have the fixed plan's piece lengths
+
   def plan(self, epoch: int) -> packing.Plan:
     return self._planner.plan((self.seed, int(epoch)))
+
+  def builder(self, fixed: rows_lib.RowBuilder, epoch: int) -> rows_lib.RowBuilder:
+    return fixed.with_plan(self.plan(epoch))
+
+
+@dataclasses.dataclass(frozen=True)
+class MixturePlanner:
+  """What a mixture needs to build epoch `e`: its draw, planned by `packing.plan`, capped at
+  `max_segments_per_row` when given. Every epoch is a pure function of `(seed, epoch)`."""
+
+  draws: mixture_lib.MixtureDraws
+  plan_kwargs: dict[str, Any]
+  special: SpecialTokens
+  loss_mask: bool
+  max_segments_per_row: int | None = None
+
+  same_rows = False  # every epoch has its own documents and rows
+
+  def builder(self, fixed: rows_lib.RowBuilder | None, epoch: int) -> rows_lib.RowBuilder:
+    del fixed  # every epoch has documents of its own
+    documents = self.draws.draw(epoch).documents
+    kwargs = dict(self.plan_kwargs)
+    plan = packing.plan(documents.lengths, kwargs.pop("seq_len"), **kwargs)
+    if self.max_segments_per_row is not None:
+      plan = cap_lib.cap_segments_per_row(plan, self.max_segments_per_row)
+    return rows_lib.RowBuilder(documents, plan, special=self.special,
+                               doc_lengths=documents.lengths, loss_mask=self.loss_mask)
 
 
 class EpochBuilders:
@@ -54,8 +90,8 @@ class EpochBuilders:
   and epoch 2 at the first read of epoch 1.
   """
 
-  def __init__(self, fixed: rows_lib.RowBuilder, *, planner: EpochPlanner | None,
-               num_epochs: int | None):
+  def __init__(self, fixed: rows_lib.RowBuilder, *,
+               planner: EpochPlanner | MixturePlanner | None, num_epochs: int | None):
     self._fixed = fixed
     self._planner = planner
     self._num_epochs = num_epochs
@@ -84,6 +120,15 @@ class EpochBuilders:
     """Whether epochs have plans of their own."""
     return self._planner is not None
 
+  @property
+  def same_rows(self) -> bool:
+    """Whether every epoch has the fixed plan's rows (else each epoch its own row count)."""
+    return self._planner is None or self._planner.same_rows
+
+  def rows_in_epoch(self, epoch: int) -> int:
+    """Rows of `epoch`'s plan."""
+    return self._fixed.num_rows if self.same_rows else self.builder(epoch).num_rows
+
   def builder(self, epoch: int) -> rows_lib.RowBuilder:
     """The row builder of `epoch`'s plan."""
     if self._planner is None:
@@ -100,7 +145,7 @@ class EpochBuilders:
         with self._lock:
           builder = self._builders.get(epoch)
       if builder is None:  # not planned ahead, or the background plan failed: plan here
-        builder = self._fixed.with_plan(self._planner.plan(epoch))
+        builder = self._planner.builder(self._fixed, epoch)
       self._keep(epoch, builder)
     self._plan_ahead(epoch + 1)
     return builder
@@ -128,7 +173,7 @@ class EpochBuilders:
 
   def _plan_in_background(self, epoch: int) -> None:
     try:
-      builder = self._fixed.with_plan(self._planner.plan(epoch))
+      builder = self._planner.builder(self._fixed, epoch)
     except Exception:  # pylint: disable=broad-except
       return  # `builder` plans it again in the foreground and raises there
     self._keep(epoch, builder)

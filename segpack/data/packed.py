@@ -22,6 +22,7 @@ from segpack import packing
 from segpack.data import balance as balance_lib
 from segpack.data import batches as batches_lib
 from segpack.data import epoch_plans
+from segpack.data import mixture as mixture_lib
 from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
@@ -35,43 +36,46 @@ __all__ = ["LongDocs", "PackedDataset", "PipelineConfigError", "REPACK_MODES", "
 
 
 class PackedDataset(grain.MapDataset):
-  """Packed rows, epoch after epoch, each epoch a seeded permutation of the plan's rows.
+  """Packed rows, epoch after epoch, each epoch a seeded permutation of its plan's rows.
 
-  Algorithm for element `i` (`R` = `rows_per_epoch`, the plan's rows):
+  Algorithm for element `i` (`R_e` = `rows_in_epoch(e)`, the rows of epoch `e`'s plan):
 
-  1. `epoch, j = divmod(i, R)`.
-  2. The epoch's row order is a permutation of the `R` plan rows drawn from a generator seeded
-     by `(seed, epoch)` (plan order without `shuffle`); element `i` is plan row `perm[j]`.
+  1. Epoch `e` holds elements `[C_e, C_e + R_e)`, `C_e = R_0 + ... + R_{e-1}`; `j = i - C_e`.
+     With one plan (or `repack="epoch"`, whose plans have the fixed plan's rows) every `R_e`
+     is `R` and this is `divmod(i, R)`; a mixture's epochs each have their own count.
+  2. The epoch's row order is a permutation of its `R_e` plan rows drawn from a generator
+     seeded by `(seed, epoch)` (plan order without `shuffle`); element `i` is plan row `perm[j]`.
   3. The row is built by `segpack.data.rows.RowBuilder` over the plan of the epoch: the one
-     plan, or with `repack="epoch"` epoch `e`'s own plan (`segpack.data.epoch_plans`), whose
-     rows have the same lengths as the fixed plan's (so `R` and the row costs are the same every
-     epoch).
+     plan, epoch `e`'s own plan with `repack="epoch"`, or the plan of epoch `e`'s draw of a
+     mixture (`segpack.data.epoch_plans`).
 
   Example: R = 5 rows, epoch permutations [3, 0, 4, 1, 2] and [1, 4, 0, 2, 3]: elements 0..4
   are plan rows 3, 0, 4, 1, 2 and element 6 is row 4 of epoch 1.
 
   `num_epochs=None` makes the dataset infinite (`len == sys.maxsize`, as Grain's `repeat()`);
-  otherwise `len == num_epochs * R` and indices wrap around modulo the length. Every process
-  sees the same rows: `segpack.data.stream.StreamBatches` splits global batches over processes.
+  otherwise `len` is the rows of the `num_epochs` epochs and indices wrap around modulo it.
+  Every process sees the same rows: `segpack.data.stream.StreamBatches` splits global batches
+  over processes.
   """
 
-  def __init__(self, builders: epoch_plans.EpochBuilders, *, plan: packing.Plan, seed: int,
-               shuffle: bool, num_epochs: int | None):
+  def __init__(self, builders: epoch_plans.EpochBuilders, *, seed: int, shuffle: bool,
+               num_epochs: int | None, max_segments_in_row: int):
     super().__init__()
     self._builders = builders
     self._builder = builders.fixed
-    self._plan = plan
     self._seed = seed
     self._shuffle = shuffle
     self._num_epochs = num_epochs
     self._rows_per_epoch = self._builder.num_rows
-    self._max_segments_in_row = int(
-        np.diff(np.asarray(plan.row_splits, dtype=np.int64)).max(initial=0))
-    self._row_costs: np.ndarray | None = None
+    self._max_segments_in_row = int(max_segments_in_row)
+    self._costs: dict[int, np.ndarray] = {}
+    self._starts = [0]  # C_e of the epochs counted so far (a mixture's, lazily)
     if num_epochs is None:
       self._length = sys.maxsize if self._rows_per_epoch else 0
-    else:
+    elif builders.same_rows:
       self._length = num_epochs * self._rows_per_epoch
+    else:
+      self._length = self.epoch_start(num_epochs)
     self._perms: dict[int, np.ndarray] = {}
 
   def __getstate__(self) -> dict[str, Any]:
@@ -85,8 +89,38 @@ class PackedDataset(grain.MapDataset):
 
   @property
   def rows_per_epoch(self) -> int:
-    """Rows of one epoch: the plan's rows (every process reads the same ones)."""
+    """Rows of epoch 0: the plan's rows, every epoch's unless a mixture (`rows_in_epoch`)."""
     return self._rows_per_epoch
+
+  @property
+  def same_rows(self) -> bool:
+    """Whether every epoch has `rows_per_epoch` rows (not so for a mixture)."""
+    return self._builders.same_rows
+
+  def rows_in_epoch(self, epoch: int) -> int:
+    """Rows of epoch `epoch` (plans a mixture's epoch if needed)."""
+    return self._builders.rows_in_epoch(int(epoch))
+
+  def epoch_start(self, epoch: int) -> int:
+    """`C_e`: the elements before epoch `epoch` (a mixture plans the epochs before it)."""
+    if self._builders.same_rows:
+      return int(epoch) * self._rows_per_epoch
+    while len(self._starts) <= epoch:
+      e = len(self._starts) - 1
+      self._starts.append(self._starts[-1] + self.rows_in_epoch(e))
+    return self._starts[int(epoch)]
+
+  def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 `(epoch, index in the epoch)` of element indices (after wrapping a finite dataset)."""
+    idx = self._wrap(indices)
+    if self._builders.same_rows:
+      return np.divmod(idx, self._rows_per_epoch)
+    if idx.size:
+      while self.epoch_start(len(self._starts) - 1) <= idx.max():
+        self.epoch_start(len(self._starts))
+    starts = np.asarray(self._starts, dtype=np.int64)
+    epoch = np.searchsorted(starts, idx, side="right") - 1
+    return epoch, idx - starts[epoch]
 
   @property
   def num_epochs(self) -> int | None:
@@ -95,7 +129,8 @@ class PackedDataset(grain.MapDataset):
 
   @property
   def max_segments_in_row(self) -> int:
-    """The most segments in any row of the plan (after `max_segments_per_row`; 0 if empty).
+    """The most segments in any row (after `max_segments_per_row`; 0 if empty); for a mixture,
+    whose later epochs are not planned yet, a bound: the cap, else `seq_len`.
 
     Rows hold their segments as ids 1..n, so no row this dataset yields has a larger
     `segment_ids.max()`: the static bound a segment-count-shaped kernel needs
@@ -103,15 +138,23 @@ class PackedDataset(grain.MapDataset):
     """
     return self._max_segments_in_row
 
-  def row_attention_costs(self) -> np.ndarray:
-    """int64 `[rows_per_epoch]`: `segpack.data.balance.row_attention_cost` of every plan row.
+  def attention_costs(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int64: `segpack.data.balance.row_attention_cost` of the rows at element `indices`.
 
-    The same for every epoch's plan with `repack="epoch"` (its rows have the same piece
-    lengths). Computed on first use and kept (8 bytes per plan row).
+    Each epoch's plan costs are computed on first use and kept (8 bytes per plan row; one
+    array for all epochs unless a mixture).
     """
-    if self._row_costs is None:
-      self._row_costs = balance_lib.row_attention_cost(self._plan)
-    return self._row_costs
+    epoch, _ = self.locate(indices)
+    rows = self.plan_rows(indices)
+    out = np.empty(rows.shape, dtype=np.int64)
+    for e in np.unique(epoch).tolist():
+      key = 0 if self._builders.same_rows else e
+      costs = self._costs.get(key)
+      if costs is None:
+        costs = balance_lib.row_attention_cost(self._builders.builder(key).plan)
+        self._costs = {**dict(list(self._costs.items())[-2:]), key: costs}
+      out[epoch == e] = costs[rows[epoch == e]]
+    return out
 
   def padding_rows(self, count: int) -> dict[str, np.ndarray]:
     """`count` all-padding rows (labels -100, segment ids 0), int32 `[count, seq_len]` each."""
@@ -128,7 +171,7 @@ class PackedDataset(grain.MapDataset):
     """The row order of `epoch` (the last two epochs' orders are kept)."""
     perm = self._perms.get(epoch)
     if perm is None:
-      perm = epoch_permutation(self._rows_per_epoch, seed=self._seed, epoch=epoch)
+      perm = epoch_permutation(self.rows_in_epoch(epoch), seed=self._seed, epoch=epoch)
       perms = dict(list(self._perms.items())[-1:])  # a new dict: readers in threads keep theirs
       perms[epoch] = perm
       self._perms = perms
@@ -146,7 +189,7 @@ class PackedDataset(grain.MapDataset):
 
   def epochs(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """int64: the epoch of each element index (after wrapping a finite dataset)."""
-    return self._wrap(indices) // self._rows_per_epoch
+    return self.locate(indices)[0]
 
   def plan_rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """int64: the plan row of each element index (of its epoch's plan), the shape of `indices`.
@@ -154,7 +197,7 @@ class PackedDataset(grain.MapDataset):
     Args:
       indices: element indices (non-negative, or negative from the end of a finite dataset).
     """
-    epoch, j = np.divmod(self._wrap(indices), self._rows_per_epoch)
+    epoch, j = self.locate(indices)
     if not self._shuffle:
       return j
     out = np.empty_like(j)
@@ -275,8 +318,10 @@ def pack_dataset(
   `segment_positions = [0 1 2 3 4 0 1 2]`, `labels = [5 6 7 2 -100 8 2 -100]`.
 
   Args:
-    source: a dataset directory, a `segpack.ShardSource`, or any random-access sequence of 1-D
-      integer arrays (a `grain.MapDataset` included).
+    source: a dataset directory, a `segpack.ShardSource`, any random-access sequence of 1-D
+      integer arrays (a `grain.MapDataset` included), or a `segpack.Mixture` of sources whose
+      weights are shares of trained tokens: every epoch draws its documents and plans them anew
+      (`Mixture` documents the draw; `rows_in_epoch(e)` differs between epochs).
     seq_len: slots per row.
     strategy: planner, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
       "sorted_pad").
@@ -310,25 +355,39 @@ def pack_dataset(
   options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
                      special_tokens=special_tokens, long_docs=long_docs)
   options.check_max_segments(fn, max_segments_per_row)
-  _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
-  prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
-  lengths = prepared.lengths
   plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
                      min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
                      extra_tokens=special_tokens.extra_tokens)
-  plan = _make_plan(lengths, source=prepared.source, plan_kwargs=plan_kwargs,
-                    max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
-  if plan.num_rows == 0 or len(plan.doc) == 0:
+  if isinstance(source, mixture_lib.Mixture):
+    if repack != "none":
+      raise PipelineConfigError(
+          f"{fn}: repack={repack!r} with a Mixture: a mixture draws and plans every epoch anew "
+          f"already; pass repack='none'")
+    draws = mixture_lib.MixtureDraws(source, seed=int(seed), fn=fn)
+    prepared = sources.prepare(draws.draw(0).documents, fn=fn, special_tokens=special_tokens,
+                               loss_mask=loss_mask)
+    planner = epoch_plans.MixturePlanner(
+        draws=draws, plan_kwargs=plan_kwargs, special=prepared.special,
+        loss_mask=prepared.loss_mask, max_segments_per_row=max_segments_per_row)
+    builder = planner.builder(None, 0)
+    bound = int(seq_len) if max_segments_per_row is None else int(max_segments_per_row)
+  else:
+    _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
+    prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
+    plan = _make_plan(prepared.lengths, source=prepared.source, plan_kwargs=plan_kwargs,
+                      max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
+    builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,
+                                  doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
+    planner = (None if repack == "none" else epoch_plans.EpochPlanner(
+        lengths=prepared.lengths, seed=int(seed), plan_kwargs=plan_kwargs))
+    bound = int(np.diff(np.asarray(plan.row_splits, dtype=np.int64)).max(initial=0))
+  if builder.num_rows == 0 or len(builder.plan.doc) == 0:
     raise PipelineConfigError(
-        f"{fn}: no document of the {lengths.size} in the source survives long_docs.min_len="
-        f"{long_docs.min_len}; nothing to pack")
-  builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,
-                                doc_lengths=lengths, loss_mask=prepared.loss_mask)
-  planner = (None if repack == "none" else
-             epoch_plans.EpochPlanner(lengths=lengths, seed=int(seed), plan_kwargs=plan_kwargs))
+        f"{fn}: no document of the {prepared.lengths.size} in the source survives "
+        f"long_docs.min_len={long_docs.min_len}; nothing to pack")
   builders = epoch_plans.EpochBuilders(builder, planner=planner, num_epochs=num_epochs)
-  return PackedDataset(builders, plan=plan, seed=int(seed), shuffle=bool(shuffle),
-                       num_epochs=num_epochs)
+  return PackedDataset(builders, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
+                       max_segments_in_row=bound)
 
 
 def _check_repack(fn: str, repack: Any, *, strategy: str,

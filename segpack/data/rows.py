@@ -95,6 +95,10 @@ class RowBuilder:
   def num_rows(self) -> int:
     return self._plan.num_rows
 
+  @property
+  def plan(self) -> Plan:
+    return self._plan
+
   def with_plan(self, plan: Plan) -> "RowBuilder":
     """A builder of the same source, special tokens and readers over another plan."""
     other = copy.copy(self)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import grain
 import numpy as np
@@ -42,24 +42,18 @@ class StreamPosition:
   epoch: int
   index: int
 
-  def offset(self, *, rows_per_epoch: int) -> int:
-    """The stream offset `epoch * rows_per_epoch + index`."""
-    return self.epoch * rows_per_epoch + self.index
-
-  @classmethod
-  def at(cls, offset: int, *, rows_per_epoch: int) -> "StreamPosition":
-    """The position of stream offset `offset`."""
-    epoch, index = divmod(int(offset), int(rows_per_epoch))
-    return cls(epoch=epoch, index=index)
-
   def to_state(self, *, rows_per_epoch: int) -> dict[str, int]:
     """The iterator state: `{"epoch", "index", "rows_per_epoch"}` (the last to check on load)."""
     return {"epoch": int(self.epoch), "index": int(self.index),
             "rows_per_epoch": int(rows_per_epoch)}
 
   @classmethod
-  def from_state(cls, state: dict[str, Any], *, rows_per_epoch: int) -> "StreamPosition":
+  def from_state(cls, state: dict[str, Any], *, rows_per_epoch: int,
+                 rows_in_epoch: Callable[[int], int] | None = None) -> "StreamPosition":
     """Reads `to_state`'s dict, refusing a state of another data set (another row count).
+
+    `rows_per_epoch` is epoch 0's rows (every epoch's unless `rows_in_epoch` gives each epoch's,
+    as for a mixture); `index` must lie inside its epoch.
 
     Raises:
       StreamStateError: a field is missing or invalid, or `rows_per_epoch` differs.
@@ -73,10 +67,15 @@ class StreamPosition:
       raise StreamStateError(
           f"stream state has rows_per_epoch={saved_rows!r}, but this data set's plan has "
           f"{rows_per_epoch} rows per epoch: the data or the packing changed since it was saved")
-    if (not isinstance(epoch, (int, np.integer)) or not isinstance(index, (int, np.integer))
-        or epoch < 0 or not 0 <= index < rows_per_epoch):
+    if not isinstance(epoch, (int, np.integer)) or not isinstance(index, (int, np.integer)) or (
+        epoch < 0):
       raise StreamStateError(
-          f"stream state needs 0 <= epoch and 0 <= index < {rows_per_epoch}, got epoch={epoch!r}, "
+          f"stream state needs integers 0 <= epoch and 0 <= index, got epoch={epoch!r}, "
+          f"index={index!r}")
+    rows = rows_per_epoch if rows_in_epoch is None else rows_in_epoch(int(epoch))
+    if not 0 <= index < rows:
+      raise StreamStateError(
+          f"stream state needs 0 <= index < {rows} (the rows of epoch {epoch}), got "
           f"index={index!r}")
     return cls(epoch=int(epoch), index=int(index))
 
@@ -156,18 +155,23 @@ class StreamBatches(grain.MapDataset):
                     fn="StreamBatches")
     self._balance = balance
     self._rows_per_epoch = rows.rows_per_epoch
-    if not isinstance(start, StreamPosition) or not 0 <= start.index < self._rows_per_epoch:
+    if (not isinstance(start, StreamPosition)
+        or not 0 <= start.index < rows.rows_in_epoch(start.epoch)):
       raise PipelineConfigError(
-          f"StreamBatches: start must be a StreamPosition with 0 <= index < "
-          f"{self._rows_per_epoch}, got {start!r}")
-    self._start = start.offset(rows_per_epoch=self._rows_per_epoch)
-    self._end = (sys.maxsize if rows.num_epochs is None
-                 else rows.num_epochs * self._rows_per_epoch)
+          f"StreamBatches: start must be a StreamPosition with 0 <= index < the rows of its "
+          f"epoch, got {start!r}")
+    self._start = rows.epoch_start(start.epoch) + start.index
+    self._end = sys.maxsize if rows.num_epochs is None else len(rows)
 
   @property
   def rows_per_epoch(self) -> int:
-    """Rows of one epoch of the stream (the plan's rows, over all processes)."""
+    """Rows of one epoch of the stream (the plan's rows, over all processes; a mixture's
+    epoch 0's, see `rows_in_epoch`)."""
     return self._rows_per_epoch
+
+  def rows_in_epoch(self, epoch: int) -> int:
+    """Rows of epoch `epoch` of the stream."""
+    return self._rows.rows_in_epoch(epoch)
 
   @property
   def global_batch_size(self) -> int:
@@ -180,7 +184,11 @@ class StreamBatches(grain.MapDataset):
 
   @property
   def start(self) -> StreamPosition:
-    return StreamPosition.at(self._start, rows_per_epoch=self._rows_per_epoch)
+    return self._position(self._start)
+
+  def _position(self, offset: int) -> StreamPosition:
+    epoch, index = self._rows.locate(np.asarray([offset]))
+    return StreamPosition(epoch=int(epoch[0]), index=int(index[0]))
 
   def starting_at(self, start: StreamPosition) -> "StreamBatches":
     """The same batches' layout from another start position."""
@@ -190,8 +198,7 @@ class StreamBatches(grain.MapDataset):
 
   def position(self, k: int) -> StreamPosition:
     """The stream position of global batch `k`'s first row (= where batch `k` starts)."""
-    return StreamPosition.at(self._start + int(k) * self._batch,
-                             rows_per_epoch=self._rows_per_epoch)
+    return self._position(self._start + int(k) * self._batch)
 
   def global_offsets(self, k: int) -> np.ndarray:
     """int64 `[B]`: the stream offsets of global batch `k`, in the order the ranks take them."""
@@ -202,7 +209,7 @@ class StreamBatches(grain.MapDataset):
       return offsets_B
     real_B = offsets_B < self._end
     costs_B = np.zeros(self._batch, dtype=np.int64)
-    costs_B[real_B] = self._rows.row_attention_costs()[self._rows.plan_rows(offsets_B[real_B])]
+    costs_B[real_B] = self._rows.attention_costs(offsets_B[real_B])
     return offsets_B[balance_lib.assign_rows(costs_B, num_ranks=self._balance.num_ranks)]
 
   def local_offsets(self, k: int) -> np.ndarray:
@@ -218,9 +225,11 @@ class StreamBatches(grain.MapDataset):
     """
     offsets = self.local_offsets(k)
     real = offsets < self._end
+    epochs = np.full(offsets.shape, -1, dtype=np.int64)
     rows = np.full(offsets.shape, -1, dtype=np.int64)
+    epochs[real] = self._rows.epochs(offsets[real])
     rows[real] = self._rows.plan_rows(offsets[real])
-    return offsets // self._rows_per_epoch, rows
+    return epochs, rows
 
   def __len__(self) -> int:
     if self._end == sys.maxsize:
@@ -294,7 +303,8 @@ class StreamIterator(grain.DatasetIterator):
     return self.position().to_state(rows_per_epoch=self._batches.rows_per_epoch)
 
   def set_state(self, state: dict[str, Any]) -> None:
-    start = StreamPosition.from_state(state, rows_per_epoch=self._batches.rows_per_epoch)
+    start = StreamPosition.from_state(state, rows_per_epoch=self._batches.rows_per_epoch,
+                                      rows_in_epoch=self._batches.rows_in_epoch)
     self._batches = self._batches.starting_at(start)
     self._consumed = 0
     self._inner = None

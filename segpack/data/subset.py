@@ -48,29 +48,39 @@ def held_out_mask(num_docs: int, *, share: float, salt: int = 0) -> np.ndarray:
 
 
 class DocumentSubset:
-  """Documents `ids` of `parent`, as documents `0 .. len(ids) - 1` of a source.
+  """Documents `ids` of a parent source (or of several), as documents `0 .. len(ids) - 1`.
 
-  Lengths, loss masks and the tokenizer's ids come from the parent. The fingerprint combines the
-  parent's with the ids, so the plan cache beside a shard dataset keeps one plan per subset.
+  Lengths, loss masks and the tokenizer's ids come from the parents (the tokenizer's from the
+  first). The fingerprint combines the parents' with the ids, so the plan cache beside a shard
+  dataset keeps one plan per subset. With several parents, `parent_index[j]` says which parent
+  document `j` comes from; documents of a parent without a loss mask are trained on every token
+  when another parent has one.
 
   Example: `DocumentSubset(src, ids=np.array([4, 1]))[1]` is `src[1]`, and its `lengths` are
-  `src.lengths[[4, 1]]`.
+  `src.lengths[[4, 1]]`; `DocumentSubset([a, b], ids=[0, 0], parent_index=[1, 0])[0]` is `b[0]`.
   """
 
-  def __init__(self, parent: Any, *, ids: np.ndarray, name: str):
-    self.parent = open_source(parent, fn="DocumentSubset")
+  def __init__(self, parent: Any, *, ids: Any, name: str, parent_index: Any = None):
+    many = parent_index is not None
+    self.parents = [open_source(p, fn="DocumentSubset") for p in (parent if many else [parent])]
+    self.parent = self.parents[0]
     self.parent_ids = np.asarray(ids, dtype=np.int64)
+    self.parent_index = (np.asarray(parent_index, dtype=np.int64) if many
+                         else np.zeros(self.parent_ids.size, dtype=np.int64))
     self.name = name
-    parent_lengths = document_lengths(self.parent, fn="DocumentSubset")
-    if self.parent_ids.size and (self.parent_ids.min() < 0
-                                 or self.parent_ids.max() >= parent_lengths.size):
-      raise PipelineConfigError(
-          f"DocumentSubset: ids must be in [0, {parent_lengths.size}), got "
-          f"[{self.parent_ids.min()}, {self.parent_ids.max()}]")
-    self.lengths = parent_lengths[self.parent_ids]
-    parent_print = getattr(self.parent, "fingerprint", None)
-    self.fingerprint = None if parent_print is None else hashlib.sha256(
-        f"{parent_print}|{name}|".encode() + self.parent_ids.tobytes()).hexdigest()[:32]
+    self.lengths = np.zeros(self.parent_ids.size, dtype=np.int64)
+    for k, p in enumerate(self.parents):
+      parent_lengths = document_lengths(p, fn="DocumentSubset")
+      ids_k = self.parent_ids[self.parent_index == k]
+      if ids_k.size and (ids_k.min() < 0 or ids_k.max() >= parent_lengths.size):
+        raise PipelineConfigError(
+            f"DocumentSubset: ids of parent {k} must be in [0, {parent_lengths.size}), got "
+            f"[{ids_k.min()}, {ids_k.max()}]")
+      self.lengths[self.parent_index == k] = parent_lengths[ids_k]
+    prints = [getattr(p, "fingerprint", None) for p in self.parents]
+    self.fingerprint = None if None in prints else hashlib.sha256(
+        f"{'|'.join(map(str, prints))}|{name}|".encode() + self.parent_ids.tobytes()
+        + self.parent_index.tobytes()).hexdigest()[:32]
     for attr in ("path", "manifest", "vocab_size", "bos_id", "eos_id", "tokenizer",
                  "tokenizer_fingerprint"):
       if hasattr(self.parent, attr):
@@ -78,16 +88,20 @@ class DocumentSubset:
 
   @property
   def has_loss_mask(self) -> bool:
-    return bool(getattr(self.parent, "has_loss_mask", False))
+    return any(getattr(p, "has_loss_mask", False) for p in self.parents)
 
   def loss_mask(self, index: int) -> np.ndarray:
-    return self.parent.loss_mask(int(self.parent_ids[index]))
+    parent = self.parents[int(self.parent_index[index])]
+    doc = int(self.parent_ids[index])
+    if getattr(parent, "has_loss_mask", False):
+      return parent.loss_mask(doc)
+    return np.ones(int(self.lengths[index]), dtype=np.uint8)
 
   def __len__(self) -> int:
     return int(self.parent_ids.size)
 
   def __getitem__(self, index: int) -> np.ndarray:
-    return self.parent[int(self.parent_ids[index])]
+    return self.parents[int(self.parent_index[index])][int(self.parent_ids[index])]
 
   def __repr__(self) -> str:
     return f"DocumentSubset({self.name}: {len(self)} documents of {self.parent!r:.120})"

@@ -101,23 +101,44 @@ class ShardTokenReader:
 
 
 class SubsetReader:
-  """Reads the documents of a subset through its parent's reader: document `d` is the parent's
-  document `parent_ids[d]`."""
+  """Reads the documents of a subset through its parents' readers: document `d` is document
+  `parent_ids[d]` of parent `parent_index[d]`."""
 
-  def __init__(self, parent_reader: Any, parent_ids: np.ndarray):
-    self._parent = parent_reader
+  def __init__(self, parent_readers: list[Any], parent_index: np.ndarray, parent_ids: np.ndarray):
+    self._parents = parent_readers
+    self._which = np.asarray(parent_index, dtype=np.int64)
     self._ids = np.asarray(parent_ids, dtype=np.int64)
 
   def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
            dst_P: np.ndarray) -> None:
-    self._parent.copy(out, self._ids[np.asarray(doc_P, dtype=np.int64)], lo_P, hi_P, dst_P)
+    doc_P = np.asarray(doc_P, dtype=np.int64)
+    if len(self._parents) == 1:
+      self._parents[0].copy(out, self._ids[doc_P], lo_P, hi_P, dst_P)
+      return
+    which_P = self._which[doc_P]
+    for k, reader in enumerate(self._parents):
+      sel = which_P == k
+      if sel.any():
+        reader.copy(out, self._ids[doc_P[sel]], np.asarray(lo_P)[sel], np.asarray(hi_P)[sel],
+                    np.asarray(dst_P)[sel])
+
+
+class OnesReader:
+  """The loss mask of a source without one: every token trained."""
+
+  def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
+           dst_P: np.ndarray) -> None:
+    for lo, hi, dst in zip(np.asarray(lo_P).tolist(), np.asarray(hi_P).tolist(),
+                           np.asarray(dst_P).tolist()):
+      out[dst:dst + max(hi - lo, 0)] = 1
 
 
 def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader | SubsetReader:
   """A `SubsetReader` for a subset (has `parent`, `parent_ids`), a `ShardTokenReader` for a shard
   source (has `path`, `manifest`, `dtype`, `lengths`), else a `SequenceSliceReader`."""
   if getattr(source, "parent_ids", None) is not None:
-    return SubsetReader(make_token_reader(source.parent), source.parent_ids)
+    return SubsetReader([make_token_reader(p) for p in source.parents], source.parent_index,
+                        source.parent_ids)
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and isinstance(manifest.get("shards"), list)
       and hasattr(source, "path") and hasattr(source, "dtype") and hasattr(source, "lengths")):
@@ -131,7 +152,9 @@ def make_token_reader(source: Any) -> SequenceSliceReader | ShardTokenReader | S
 def make_mask_reader(source: Any) -> SequenceSliceReader | ShardTokenReader | SubsetReader:
   """The loss-mask counterpart of `make_token_reader` (the source must have `loss_mask(d)`)."""
   if getattr(source, "parent_ids", None) is not None:
-    return SubsetReader(make_mask_reader(source.parent), source.parent_ids)
+    return SubsetReader([make_mask_reader(p) if getattr(p, "has_loss_mask", False)
+                         else OnesReader() for p in source.parents],
+                        source.parent_index, source.parent_ids)
   manifest = getattr(source, "manifest", None)
   if (isinstance(manifest, dict) and manifest.get("loss_mask") is True
       and hasattr(source, "path") and hasattr(source, "lengths")):
