@@ -1,0 +1,235 @@
+"""`train.sample`: the logits it decodes from are the training forward pass's, greedy decoding is
+the argmax of those, the checkpoint's parameters are the ones restored, and the command's errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from configs import packed
+from segpack.text import spm
+from test_train import _synthetic
+from train import model as model_lib
+from train import sample as sample_lib
+from train import train as train_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+  """A workdir with a checkpoint of a tiny synthetic run (vocabulary 97, rows of 64)."""
+  workdir = tmp_path_factory.mktemp("synthetic_run")
+  config = _synthetic(**{"train.num_steps": STEPS, "train.checkpoint_every": STEPS,
+                         "train.eval_every": 0, "train.log_batches": False})
+  train_lib.train_and_evaluate(config, str(workdir))
+  return str(workdir)
+
+
+@pytest.fixture(scope="module")
+def loaded(synthetic_run):
+  return sample_lib.load_run(synthetic_run)
+
+
+@nnx.jit
+def _call(model, input_ids, segment_ids, segment_positions):
+  return model(input_ids, segment_ids=segment_ids, segment_positions=segment_positions)
+
+
+def _training_logits(model, tokens):
+  """Logits `[n, V]` of the model called as the trainer's loss calls it, on the unpadded row."""
+  ids_1xN = jnp.asarray([tokens], jnp.int32)
+  logits_1xNxV = _call(model, ids_1xN, jnp.ones_like(ids_1xN),
+                       jnp.arange(len(tokens), dtype=jnp.int32)[None])
+  return np.asarray(logits_1xNxV[0])
+
+
+def _run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "train.sample", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_load_run_reads_the_config_step_and_vocabulary(loaded):
+  config, model, step = loaded
+  assert step == STEPS and config.data.source == "synthetic"
+  assert model.cfg.vocab_size == config.data.synthetic_vocab == 97
+  assert model.cfg.attention_implementation == "xla"
+
+
+def test_padded_row_and_buckets():
+  assert [sample_lib.bucket_length(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
+  assert sample_lib.bucket_length(40, max_len=48) == 48
+  row = sample_lib.padded_row([7, 8, 9], length=5)
+  np.testing.assert_array_equal(row["input_ids"], [[7, 8, 9, 0, 0]])
+  np.testing.assert_array_equal(row["segment_ids"], [[1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(row["segment_positions"], [[0, 1, 2, 0, 0]])
+
+
+@pytest.mark.parametrize("length", [1, 5, 16, 17, 40])
+def test_decoding_logits_equal_the_training_forward_pass(loaded, length):
+  """The padded, jitted logits at the last token equal the unpadded training call's."""
+  config, model, _ = loaded
+  tokens = [1] + list(np.random.default_rng(length).integers(3, 97, size=length - 1))
+  got_V = sample_lib.last_logits(model, tokens, max_len=config.packing.seq_len)
+  np.testing.assert_allclose(np.asarray(got_V), _training_logits(model, tokens)[-1],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decoding_is_the_argmax_of_the_training_logits(loaded):
+  config, model, _ = loaded
+  prompt = [5, 6, 7]
+  new = sample_lib.generate(model, prompt, max_new_tokens=8, top_k=0, bos_id=1, eos_id=None,
+                            max_len=config.packing.seq_len)
+  tokens, want = [1] + prompt, []
+  for _ in range(8):  # an independent loop on the growing unpadded row
+    token = int(np.argmax(_training_logits(model, tokens)[-1]))
+    tokens.append(token)
+    want.append(token)
+  assert new == want
+  assert sample_lib.generate(model, prompt, max_new_tokens=8, top_k=40, temperature=0.0,
+                             bos_id=1) == want
+
+
+def test_top_k_draws_among_the_k_most_likely_and_repeats_with_the_seed(loaded):
+  _, model, _ = loaded
+  prompt, k = [5, 6, 7], 4
+  runs = [sample_lib.generate(model, prompt, max_new_tokens=6, top_k=k, seed=s, bos_id=1)
+          for s in (0, 0, 1)]
+  assert runs[0] == runs[1] and len(runs[0]) == 6
+  for new in runs:
+    tokens = [1] + prompt
+    for token in new:
+      top = np.argsort(_training_logits(model, tokens)[-1])[-k:]
+      assert token in top
+      tokens.append(token)
+  assert runs[0] != runs[2]  # seeds 0 and 1 draw differently (holds for this run)
+
+
+def test_generation_stops_at_eos_and_at_the_row_length(loaded):
+  _, model, _ = loaded
+  greedy = sample_lib.generate(model, [5, 6, 7], max_new_tokens=8, bos_id=1)
+  stopped = sample_lib.generate(model, [5, 6, 7], max_new_tokens=8, bos_id=1,
+                                eos_id=greedy[2])
+  assert stopped == greedy[:greedy.index(greedy[2]) + 1]
+  assert len(sample_lib.generate(model, [5, 6, 7], max_new_tokens=50, bos_id=1,
+                                 max_len=10)) == 6  # BOS + 3 + 6 = 10 slots
+
+
+def test_generate_refuses_bad_prompts(loaded):
+  _, model, _ = loaded
+  with pytest.raises(sample_lib.SampleError, match=r"prompt_ids must hold .* got \[\]"):
+    sample_lib.generate(model, [], max_new_tokens=4, bos_id=1)
+  with pytest.raises(sample_lib.SampleError, match=r"\[0, 97\), got \[97\]"):
+    sample_lib.generate(model, [5, 97], max_new_tokens=4, bos_id=1)
+  with pytest.raises(sample_lib.SampleError, match="top_k must be an int >= 0, got -1"):
+    sample_lib.generate(model, [5], max_new_tokens=4, top_k=-1, bos_id=1)
+
+
+def _flat(tree):
+  """`{path: array}` with nnx's `value` leaf keys dropped and indices as strings."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    out[keys[:-1] if keys[-1] == "value" else keys] = np.asarray(leaf)
+  return out
+
+
+def test_restored_parameters_are_the_checkpoints(synthetic_run, loaded):
+  config, model, step = loaded
+  state_dir = os.path.join(synthetic_run, "checkpoints", str(step), "state")
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(state_dir).item_metadata.tree
+  saved = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+      restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)))
+  want, got = _flat(saved["params"]), _flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert sorted(want) == sorted(got) and len(got) > 10
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=str(key))
+  # The untrained model the run started from gives other logits: a missed restore shows.
+  with config.unlocked():
+    config.attention.implementation = "xla"
+  fresh = model_lib.build(config, config.train.seed, vocab_size=model.cfg.vocab_size)
+  tokens = [1, 5, 6, 7]
+  assert np.abs(_training_logits(fresh, tokens) - _training_logits(model, tokens)).max() > 1e-3
+
+
+def test_tokenizer_of_a_tokenized_dataset(tmp_path):
+  texts = [f"def f{i}(x, y{i % 7}):\n    return x * {i} + y{i % 7} - {i * 31 % 97}\n"
+           for i in range(2000)]
+  tok = spm.train_spm(texts, tmp_path / "data" / "spm.model", vocab_size=320)
+  (tmp_path / "data" / "manifest.json").write_text(json.dumps(
+      {"metadata": {"tokenizer": tok.describe()}}))
+  config = packed.get_config("smoke")
+  with config.unlocked():
+    config.data.train = str(tmp_path / "data")
+  got = sample_lib.tokenizer_for_run(config)
+  assert got.fingerprint == tok.fingerprint and got.vocab_size == 320
+  (tmp_path / "data" / "manifest.json").write_text(json.dumps(
+      {"metadata": {"tokenizer": {"type": "bpe?", "model_file": "x"}}}))
+  with pytest.raises(sample_lib.SampleError, match=r"data.train=.* type 'bpe\?'"):
+    sample_lib.tokenizer_for_run(config)
+
+
+def _listing(root):
+  return sorted((path, sorted(files)) for path, _, files in os.walk(root))
+
+
+def test_cli_prints_ids_of_a_synthetic_run(synthetic_run):
+  before = _listing(synthetic_run)
+  proc = _run_cli(f"--workdir={synthetic_run}", "--prompt_ids=5,6,7", "--max_new_tokens=5")
+  assert proc.returncode == 0, proc.stderr
+  assert _listing(synthetic_run) == before  # sampling writes nothing into the run
+  header, line = proc.stdout.strip().splitlines()
+  assert header.startswith("=== sample 1/1 (greedy)")
+  prompt, new = line.split(" | ")
+  assert prompt == "5,6,7" and len(new.split(",")) == 5
+  assert all(0 <= int(i) < 97 for i in new.split(","))
+
+
+def test_cli_refuses_a_synthetic_run_without_ids(synthetic_run):
+  proc = _run_cli(f"--workdir={synthetic_run}", "--prompt=def ")
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "data.source='synthetic'" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("make_checkpoints_dir", [False, True])
+def test_cli_refuses_a_workdir_without_checkpoints(tmp_path, make_checkpoints_dir):
+  if make_checkpoints_dir:
+    (tmp_path / "checkpoints").mkdir()
+  proc = _run_cli(f"--workdir={tmp_path}", "--prompt_ids=5")
+  assert proc.returncode == 2
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and f"--workdir {str(tmp_path)!r} holds no checkpoint" in lines[0], (
+      proc.stderr)
+
+
+def test_an_empty_prompt_is_refused(synthetic_run):
+  with pytest.raises(sample_lib.SampleError, match="--prompt_ids holds no token id, got ''"):
+    sample_lib.sample(synthetic_run, prompt_ids="")
+
+
+@pytest.mark.slow
+def test_cli_samples_text_from_a_builtin_smoke_run(tmp_path):
+  config = packed.get_config("smoke")
+  config.train.num_steps = 1
+  config.train.eval_every = 0
+  config.train.log_batches = False
+  config.attention.self_check = False
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=6")
+  assert proc.returncode == 0, proc.stderr
+  header, *text = proc.stdout.splitlines()
+  assert header.startswith("=== sample 1/1 (greedy)") and "\n".join(text).startswith("def ")
+  proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=4", "--top_k=8",
+                  "--num_samples=2")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.count("=== sample ") == 2 and "top_k=8" in proc.stdout
