@@ -125,6 +125,51 @@ def loss_normalizer(
                                  ignore_index=ignore_index)
 
 
+def _token_losses(logits_BxSxV: jax.Array, labels_BxS: jax.Array, ignore_index: int,
+                  fn: str) -> tuple[jax.Array, jax.Array]:
+  """`(token cross-entropy, trained mask)`, `[B, S]` each; 0 loss where the label is ignored."""
+  if logits_BxSxV.shape[:-1] != labels_BxS.shape:
+    raise ValueError(
+        f"{fn}: logits shape {tuple(logits_BxSxV.shape)} must be labels shape "
+        f"{tuple(labels_BxS.shape)} + (vocab,)")
+  logits = logits_BxSxV.astype(jnp.float32)
+  mask_BxS = labels_BxS != ignore_index
+  safe_labels_BxS = jnp.where(mask_BxS, labels_BxS, 0)
+  log_z_BxS = jax.nn.logsumexp(logits, axis=-1)
+  target_BxS = jnp.take_along_axis(logits, safe_labels_BxS[..., None], axis=-1)[..., 0]
+  return jnp.where(mask_BxS, log_z_BxS - target_BxS, 0.0), mask_BxS
+
+
+def cross_entropy_by_source(
+    logits_BxSxV: jax.Array,
+    labels_BxS: jax.Array,
+    sources_BxS: jax.Array,
+    *,
+    num_sources: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[jax.Array, jax.Array]:
+  """Per mixture source: `(sum of token cross-entropies, trained tokens)`, float32 `[N]` each.
+
+  A trained token counts for the source of its slot (`sources_BxS`, the rows'
+  `segment_sources`: 0..N-1, -1 on padding); `sum / tokens` is the source's mean token loss.
+
+  Args:
+    logits_BxSxV: unnormalised scores `[B, S, V]`.
+    labels_BxS: integer targets; `ignore_index` carries no loss.
+    sources_BxS: integer source of every slot, -1 (or anything outside `[0, N)`) for none.
+    num_sources: N.
+    ignore_index: the label value that carries no loss.
+  """
+  token_loss_BxS, mask_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
+                                           "cross_entropy_by_source")
+  valid_BxS = mask_BxS & (sources_BxS >= 0) & (sources_BxS < num_sources)
+  bucket = jnp.where(valid_BxS, sources_BxS, num_sources).reshape(-1)
+  sums = jax.ops.segment_sum(token_loss_BxS.reshape(-1), bucket, num_segments=num_sources + 1)
+  counts = jax.ops.segment_sum(valid_BxS.reshape(-1).astype(jnp.float32), bucket,
+                               num_segments=num_sources + 1)
+  return sums[:num_sources], counts[:num_sources]
+
+
 def cross_entropy_sum(
     logits_BxSxV: jax.Array,
     labels_BxS: jax.Array,
@@ -155,16 +200,8 @@ def cross_entropy_sum(
       `weighting`, or `"sequence"` without `segment_ids_BxS`.
   """
   check_weighting(weighting)
-  if logits_BxSxV.shape[:-1] != labels_BxS.shape:
-    raise ValueError(
-        f"cross_entropy_sum: logits shape {tuple(logits_BxSxV.shape)} must be labels shape "
-        f"{tuple(labels_BxS.shape)} + (vocab,)")
-  logits = logits_BxSxV.astype(jnp.float32)
-  mask_BxS = labels_BxS != ignore_index
-  safe_labels_BxS = jnp.where(mask_BxS, labels_BxS, 0)
-  log_z_BxS = jax.nn.logsumexp(logits, axis=-1)
-  target_BxS = jnp.take_along_axis(logits, safe_labels_BxS[..., None], axis=-1)[..., 0]
-  token_loss_BxS = jnp.where(mask_BxS, log_z_BxS - target_BxS, 0.0)
+  token_loss_BxS, mask_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
+                                           "cross_entropy_sum")
   if weighting == "token":
     return jnp.sum(token_loss_BxS), jnp.sum(mask_BxS, dtype=jnp.float32)
   _check_segments(labels_BxS, segment_ids_BxS, "cross_entropy_sum")

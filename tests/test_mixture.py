@@ -8,14 +8,20 @@ to the target); and, for resuming, every (epoch, plan row) counted over all proc
 
 import collections
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import segpack
 from segpack import shards
 from segpack.data.mixture import Mixture, MixtureDraws, MixtureSource
 from segpack.data.stream import StreamBatches
 from train import data as data_lib
+from train import model as model_lib
+from train import train as train_lib
 
 BASE, STRIDE, BOS, EOS = 16, 1 << 12, 1, 2
 SEQ_LEN = 48
@@ -182,3 +188,37 @@ def test_trainer_mixture_keeps_every_source_held_out_apart(tmp_path):
   assert held and trained and not trained & held
   assert {t // STRIDE for t in held - {BASE}} >= {0} and any(t >= BASE + STRIDE for t in held)
   assert data.vocab_size == BASE + 2 * STRIDE
+
+
+def test_per_source_loss_equals_a_per_source_recomputation():
+  """The train step's per-source sums (over 2 micro-batches) equal each source's token
+  cross-entropy computed on its own from the same logits in float64."""
+  small = Mixture(sources=tuple(MixtureSource(name=f"s{i}", source=[d % 97 + 3 for d in docs],
+                                              weight=w)
+                                for i, (docs, w) in enumerate(zip(SOURCES, WEIGHTS))),
+                  segment_sources=True)
+  ds = segpack.pack_dataset(small, seq_len=SEQ_LEN, num_epochs=1, seed=3,
+                            special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS))
+  batch = {k: jnp.asarray(v) for k, v in ds.get_batch(np.arange(8)).items()}
+  sources = np.asarray(batch["segment_sources"])
+  assert set(np.unique(sources).tolist()) >= {0, 1}
+  cfg = model_lib.DecoderConfig(vocab_size=100, num_layers=1, d_model=32, num_heads=4,
+                                num_kv_heads=2, head_dim=8, d_ff=48, init_std=0.2,
+                                attention_implementation="xla", dtype="float32")
+  graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
+  tx, schedule = optax.sgd(0.0), optax.constant_schedule(0.0)
+  state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
+  step = train_lib.make_train_step(graphdef, tx, schedule, accum=2, num_sources=3)
+  _, metrics = jax.jit(step)(state, batch)
+  logits = np.asarray(nnx.merge(graphdef, params)(
+      batch["input_ids"], segment_ids=batch["segment_ids"],
+      segment_positions=batch["segment_positions"]), np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  labels = np.asarray(batch["labels"])
+  for n in range(3):
+    keep = (labels != -100) & (sources == n)
+    want = -sum(logp[b, s, labels[b, s]] for b, s in zip(*np.nonzero(keep)))
+    assert float(metrics["source_tokens"][n]) == keep.sum()
+    np.testing.assert_allclose(float(metrics["source_loss_sum"][n]), want, rtol=1e-4, atol=1e-4)
+  assert float(metrics["source_tokens"].sum()) == float(metrics["trained_tokens"])

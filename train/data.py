@@ -111,6 +111,9 @@ class Data:
       `examples_per_batch = k`, `min(k, seq_len)` for the training rows (a row's pieces belong to
       distinct examples). None when no bound below `seq_len` is known (minibatch mode with
       `tokens_per_batch`). The cuDNN attention backend's static bound comes from it.
+    source_names: a mixture's source names (training rows then carry `segment_sources`, their
+      indices); empty otherwise.
+    eval_by_source: a mixture's held-out batches of each source, by name (empty otherwise).
   """
 
   train: grain.MapDataset
@@ -119,6 +122,8 @@ class Data:
   train_rows_per_epoch: int
   description: str
   max_segments_in_row: int | None = None
+  source_names: tuple[str, ...] = ()
+  eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
 
   def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
     """An iterator over `train` whose `get_state()` does not depend on the process count.
@@ -181,7 +186,7 @@ def _mixture_sources(spec: DataSpec, mixture: Mixture) -> tuple[Any, Any, int, d
         name=f"held_out{spec.eval_share}")
   train = Mixture(sources=tuple(dataclasses.replace(m, source=part)
                                 for m, part in zip(mixture.sources, train_parts)),
-                  tokens_per_epoch=mixture.tokens_per_epoch)
+                  tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
   tokenizer = opened[0].manifest.get("metadata", {}).get("tokenizer", {})
   ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
   return train, held_out, max(int(src.vocab_size) for src in opened), ids
@@ -292,13 +297,21 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                             max_segments_per_row=spec.max_segments_per_row, repack=spec.repack,
                             **common)
   train = StreamBatches(train_rows, balance=_balance(spec, num_ranks=num_ranks), **layout)
+  names = tuple(m.name for m in train_src.sources) if isinstance(train_src, Mixture) else ()
+  by_source = {}
+  if names and isinstance(eval_src, subset.DocumentSubset) and len(eval_src.parents) > 1:
+    for name, part in zip(names, eval_src.by_parent()):
+      rows = pack_dataset(part, shuffle=False, num_epochs=1,
+                          max_segments_per_row=spec.max_segments_per_row, **common)
+      by_source[name] = StreamBatches(rows, **layout)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=train_rows.rows_per_epoch,
       description=(f"{spec.name}, {spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
                    f"eval rows, vocab {vocab}"),
-      max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row))
+      max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row),
+      source_names=names, eval_by_source=by_source)
 
 
 def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:

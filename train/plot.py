@@ -1,6 +1,6 @@
 """Draws a run's curves: `python -m train.plot WORKDIR [--out PATH]` -> `WORKDIR/curves.png`.
 
-Panels: train and eval loss, learning rate, gradient norm, real tokens/s, all against the step.
+Panels: train and eval loss (and each mixture source's, dashed), learning rate, gradient norm, real tokens/s, all against the step.
 Needs matplotlib (`pip install segpack[plot]`).
 """
 
@@ -14,6 +14,11 @@ import sys
 
 from segpack.files import atomic_write_bytes
 from train import metrics as metrics_lib
+
+
+def source_names(train: list[dict]) -> list[str]:
+  """A mixture's source names, from the `loss/<name>` keys of the train records."""
+  return sorted({k.split("/", 1)[1] for r in train for k in r if k.startswith("loss/")})
 
 
 def plot(workdir: str, *, out: str | None = None) -> str:
@@ -37,6 +42,13 @@ def plot(workdir: str, *, out: str | None = None) -> str:
   axes[0].plot(steps, [r["loss"] for r in train], label="train")
   if evals:
     axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+  for name in source_names(train):  # a mixture: one train and one eval curve per source
+    points = [(r["step"], r[f"loss/{name}"]) for r in train if r.get(f"loss/{name}") is not None]
+    if points:
+      axes[0].plot(*zip(*points), "--", label=f"train {name}")
+    held = [(r["step"], r[f"eval_loss/{name}"]) for r in evals if f"eval_loss/{name}" in r]
+    if held:
+      axes[0].plot(*zip(*held), "o:", label=f"eval {name}")
   axes[0].set_title("loss")
   axes[0].legend()
   for ax, key in zip(axes[1:], ("lr", "grad_norm", "real_tokens_per_s")):

@@ -82,12 +82,15 @@ def _micro_batches(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Arr
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, accum: int, weighting: str = "token") -> Callable[..., Any]:
+                    *, accum: int, weighting: str = "token",
+                    num_sources: int = 0) -> Callable[..., Any]:
   """The (unjitted) step `(state, batch) -> (state, metrics)`.
 
   The loss of every micro-batch is divided by the count of the *whole* batch (trained tokens, or
   with `weighting="sequence"` documents with trained tokens: `loss.weighting`), so the summed
-  gradients are exactly those of the full batch's loss.
+  gradients are exactly those of the full batch's loss. With `num_sources` (a mixture whose rows
+  carry `segment_sources`) the metrics also hold every source's summed token loss and trained
+  tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
@@ -95,9 +98,14 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     model = nnx.merge(graphdef, params)
     logits = model(micro["input_ids"], segment_ids=micro["segment_ids"],
                    segment_positions=micro["segment_positions"])
-    return loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total,
+    loss = loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total,
                                        weighting=weighting,
                                        segment_ids_BxS=micro["segment_ids"])[0]
+    if not num_sources:
+      return loss, ()
+    return loss, loss_lib.cross_entropy_by_source(
+        jax.lax.stop_gradient(logits), micro["labels"], micro["segment_sources"],
+        num_sources=num_sources)
 
   def step(state, batch):
     total = loss_lib.loss_normalizer(batch["labels"], weighting=weighting,
@@ -105,13 +113,15 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     params = state["params"]
 
     def accumulate(carry, micro):
-      grads_acc, loss_acc = carry
-      loss, grads = jax.value_and_grad(loss_fn)(params, micro, total)
-      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+      grads_acc, loss_acc, aux_acc = carry
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, total)
+      return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
+              jax.tree.map(jnp.add, aux_acc, aux)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0)),
-                                    _micro_batches(batch, accum))
+    aux0 = (jnp.zeros(num_sources, jnp.float32),) * 2 if num_sources else ()
+    (grads, loss, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux0),
+                                         _micro_batches(batch, accum))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
@@ -121,6 +131,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
                    loss_count=total, real_tokens=real,
                    slots=jnp.float32(batch["segment_ids"].size),
                    attention_pairs=flops_lib.attention_pairs(batch["segment_ids"]))
+    if num_sources:
+      metrics.update(source_loss_sum=aux[0], source_tokens=aux[1])
     return new_state, metrics
 
   return step
@@ -262,7 +274,8 @@ def setup(config: Any, workdir: str) -> Run:
   batch_sh = sharding_lib.batch_sharding(mesh)
   weighting = config.loss.weighting
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
-                                       weighting=weighting),
+                                       weighting=weighting,
+                                       num_sources=len(data.source_names)),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnames=("state",))
   eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting),
@@ -280,14 +293,23 @@ def evaluate(run: Run) -> dict[str, float]:
 
   With `loss.weighting="sequence"` it is the mean of per-document means over all the documents
   of the evaluated batches."""
+  loss, tokens = _eval_loss(run, run.data.eval)
+  out = dict(eval_loss=loss, eval_tokens=tokens)
+  for name, dataset in run.data.eval_by_source.items():  # a mixture: each source's own
+    out[f"eval_loss/{name}"], out[f"eval_tokens/{name}"] = _eval_loss(run, dataset)
+  return out
+
+
+def _eval_loss(run: Run, dataset: Any) -> tuple[float, int]:
+  """`(loss, trained tokens)` over the first `train.eval_batches` batches of `dataset`."""
   limit = run.config.train.eval_batches
-  n = len(run.data.eval) if limit <= 0 else min(limit, len(run.data.eval))
+  n = len(dataset) if limit <= 0 else min(limit, len(dataset))
   loss_sum, count, tokens = 0.0, 0.0, 0.0
   for i in range(n):
-    local = run.data.eval[i]  # every process's rows of a global batch, padding rows at the end
+    local = dataset[i]  # every process's rows of a global batch, padding rows at the end
     s, c, k = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
     loss_sum, count, tokens = loss_sum + float(s), count + float(c), tokens + float(k)
-  return dict(eval_loss=loss_sum / max(count, 1.0), eval_tokens=int(tokens))
+  return loss_sum / max(count, 1.0), int(tokens)
 
 
 def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
@@ -305,8 +327,8 @@ def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
     f.flush()
 
 
-def _train_record(step: int, window: list[dict[str, Any]],
-                  meter: metrics_lib.Throughput) -> dict[str, Any]:
+def _train_record(step: int, window: list[dict[str, Any]], meter: metrics_lib.Throughput,
+                  source_names: tuple[str, ...] = ()) -> dict[str, Any]:
   """One `train` record from the (fetched) metrics of the steps since the last record."""
   for m in window:
     meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
@@ -316,8 +338,14 @@ def _train_record(step: int, window: list[dict[str, Any]],
   counts = sum(float(m["loss_count"]) for m in window)
   loss = sum(float(m["loss"]) * float(m["loss_count"]) for m in window) / max(counts, 1.0)
   last = window[-1]
-  return dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
-              grad_norm=float(last["grad_norm"]), **meter.report(step))
+  record = dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
+                grad_norm=float(last["grad_norm"]), **meter.report(step))
+  for n, name in enumerate(source_names):  # a mixture: every source's loss over the window
+    tokens = sum(float(m["source_tokens"][n]) for m in window)
+    record[f"tokens/{name}"] = int(tokens)
+    record[f"loss/{name}"] = (sum(float(m["source_loss_sum"][n]) for m in window) / tokens
+                              if tokens else None)
+  return record
 
 
 def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any]:
@@ -366,7 +394,7 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
     if step % t.log_every == 0 or last_step:
       window = jax.device_get(window)
       real_total += sum(float(m["real_tokens"]) for m in window)
-      record, window = _train_record(step, window, meter), []
+      record, window = _train_record(step, window, meter, run.data.source_names), []
       first_loss = record["loss"] if first_loss is None else first_loss
       last_loss = record["loss"]
       writer.write(record)

@@ -71,8 +71,10 @@ class MixturePlanner:
     plan = packing.plan(documents.lengths, kwargs.pop("seq_len"), **kwargs)
     if self.max_segments_per_row is not None:
       plan = cap_lib.cap_segments_per_row(plan, self.max_segments_per_row)
-    return rows_lib.RowBuilder(documents, plan, special=self.special,
-                               doc_lengths=documents.lengths, loss_mask=self.loss_mask)
+    return rows_lib.RowBuilder(
+        documents, plan, special=self.special, doc_lengths=documents.lengths,
+        loss_mask=self.loss_mask,
+        doc_sources=documents.parent_index if self.draws.segment_sources else None)
 
 
 class EpochBuilders:

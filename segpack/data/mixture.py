@@ -61,10 +61,13 @@ class Mixture:
     sources: the sources, with distinct names.
     tokens_per_epoch: tokens drawn per mixture epoch over all sources; None: the sum of all
       sources' tokens.
+    segment_sources: rows also carry `segment_sources` (int32 `[seq_len]`: the index in
+      `sources` of each slot's document, -1 on padding), for a loss per source.
   """
 
   sources: tuple[MixtureSource, ...]
   tokens_per_epoch: int | None = None
+  segment_sources: bool = False
 
   @classmethod
   def parse(cls, spec: str, *, tokens_per_epoch: int | None = None) -> "Mixture":
@@ -148,6 +151,7 @@ class MixtureDraws:
     self.tokens_per_epoch = int(budget)
     self.targets = self.weights * self.tokens_per_epoch
     self.seed = int(seed)
+    self.segment_sources = bool(mixture.segment_sources)
 
   @staticmethod
   def _open(entry: MixtureSource, fn: str) -> Any:

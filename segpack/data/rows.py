@@ -55,7 +55,8 @@ class RowBuilder:
   """
 
   def __init__(self, source: Any, plan: Plan, *, special: SpecialTokens,
-               doc_lengths: np.ndarray, loss_mask: bool = False):
+               doc_lengths: np.ndarray, loss_mask: bool = False,
+               doc_sources: np.ndarray | None = None):
     """Creates the builder.
 
     Args:
@@ -65,12 +66,15 @@ class RowBuilder:
       doc_lengths: int64 `[num_docs]` token counts of the source documents.
       loss_mask: apply the source's per-token loss mask (`source.loss_mask(d)`, 1 = trained) to
         the labels.
+      doc_sources: None, or int `[num_docs]`: the mixture source of every document; then rows
+        also carry `segment_sources`, each slot's document's source (-1 on padding).
     """
     self._reader = make_token_reader(source)
     self._mask_reader = make_mask_reader(source) if loss_mask else None
     self._plan = plan
     self._special = special
     self._doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+    self._doc_sources = None if doc_sources is None else np.asarray(doc_sources, np.int32)
     self._views: Plan | None = None
 
   def __getstate__(self) -> dict[str, Any]:
@@ -159,12 +163,19 @@ class RowBuilder:
       self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
       trained_BxS = trained.reshape(batch, seq_len)
       labels_BxS[:, :-1][trained_BxS[:, 1:] == 0] = IGNORE_LABEL
-    return {
+    out = {
         "input_ids": input_ids_BxS,
         "labels": labels_BxS,
         "segment_ids": segment_ids_BxS,
         "segment_positions": positions_BxS,
     }
+    if self._doc_sources is not None:
+      source_real = np.repeat(self._doc_sources[doc_P], length_P)
+      sources_BxS = np.full((batch, seq_len), -1, dtype=np.int32)
+      for b, (a, n) in enumerate(zip(src_B, used_B.tolist())):
+        sources_BxS[b, :n] = source_real[a:a + n]
+      out["segment_sources"] = sources_BxS
+    return out
 
   def build_row(self, row: int) -> dict[str, np.ndarray]:
     """The features of one plan row (-1: an all-padding row) as int32 `[seq_len]` arrays.
@@ -194,8 +205,14 @@ class RowBuilder:
         trained = np.zeros(seq_len, dtype=np.uint8)
         self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
         labels[:-1][trained[1:] == 0] = IGNORE_LABEL
-    return {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids,
-            "segment_positions": positions}
+    out = {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids,
+           "segment_positions": positions}
+    if self._doc_sources is not None:
+      sources = np.full(seq_len, -1, dtype=np.int32)
+      if row >= 0:
+        sources[:int(length_P.sum())] = np.repeat(self._doc_sources[doc_P], length_P)
+      out["segment_sources"] = sources
+    return out
 
   def _copy_tokens(self, out: np.ndarray, doc_P: np.ndarray, start_P: np.ndarray,
                    length_P: np.ndarray, offset_P: np.ndarray) -> None:

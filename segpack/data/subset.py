@@ -97,6 +97,11 @@ class DocumentSubset:
       return parent.loss_mask(doc)
     return np.ones(int(self.lengths[index]), dtype=np.uint8)
 
+  def by_parent(self) -> list["DocumentSubset"]:
+    """This subset's documents of each parent, one single-parent subset per parent."""
+    return [DocumentSubset(p, ids=self.parent_ids[self.parent_index == k],
+                           name=f"{self.name}/{k}") for k, p in enumerate(self.parents)]
+
   def __len__(self) -> int:
     return int(self.parent_ids.size)
 
