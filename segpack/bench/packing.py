@@ -26,6 +26,15 @@ Prints a table (or JSON with `--json`). Sections:
   epochs through `packing.TiePlanner` (chunks and rows reused): plan seconds (best of
   `--repeats`), utilization, whether the row lengths equal the fixed plan's, and the share of
   the pairs of documents sharing a row in the fixed plan that share one again (100% for it).
+- `mixture`: three sources of `--mixture-docs` lognormal documents each (means 300, 800 and 3000,
+  sigma `--sigma`), weights 0.5 / 0.3 / 0.2 (`segpack.bench.packing_mixture`). segpack draws one
+  mixture epoch (`MixtureDraws.draw(0)`) and plans it (FFD, BOS + EOS) in a fresh process: draw
+  and plan seconds, peak RSS per document, the token share of each source, rows, utilization.
+  Side by side, on `--mixture-grain-docs` documents per source (Grain is slow): Grain's
+  `MapDataset.mix` (weights of documents) then `FirstFitPackIterDataset` (`--grain-bins`): the
+  token share of each source in the packed rows and tokens/s, and segpack on the same documents.
+  It runs when `--sections` names it (10M documents per source unless `--mixture-docs` says
+  otherwise) or when `--mixture-docs` is given.
 """
 
 from __future__ import annotations
@@ -38,10 +47,15 @@ import sys
 from typing import Any, Sequence
 
 from segpack import packing
+from segpack.bench.packing_mixture import bench_mixture, mixture_notes
 from segpack.bench.packing_sections import (bench_balance, bench_builtin, bench_grain,
                                             bench_load, bench_plan, bench_repack, bench_scale,
                                             lognormal_lengths)
 
+
+# Documents per source of the mixture section when `--sections` names it and `--mixture-docs` is
+# not given.
+MIXTURE_DOCS = 10_000_000
 
 _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
             ("documents", "{:,}", 12), ("seconds", "{:.3f}", 9), ("cpu_seconds", "{:.3f}", 11),
@@ -51,8 +65,8 @@ _COLUMNS = (("section", "{}", 7), ("data", "{}", 30), ("case", "{}", 24),
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-  """The results as a table, one line each, then a note per grain, load, balance, repack and scale
-  result."""
+  """The results as a table, one line each, then a note per grain, load, balance, repack, scale
+  and mixture result."""
   head = "".join(f"{name:>{w}} " if i > 2 else f"{name:<{w}} "
                  for i, (name, _, w) in enumerate(_COLUMNS))
   lines = [head]
@@ -89,6 +103,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{r['save_seconds']:.1f} s, memory-mapped back in {r['load_seconds'] * 1e3:.1f} ms "
             f"(RSS +{r['load_rss_growth'] / 2**20:.1f} MB)"
             for r in results if r["section"] == "scale"]
+  notes += mixture_notes(results)
   return "\n".join(lines + notes)
 
 
@@ -122,9 +137,17 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--scale-docs", type=int, default=0,
                   help="documents of the scale section (0 skips it), e.g. 100000000: plan time "
                        "and peak RSS of a fresh process")
+  ap.add_argument("--mixture-docs", type=int, default=None,
+                  help="documents per source of the mixture section (0 skips it); default "
+                       f"{MIXTURE_DOCS:,} when --sections names mixture, else the section is "
+                       "skipped")
+  ap.add_argument("--mixture-grain-docs", type=int, default=100_000,
+                  help="documents per source for Grain's mix and packer in the mixture section, "
+                       "and for segpack beside it (0: segpack alone)")
   ap.add_argument("--sections", default=None,
                   help="comma-separated sections to run (plan,grain,load,builtin,balance,repack,"
-                       "scale); default: every section whose size is not 0")
+                       "scale,mixture); default: every section whose size is not 0 (mixture "
+                       "only with --mixture-docs)")
   ap.add_argument("--json", action="store_true")
   return ap
 
@@ -132,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
 # (section, its size flag): a size of 0 skips the section, and `--sections` sets the size of every
 # section it does not name to 0.
 _SIZE_FLAGS = (("plan", "num_docs"), ("grain", "grain_docs"), ("load", "load_docs"),
-               ("balance", "balance_docs"), ("repack", "repack_docs"), ("scale", "scale_docs"))
+               ("balance", "balance_docs"), ("repack", "repack_docs"), ("scale", "scale_docs"),
+               ("mixture", "mixture_docs"))
 
 
 def run_sections(args: argparse.Namespace, strategies: Sequence[str]) -> list[dict[str, Any]]:
@@ -168,6 +192,9 @@ def run_sections(args: argparse.Namespace, strategies: Sequence[str]) -> list[di
   if args.scale_docs:
     results.append(bench_scale(args.scale_docs, seq_len=args.seq_len, work_dir=args.work_dir,
                                mean=args.mean, sigma=args.sigma))
+  if args.mixture_docs:
+    results += bench_mixture(args.mixture_docs, grain_docs=args.mixture_grain_docs,
+                             sigma=args.sigma, seq_len=args.seq_len, num_bins=args.grain_bins)
   return results
 
 
@@ -178,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   for s in strategies:
     packing.planner.check_strategy(s)
   wanted = None if args.sections is None else set(args.sections.split(","))
+  if args.mixture_docs is None:
+    args.mixture_docs = MIXTURE_DOCS if wanted is not None and "mixture" in wanted else 0
   for name, flag in _SIZE_FLAGS:
     if wanted is not None and name not in wanted:
       setattr(args, flag, 0)

@@ -4,9 +4,14 @@ Examples:
   segpack stats --data DIR --seq-len 4096 --strategy ffd
   segpack stats --data builtin --compare            # the built-in corpus
   segpack stats --data lengths.npy --compare --json
+  segpack stats --data "web=data/web:0.7,code=data/code:0.3" --seq-len 4096
 
 `--data` is a shard dataset directory, a `.npy` file of document lengths, or `builtin` /
-`builtin:small` for the built-in corpus (built on first use).
+`builtin:small` for the built-in corpus (built on first use). A mixture of shard dataset
+directories (`name=path:weight,...`, as `segpack.Mixture.parse` reads it) prints, per source, its
+documents and tokens, its weight (its target share of the tokens), the target and the realized
+tokens and share of mixture epoch 0's draw and how often its documents repeat, then the plan of
+the whole draw.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack import packing
+from segpack.data import mixture as mixture_lib
 from segpack.shards import ShardSource
 from segpack.text import corpus
 
@@ -97,6 +103,70 @@ def format_summary(row: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def parse_mixture(data: str, *,
+                  tokens_per_epoch: int | None) -> mixture_lib.Mixture | None:
+  """The mixture `data` spells, or None when `data` is one dataset (today's `--data`).
+
+  `data` is a mixture when `Mixture.parse` reads several entries, a `name=` or a `:weight`; one
+  entry whose path is the whole text (`data/web`, `lengths.npy`, `builtin`) is one dataset, and
+  so is text the parser refuses that has no `,` and no `=` (`builtin:small`).
+
+  Raises:
+    DataArgumentError: a mixture entry that cannot be read (a weight that is not a number).
+  """
+  try:
+    mixture = mixture_lib.Mixture.parse(data, tokens_per_epoch=tokens_per_epoch)
+  except ValueError as e:
+    if "," in data or "=" in data:
+      raise DataArgumentError(f"--data {data!r}: {e}") from e
+    return None
+  if len(mixture.sources) == 1 and mixture.sources[0].source == data.strip():
+    return None
+  return mixture
+
+
+def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, seq_len: int, strategy: str,
+                  **plan_kwargs: Any) -> dict[str, Any]:
+  """Per-source figures of mixture epoch 0's draw and the summary of its whole plan.
+
+  Args:
+    mixture: the sources (opened and checked here, `MixtureDraws`).
+    seed: the draw's seed (`pack_dataset`'s `seed`).
+    seq_len, strategy, plan_kwargs: `packing.plan`'s arguments for the drawn documents.
+  """
+  draws = mixture_lib.MixtureDraws(mixture, seed=seed, fn="--data")
+  draw = draws.draw(0)
+  t0 = time.perf_counter()
+  p = packing.plan(draw.documents.lengths, seq_len, strategy=strategy, **plan_kwargs)
+  plan_row = summarize(p, seconds=time.perf_counter() - t0)
+  realized = draw.tokens.sum()
+  sources = [{
+      "name": name, "documents": int(lengths.size), "tokens": int(lengths.sum()),
+      "weight": float(draws.weights[i]), "target_tokens": float(draw.targets[i]),
+      "realized_tokens": int(draw.tokens[i]),
+      "realized_share": float(draw.tokens[i] / realized),
+      "drawn_documents": int(np.sum(draw.documents.parent_index == i)),
+      "min_repeats": int(draw.min_repeats[i]), "max_repeats": int(draw.max_repeats[i]),
+  } for i, (name, lengths) in enumerate(zip(draws.names, draws.lengths))]
+  return {"epoch": 0, "seed": seed, "tokens_per_epoch": draws.tokens_per_epoch,
+          "sources": sources, "plan": plan_row}
+
+
+def format_mixture(stats: dict[str, Any]) -> str:
+  """The per-source table of `mixture_stats`, then its plan's summary."""
+  lines = [f"mixture of {len(stats['sources'])} sources: epoch {stats['epoch']}'s draw (seed "
+           f"{stats['seed']}), {stats['tokens_per_epoch']:,} tokens per epoch",
+           f"  {'source':<12}{'documents':>12}{'tokens':>15}{'weight':>9}{'target tokens':>16}"
+           f"{'realized tokens':>17}{'realized share':>16}{'repeats':>10}"]
+  for r in stats["sources"]:
+    repeats = f"{r['min_repeats']}-{r['max_repeats']}"
+    lines.append(f"  {r['name']:<12}{r['documents']:>12,}{r['tokens']:>15,}{r['weight']:>9.4f}"
+                 f"{r['target_tokens']:>16,.1f}{r['realized_tokens']:>17,}"
+                 f"{r['realized_share']:>16.6f}{repeats:>10}")
+  lines.append("the whole draw, planned:")
+  return "\n".join(lines) + "\n" + format_summary(stats["plan"])
+
+
 def compare(lengths: np.ndarray, *, strategies: Sequence[str], seq_lens: Sequence[int],
             **plan_kwargs: Any) -> list[dict[str, Any]]:
   """Plans every strategy at every seq_len; returns one summary per pair."""
@@ -136,7 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="segpack stats", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--data", required=True,
-                  help="shard dataset directory, .npy file of lengths, or builtin[:small]")
+                  help="shard dataset directory, .npy file of lengths, builtin[:small], or a "
+                       "mixture of dataset directories 'name=path:weight,...'")
+  ap.add_argument("--tokens-per-epoch", type=int, default=None,
+                  help="a mixture's tokens per epoch (default: all tokens of its sources)")
+  ap.add_argument("--seed", type=int, default=0, help="a mixture's draw seed")
   ap.add_argument("--seq-len", type=int, default=4096)
   ap.add_argument("--strategy", default="ffd", help=f"one of {sorted(packing.STRATEGIES)}")
   ap.add_argument("--long-docs", default="split", help="split or truncate")
@@ -162,6 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 extra_tokens=int(args.add_bos) + int(args.add_eos))
   try:
     packing.planner.check_strategy(args.strategy)
+    if args.tokens_per_epoch is not None and args.tokens_per_epoch <= 0:
+      raise DataArgumentError(
+          f"--tokens-per-epoch must be a positive number of tokens, got {args.tokens_per_epoch}")
+    mixture = parse_mixture(args.data, tokens_per_epoch=args.tokens_per_epoch)
+    if mixture is not None:
+      return _main_mixture(args, mixture, kwargs)
+    if args.tokens_per_epoch is not None:
+      raise DataArgumentError(
+          f"--tokens-per-epoch={args.tokens_per_epoch} applies to a mixture "
+          f"('name=path:weight,...'), got one dataset --data {args.data!r}")
     lengths, key, directory = load_lengths(args.data)
     if args.compare:
       seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
@@ -182,6 +266,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"segpack stats: error: {e}", file=sys.stderr)
     return 2
   print(json.dumps(row, indent=1) if args.json else format_summary(row))
+  return 0
+
+
+def _main_mixture(args: argparse.Namespace, mixture: mixture_lib.Mixture,
+                  kwargs: dict[str, Any]) -> int:
+  """`main` for a mixture `--data`: prints `mixture_stats` (errors raise ValueError)."""
+  for flag, on in (("--compare", args.compare), ("--save-plan", args.save_plan)):
+    if on:
+      raise DataArgumentError(
+          f"{flag} applies to one dataset; a mixture draws and plans every epoch anew, got "
+          f"--data {args.data!r}")
+  stats = mixture_stats(mixture, seed=args.seed, seq_len=args.seq_len, strategy=args.strategy,
+                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+  print(json.dumps(stats, indent=1) if args.json else format_mixture(stats))
   return 0
 
 
