@@ -69,22 +69,36 @@ class DocumentSubset:
                          else np.zeros(self.parent_ids.size, dtype=np.int64))
     self.name = name
     self.lengths = np.zeros(self.parent_ids.size, dtype=np.int64)
+    grouped = not many or bool(np.all(self.parent_index[1:] >= self.parent_index[:-1]))
+    bounds = np.searchsorted(self.parent_index, np.arange(len(self.parents) + 1)) if grouped else None
     for k, p in enumerate(self.parents):
       parent_lengths = document_lengths(p, fn="DocumentSubset")
-      ids_k = self.parent_ids[self.parent_index == k]
+      # Documents grouped by parent (a mixture's draw) are slices; others need a mask.
+      where = slice(bounds[k], bounds[k + 1]) if grouped else self.parent_index == k
+      ids_k = self.parent_ids[where]
       if ids_k.size and (ids_k.min() < 0 or ids_k.max() >= parent_lengths.size):
         raise PipelineConfigError(
             f"DocumentSubset: ids of parent {k} must be in [0, {parent_lengths.size}), got "
             f"[{ids_k.min()}, {ids_k.max()}]")
-      self.lengths[self.parent_index == k] = parent_lengths[ids_k]
-    prints = [getattr(p, "fingerprint", None) for p in self.parents]
-    self.fingerprint = None if None in prints else hashlib.sha256(
-        f"{'|'.join(map(str, prints))}|{name}|".encode() + self.parent_ids.tobytes()
-        + self.parent_index.tobytes()).hexdigest()[:32]
+      self.lengths[where] = parent_lengths[ids_k]
+    self._fingerprint: str | None = None
     for attr in ("path", "manifest", "vocab_size", "bos_id", "eos_id", "tokenizer",
                  "tokenizer_fingerprint"):
       if hasattr(self.parent, attr):
         setattr(self, attr, getattr(self.parent, attr))
+
+  @property
+  def fingerprint(self) -> str | None:
+    """A hash of the parents' fingerprints and the ids (None when a parent has none); computed
+    on first use (the plan cache asks for it; a mixture's draws are not cached)."""
+    if self._fingerprint is None:
+      prints = [getattr(p, "fingerprint", None) for p in self.parents]
+      if None in prints:
+        return None
+      self._fingerprint = hashlib.sha256(
+          f"{'|'.join(map(str, prints))}|{self.name}|".encode() + self.parent_ids.tobytes()
+          + self.parent_index.tobytes()).hexdigest()[:32]
+    return self._fingerprint
 
   @property
   def has_loss_mask(self) -> bool:
