@@ -143,7 +143,8 @@ class MixtureDraws:
     self._check_tokenizers(mixture, fn)
     weights = np.asarray([s.weight for s in mixture.sources], dtype=np.float64)
     self.weights = weights / weights.sum()
-    total = int(sum(int(lengths.sum()) for lengths in self.lengths))
+    self.total_tokens = np.asarray([int(lengths.sum()) for lengths in self.lengths])
+    total = int(self.total_tokens.sum())
     budget = total if mixture.tokens_per_epoch is None else mixture.tokens_per_epoch
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget <= 0:
       raise PipelineConfigError(
@@ -172,34 +173,45 @@ class MixtureDraws:
             f"(tokenizer {fingerprint}) were tokenized differently; all sources need one "
             f"tokenizer")
 
-  def _draw_source(self, i: int, epoch: int) -> np.ndarray:
-    """The document ids source `i` gives in `epoch`, in draw order (steps 1 and 2)."""
+  def _draw_source(self, i: int, epoch: int) -> tuple[np.ndarray, int, int, int]:
+    """Source `i`'s draw in `epoch` (steps 1 and 2): `(ids in draw order, tokens, fewest and
+    most repeats of a document)`. Whole permutations are taken without reading their lengths;
+    only the last, partial one is summed."""
     lengths = self.lengths[i]
+    total = int(self.total_tokens[i])
     remaining = float(self.targets[i])
-    parts, cycle = [], 0
+    parts, cycle, tokens = [], 0, 0
     while remaining > 0:
-      rng = np.random.default_rng([self.seed, int(epoch), i, cycle])
-      perm = rng.permutation(lengths.size)
-      cum = np.cumsum(lengths[perm])
-      if cum[-1] < remaining:
+      perm = np.random.default_rng([self.seed, int(epoch), i, cycle]).permutation(lengths.size)
+      if total < remaining:
         parts.append(perm)
-        remaining -= float(cum[-1])
+        remaining -= total
+        tokens += total
         cycle += 1
         continue
-      parts.append(perm[:int(np.searchsorted(cum, remaining, side="left")) + 1])
+      cum = np.cumsum(lengths[perm])
+      take = int(np.searchsorted(cum, remaining, side="left")) + 1
+      parts.append(perm[:take])
+      tokens += int(cum[take - 1])
+      partial = take
       break
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    else:
+      partial = 0
+    full = cycle  # whole permutations: every document that many times, plus the partial one
+    fewest = full + (1 if partial == lengths.size else 0)
+    most = full + (1 if 0 < partial else 0)
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return ids, tokens, fewest, most
 
   def draw(self, epoch: int) -> Draw:
     """The documents of mixture epoch `epoch` (a pure function of the seed and the epoch)."""
-    ids = [self._draw_source(i, epoch) for i in range(len(self.sources))]
-    counts = [np.bincount(d, minlength=n.size) for d, n in zip(ids, self.lengths)]
+    draws = [self._draw_source(i, epoch) for i in range(len(self.sources))]
+    ids = [d[0] for d in draws]
     documents = subset.DocumentSubset(
         self.sources, ids=np.concatenate(ids),
         parent_index=np.repeat(np.arange(len(ids)), [d.size for d in ids]),
         name=f"mixture-epoch-{epoch}")
-    return Draw(documents=documents,
-                tokens=np.asarray([int(n[d].sum()) for d, n in zip(ids, self.lengths)]),
+    return Draw(documents=documents, tokens=np.asarray([d[1] for d in draws], np.int64),
                 targets=self.targets.copy(),
-                min_repeats=np.asarray([int(c.min()) for c in counts]),
-                max_repeats=np.asarray([int(c.max()) for c in counts]))
+                min_repeats=np.asarray([d[2] for d in draws], np.int64),
+                max_repeats=np.asarray([d[3] for d in draws], np.int64))
