@@ -121,7 +121,8 @@ def test_corrupt_cache_is_replanned(tmp_path):
   packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
   (entry,) = os.listdir(tmp_path)
   (tmp_path / entry / "plan.json").write_text("{not json")
-  p = packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
+  with pytest.warns(UserWarning, match="is damaged or stale .*plan.json.* replanning"):
+    p = packing.load_or_plan(lengths, 16, cache_dir=tmp_path, key="k")
   assert p.num_pieces == 16
   packing.Plan.load(tmp_path / entry)  # repaired on disk
 

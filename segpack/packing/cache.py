@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -13,7 +14,7 @@ import numpy as np
 from segpack.packing import cap as cap_lib
 from segpack.packing import planner as _planner
 from segpack.packing.chunking import BLOCK, PackingArgumentError, check_lengths
-from segpack.packing.plan_format import FORMAT_VERSION, Plan, PlanError
+from segpack.packing.plan_format import FORMAT_VERSION, Plan, PlanError, check_plan
 
 _log = logging.getLogger(__name__)
 
@@ -86,25 +87,34 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
     key = lengths_fingerprint(lengths)
   path = os.path.join(os.fspath(cache_dir), plan_key(key, seq_len, **kwargs))
   if cap is None:
-    return _load_or_make(path, lengths.size, seq_len, make_plan)
+    return _load_or_make(path, lengths, seq_len, make_plan)
   return _load_or_make(
-      f"{path}-maxseg{int(cap)}", lengths.size, seq_len,
+      f"{path}-maxseg{int(cap)}", lengths, seq_len,
       lambda: cap_lib.cap_segments_per_row(
-          _load_or_make(path, lengths.size, seq_len, make_plan), int(cap)))
+          _load_or_make(path, lengths, seq_len, make_plan), int(cap)))
 
 
-def _load_or_make(path: str, num_docs: int, seq_len: int, make: Callable[[], Plan]) -> Plan:
-  """The plan cached at `path` when it matches (`num_docs` documents, `seq_len`), else `make()`
-  saved there and memory-mapped back (or returned uncached when `path` cannot be written)."""
+def _load_or_make(path: str, lengths: np.ndarray, seq_len: int,
+                  make: Callable[[], Plan]) -> Plan:
+  """The plan cached at `path` when it is intact and matches (the documents of `lengths`,
+  `seq_len`), else `make()` saved there and memory-mapped back (or returned uncached when `path`
+  cannot be written).
+
+  A cached plan is used only when its files match the checksums saved beside them
+  (`Plan.load(verify=True)`) and it passes `plan_format.check_plan` for these documents; any
+  other plan is recomputed with a warning naming the directory.
+  """
   existing = os.path.isdir(path)
   if existing:
     try:
       cached = Plan.load(path, mmap=True)
-      if cached.stats.get("documents") == num_docs and cached.seq_len == seq_len:
-        return cached
-      _log.warning("plan cache %s does not match the documents; replanning", path)
+      if cached.stats.get("documents") != lengths.size or cached.seq_len != seq_len:
+        raise PlanError(f"made for {cached.stats.get('documents')} documents and seq_len "
+                        f"{cached.seq_len}, not {lengths.size} and {seq_len}")
+      check_plan(cached, lengths, path)
+      return cached
     except PlanError as e:
-      _log.warning("plan cache %s is unreadable (%s); replanning", path, e)
+      warnings.warn(f"plan cache {path} is damaged or stale ({e}); replanning", stacklevel=3)
   fresh = make()
   try:
     fresh.save(path, overwrite=existing)  # a concurrent writer's identical plan may win

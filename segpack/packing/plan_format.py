@@ -8,13 +8,18 @@ import mmap
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from segpack import files
+
 FORMAT_VERSION = 1
 _ARRAYS = ("row_splits", "doc", "start", "length")
 _META = "plan.json"
+CHECKSUMS = "sha256.json"
+_BLOCK = 1 << 22
 
 
 class PlanError(ValueError):
@@ -35,6 +40,9 @@ class Plan:
     2. piece `i` fills the next `length[i]` slots with virtual slots
        `start[i]:start[i] + length[i]` of document `doc[i]`;
     3. the slots after the last piece are padding.
+
+  On disk (`save`) a plan is a directory of one `.npy` file per array, `plan.json` and
+  `sha256.json` (the SHA-256 of each of those files), which `load` checks by default.
 
   A plan loaded with `mmap=True` pickles its arrays as file references (`__reduce__`), so a
   dataset that holds it is cheap to send to worker processes.
@@ -141,6 +149,9 @@ class Plan:
         np.save(os.path.join(tmp, name + ".npy"), np.ascontiguousarray(getattr(self, name)))
       with open(os.path.join(tmp, _META), "w") as f:
         json.dump(self.meta(), f, indent=1, sort_keys=True)
+      sums = {name: files.sha256_file(os.path.join(tmp, name))
+              for name in [a + ".npy" for a in _ARRAYS] + [_META]}
+      files.atomic_write_json(Path(tmp) / CHECKSUMS, sums)
       if not overwrite:
         try:
           os.rename(tmp, path)
@@ -157,8 +168,13 @@ class Plan:
       raise
 
   @classmethod
-  def load(cls, path: str | os.PathLike, *, mmap: bool = True) -> "Plan":
-    """Reads a plan saved by `save`; with `mmap` the arrays are read-only memory maps."""
+  def load(cls, path: str | os.PathLike, *, mmap: bool = True, verify: bool = True) -> "Plan":
+    """Reads a plan saved by `save`; with `mmap` the arrays are read-only memory maps.
+
+    With `verify` (default) every file must match the SHA-256 that `save` recorded beside it in
+    `sha256.json` (a plan written without one is refused); a mismatch raises PlanError naming the
+    file and both checksums.
+    """
     path = os.fspath(path)
     meta_path = os.path.join(path, _META)
     try:
@@ -171,6 +187,8 @@ class Plan:
     if meta.get("format_version") != FORMAT_VERSION:
       raise PlanError(f"{meta_path!r} has format_version={meta.get('format_version')!r}, "
                       f"expected {FORMAT_VERSION}")
+    if verify:
+      check_checksums(path)
     arrays = {}
     for name in _ARRAYS:
       file = os.path.join(path, name + ".npy")
@@ -185,6 +203,61 @@ class Plan:
       raise PlanError(f"{path!r}: arrays hold {plan.num_rows} rows / {plan.num_pieces} pieces "
                       f"but {_META} says {meta.get('num_rows')} / {meta.get('num_pieces')}")
     return plan
+
+
+def check_checksums(path: str) -> None:
+  """Every file of the plan at `path` matches `sha256.json`; raises PlanError naming the file."""
+  sums_path = os.path.join(path, CHECKSUMS)
+  try:
+    with open(sums_path) as f:
+      sums = json.load(f)
+  except FileNotFoundError as e:
+    raise PlanError(f"{sums_path!r} is missing (a plan written without checksums)") from e
+  except (OSError, ValueError) as e:
+    raise PlanError(f"cannot read {sums_path!r}: {e}") from e
+  for name in [a + ".npy" for a in _ARRAYS] + [_META]:
+    file = os.path.join(path, name)
+    want = sums.get(name) if isinstance(sums, dict) else None
+    try:
+      got = files.sha256_file(file)
+    except OSError as e:
+      raise PlanError(f"cannot read plan file {file!r}: {e}") from e
+    if got != want:
+      raise PlanError(f"{file!r}: checksum mismatch: sha256 {got} but {CHECKSUMS} says {want!r}")
+
+
+def check_plan(plan: Plan, lengths: np.ndarray, path: str) -> None:
+  """The structural invariants of `plan` for documents of `lengths` tokens (raises PlanError).
+
+  `row_splits` never decreases; every piece has `0 <= doc < len(lengths)`, `0 <= start`,
+  `1 <= length <= seq_len` and ends inside its document's virtual slots
+  (`start + length <= lengths[doc] + extra_tokens`); no row holds more than `seq_len` slots.
+  Arrays are read in blocks, so a memory-mapped plan is never copied whole.
+  """
+  steps = np.diff(np.asarray(plan.row_splits, dtype=np.int64))
+  if steps.size and int(steps.min()) < 0:
+    r = int(np.argmax(steps < 0))
+    raise PlanError(f"{path!r}: row_splits decrease at row {r}: {int(plan.row_splits[r])} > "
+                    f"{int(plan.row_splits[r + 1])}")
+  for a in range(0, plan.num_pieces, _BLOCK):
+    doc = np.asarray(plan.doc[a:a + _BLOCK], dtype=np.int64)
+    start = np.asarray(plan.start[a:a + _BLOCK], dtype=np.int64)
+    length = np.asarray(plan.length[a:a + _BLOCK], dtype=np.int64)
+    bad = (doc < 0) | (doc >= len(lengths)) | (start < 0) | (length < 1) | (length > plan.seq_len)
+    if not bad.any():
+      virtual = np.asarray(lengths, dtype=np.int64)[doc] + plan.extra_tokens
+      bad = start + length > virtual
+    if bad.any():
+      i = int(np.argmax(bad))
+      raise PlanError(
+          f"{path!r}: piece {a + i} (doc={int(doc[i])}, start={int(start[i])}, "
+          f"length={int(length[i])}) does not fit {len(lengths)} documents of seq_len "
+          f"{plan.seq_len} (extra_tokens {plan.extra_tokens})")
+  occupied = plan.row_lengths()
+  if occupied.size and int(occupied.max()) > plan.seq_len:
+    r = int(np.argmax(occupied > plan.seq_len))
+    raise PlanError(f"{path!r}: row {r} holds {int(occupied[r])} slots, more than seq_len "
+                    f"{plan.seq_len}")
 
 
 def _replace_dir(tmp: str, path: str) -> None:

@@ -106,6 +106,9 @@ def load_manifest(root: Path) -> dict[str, Any]:
           and isinstance(shard.get("sha256"), dict)
           and all(isinstance(shard["sha256"].get(k), str) for k in ("tokens", "offsets")))
     require(ok, path, f"shards[{i}] is malformed: {shard!r:.200}")
+    top = shard.get("max_token")
+    require(top is None or (isinstance(top, int) and not isinstance(top, bool) and top >= 0),
+             path, f"shards[{i}].max_token must be an int >= 0 when present, got {top!r}")
   has_mask = manifest.get("loss_mask", False)
   require(isinstance(has_mask, bool), path, f"loss_mask must be true or false, got {has_mask!r}")
   for i, shard in enumerate(shards if has_mask else ()):

@@ -13,9 +13,12 @@ from typing import Any
 import numpy as np
 
 from segpack import files
+from segpack.shards import verified
 from segpack.shards.format import (
     FORMAT_VERSION, HASH_BLOCK, OFFSET_DTYPE, ShardFormatError, check_offsets, load_manifest,
     require)
+
+VERIFY_MODES = ("once", "always", "never")
 
 
 class ShardSource:
@@ -23,8 +26,12 @@ class ShardSource:
 
   Algorithm:
     1. Open: read the manifest and run the cheap structural checks on every shard (file sizes
-       against the manifest, offsets start at 0, never decrease, end at the token count). The
-       document lengths are the differences of the offsets; the token files are not read.
+       against the manifest, offsets start at 0, never decrease, end at the token count, the
+       manifest's `max_token` below `vocab_size`). The document lengths are the differences of
+       the offsets. Then, unless `verify="never"`, every file is hashed against the manifest's
+       SHA-256 (and, for shards without `max_token`, the tokens scanned for ids >= vocab_size);
+       with `verify="once"` a success is remembered per machine (`segpack.shards.verified`) and
+       later opens skip the files that have not changed since.
     2. `source[i]`: find the shard by binary search over the cumulative document counts, read the
        two offsets around the document and return that slice of the shard's read-only memmap (a
        zero-copy view). Memmaps are opened on first access in each process, under a lock, so the
@@ -36,8 +43,21 @@ class ShardSource:
   is token 0 of shard 1.
   """
 
-  def __init__(self, path: str | os.PathLike[str]):
-    """Opens the dataset at `path` (a directory with a manifest.json); raises ShardFormatError."""
+  def __init__(self, path: str | os.PathLike[str], *, verify: str = "once"):
+    """Opens the dataset at `path` (a directory with a manifest.json).
+
+    Args:
+      path: the dataset directory.
+      verify: `"once"` (default): hash each shard file on the first open on this machine and
+        remember the success until the file changes; `"always"`: hash on every open;
+        `"never"`: only the cheap structural checks.
+
+    Raises:
+      ShardFormatError: naming the file and the offending value.
+    """
+    if verify not in VERIFY_MODES:
+      raise ValueError(f"ShardSource({str(path)!r}): verify must be one of {VERIFY_MODES}, got "
+                       f"{verify!r}")
     self.path = Path(path)
     self.manifest = load_manifest(self.path)
     self.vocab_size: int = self.manifest["vocab_size"]
@@ -63,6 +83,8 @@ class ShardSource:
     self._offsets: list[np.ndarray] | None = None
     self._masks: list[np.ndarray] | None = None
     self._lengths = self._structural_check()
+    if verify != "never":
+      self._check_files(verified.VerifiedCache() if verify == "once" else None)
 
   def _structural_check(self) -> np.ndarray:
     lengths = []
@@ -76,6 +98,9 @@ class ShardSource:
       require(size == want, tokens_path,
                f"token file is {size} bytes but the manifest says {shard['num_tokens']} "
                f"{self.dtype.name} tokens ({want} bytes)" + (" (truncated)" if size < want else ""))
+      top = shard.get("max_token")
+      require(top is None or top < self.vocab_size, tokens_path,
+               f"largest token id {top} (manifest max_token) is >= vocab_size {self.vocab_size}")
       if self.has_loss_mask:
         mask_path = self.path / shard["mask"]
         require(mask_path.is_file(), mask_path, "mask file listed in the manifest is missing")
@@ -196,26 +221,57 @@ class ShardSource:
       ShardFormatError: naming the file and the mismatch or the offending token (its position,
         document and value).
     """
-    tokens, offsets = self._open()
+    self._check_files(None, scan=True)
+
+  def _check_files(self, cache: verified.VerifiedCache | None, *, scan: bool = False) -> None:
+    """Hashes every file (skipping those `cache` knows unchanged) and checks the token ids.
+
+    Token ids are scanned when `scan` or the shard has no `max_token`; the largest id found is
+    remembered with the token file's entry, so a later edit of `vocab_size` is still caught.
+    """
     kinds = ("tokens", "offsets") + (("mask",) if self.has_loss_mask else ())
+    updates = {}
     for s, shard in enumerate(self.manifest["shards"]):
       for kind in kinds:
         p = self.path / shard[kind]
-        digest = files.sha256_file(p)
-        require(digest == shard["sha256"][kind], p,
-                 f"checksum mismatch: sha256 {digest} but the manifest says "
-                 f"{shard['sha256'][kind]}")
-      mm = tokens[s]
-      for lo in range(0, mm.size, HASH_BLOCK):
-        block = mm[lo:lo + HASH_BLOCK]
-        if int(block.max()) >= self.vocab_size:
-          pos = lo + int(np.argmax(block >= self.vocab_size))
-          local = int(np.searchsorted(offsets[s], pos, side="right")) - 1
-          raise ShardFormatError(
-              f"{self.path / shard['tokens']}: token id {int(mm[pos])} at position {pos} "
-              f"(document {int(self._doc_starts[s]) + local}) is >= vocab_size {self.vocab_size}")
-      if self.has_loss_mask:
-        self._verify_mask(s)
+        expected = shard["sha256"][kind]
+        entry = cache.lookup(p, expected) if cache is not None else None
+        need_max = kind == "tokens" and (scan or shard.get("max_token") is None)
+        if entry is None or (need_max and entry.get("max_token") is None and shard["num_tokens"]):
+          key = verified.file_key(p)
+          digest = files.sha256_file(p)
+          require(digest == expected, p,
+                   f"checksum mismatch: sha256 {digest} but the manifest says {expected}")
+          entry = {"sha256": expected, "key": key}
+          if need_max:
+            entry["max_token"] = self._scan_tokens(s)
+          if kind == "mask":
+            self._verify_mask(s)
+          if cache is not None and verified.file_key(p) == key:  # unchanged while hashed
+            updates[verified.entry_name(p)] = entry
+        top = entry.get("max_token")
+        require(kind != "tokens" or top is None or top < self.vocab_size, p,
+                 f"largest token id {top} (found when the file was verified) is >= vocab_size "
+                 f"{self.vocab_size}")
+    if cache is not None:
+      cache.record(updates)
+
+  def _scan_tokens(self, s: int) -> int | None:
+    """The largest token id of shard `s` (None when empty); raises at the first id too large."""
+    tokens, offsets = self._open()
+    mm, shard = tokens[s], self.manifest["shards"][s]
+    top = None
+    for lo in range(0, mm.size, HASH_BLOCK):
+      block = mm[lo:lo + HASH_BLOCK]
+      block_max = int(block.max())
+      if block_max >= self.vocab_size:
+        pos = lo + int(np.argmax(block >= self.vocab_size))
+        local = int(np.searchsorted(offsets[s], pos, side="right")) - 1
+        raise ShardFormatError(
+            f"{self.path / shard['tokens']}: token id {int(mm[pos])} at position {pos} "
+            f"(document {int(self._doc_starts[s]) + local}) is >= vocab_size {self.vocab_size}")
+      top = block_max if top is None else max(top, block_max)
+    return top
 
   def _verify_mask(self, s: int) -> None:
     """Every mask byte of shard `s` is 0 or 1."""

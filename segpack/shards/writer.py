@@ -91,6 +91,7 @@ class ShardWriter:
     self._open_shard: tuple[Any, Path] | None = None
     self._offsets: list[int] = [0]
     self._hash = hashlib.sha256()
+    self._max_token = 0
     self._shard_input_start = 0
     self._shard_skipped = 0
     self._prepare_directory()
@@ -185,6 +186,7 @@ class ShardWriter:
       tokens_name = shard_names(len(self._records))[0]
       tmp = self.path / f"{tokens_name}.writing.tmp"
       self._open_shard = (open(tmp, "wb"), tmp)
+    self._max_token = max(self._max_token, hi)
     data = doc.astype(self.dtype, copy=False).tobytes()
     self._open_shard[0].write(data)
     self._hash.update(data)
@@ -246,6 +248,7 @@ class ShardWriter:
         "offsets": offsets_name,
         "num_documents": len(self._offsets) - 1,
         "num_tokens": self._offsets[-1],
+        "max_token": self._max_token,
         "sha256": {"tokens": self._hash.hexdigest(),
                    "offsets": hashlib.sha256(offsets).hexdigest()},
         "mask": mask_file,
@@ -261,6 +264,7 @@ class ShardWriter:
     self._records.append(record)
     self._offsets = [0]
     self._hash = hashlib.sha256()
+    self._max_token = 0
     self._mask_hash = hashlib.sha256()
     self._shard_input_start = self.inputs
     self._shard_skipped = 0
@@ -285,6 +289,9 @@ class ShardWriter:
     keys = ("tokens", "offsets", "num_documents", "num_tokens", "sha256") + (
         ("mask",) if self.loss_mask else ())
     shards = [{k: r[k] for k in keys} for r in self._records]
+    for shard, record in zip(shards, self._records):
+      if record.get("max_token") is not None:  # done-records of older writers lack it
+        shard["max_token"] = record["max_token"]
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
