@@ -180,12 +180,21 @@ def gpu(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 VARIANTS = {"smoke": smoke, "gpu": gpu}
 
 
+class UnknownVariantError(ValueError):
+  """`--config=FILE:VARIANT` names no variant of `VARIANTS`."""
+
+
 def finish(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.ConfigDict:
-  """Applies the `:arg` variant and locks the config (typos in overrides then fail)."""
+  """Applies the `:arg` variant and locks the config (typos in overrides then fail).
+
+  Raises:
+    UnknownVariantError: `arg` is neither empty nor a key of `VARIANTS`.
+  """
   if arg in VARIANTS:
     c = VARIANTS[arg](c)
   elif arg:
-    raise ValueError(f"config argument must be empty or one of {sorted(VARIANTS)}, got {arg!r}")
+    raise UnknownVariantError(f"unknown config variant {arg!r}: the variants are "
+                              f"{sorted(VARIANTS)} (--config=FILE:VARIANT), or none")
   c.lock()
   return c
 

@@ -1,4 +1,5 @@
-"""`check_config(config)`: every string-choice key of a trainer config checked in one place.
+"""`check_config(config)`: every string-choice and numeric key of a trainer config checked in one
+place.
 
 Each key's choices are one tuple: the library's own where it has one (`segpack.packing.STRATEGIES`,
 `segpack.data.packed.REPACK_MODES`, `segpack.loss.WEIGHTINGS`, ...), else one defined here (the
@@ -6,10 +7,17 @@ trainer-only keys `data.source`, `packing.mode`, `packing.balance`). `train.trai
 `check_config` before anything else, so a misspelt value stops the run at once with an error
 that names the key, echoes the value and lists the choices, instead of deep inside the data or
 model code (or after the corpus was built).
+
+Each numeric key's rule is one `Rule` of `NUMERIC` (a bound, or None allowed where None means a
+default): a value outside it stops the run with an error naming the key, the value and the rule,
+instead of a `ZeroDivisionError`, an empty loop or a run that keeps no checkpoint.
+`check_vocab_size` resolves `model.vocab_size` against the data's vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from segpack import attention as attention_lib
@@ -45,8 +53,76 @@ CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A numeric key's allowed values: `low <= value` (`low < value` with `open_low`), `value <= high`
+  (`value < high` with `open_high`), always finite; None too with `optional`."""
+
+  low: float
+  high: float = math.inf
+  open_low: bool = False
+  open_high: bool = False
+  optional: bool = False
+
+  def allows(self, value: Any) -> bool:
+    """Whether `value` keeps the rule (a bool or a non-number never does)."""
+    if value is None:
+      return self.optional
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      return False
+    above = value > self.low if self.open_low else value >= self.low
+    below = value < self.high if self.open_high else value <= self.high
+    return above and below
+
+  def describe(self) -> str:
+    """The rule in words, for errors: "in [0, 1)", "a finite number >= 1 or None"."""
+    if self.high == math.inf:
+      text = f"a finite number {'>' if self.open_low else '>='} {self.low:g}"
+    else:
+      text = (f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
+              f"{')' if self.open_high else ']'}")
+    return text + (" or None" if self.optional else "")
+
+
+_POSITIVE = Rule(1)  # >= 1: a count that must not be zero
+_COUNT = Rule(0)  # >= 0: a count where 0 means "never" / "all" (see configs/packed.py)
+_OPTIONAL_POSITIVE = Rule(1, optional=True)  # None: the default; else >= 1
+
+# Every numeric key of the config (`group.name`) whose bad values would crash later or silently
+# change the run, and its rule. Model sizes are `model.DecoderConfig`'s (`ModelConfigError`), mesh
+# sizes `sharding.make_mesh`'s (`MeshConfigError`), and `model.vocab_size` `check_vocab_size`'s.
+NUMERIC: dict[str, Rule] = {
+    "data.eval_share": Rule(0, 1, open_high=True),
+    "data.tokens_per_epoch": _OPTIONAL_POSITIVE,
+    "data.synthetic_docs": _POSITIVE,
+    "data.synthetic_mean_len": _POSITIVE,
+    "data.synthetic_vocab": Rule(4),  # ids 0-2 are pad/BOS/EOS; documents draw from [3, vocab)
+    "packing.seq_len": Rule(2),  # inputs and labels are the row shifted by one
+    "packing.max_segments_per_row": _OPTIONAL_POSITIVE,
+    "packing.examples_per_batch": _OPTIONAL_POSITIVE,
+    "packing.tokens_per_batch": _OPTIONAL_POSITIVE,
+    "train.num_steps": _POSITIVE,
+    "train.batch_size": _POSITIVE,
+    "train.grad_accum_steps": _POSITIVE,
+    "train.learning_rate": _COUNT,
+    "train.warmup_steps": _COUNT,
+    "train.min_lr_ratio": Rule(0, 1),
+    "train.weight_decay": _COUNT,
+    "train.b1": Rule(0, 1, open_high=True),
+    "train.b2": Rule(0, 1, open_high=True),
+    "train.eps": Rule(0, open_low=True),  # 0 divides 0 by 0 for a parameter with no gradient yet
+    "train.grad_clip": _COUNT,  # 0: no clipping
+    "train.log_every": _POSITIVE,
+    "train.eval_every": _COUNT,  # 0: never evaluate
+    "train.eval_batches": _COUNT,  # 0: the whole held-out split
+    "train.checkpoint_every": _COUNT,  # 0: only at the end
+    "train.max_checkpoints": _POSITIVE,  # 0 would keep none, so a rerun starts from scratch
+    "train.peak_flops": Rule(0, open_low=True, optional=True),
+}
+
+
 class ConfigError(ValueError):
-  """A trainer config key holds a value outside its choices."""
+  """A trainer config key holds a value outside its choices or its numeric rule."""
 
 
 def check_choice(key: str, value: Any, choices: tuple[Any, ...], *,
@@ -56,12 +132,43 @@ def check_choice(key: str, value: Any, choices: tuple[Any, ...], *,
     raise error(f"{key} must be one of {list(choices)}, got {value!r}")
 
 
+def check_rule(key: str, value: Any, rule: Rule) -> None:
+  """Raises `ConfigError` naming `key`, echoing `value` and describing `rule` unless it allows
+  `value`."""
+  if not rule.allows(value):
+    raise ConfigError(f"{key} must be {rule.describe()}, got {value!r}")
+
+
 def check_config(config: Any) -> None:
-  """Checks every key of `CHOICES` in a trainer config (`configs/packed.py:get_config()`).
+  """Checks every key of `CHOICES` and `NUMERIC` in a trainer config
+  (`configs/packed.py:get_config()`).
 
   Raises:
-    ConfigError: the first key whose value is not one of its choices.
+    ConfigError: the first key whose value is not one of its choices or breaks its rule.
   """
   for key, choices in CHOICES.items():
     group, name = key.split(".")
     check_choice(key, config[group][name], choices)
+  for key, rule in NUMERIC.items():
+    group, name = key.split(".")
+    check_rule(key, config[group][name], rule)
+
+
+def check_vocab_size(config: Any, data_vocab_size: int) -> int:
+  """The model's vocabulary size: `model.vocab_size`, or the data's when it is None.
+
+  Args:
+    config: a trainer config.
+    data_vocab_size: the data's vocabulary size (`train.data.Data.vocab_size`, its largest id + 1).
+
+  Raises:
+    ConfigError: `model.vocab_size` is smaller than the data's vocabulary (or not an int).
+  """
+  value = config.model.vocab_size
+  if value is None:
+    return int(data_vocab_size)
+  if isinstance(value, bool) or not isinstance(value, int) or value < data_vocab_size:
+    raise ConfigError(
+        f"model.vocab_size must be None (the data's) or at least the data's vocabulary size "
+        f"{data_vocab_size}, got {value!r}")
+  return value

@@ -3,6 +3,10 @@ r"""Trains a decoder LM on packed rows: `python -m train.main --config=configs/p
 Flags: `--config` (a config file, `:smoke` for a run of seconds, `--config.a.b=v` overrides) and
 `--workdir` (default `./runs/<config file name>[_<arg>]`). Multi-host: pass `--distributed` on
 every host (`jax.distributed.initialize()` then finds the cluster from the environment).
+
+Every mistake of the command line or the config (a missing config file, an unknown `:variant`, a
+bad override, `train.USER_ERRORS` from the run) is printed as one line, `train.main: <message>`,
+with exit code 2.
 """
 
 import os
@@ -27,6 +31,58 @@ def default_workdir(config_path: str) -> str:
   return os.path.join("runs", f"{name}_{arg}" if arg else name)
 
 
+def _fail(message: str) -> None:
+  print(f"train.main: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_argument(argv: list[str]) -> str | None:
+  """The value of `--config` in `argv` (`--config=X` or `--config X`), None if absent."""
+  for i, arg in enumerate(argv[1:], start=1):
+    for prefix in ("--config=", "-config="):
+      if arg.startswith(prefix):
+        return arg[len(prefix):]
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The first exception of `error`'s chain (`__cause__`, else `__context__`)."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return error
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, every error one line with exit code 2: a missing config file, a
+  `get_config` that refuses its argument (`configs/packed.py`'s `UnknownVariantError`: the
+  message of its first exception), an unknown flag or config key, a bad override value.
+
+  Args:
+    argv: the command line, program name first.
+
+  Returns:
+    The arguments absl leaves unparsed (program name first), for `main`.
+  """
+  config_arg = _config_argument(argv)
+  if config_arg is not None:
+    path = config_arg.partition(":")[0]
+    if not os.path.isfile(path):
+      _fail(f"--config={config_arg}: no config file {path!r} (from {os.getcwd()!r})")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    if config_arg is not None and str(e).startswith("flag --config="):  # get_config raised
+      _fail(f"--config={config_arg}: {_root_cause(e)}")
+    _fail(str(e).strip().splitlines()[0])
+  except AttributeError as e:  # a --config.a.b override naming no key of the locked config
+    detail = e.args[0] if e.args else e
+    detail = detail.args[0] if isinstance(detail, KeyError) and detail.args else detail
+    _fail(f"a --config.* override names no config key: {' '.join(str(detail).split())}")
+  return argv
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -38,10 +94,9 @@ def main(argv):
   try:
     train.train_and_evaluate(_CONFIG.value, workdir)
   except train.USER_ERRORS as e:
-    print(f"train.main: {e}", file=sys.stderr)
-    sys.exit(2)
+    _fail(str(e))
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

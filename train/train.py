@@ -90,7 +90,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   with `weighting="sequence"` documents with trained tokens: `loss.weighting`), so the summed
   gradients are exactly those of the full batch's loss. With `num_sources` (a mixture whose rows
   carry `segment_sources`) the metrics also hold every source's summed token loss and trained
-  tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each).
+  tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each). `finite`: the loss, gradient
+  norm and every element of the new state are finite (the loop checks it, `check_finite`).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
@@ -125,8 +126,11 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.all(jnp.stack([jnp.isfinite(loss), jnp.isfinite(grad_norm)] + [
+        jnp.isfinite(x).all() for x in jax.tree.leaves(new_state)]))
     real = jnp.sum(batch["segment_ids"] != 0, dtype=jnp.float32)
-    metrics = dict(loss=loss, grad_norm=optax.tree.norm(grads), lr=schedule(state["step"]),
+    metrics = dict(loss=loss, grad_norm=grad_norm, finite=finite, lr=schedule(state["step"]),
                    trained_tokens=loss_lib.count_trained_tokens(batch["labels"]),
                    loss_count=total, real_tokens=real,
                    slots=jnp.float32(batch["segment_ids"].size),
@@ -175,6 +179,7 @@ class Run:
   start_step: int
   num_params: int
   resume_changes: list[str] = dataclasses.field(default_factory=list)
+  vocab_size: int = 0  # the model's: `model.vocab_size`, or the data's when that is None
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -187,6 +192,27 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
 
+class NonFiniteError(ArithmeticError):
+  """A step's loss, gradient norm or update is not finite; the run stops without saving it."""
+
+
+def check_finite(first_step: int, window: list[dict[str, Any]], *,
+                 checkpointer: ckpt_lib.Checkpointer, learning_rate: float) -> None:
+  """Raises `NonFiniteError` at the first step of `window` (fetched metrics of the steps
+  `first_step, first_step + 1, ...`, or eval records) with a non-finite value or `finite` flag."""
+  for step, m in enumerate(window, start=first_step):
+    bad = [f"the {k.replace('_', ' ')} is {float(m[k])}" for k in ("loss", "grad_norm", "eval_loss")
+           if k in m and not np.isfinite(float(m[k]))]
+    if not bad and bool(m.get("finite", True)):
+      continue
+    what = bad[0] if bad else "the new parameters or optimizer state are not finite"
+    kept = checkpointer.latest_step()
+    kept = "there is no checkpoint" if kept is None else f"the checkpoint of step {kept} is kept"
+    raise NonFiniteError(
+        f"step {step}: {what}; stopped without saving it, {kept} (try a train.learning_rate "
+        f"lower than {learning_rate:g}, a longer train.warmup_steps or train.grad_clip > 0)")
+
+
 class AttentionConfigError(ValueError):
   """The `attention` config group asks for a backend this platform cannot run, or gives a backend
   a setting it does not use."""
@@ -197,7 +223,7 @@ class AttentionConfigError(ValueError):
 USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
                sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
                ckpt_lib.IncompatibleCheckpointError, ckpt_lib.DataStateError,
-               PipelineConfigError)
+               PipelineConfigError, NonFiniteError)
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> None:
@@ -245,8 +271,9 @@ def setup(config: Any, workdir: str) -> Run:
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
                             num_ranks=sharding_lib.batch_partitions(mesh))
+  vocab_size = config_checks.check_vocab_size(config, data.vocab_size)
   tx, schedule = make_optimizer(t)
-  graphdef, abstract = _abstract_state(config, data.vocab_size, tx, mesh,
+  graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
                                        max_segments_in_row=data.max_segments_in_row)
   replicated = NamedSharding(mesh, P())
   params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
@@ -264,7 +291,7 @@ def setup(config: Any, workdir: str) -> Run:
   restored = checkpointer.restore_or_none(abstract_sh, config_dict)
   if restored is None:
     def init():
-      params = nnx.split(model_lib.build(config, t.seed, vocab_size=data.vocab_size, mesh=mesh,
+      params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab_size, mesh=mesh,
                                          max_segments_in_row=data.max_segments_in_row))[1]
       return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
     state, start_step, changes = jax.jit(init, out_shardings=state_sh)(), 0, []
@@ -285,7 +312,7 @@ def setup(config: Any, workdir: str) -> Run:
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
-             num_params=num_params, resume_changes=changes)
+             num_params=num_params, resume_changes=changes, vocab_size=vocab_size)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -380,7 +407,7 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
   meter = metrics_lib.Throughput(
       start_step=run.start_step, num_steps=t.num_steps,
       flop_model=flops_lib.FlopModel.from_model_config(config.model,
-                                                       vocab_size=run.data.vocab_size),
+                                                       vocab_size=run.vocab_size),
       peak_flops=flops_lib.peak_flops(t.peak_flops, devices=jax.devices(),
                                       compute_dtype=_compute_dtype(config)))
   window = []
@@ -391,15 +418,21 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
     run.state, step_metrics = run.train_step(run.state, sharding_lib.global_batch(local, run.mesh))
     window.append(step_metrics)
     last_step = step == t.num_steps
+    evaluating = t.eval_every > 0 and (step % t.eval_every == 0 or last_step)
+    saving = last_step or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+    if step % t.log_every == 0 or evaluating or saving:  # never evaluate or save a bad state
+      window = jax.device_get(window)  # the only device->host sync of the steps in between
+      check_finite(step + 1 - len(window), window, checkpointer=run.checkpointer,
+                   learning_rate=t.learning_rate)
     if step % t.log_every == 0 or last_step:
-      window = jax.device_get(window)
       real_total += sum(float(m["real_tokens"]) for m in window)
       record, window = _train_record(step, window, meter, run.data.source_names), []
       first_loss = record["loss"] if first_loss is None else first_loss
       last_loss = record["loss"]
       writer.write(record)
-    if t.eval_every > 0 and (step % t.eval_every == 0 or last_step):
+    if evaluating:
       eval_rec = dict(kind="eval", step=step, **evaluate(run))
+      check_finite(step, [eval_rec], checkpointer=run.checkpointer, learning_rate=t.learning_rate)
       writer.write(eval_rec)
     run.checkpointer.maybe_save(step, run.state, run.iterator.get_state(), run.config_dict,
                                 force=last_step)
