@@ -177,13 +177,7 @@ class Plan:
     """
     path = os.fspath(path)
     meta_path = os.path.join(path, _META)
-    try:
-      with open(meta_path) as f:
-        meta = json.load(f)
-    except FileNotFoundError as e:
-      raise PlanError(f"no plan at {path!r}: {meta_path!r} is missing") from e
-    except json.JSONDecodeError as e:
-      raise PlanError(f"{meta_path!r} is not valid JSON: {e}") from e
+    meta = _read_json(meta_path, missing=f"no plan at {path!r}: {meta_path!r} is missing")
     if meta.get("format_version") != FORMAT_VERSION:
       raise PlanError(f"{meta_path!r} has format_version={meta.get('format_version')!r}, "
                       f"expected {FORMAT_VERSION}")
@@ -205,16 +199,24 @@ class Plan:
     return plan
 
 
+def _read_json(file: str, *, missing: str) -> Any:
+  """The JSON in `file`; a PlanError with `missing` when it does not exist, naming it otherwise."""
+  try:
+    with open(file) as f:
+      return json.load(f)
+  except FileNotFoundError as e:
+    raise PlanError(missing) from e
+  except json.JSONDecodeError as e:
+    raise PlanError(f"{file!r} is not valid JSON: {e}") from e
+  except (OSError, ValueError) as e:
+    raise PlanError(f"cannot read {file!r}: {e}") from e
+
+
 def check_checksums(path: str) -> None:
   """Every file of the plan at `path` matches `sha256.json`; raises PlanError naming the file."""
   sums_path = os.path.join(path, CHECKSUMS)
-  try:
-    with open(sums_path) as f:
-      sums = json.load(f)
-  except FileNotFoundError as e:
-    raise PlanError(f"{sums_path!r} is missing (a plan written without checksums)") from e
-  except (OSError, ValueError) as e:
-    raise PlanError(f"cannot read {sums_path!r}: {e}") from e
+  sums = _read_json(sums_path,
+                    missing=f"{sums_path!r} is missing (a plan written without checksums)")
   for name in [a + ".npy" for a in _ARRAYS] + [_META]:
     file = os.path.join(path, name)
     want = sums.get(name) if isinstance(sums, dict) else None
