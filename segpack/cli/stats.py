@@ -46,7 +46,7 @@ def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
   Returns:
     `(lengths, fingerprint, shard directory or None)`.
   """
-  if data.startswith("builtin"):
+  if data in ("builtin", "builtin:full", "builtin:small"):  # only these spell the corpus
     size = data.partition(":")[2] or "full"
     data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
   if data.endswith(".npy") and os.path.isfile(data):

@@ -37,6 +37,32 @@ __all__ = ["tokenize_files"]
 _LOG = logging.getLogger(__name__)
 
 
+def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
+                     workers: int, shard_tokens: int, runner: str) -> None:
+  """Refuses empty paths (they mean the current directory) and bad counts; warns about an input
+  given twice (its documents would be stored twice)."""
+  if not str(output).strip():
+    raise InputFormatError(
+        f"--output must name a directory, got {str(output)!r} (an empty path would write into "
+        f"the current directory)")
+  if any(not str(p).strip() for p in inputs):
+    raise InputFormatError(
+        f"--input must not be an empty path (it would read the current directory), got "
+        f"{[str(p) for p in inputs]}")
+  seen = set()
+  for p in inputs:
+    key = os.path.abspath(os.fspath(p))
+    if key in seen:
+      _LOG.warning("--input %s is given twice: its documents are tokenized twice", p)
+    seen.add(key)
+  if not isinstance(workers, int) or workers < 1:
+    raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
+  if not isinstance(shard_tokens, int) or shard_tokens < 1:
+    raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
+  if runner not in ("local", "beam"):
+    raise InputFormatError(f"--runner must be 'local' or 'beam', got {runner!r}")
+
+
 def tokenize_files(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
@@ -67,14 +93,9 @@ def tokenize_files(
   Returns:
     One summary per dataset written (two for `builtin`: train and eval).
   """
-  output = Path(output)
   workers = (os.cpu_count() or 1) if workers is None else workers
-  if not isinstance(workers, int) or workers < 1:
-    raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
-  if not isinstance(shard_tokens, int) or shard_tokens < 1:
-    raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
-  if runner not in ("local", "beam"):
-    raise InputFormatError(f"--runner must be 'local' or 'beam', got {runner!r}")
+  _check_arguments(inputs, output, workers=workers, shard_tokens=shard_tokens, runner=runner)
+  output = Path(output)
   given = _given_tokenizer(tokenizer, spm_model, vocab_size)
   builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
   if builtin:

@@ -1,0 +1,45 @@
+"""Paths the CLI must not misread: empty paths, an input given twice, names that start with
+"builtin" but are the user's directories."""
+
+import logging
+
+import numpy as np
+
+from segpack import shards
+from segpack.cli import main as cli_main
+from segpack.text import corpus
+
+
+def test_empty_paths_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # an empty path would mean this directory
+  (tmp_path / "a.txt").write_text("some text\n")
+  for argv, name in ((["--input", "a.txt", "--output", ""], "--output"),
+                     (["--input", "", "--output", "out"], "--input")):
+    assert cli_main.main(["tokenize", *argv, "--vocab-size", "50"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and name in err[0] and "empty path" in err[0], err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # nothing written
+
+
+def test_an_input_given_twice_warns_and_is_stored_twice(tmp_path, caplog):
+  text = tmp_path / "a.txt"
+  text.write_text("\n".join(f"line {i} of a small file of words" for i in range(200)))
+  with caplog.at_level(logging.WARNING):
+    rc = cli_main.main(["tokenize", "--input", str(text), str(text), "--output",
+                        str(tmp_path / "out"), "--vocab-size", "300", "--no-progress"])
+  assert rc == 0
+  assert any("given twice" in r.getMessage() for r in caplog.records)
+  assert len(shards.ShardSource(str(tmp_path / "out"))) == 2  # one document per file, twice
+
+
+def test_a_directory_named_builtin_something_is_the_users(tmp_path, monkeypatch, capsys):
+  def no_corpus(**kwargs):
+    raise AssertionError("built the built-in corpus for a user directory")
+
+  monkeypatch.setattr(corpus, "ensure_builtin", no_corpus)
+  monkeypatch.chdir(tmp_path)
+  with shards.ShardWriter("builtin-mydata", vocab_size=100, tokenizer_fingerprint="t") as w:
+    for n in (5, 9, 3):
+      w.write(np.arange(3, 3 + n))
+  assert cli_main.main(["stats", "--data", "builtin-mydata", "--seq-len", "16"]) == 0
+  assert "3" in capsys.readouterr().out
