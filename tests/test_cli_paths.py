@@ -43,3 +43,16 @@ def test_a_directory_named_builtin_something_is_the_users(tmp_path, monkeypatch,
       w.write(np.arange(3, 3 + n))
   assert cli_main.main(["stats", "--data", "builtin-mydata", "--seq-len", "16"]) == 0
   assert "3" in capsys.readouterr().out
+
+
+def test_a_vocabulary_larger_than_the_text_says_what_was_trained(tmp_path, caplog):
+  text = tmp_path / "a.txt"
+  text.write_text("\n".join(f"line {i} of a small file of words" for i in range(50)))
+  with caplog.at_level(logging.WARNING):
+    rc = cli_main.main(["tokenize", "--input", str(text), "--output", str(tmp_path / "out"),
+                        "--vocab-size", "6000", "--no-progress"])
+  assert rc == 0
+  vocab = shards.ShardSource(str(tmp_path / "out")).vocab_size
+  assert vocab < 6000
+  assert any(f"trained a {vocab}-piece" in r.getMessage() and "6000" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]

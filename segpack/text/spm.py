@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ import sentencepiece
 from segpack import files
 from segpack import shards
 from segpack.text import spm_proto
+
+_LOG = logging.getLogger(__name__)
 
 
 __all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
@@ -189,7 +192,12 @@ def train_spm(
     raise ValueError(f"train_spm: SentencePiece could not train {model_file}: {failure}"
                      ) from failure
   files.atomic_write_bytes(model_file, model.getvalue())
-  return SpmTokenizer(model_file)
+  tokenizer = SpmTokenizer(model_file)
+  if tokenizer.vocab_size < vocab_size:  # hard_vocab_limit=False: the text had fewer pieces
+    _LOG.warning("trained a %d-piece SentencePiece model, fewer than the %d asked for: the text "
+                 "holds no more pieces; the dataset's vocab_size is %d", tokenizer.vocab_size,
+                 vocab_size, tokenizer.vocab_size)
+  return tokenizer
 
 
 def _reraisable(sentences: Iterator[str], raised: list[BaseException]) -> Iterator[str]:
