@@ -56,3 +56,22 @@ def test_a_vocabulary_larger_than_the_text_says_what_was_trained(tmp_path, caplo
   assert vocab < 6000
   assert any(f"trained a {vocab}-piece" in r.getMessage() and "6000" in r.getMessage()
              for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_stats_ends_bad_files_and_sizes_with_one_line(tmp_path, capsys):
+  (tmp_path / "empty.npy").write_bytes(b"")
+  (tmp_path / "ds").mkdir()
+  (tmp_path / "ds" / "manifest.json").mkdir()  # unreadable as a file
+  np.save(tmp_path / "ok.npy", np.array([5, 9, 3]))
+  cases = [
+      (["--data", str(tmp_path / "empty.npy")], "empty.npy"),
+      (["--data", str(tmp_path / "ds")], "manifest.json"),
+      (["--data", str(tmp_path / "ok.npy"), "--seq-len", str(2**31)], "--seq-len must be in"),
+      (["--data", str(tmp_path / "ok.npy"), "--seq-len", str(2**64)], "--seq-len must be in"),
+      (["--data", str(tmp_path / "ok.npy"), "--compare", "--seq-lens", "512,1k"],
+       "--seq-lens: '1k'"),
+  ]
+  for argv, want in cases:
+    assert cli_main.main(["stats", *argv]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0], (argv, err)

@@ -50,7 +50,14 @@ def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
     size = data.partition(":")[2] or "full"
     data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
   if data.endswith(".npy") and os.path.isfile(data):
-    lengths = np.load(data)
+    try:
+      lengths = np.load(data, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+      raise DataArgumentError(f"--data {data!r} is not a readable .npy file of lengths: {e}") from e
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer) or (lengths < 0).any():
+      raise DataArgumentError(
+          f"--data {data!r} must hold non-negative integer lengths [N], got dtype {lengths.dtype} "
+          f"and shape {lengths.shape}")
     return lengths, packing.cache.lengths_fingerprint(lengths), None
   if not os.path.isdir(data):
     raise DataArgumentError(
@@ -230,11 +237,28 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
+# Planning memory grows with seq_len (row bookkeeping per slot count): the largest row accepted.
+MAX_SEQ_LEN = 1 << 22
+
+
+def _seq_len(flag: str, text: str) -> int:
+  """A `--seq-len(s)` value: an int in [2, MAX_SEQ_LEN], else a DataArgumentError naming it."""
+  try:
+    value = int(text)
+  except ValueError as e:
+    raise DataArgumentError(f"{flag}: {text!r} is not an integer number of slots") from e
+  if not 2 <= value <= MAX_SEQ_LEN:
+    raise DataArgumentError(f"{flag} must be in [2, {MAX_SEQ_LEN}] (planning memory grows with "
+                            f"it), got {value}")
+  return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   kwargs = dict(long_docs=args.long_docs, min_len=args.min_len, overlap=args.overlap,
                 extra_tokens=int(args.add_bos) + int(args.add_eos))
   try:
+    _seq_len("--seq-len", str(args.seq_len))
     packing.planner.check_strategy(args.strategy)
     if args.tokens_per_epoch is not None and args.tokens_per_epoch <= 0:
       raise DataArgumentError(
@@ -248,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"('name=path:weight,...'), got one dataset --data {args.data!r}")
     lengths, key, directory = load_lengths(args.data)
     if args.compare:
-      seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
+      seq_lens = [_seq_len("--seq-lens", s) for s in args.seq_lens.split(",") if s]
       rows = compare(lengths, strategies=list(packing.STRATEGIES), seq_lens=seq_lens,
                      batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
       print(json.dumps(rows, indent=1) if args.json else format_compare(rows))
@@ -262,8 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       p = packing.plan(lengths, args.seq_len, strategy=args.strategy,
                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
     row = summarize(p, seconds=time.perf_counter() - t0)
-  except ValueError as e:
-    print(f"segpack stats: error: {e}", file=sys.stderr)
+  except (ValueError, OSError, EOFError) as e:  # bad arguments, unreadable or damaged files
+    print(f"segpack stats: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
     return 2
   print(json.dumps(row, indent=1) if args.json else format_summary(row))
   return 0
