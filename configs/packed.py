@@ -3,6 +3,7 @@
   python -m train.main --config=configs/packed.py            # a few hundred steps, ~10 min CPU
   python -m train.main --config=configs/packed.py:smoke      # seconds (small corpus, tiny model)
   python -m train.main --config=configs/packed.py:gpu        # 113M parameters, one 80 GB H100
+  python -m train.main --config=configs/packed.py:long       # 131,072-slot rows over 8 GPUs
   python -m train.main --config=configs/packed.py --config.train.num_steps=50
 """
 
@@ -57,6 +58,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.packing.mode = "global"
   c.packing.examples_per_batch = config_dict.placeholder(int)  # minibatch mode: examples per step
   c.packing.tokens_per_batch = config_dict.placeholder(int)  # minibatch mode: or tokens per step
+  # With mesh.context > 1, the slot order that evens out the attention work of a row's devices
+  # (segpack/data/context.py): "zigzag" (device i gets chunks i and 2*context-1-i of 2*context,
+  # exact for one document filling the row), "documents" (chunks paired by their causal cost,
+  # best for rows of many documents) or "none" (consecutive slots: the last device does the most
+  # work). Only the order of slots changes, never the data or the loss; ignored at context 1.
+  c.packing.context_balance = "documents"
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
@@ -84,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.data = -1  # data-parallel axis size; -1: all remaining devices
   c.mesh.fsdp = 1  # parameter/optimizer sharding axis size (rows are split over it too)
   c.mesh.tensor = 1  # tensor-parallel axis size (heads / feed-forward hidden)
+  # context-parallel axis size: every row's slots are split over this many devices (long rows;
+  # packing.seq_len must divide by 2 * context, by context with packing.context_balance="none")
+  c.mesh.context = 1
 
   c.loss = ml_collections.ConfigDict()
   # "token": every trained token weighs alike (sum of token losses / trained tokens); "sequence":
@@ -177,7 +187,31 @@ def gpu(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
-VARIANTS = {"smoke": smoke, "gpu": gpu}
+def long(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The `:gpu` model on 131,072-slot rows, every row split over 8 GPUs (context parallelism).
+
+  `mesh.context=8`: each GPU holds 16,384 slots of a row (in the `documents` balance order,
+  docs/training.md, "Context parallelism") and all-gathers the row's keys and values in every
+  layer's Pallas attention. Parameters and optimizer state are replicated on the 8 GPUs (2.3 GB
+  each); memory per GPU: docs/training.md, "The `:long` config's memory". A step is 2 rows
+  (262,144 slots) in 2 micro-batches of one row; the built-in corpus (~3.84M tokens) is ~29
+  rows, so ~15 steps per epoch and 60 steps ~4 epochs, as `:gpu`.
+  """
+  c = gpu(c)
+  c.packing.seq_len = 131_072
+  c.packing.context_balance = "documents"
+  c.mesh.data = 1
+  c.mesh.context = 8
+  c.train.batch_size = 2
+  c.train.grad_accum_steps = 2
+  c.train.num_steps = 60
+  c.train.warmup_steps = 6
+  c.train.eval_every = 15  # about once per epoch
+  c.train.checkpoint_every = 15
+  return c
+
+
+VARIANTS = {"smoke": smoke, "gpu": gpu, "long": long}
 
 
 class UnknownVariantError(ValueError):
@@ -201,5 +235,6 @@ def finish(c: ml_collections.ConfigDict, arg: str | None) -> ml_collections.Conf
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Packed FFD rows and segment attention; `arg="smoke"` shrinks the run to seconds, `arg="gpu"`
-  grows it to a 113M-parameter model on one H100."""
+  grows it to a 113M-parameter model on one H100, `arg="long"` puts that model on 131,072-slot
+  rows split over 8 GPUs."""
   return finish(base_config(), arg)

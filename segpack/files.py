@@ -13,11 +13,14 @@ import hashlib
 import json
 import os
 import secrets
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "file_lock", "fsync_dir", "sha256_file"]
+__all__ = ["LockHeldError", "atomic_write_bytes", "atomic_write_json", "file_lock", "fsync_dir",
+           "sha256_file"]
 
 _HASH_BLOCK = 1 << 24
 
@@ -66,13 +69,54 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
   return digest.hexdigest()
 
 
+class LockHeldError(OSError):
+  """`file_lock(path, wait=False)`: another process holds the lock; `owner` is what it wrote
+  into the lock file (pid, host, start time), or a note that it wrote nothing readable."""
+
+  def __init__(self, path: Path, owner: str):
+    super().__init__(f"{path}: locked by another process ({owner})")
+    self.path = path
+    self.owner = owner
+
+
+def _lock_owner(f: Any) -> str:
+  """The owner line of an open lock file (written by `file_lock(..., wait=False)`)."""
+  f.seek(0)
+  try:
+    info = json.loads(f.read(4096).decode("utf-8"))
+    return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+  except (ValueError, KeyError, TypeError):
+    return "its pid is not recorded in the lock file"
+
+
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-  """An exclusive advisory lock (several processes may build the same cache entry)."""
+def file_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
+  """An exclusive advisory lock (`fcntl.flock`), held until the block ends.
+
+  The operating system drops the lock when its holder exits, also when it is killed, so a crash
+  never leaves a stale lock; the file itself stays (removing it would let a waiting process lock
+  a file that a newcomer no longer sees).
+
+  Args:
+    path: the lock file, created with its parent directory when missing.
+    wait: True (several processes may build the same cache entry): block until the lock is
+      free. False: raise `LockHeldError` at once when another process holds it; once acquired,
+      the file records this process's pid, host and start time for that error message.
+  """
   path.parent.mkdir(parents=True, exist_ok=True)
   with open(path, "a+b") as f:
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
     try:
+      fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+      raise LockHeldError(path, _lock_owner(f)) from None
+    try:
+      if not wait:
+        f.seek(0)
+        f.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "started": started}).encode("utf-8"))
+        f.flush()
       yield
     finally:
       fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -23,7 +23,7 @@ def mesh():
 
 
 def test_the_trainer_mesh_uses_the_shared_axis_names(mesh):
-  assert mesh.axis_names == MESH_AXES == ("data", "fsdp", "tensor")
+  assert mesh.axis_names == MESH_AXES == ("data", "fsdp", "context", "tensor")
   assert BATCH_AXES == ("data", "fsdp") and TENSOR_AXIS == "tensor"
 
 

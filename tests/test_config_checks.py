@@ -244,10 +244,10 @@ def _cli(*args, workdir):
 @pytest.mark.parametrize("args, line", [
     (["--config=configs/packed.py:nope"],
      "train.main: --config=configs/packed.py:nope: unknown config variant 'nope': the variants are "
-     "['gpu', 'smoke'] (--config=FILE:VARIANT), or none"),
+     "['gpu', 'long', 'smoke'] (--config=FILE:VARIANT), or none"),
     (["--config=configs/sft.py:nope", "--config.train.num_steps=2"],
      "train.main: --config=configs/sft.py:nope: unknown config variant 'nope': the variants are "
-     "['gpu', 'smoke'] (--config=FILE:VARIANT), or none"),
+     "['gpu', 'long', 'smoke'] (--config=FILE:VARIANT), or none"),
     (["--config", "configs/nope.py:smoke", "--config.train.num_steps=2"],
      f"train.main: --config=configs/nope.py:smoke: no config file 'configs/nope.py' (from {REPO!r})"),
     (["--config=configs/packed.py:smoke", "--config.train.num_stpes=2"],
@@ -263,7 +263,8 @@ def _cli(*args, workdir):
      "size 512, got 16"),
     (["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
       f"--config.mesh.data={jax.device_count() + 1}"],
-     f"train.main: mesh: axes {{'data': {jax.device_count() + 1}, 'fsdp': 1, 'tensor': 1}} need "
+     f"train.main: mesh: axes {{'data': {jax.device_count() + 1}, 'fsdp': 1, 'context': 1, "
+     f"'tensor': 1}} need "
      f"{jax.device_count() + 1} devices, but there are {jax.device_count()}"),
 ], ids=["variant", "sft-variant", "missing-file", "key-typo", "bad-int", "max-checkpoints",
         "vocab", "mesh"])

@@ -119,3 +119,15 @@ def test_throughput_reports_model_flops_and_mfu_over_the_window(monkeypatch):
   assert "MFU n/a" in metrics_lib._format(dict(  # pylint: disable=protected-access
       kind="train", step=1, loss=1.0, lr=1e-3, grad_norm=1.0, real_tokens_per_s=1.0,
       slot_utilization=1.0, elapsed_s=1.0, eta_s=0.0, mfu=None))
+
+
+def test_attention_pairs_of_a_context_ordered_row_equal_the_row_order():
+  # Zigzag order over cp=2 cuts documents into pieces; counted pairs must not change.
+  seg_1xS = np.array([[1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 0]])
+  naive = sum(n * (n + 1) // 2 for n in (5, 2, 4))
+  order = np.array([0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8])
+  reordered_1xS = seg_1xS[:, order]
+  assert float(flops_lib.attention_pairs(jnp.asarray(seg_1xS))) == naive
+  assert float(flops_lib.attention_pairs(jnp.asarray(reordered_1xS), reordered=True)) == naive
+  # Without `reordered` the pieces would be counted as separate runs.
+  assert float(flops_lib.attention_pairs(jnp.asarray(reordered_1xS))) != naive

@@ -44,7 +44,9 @@ def test_report_on_the_cpu_end_to_end(tmp_path, capsys):
   statuses = [c["status"].split(":")[0] for c in checks + [report["cudnn_memory"]]]
   assert report["summary"] == {s: statuses.count(s) for s in ("passed", "failed", "unsupported")}
   assert [(b["seq_len"], b["timings"]) for b in report["benchmark"]] == [(256, "not measured")]
+  assert report["context_parallel"]["status"] == "not yet measured"  # needs more than one GPU
   printed = capsys.readouterr().out
+  assert "context-parallel step times: not yet measured (" in printed
   assert "pallas   bf16       1      0       0" in printed and "1 passed, 0 failed" in printed
 
 

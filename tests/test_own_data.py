@@ -100,7 +100,7 @@ def test_bad_data_keys_are_one_line_errors_naming_the_key(tmp_path):
   with open(tmp_path / "other.txt", "w") as f:
     f.write("x")
   cases = [
-      (dict(train=str(tmp_path / "nope")), "data.train=.*nope.* is not a dataset"),
+      (dict(train=str(tmp_path / "nope")), "data.train=.*nope.* could not be opened as a dataset.*does not exist"),
       (dict(train=str(tmp_path / "ds"), eval_share=0.0), "data.eval_share=0.0"),
       (dict(train=str(tmp_path / "ds"), source="synthetic"), "data.source='synthetic'"),
       (dict(eval=str(tmp_path / "ds")), "data.eval=.* is for data.train"),

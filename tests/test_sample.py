@@ -1,8 +1,11 @@
 """`train.sample`: the logits it decodes from are the training forward pass's, greedy decoding is
-the argmax of those, the checkpoint's parameters are the ones restored, and the command's errors."""
+the argmax of those, the checkpoint's parameters are the ones restored, a damaged checkpoint is
+skipped (or refused) without touching the workdir, and the command's errors."""
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,20 +19,23 @@ from flax import nnx
 from configs import packed
 from segpack.text import spm
 from test_train import _synthetic
+from train import checkpoint_digest as digest_lib
 from train import model as model_lib
 from train import sample as sample_lib
 from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 3
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def synthetic_run(tmp_path_factory):
-  """A workdir with a checkpoint of a tiny synthetic run (vocabulary 97, rows of 64)."""
+  """A workdir with the checkpoints of steps 2 and 4 of a tiny synthetic run (vocabulary 97,
+  rows of 64)."""
   workdir = tmp_path_factory.mktemp("synthetic_run")
-  config = _synthetic(**{"train.num_steps": STEPS, "train.checkpoint_every": STEPS,
-                         "train.eval_every": 0, "train.log_batches": False})
+  config = _synthetic(**{"train.num_steps": STEPS, "train.checkpoint_every": 2,
+                         "train.max_checkpoints": 2, "train.eval_every": 0,
+                         "train.log_batches": False, "attention.self_check": False})
   train_lib.train_and_evaluate(config, str(workdir))
   return str(workdir)
 
@@ -188,7 +194,7 @@ def test_cli_prints_ids_of_a_synthetic_run(synthetic_run):
   assert proc.returncode == 0, proc.stderr
   assert _listing(synthetic_run) == before  # sampling writes nothing into the run
   header, line = proc.stdout.strip().splitlines()
-  assert header.startswith("=== sample 1/1 (greedy)")
+  assert header == f"=== sample 1/1 (greedy) from step {STEPS} ==="
   prompt, new = line.split(" | ")
   assert prompt == "5,6,7" and len(new.split(",")) == 5
   assert all(0 <= int(i) < 97 for i in new.split(","))
@@ -233,3 +239,97 @@ def test_cli_samples_text_from_a_builtin_smoke_run(tmp_path):
                   "--num_samples=2")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.count("=== sample ") == 2 and "top_k=8" in proc.stdout
+
+
+def _snapshot(root):
+  """Every directory and file under `root`, with each file's size and sha256."""
+  out = []
+  for path, dirs, files in os.walk(root):
+    out.append((os.path.relpath(path, root), sorted(dirs)))
+    for name in files:
+      with open(os.path.join(path, name), "rb") as f:
+        data = f.read()
+      out.append((os.path.relpath(os.path.join(path, name), root), len(data),
+                  hashlib.sha256(data).hexdigest()))
+  return sorted(out, key=str)
+
+
+def _copy_run(synthetic_run, target, *, drop=None, flip=None):
+  """A copy of the run's checkpoints in `target`, without step `drop`, with one byte flipped in
+  the middle of the largest file of step `flip`'s state (its data file); returns that file."""
+  shutil.copytree(os.path.join(synthetic_run, "checkpoints"), target / "checkpoints")
+  if drop is not None:
+    shutil.rmtree(target / "checkpoints" / str(drop))
+  if flip is None:
+    return None
+  state = target / "checkpoints" / str(flip) / "state"
+  path = max((os.path.join(r, n) for r, _, names in os.walk(state) for n in names),
+             key=os.path.getsize)
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  return path
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(synthetic_run, tmp_path):
+  damaged, older = tmp_path / "damaged", tmp_path / "older"
+  flipped = _copy_run(synthetic_run, damaged, flip=4)
+  _copy_run(synthetic_run, older, drop=4)
+  before = _snapshot(damaged)
+  chosen = sample_lib.choose_checkpoint(str(damaged))
+  assert chosen.step == 2 and f"{damaged}/checkpoints/4: {flipped}" in chosen.skipped
+  _, model, step = sample_lib.load_run(str(damaged))
+  _, want, want_step = sample_lib.load_run(str(older))
+  assert step == want_step == 2
+  got_params, want_params = (_flat(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+                             for m in (model, want))
+  for key, value in want_params.items():
+    np.testing.assert_array_equal(got_params[key], value, err_msg=str(key))
+  newest = _flat(nnx.to_pure_dict(nnx.state(sample_lib.load_run(synthetic_run)[1], nnx.Param)))
+  assert any(np.abs(newest[k] - v).max() > 0 for k, v in want_params.items())  # 4 is not 2
+
+  proc = _run_cli(f"--workdir={damaged}", "--prompt_ids=5,6,7", "--max_new_tokens=6")
+  assert proc.returncode == 0, proc.stderr
+  warnings = [line for line in proc.stderr.splitlines() if "damaged checkpoint" in line]
+  assert len(warnings) == 1, proc.stderr
+  assert f"{damaged}/checkpoints/4: {flipped} differs from its sha256" in warnings[0]
+  assert warnings[0].endswith(f"sampling from the newest intact one, {damaged}/checkpoints/2")
+  header, line = proc.stdout.strip().splitlines()
+  assert header == "=== sample 1/1 (greedy) from step 2 ==="
+  assert line == sample_lib.sample(str(older), prompt_ids="5,6,7", max_new_tokens=6)[0]
+  assert _snapshot(damaged) == before  # nothing moved, deleted or written
+
+
+def test_a_lone_damaged_checkpoint_is_refused_in_one_line(synthetic_run, tmp_path):
+  flipped = _copy_run(synthetic_run, tmp_path, drop=2, flip=4)
+  before = _snapshot(tmp_path)
+  proc = _run_cli(f"--workdir={tmp_path}", "--prompt_ids=5,6,7")
+  assert proc.returncode == 2 and not proc.stdout
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr
+  assert lines[0].startswith(f"train.sample: --workdir {str(tmp_path)!r} holds no intact "
+                             f"checkpoint ({tmp_path}/checkpoints/4: {flipped} differs from its "
+                             "sha256 digest)")
+  assert _snapshot(tmp_path) == before
+  with pytest.raises(sample_lib.SampleError, match="holds no intact checkpoint"):
+    sample_lib.load_run(str(tmp_path))
+
+
+def test_unreadable_or_missing_checkpoints_are_sample_errors(synthetic_run, tmp_path):
+  """A checkpoints path that is a file; a checkpoint that matches its (rewritten) digest but
+  whose `meta` item orbax cannot parse: one SampleError naming the path, not a traceback."""
+  (tmp_path / "file_run").mkdir()
+  (tmp_path / "file_run" / "checkpoints").write_text("not a directory")
+  with pytest.raises(sample_lib.SampleError, match="checkpoints is not a directory"):
+    sample_lib.choose_checkpoint(str(tmp_path / "file_run"))
+  run = tmp_path / "bad_meta"
+  run.mkdir()
+  _copy_run(synthetic_run, run, drop=2)
+  step_dir = run / "checkpoints" / "4"
+  (step_dir / "meta" / "metadata").write_text('{"config": {')
+  digest_lib.write(str(step_dir), 4)  # the digest now matches the unparsable file
+  assert sample_lib.choose_checkpoint(str(run)).step == 4
+  with pytest.raises(sample_lib.SampleError, match=f"cannot read {step_dir}: "):
+    sample_lib.run_config(str(run))

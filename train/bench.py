@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import packed as packed_config
 from segpack import shards
+from segpack.cli import errors
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.text import corpus
@@ -134,9 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
   packed = sub.add_parser("packed", help="packed vs padded training on the same documents",
                           description=__doc__, formatter_class=raw)
   packed.add_argument("--size", default="full", choices=("full", "small"), help="built-in corpus")
-  packed.add_argument("--docs", type=int, default=100, help="documents sampled from the corpus")
-  packed.add_argument("--seq-len", type=int, default=1024, help="slots per row")
-  packed.add_argument("--batch-size", type=int, default=8, help="rows per step")
+  packed.add_argument("--docs", type=errors.at_least(1),
+                      default=100, help="documents sampled from the corpus")
+  packed.add_argument("--seq-len", type=errors.at_least(2), default=1024, help="slots per row")
+  packed.add_argument("--batch-size", type=errors.at_least(1), default=8, help="rows per step")
   packed.add_argument("--seed", type=int, default=0, help="document sampling seed")
   packed.add_argument("--json", action="store_true", help="print one JSON object")
   sft = sub.add_parser("sft", help="chat fine-tuning: padding vs minibatch vs global packing",
@@ -145,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+@errors.command("python -m train.bench")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs `python -m train.bench BENCHMARK ...`; returns the exit status."""
   args = build_parser().parse_args(argv)

@@ -10,7 +10,9 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
     A data item of another format is refused with a `DataStateError`;
   * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume.
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
-leaves the previous checkpoint as the latest one.
+leaves the previous checkpoint as the latest one. Then `digest.json` records the sha256 of every
+file (`train.checkpoint_digest`); a restore checks it first and falls back to the newest intact
+checkpoint, or refuses with `DamagedCheckpointError` when there is none.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from jax.experimental import multihost_utils
+
+from train import checkpoint_digest as digest_lib
+from train.checkpoint_digest import DamagedCheckpointError
 
 # Config keys that may change between a run and its resumption (they do not change the math of
 # the steps already taken or the batches still to come).
 RESUMABLE_CHANGES = frozenset({
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
-    "mesh.fsdp", "mesh.tensor", "attention.implementation", "attention.interpret",
+    "mesh.fsdp", "mesh.tensor", "mesh.context", "packing.context_balance",
+    "attention.implementation", "attention.interpret",
     "attention.self_check", "train.peak_flops", "data.cache_dir", "train.allow_batch_size_change",
 })
 # Resumable only when the current config says `train.allow_batch_size_change=True`: the data
@@ -75,6 +82,10 @@ class DataStateError(ValueError):
   """The checkpoint's data position cannot be restored (or the processes disagree on it)."""
 
 
+# What a checkpoint can get wrong: `train.USER_ERRORS` holds these (one line, exit code 2).
+ERRORS = (IncompatibleCheckpointError, DataStateError, DamagedCheckpointError)
+
+
 @dataclasses.dataclass
 class Restored:
   """What `Checkpointer.restore_or_none` found.
@@ -94,50 +105,116 @@ class Restored:
 
 
 class Checkpointer:
-  """Saves every `every` steps (and on demand) and restores the latest checkpoint.
+  """Saves every `every` steps (and on demand), verifies and restores the latest checkpoint.
 
   Algorithm:
-    1. `restore_or_none(abstract_state, config_dict)`: if a committed checkpoint exists, compare its
-       `meta` config with `config_dict` (refuse with the differing keys; `train.batch_size` may
-       differ when `config_dict` has `train.allow_batch_size_change=True`), then restore `state`
-       into the abstract target's shardings and return it with the data iterator state.
+    1. `restore_or_none(abstract_state, config_dict)`: check the checkpoints newest first against
+       their digests (`train.checkpoint_digest`: sha256 of every file, recorded after the save).
+       A damaged one is named in a warning and moved to `<workdir>/damaged_checkpoints/`; the
+       newest intact one is used, saying so. When checkpoints exist and none is intact, raise
+       `DamagedCheckpointError` naming each one's problem (never a silent fresh start). Then
+       compare its `meta` config with `config_dict` (refuse with the differing keys;
+       `train.batch_size` may differ when `config_dict` has `train.allow_batch_size_change=True`),
+       and restore `state` into the abstract target's shardings with the data iterator state.
     2. `maybe_save(step, ...)`: save when `step % every == 0`, or when forced (the last step);
-       the processes' data states are gathered and must agree.
-    3. Old checkpoints beyond `max_to_keep` are deleted by orbax after a successful save.
+       the processes' data states are gathered and must agree. Orbax saves synchronously
+       (`enable_async_checkpointing=False`, then `wait_until_finished`), so the files are final
+       when process 0 hashes them and writes `digest.json`; that checkpoint is then verified.
+    3. Rotation (ours, not orbax's): keep the `max_to_keep` newest checkpoints and, always, the
+       newest verified one (a checkpoint whose digest could not be recorded is not verified).
 
   Example: `every=100`, killed at step 250: the rerun restores step 200 and the data position
   saved with it, so it trains on batches 201, 202, ... exactly as the first run did (on another
-  process count, on the same rows of the stream).
+  process count, on the same rows of the stream). Had a byte of step 200 changed on disk, the
+  rerun warns, moves 200 aside and restores step 100 instead.
   """
 
   def __init__(self, directory: str | os.PathLike, *, every: int, max_to_keep: int):
     self.directory = os.path.abspath(os.fspath(directory))
     self.every = every
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
+    self.max_to_keep = max_to_keep
+    self._verified: set[int] = set()  # saved with a recorded digest, or checked on restore
+    if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
+      raise DamagedCheckpointError(
+          f"{self.directory} is not a directory: the workdir's checkpoints go there (move that "
+          "file away, or use another --workdir)")
+    os.makedirs(self.directory, exist_ok=True)
+    self._orbax: ocp.CheckpointManager | None = None  # made after the restore's checks
+
+  @property
+  def _manager(self) -> ocp.CheckpointManager:
+    """Orbax's manager, made on first use: after `restore_or_none` has moved damaged checkpoints
+    away (orbax lists, and logs about, every step directory when it starts)."""
+    if self._orbax is None:
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=None, create=True, enable_async_checkpointing=False)
+      self._orbax = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "data", "meta"))
+    return self._orbax
 
   def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    """The newest verified checkpoint's step (the one a rerun resumes from), or None."""
+    return max(self._verified) if self._verified else None
+
+  def _choose_step(self) -> int | None:
+    """The newest intact checkpoint's step after quarantining the damaged newer ones (all
+    processes agree: process 0 checks and decides); None when there is no checkpoint.
+
+    Raises:
+      DamagedCheckpointError: checkpoints exist and none is intact.
+    """
+    steps, chosen, damaged = digest_lib.step_dirs(self.directory), None, []
+    if jax.process_index() == 0:
+      for step in steps:
+        bad = digest_lib.problem(os.path.join(self.directory, str(step)), step)
+        if bad is None:
+          chosen = step
+          break
+        damaged.append((step, " ".join(bad.split())))
+    if jax.process_count() > 1:
+      chosen = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if chosen is None else
+                                                                 chosen)))
+      chosen = None if chosen < 0 else chosen
+    if chosen is None and steps:  # the one line says it all: no warnings before it
+      found = "; ".join(f"{s}: {why}" for s, why in damaged) or "process 0 found none"
+      raise DamagedCheckpointError(
+          f"no intact checkpoint in {self.directory} ({found}); move the damaged ones away (or use "
+          "a new --workdir) to train from scratch")
+    if jax.process_index() == 0 and damaged:
+      moved = []
+      for step, bad in damaged:
+        logging.warning("checkpoint %s/%d is damaged: %s", self.directory, step, bad)
+        target = digest_lib.quarantine_path(self.directory, step)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(os.path.join(self.directory, str(step)), target)
+        moved.append(target)
+      logging.warning("resuming from the newest intact checkpoint %s/%d instead; the damaged "
+                      "one(s) moved to %s", self.directory, chosen, ", ".join(moved))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("checkpoint quarantine")
+    if self._orbax is not None:
+      self._orbax.reload()
+    return chosen
 
   def restore_or_none(self, abstract_state: Any,
                       config_dict: dict[str, Any]) -> Restored | None:
-    """Returns the latest checkpoint as a `Restored`, or None.
+    """Returns the newest intact checkpoint as a `Restored`, or None when there is none.
 
     Args:
       abstract_state: the state's shapes and target shardings.
       config_dict: this run's config.
 
     Raises:
+      DamagedCheckpointError: checkpoints exist and none matches its digest, or orbax cannot
+        read the one that does.
       IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`.
       DataStateError: its data item is not of format `DATA_FORMAT`.
     """
-    step = self._manager.latest_step()
+    step = self._choose_step()
     if step is None:
       return None
     where = f"{self.directory}/{step}"
-    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = self._read(where, step, ocp.args.Composite(meta=ocp.args.JsonRestore()))
     saved = meta["meta"]["config"]
     allow = bool(flatten(config_dict).get("train.allow_batch_size_change", False))
     diffs = config_differences(saved, config_dict,
@@ -149,7 +226,7 @@ class Checkpointer:
       raise IncompatibleCheckpointError(
           f"cannot resume from {where}: its config differs from this run's:\n  "
           + "\n  ".join(diffs) + f"\n(use a new --workdir, or the same config{hint})")
-    restored = self._manager.restore(step, args=ocp.args.Composite(
+    restored = self._read(where, step, ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     item = restored["data"]
     old_batch = flatten(saved)[BATCH_SIZE_KEY]
@@ -164,21 +241,35 @@ class Checkpointer:
     new_batch = flatten(config_dict)[BATCH_SIZE_KEY]
     if old_batch != new_batch:
       changes.append(f"train.batch_size: {old_batch} -> {new_batch}")
+    self._verified.add(step)
     return Restored(state=restored["state"], data_state=data_state, step=step, changes=changes)
+
+  def _read(self, where: str, step: int, args: Any) -> Any:
+    """Orbax's restore of `args` at `step`; its errors (a checkpoint that matches its digest but
+    that this version cannot read) become one `DamagedCheckpointError` line naming `where`."""
+    try:
+      return self._manager.restore(step, args=args)
+    except Exception as e:  # pylint: disable=broad-except
+      detail = " ".join(str(e).split())[:300]
+      raise DamagedCheckpointError(
+          f"cannot restore {where}: {type(e).__name__}: {detail} (move it away to resume from an "
+          "older checkpoint, or use a new --workdir)") from e
 
   def maybe_save(self, step: int, state: Any, data_state: dict[str, Any],
                  config_dict: dict[str, Any], *, force: bool = False) -> bool:
     """Saves if `step` is a multiple of `every` (or `force`); returns whether it saved.
 
     `data_state` is this process's iterator state; it must be the same on every process (a
-    position in the global stream), checked by gathering them.
+    position in the global stream), checked by gathering them. After the save, process 0 records
+    the checkpoint's digest (a failure is a warning: that checkpoint is not verified, and the
+    newest verified one is kept), then old checkpoints are rotated out.
 
     Raises:
       DataStateError: the processes' data states differ.
     """
     if not force and (self.every <= 0 or step % self.every):
       return False
-    if self._manager.latest_step() == step:
+    if step in self._manager.all_steps():
       return False
     states = _gather_json(data_state)
     if any(other != data_state for other in states.values()):
@@ -190,10 +281,33 @@ class Checkpointer:
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
         meta=ocp.args.JsonSave({"config": config_dict, "step": step})), force=True)
     self._manager.wait_until_finished()
+    recorded = True
+    if jax.process_index() == 0:
+      try:
+        digest_lib.write(os.path.join(self.directory, str(step)), step)
+      except OSError as e:
+        recorded = False
+        logging.warning("checkpoint %s/%d: its digest could not be recorded (%s); it is not "
+                        "verified, and rotation keeps the newest verified one", self.directory,
+                        step, e)
+    if jax.process_count() > 1:
+      recorded = bool(multihost_utils.broadcast_one_to_all(np.int32(recorded)))
+    if recorded:
+      self._verified.add(step)
+    self._rotate()
     return True
 
+  def _rotate(self) -> None:
+    """Deletes the checkpoints `checkpoint_digest.steps_to_remove` names (orbax's `delete`:
+    process 0 removes the directory)."""
+    for step in digest_lib.steps_to_remove(list(self._manager.all_steps()),
+                                           verified=self._verified, keep=self.max_to_keep):
+      self._manager.delete(step)
+      self._verified.discard(step)
+
   def close(self) -> None:
-    self._manager.close()
+    if self._orbax is not None:
+      self._orbax.close()
 
 
 def _gather_json(value: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack import packing
+from segpack.data.context import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
 from segpack.text import chat
 from segpack.text import corpus
@@ -46,6 +47,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "packing.balance": BALANCE_MODES,
     "packing.repack": REPACK_MODES,
     "packing.mode": PACKING_MODES,
+    "packing.context_balance": CONTEXT_BALANCES,
     "model.dtype": ("auto",) + _DTYPES,
     "model.param_dtype": _DTYPES,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
@@ -152,6 +154,34 @@ def check_config(config: Any) -> None:
   for key, rule in NUMERIC.items():
     group, name = key.split(".")
     check_rule(key, config[group][name], rule)
+  check_context(config)
+
+
+def check_context(config: Any) -> None:
+  """Checks `mesh.context` against `packing.seq_len`, `packing.context_balance` and the attention.
+
+  A row's slots are split into `mesh.context` equal shares, each of two chunks unless
+  `packing.context_balance` is "none" (`segpack.data.context.context_order`); cuDNN attention has
+  no context-parallel form.
+
+  Raises:
+    ConfigError: `mesh.context` is not a positive int, `packing.seq_len` does not divide, or
+      `attention.implementation` is "cudnn" with `mesh.context` > 1.
+  """
+  cp, seq_len = config.mesh.context, config.packing.seq_len
+  balance = config.packing.context_balance
+  if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+    raise ConfigError(f"mesh.context must be a positive int (no -1), got {cp!r}")
+  if cp == 1:
+    return
+  chunks = 1 if balance == "none" else 2
+  if seq_len % (chunks * cp):
+    raise ConfigError(
+        f"packing.seq_len={seq_len} must be divisible by {'' if chunks == 1 else '2 * '}"
+        f"mesh.context = {chunks * cp} with packing.context_balance={balance!r}")
+  if config.attention.implementation == "cudnn":
+    raise ConfigError(f"attention.implementation='cudnn' has no context-parallel form; with "
+                      f"mesh.context={cp} use 'pallas' or 'xla'")
 
 
 def check_vocab_size(config: Any, data_vocab_size: int) -> int:

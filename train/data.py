@@ -15,6 +15,10 @@ way (the last one filled up with padding rows).
 With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
 minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
 into the `batch_size` rows of a step (`pack_minibatches`).
+
+With `mesh.context > 1` the training and held-out batches come out in context order with a
+`"slot_index"` feature (`train.context`): the order is applied to each batch after the pipeline,
+so data positions and fingerprints are those of the batches in row order.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
 from train import config_checks
+from train import context as context_lib
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 
@@ -73,6 +78,13 @@ class DataSpec:
   eval: str | None = None  # its held-out dataset; None: `eval_share` of `train`'s documents
   eval_share: float = 0.02
   tokens_per_epoch: int | None = None  # a mixture's tokens per epoch (None: all of them)
+  context_size: int = 1  # `mesh.context`: devices per row; > 1 reorders the batches' slots
+  context_balance: str = "documents"  # `packing.context_balance`: the order (train.context)
+
+  @property
+  def context(self) -> context_lib.ContextOrder:
+    """The slot order of the batches (`ContextOrder.active` only with `context_size > 1`)."""
+    return context_lib.ContextOrder(size=self.context_size, balance=self.context_balance)
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -85,7 +97,8 @@ class DataSpec:
                mode=p.mode, examples_per_batch=p.examples_per_batch,
                tokens_per_batch=p.tokens_per_batch, train_on=d.train_on, balance=p.balance,
                repack=p.repack, train=d.train, eval=d.eval, eval_share=d.eval_share,
-               tokens_per_epoch=d.tokens_per_epoch)
+               tokens_per_epoch=d.tokens_per_epoch, context_size=config.mesh.context,
+               context_balance=p.context_balance)
 
   @property
   def name(self) -> str:
@@ -114,6 +127,8 @@ class Data:
     source_names: a mixture's source names (training rows then carry `segment_sources`, their
       indices); empty otherwise.
     eval_by_source: a mixture's held-out batches of each source, by name (empty otherwise).
+    context: the slot order of the batches (`train.context`); `eval` and `eval_by_source` come
+      out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
   """
 
   train: grain.MapDataset
@@ -124,6 +139,13 @@ class Data:
   max_segments_in_row: int | None = None
   source_names: tuple[str, ...] = ()
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
+  context: context_lib.ContextOrder = context_lib.ContextOrder()
+
+  def __post_init__(self):
+    if self.context.active:
+      self.eval = context_lib.OrderedBatches(self.eval, order=self.context)
+      self.eval_by_source = {name: context_lib.OrderedBatches(batches, order=self.context)
+                             for name, batches in self.eval_by_source.items()}
 
   def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
     """An iterator over `train` whose `get_state()` does not depend on the process count.
@@ -131,10 +153,15 @@ class Data:
     Global mode: a `segpack.data.stream.StreamIterator` (state `{"epoch", "index",
     "rows_per_epoch"}`, also accepted from a run with another batch size). Minibatch mode: Grain's
     iterator (state `{"next_index": k}`: element `k` is global step `k` on every process count).
+    With `context` active its batches come out in context order (`train.context.OrderedIterator`).
     """
     if isinstance(self.train, StreamBatches):
-      return self.train.iterator(read_options=read_options)
-    return self.train.to_iter_dataset(read_options).__iter__()
+      iterator = self.train.iterator(read_options=read_options)
+    else:
+      iterator = self.train.to_iter_dataset(read_options).__iter__()
+    if self.context.active:
+      return context_lib.OrderedIterator(iterator, order=self.context)
+    return iterator
 
 
 def synthetic_documents(*, num_docs: int, mean_len: int, vocab: int, seed: int) -> list[np.ndarray]:
@@ -148,8 +175,7 @@ def _open_dataset(key: str, path: str) -> shards.ShardSource:
   try:
     return shards.ShardSource(path)
   except (OSError, shards.ShardFormatError) as e:
-    raise DataConfigError(
-        f"{key}={path!r} is not a dataset written by `segpack tokenize`: {e}") from e
+    raise DataConfigError(f"{key}={path!r} could not be opened as a dataset: {e}") from e
 
 
 def _mixture(spec: DataSpec) -> Mixture | None:
@@ -311,7 +337,7 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                    f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row),
-      source_names=names, eval_by_source=by_source)
+      source_names=names, eval_by_source=by_source, context=spec.context)
 
 
 def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:
@@ -344,7 +370,7 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
   if spec.examples_per_batch is not None:
     bound = max(min(int(spec.examples_per_batch), spec.seq_len), eval_rows.max_segments_in_row)
   return Data(
-      train=train, eval=eval_batches, vocab_size=vocab,
+      train=train, eval=eval_batches, vocab_size=vocab, context=spec.context,
       train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
       description=(f"{spec.name}, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
@@ -367,7 +393,9 @@ def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
 
 
 def fingerprint(batch: dict[str, np.ndarray]) -> tuple[str, list[str]]:
-  """A hash of the whole batch and a short hash per row (to compare runs and processes)."""
+  """A hash of the whole batch and a short hash per row (to compare runs and processes); a batch
+  in context order is hashed in row order, so the hashes do not depend on `mesh.context`."""
+  batch = context_lib.row_order(batch)
   rows = []
   whole = hashlib.sha256()
   for r in range(len(batch["input_ids"])):

@@ -64,15 +64,21 @@ class FlopModel:
     return 6.0 * self.matmul_params * real_tokens + 12.0 * self.attention_width * attention_pairs
 
 
-def attention_pairs(segment_ids_BxS: jax.Array) -> jax.Array:
+def attention_pairs(segment_ids_BxS: jax.Array, *, reordered: bool = False) -> jax.Array:
   """Causal (query, key) pairs within documents: the sum of `l * (l + 1) / 2` over all segments.
 
   Args:
-    segment_ids_BxS: contiguous segment ids, 0 = padding (jittable).
+    segment_ids_BxS: segment ids, 0 = padding (jittable); each non-zero id one contiguous run,
+      unless `reordered`.
+    reordered: the row's slots are in context-parallel order (`train.context`), so a segment
+      may be cut into pieces; the ids are then sorted per row first (each id is one document of
+      the row, so sorting gives every segment one run of its length).
 
   Returns:
     A float32 scalar (exact per row in int32, rows summed in float32).
   """
+  if reordered:
+    segment_ids_BxS = jnp.sort(segment_ids_BxS, axis=1)
   start_BxS, _ = blocks.segment_bounds(segment_ids_BxS)
   keys_BxS = jnp.arange(segment_ids_BxS.shape[1], dtype=jnp.int32) - start_BxS + 1
   per_row_B = jnp.sum(jnp.where(segment_ids_BxS != 0, keys_BxS, 0), axis=1, dtype=jnp.int32)

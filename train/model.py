@@ -5,6 +5,12 @@ embeddings -> residual, RMSNorm -> SwiGLU feed-forward -> residual), a final RMS
 projection (optionally tied to the embedding). Attention goes through
 `segpack.attention.segment_attention`, and the rotary angles come from `segment_positions`, so
 every document of a packed row sees exactly what it would see alone.
+
+Context parallelism: on a mesh whose `context` axis has more than one device, the slots of every
+row are split over that axis (the batch arrives in context order with a `slot_index`,
+`train.context`); every layer but attention works slot by slot, and attention runs under
+`shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
+`slot_index`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from segpack import attention as attention_lib
-from segpack.mesh import BATCH_AXES, TENSOR_AXIS
+from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
+from train import sharding as sharding_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -46,7 +53,8 @@ class DecoderConfig:
   attention_implementation: str | None = None  # None: best available for the platform
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
   # `segpack.mesh.BATCH_AXES`, heads over `TENSOR_AXIS` (`segpack.attention.backend_mesh`
-  # decides; XLA is left to the jit partitioner).
+  # decides; XLA is left to the jit partitioner). When its `CONTEXT_AXIS` has more than one
+  # device, every backend runs under it with the sequence split over that axis.
   attention_mesh: Any = None
   # Pallas only (refused with another backend): the kernel settings, e.g.
   # `PallasOptions(interpret=True)` to run the kernels on the CPU, slowly; None: the defaults.
@@ -138,7 +146,7 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
-               segment_ids_BxS: jax.Array) -> jax.Array:
+               segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
     q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
@@ -146,12 +154,16 @@ class Attention(nnx.Module):
     v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
     k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
-    impl = cfg.attention_implementation
+    impl, extra = cfg.attention_implementation, {}
+    mesh = attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh)
+    if sharding_lib.context_size(cfg.attention_mesh) > 1:  # the sequence split over `context`
+      mesh, extra = cfg.attention_mesh, dict(context_axis=CONTEXT_AXIS)
+    if slot_index_BxS is not None:
+      extra["slot_index"] = slot_index_BxS
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh),
-        batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS, pallas=cfg.attention_pallas,
-        cudnn_segment_bound=cfg.attention_cudnn_segment_bound)
+        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS, pallas=cfg.attention_pallas,
+        cudnn_segment_bound=cfg.attention_cudnn_segment_bound, **extra)
     return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
 
 
@@ -179,8 +191,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
-  def __call__(self, x_BxSxE, angles_BxSxD2, segment_ids_BxS):
-    x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), angles_BxSxD2, segment_ids_BxS)
+  def __call__(self, x_BxSxE, angles_BxSxD2, segment_ids_BxS, slot_index_BxS=None):
+    x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), angles_BxSxD2, segment_ids_BxS,
+                                  slot_index_BxS)
     return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
 
 
@@ -216,12 +229,13 @@ class Decoder(nnx.Module):
     return self.embed(input_ids_BxS)
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
-                      segment_positions: jax.Array) -> jax.Array:
+                      segment_positions: jax.Array,
+                      slot_index: jax.Array | None = None) -> jax.Array:
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
     angles_BxSxD2 = rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta)
     for block in self.layers:
-      x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids)
+      x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
     x_BxSxE = self.final_norm(x_BxSxE)
     if self.cfg.tie_embeddings:
       logits_BxSxV = self.embed.attend(x_BxSxE)
@@ -230,14 +244,27 @@ class Decoder(nnx.Module):
     return logits_BxSxV.astype(jnp.float32)
 
   def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
-               segment_positions: jax.Array) -> jax.Array:
-    """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions."""
-    if input_ids.shape != segment_ids.shape or input_ids.shape != segment_positions.shape:
+               segment_positions: jax.Array, slot_index: jax.Array | None = None) -> jax.Array:
+    """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
+
+    `slot_index`: for a row in context order (`train.context`), each slot's index in the row
+    before reordering (attention's causal order); None: the slots are in row order.
+    """
+    named = dict(input_ids=input_ids, segment_ids=segment_ids,
+                 segment_positions=segment_positions, slot_index=slot_index)
+    shapes = {name: tuple(x.shape) for name, x in named.items() if x is not None}
+    if len(set(shapes.values())) > 1:
       raise ValueError(
-          f"Decoder: input_ids {tuple(input_ids.shape)}, segment_ids {tuple(segment_ids.shape)} "
-          f"and segment_positions {tuple(segment_positions.shape)} must have one [B, S] shape")
+          "Decoder: " + ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+          + " must have one [B, S] shape")
     return self.from_embeddings(self.embed_tokens(input_ids), segment_ids=segment_ids,
-                                segment_positions=segment_positions)
+                                segment_positions=segment_positions, slot_index=slot_index)
+
+  def batch_logits(self, batch: dict[str, jax.Array]) -> jax.Array:
+    """Logits `[B, S, V]` of a trainer batch: its `input_ids`, `segment_ids`,
+    `segment_positions` and, for a batch in context order, `slot_index`."""
+    return self(batch["input_ids"], segment_ids=batch["segment_ids"],
+                segment_positions=batch["segment_positions"], slot_index=batch.get("slot_index"))
 
 
 def default_compute_dtype(platform: str | None = None) -> str:

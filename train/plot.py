@@ -12,6 +12,7 @@ import os
 import pathlib
 import sys
 
+from segpack.cli import errors
 from segpack.files import atomic_write_bytes
 from train import metrics as metrics_lib
 
@@ -36,7 +37,8 @@ def plot(workdir: str, *, out: str | None = None) -> str:
   train = [r for r in records if r.get("kind") == "train"]
   evals = [r for r in records if r.get("kind") == "eval"]
   if not train:
-    raise ValueError(f"{os.path.join(workdir, metrics_lib.METRICS_FILE)} holds no train records")
+    raise errors.UsageError(
+        f"{os.path.join(workdir, metrics_lib.METRICS_FILE)} holds no train records")
   steps = [r["step"] for r in train]
   fig, axes = plt.subplots(1, 4, figsize=(18, 4))
   axes[0].plot(steps, [r["loss"] for r in train], label="train")
@@ -67,18 +69,18 @@ def plot(workdir: str, *, out: str | None = None) -> str:
   return out
 
 
+@errors.command("python -m train.plot")
 def main(argv: list[str] | None = None) -> int:
+  """Plots WORKDIR's curves; a missing or unreadable file ends with one line, exit status 2."""
   parser = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__)
-  parser.add_argument("workdir", help="a run directory holding metrics.jsonl")
+  parser.add_argument("workdir", type=errors.directory,
+                      help="a run directory holding metrics.jsonl")
   parser.add_argument("--out", default=None, help="PNG path (default WORKDIR/curves.png)")
   args = parser.parse_args(argv)
   try:
     print(plot(args.workdir, out=args.out))
   except ModuleNotFoundError as e:
     print(f"train.plot needs matplotlib ({e}); pip install 'segpack[plot]'", file=sys.stderr)
-    return 1
-  except (FileNotFoundError, ValueError) as e:
-    print(f"train.plot: {e}", file=sys.stderr)
     return 1
   return 0
 

@@ -1,4 +1,4 @@
-r"""Decodes continuations from a run's latest checkpoint: `python -m train.sample --workdir runs/X`.
+r"""Decodes continuations from a run's newest intact checkpoint: `python -m train.sample`.
 
   python -m train.sample --workdir runs/packed_smoke --prompt "def "               # greedy
   python -m train.sample --workdir runs/packed --prompt "def " --top_k 40 --num_samples 3
@@ -15,8 +15,8 @@ Attention runs on the XLA backend whatever the run trained with (the same math, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -31,9 +31,11 @@ from absl import app, flags, logging
 from flax import nnx
 
 from segpack import shards
+from segpack.shards.format import read_manifest
 from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import tokenizer_spec
+from train import checkpoint_digest as digest_lib
 from train import data as data_lib
 from train import model as model_lib
 
@@ -50,35 +52,65 @@ class NoTokenizerError(SampleError):
   """The run's data has no tokenizer (`data.source="synthetic"`): prompts must be token ids."""
 
 
-def _manager(workdir: str) -> tuple[ocp.CheckpointManager, int]:
-  """A manager of `WORKDIR/checkpoints` (only read from; it creates nothing) and the latest
-  step."""
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise SampleError(f"--workdir {workdir!r} holds no checkpoint ({directory} does not exist)")
-  manager = ocp.CheckpointManager(
-      directory, options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                     "meta": ocp.JsonCheckpointHandler()})
-  step = manager.latest_step()
-  if step is None:
-    manager.close()
-    raise SampleError(f"--workdir {workdir!r} holds no checkpoint ({directory} is empty)")
-  return manager, step
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """`directory/step`, the checkpoint to sample from (`choose_checkpoint`); `skipped`: one line
+  naming the damaged newer ones passed over and the first bad file of each (None: none was)."""
+  directory: str
+  step: int
+  skipped: str | None = None
 
 
-def run_config(workdir: str) -> tuple[ml_collections.ConfigDict, int]:
-  """The config that wrote the latest checkpoint of `workdir` (its `meta` item), and its step.
+def choose_checkpoint(workdir: str) -> Checkpoint:
+  """The newest checkpoint of `WORKDIR/checkpoints` that matches its digest: the one the trainer
+  would resume from (`train.checkpoint_digest.problem`, newest first). Logs one warning line
+  naming the damaged newer ones it passes over (their first bad file); moves or deletes nothing.
 
   Raises:
-    SampleError: `workdir` has no checkpoint.
+    SampleError: `workdir` has no checkpoint, or none matches its digest (naming each one's
+      problem).
   """
-  manager, step = _manager(workdir)
-  try:
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  finally:
-    manager.close()
-  return ml_collections.ConfigDict(meta["config"]), step
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  steps = digest_lib.step_dirs(directory)  # [] when not a directory
+  if not steps:
+    why = ("has no step directory" if os.path.isdir(directory) else "is not a directory"
+           if os.path.lexists(directory) else "does not exist")
+    raise SampleError(f"--workdir {workdir!r} holds no checkpoint ({directory} {why})")
+  damaged = []
+  for step in steps:
+    bad = digest_lib.problem(os.path.join(directory, str(step)), step)
+    if bad is None:
+      skipped = (f"damaged checkpoint skipped: {'; '.join(damaged)}; sampling from the newest "
+                 f"intact one, {directory}/{step}") if damaged else None
+      logging.log_if(logging.WARNING, "%s", bool(damaged), skipped)
+      return Checkpoint(directory=directory, step=step, skipped=skipped)
+    damaged.append(f"{directory}/{step}: {' '.join(bad.split())}")
+  raise SampleError(f"--workdir {workdir!r} holds no intact checkpoint ({'; '.join(damaged)}); "
+                    "nothing to sample from")
+
+
+def _restore(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
+  """`CheckpointManager.<method>(step, **kwargs)` of a manager that only reads; orbax's errors
+  (a checkpoint that matches its digest but that it cannot read) become a SampleError."""
+  with ocp.CheckpointManager(
+      checkpoint.directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()}) as manager:
+    try:
+      return getattr(manager, method)(checkpoint.step, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise SampleError(f"cannot read {checkpoint.directory}/{checkpoint.step}: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+
+
+def run_config(workdir: str, *,
+               checkpoint: Checkpoint | None = None) -> tuple[ml_collections.ConfigDict, int]:
+  """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
+  step. Raises SampleError when `workdir` has no intact checkpoint."""
+  checkpoint = checkpoint or choose_checkpoint(workdir)
+  meta = _restore(checkpoint, "restore",
+                  args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  return ml_collections.ConfigDict(meta["config"]), checkpoint.step
 
 
 def _sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -99,32 +131,29 @@ def _saved_vocab_size(state_metadata: Any, *, where: str) -> int:
   return int(node.shape[0])
 
 
-def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, model_lib.Decoder, int]:
-  """The run's config, its model with the latest checkpoint's parameters, and that step.
+def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
+             ) -> tuple[ml_collections.ConfigDict, model_lib.Decoder, int]:
+  """The run's config, its model with the checkpoint's parameters, and that step.
 
   The model is `train.model.build` of the saved config with `attention.implementation="xla"`
   and the vocabulary size of the saved embedding table (the trainer's, whatever
-  `model.vocab_size` says); only the parameters are read, onto the first device.
-
-  Raises:
-    SampleError: `workdir` has no checkpoint.
+  `model.vocab_size` says); only the parameters are read, onto the first device. `checkpoint`
+  is as in `sample`; raises SampleError when `workdir` has no intact checkpoint.
   """
-  config, _ = run_config(workdir)
-  manager, step = _manager(workdir)
-  try:
-    where = f"{manager.directory}/{step}"
-    vocab = _saved_vocab_size(manager.item_metadata(step)["state"], where=where)
-    abstract = nnx.eval_shape(lambda: model_lib.build(
-        _sampling_config(config), config.train.seed, vocab_size=vocab))
-    graphdef, abstract_params = nnx.split(abstract)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {"params": jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
-    restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=restore_args, partial_restore=True)))
-  finally:
-    manager.close()
+  checkpoint = checkpoint or choose_checkpoint(workdir)
+  config, step = run_config(workdir, checkpoint=checkpoint)
+  vocab = _saved_vocab_size(_restore(checkpoint, "item_metadata")["state"],
+                            where=f"{checkpoint.directory}/{step}")
+  abstract = nnx.eval_shape(lambda: model_lib.build(
+      _sampling_config(config), config.train.seed, vocab_size=vocab))
+  graphdef, abstract_params = nnx.split(abstract)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
+  restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+  restored = _restore(checkpoint, "restore", args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                   partial_restore=True)))
   return config, nnx.merge(graphdef, restored["state"]["params"]), step
 
 
@@ -132,9 +161,8 @@ def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
   """The tokenizer recorded in a `segpack tokenize` dataset's manifest (`metadata.tokenizer`)."""
   path = os.path.join(dataset_dir, shards.MANIFEST_NAME)
   try:
-    with open(path, encoding="utf-8") as f:
-      described = json.load(f).get("metadata", {}).get("tokenizer") or {}
-  except (OSError, ValueError) as e:
+    described = read_manifest(path).get("metadata", {}).get("tokenizer") or {}
+  except (OSError, ValueError, AttributeError) as e:
     raise SampleError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
   kind = MANIFEST_TOKENIZER_KINDS.get(described.get("type"))
   if kind is None or not described.get("model_file"):
@@ -144,9 +172,16 @@ def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
         f" types: {sorted(MANIFEST_TOKENIZER_KINDS)})")
   model_file = os.path.abspath(os.path.join(dataset_dir, described["model_file"]))
   try:
-    return tokenizer_spec.from_spec(f"{kind}:{model_file}")
+    tokenizer = tokenizer_spec.from_spec(f"{kind}:{model_file}")
   except (OSError, ValueError, ImportError) as e:
     raise SampleError(f"data.train={dataset_dir!r}: its tokenizer {model_file}: {e}") from e
+  want = described.get("fingerprint")
+  if want is not None and tokenizer.fingerprint != want:
+    raise SampleError(
+        f"data.train={dataset_dir!r}: its tokenizer {model_file} is not the one the dataset was "
+        f"tokenized with (fingerprint {tokenizer.fingerprint}, {path} says {want}): damaged or "
+        f"replaced")
+  return tokenizer
 
 
 def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Tokenizer:
@@ -324,8 +359,9 @@ def _prompt(tokenizer: tokenizer_spec.Tokenizer | None, *, prompt: str | None,
 
 def sample(workdir: str, *, prompt: str | None = None, prompt_ids: str | None = None,
            num_samples: int = 3, max_new_tokens: int = 64, top_k: int = 0,
-           temperature: float = 1.0, seed: int = 0) -> list[str]:
-  """Decodes continuations of a prompt from the latest checkpoint of `workdir` (what the
+           temperature: float = 1.0, seed: int = 0,
+           checkpoint: Checkpoint | None = None) -> list[str]:
+  """Decodes continuations of a prompt from the newest intact checkpoint of `workdir` (what the
   command prints).
 
   Args:
@@ -334,18 +370,20 @@ def sample(workdir: str, *, prompt: str | None = None, prompt_ids: str | None = 
     prompt_ids: or the prompt as comma-separated token ids (the only way for synthetic runs).
     num_samples: continuations to draw with top-k sampling (greedy decoding gives one).
     max_new_tokens, top_k, temperature, seed: as `generate` (sample `i` uses `seed + i`).
+    checkpoint: the checkpoint to read (None: `choose_checkpoint(workdir)`).
 
   Returns:
     One text per continuation: the prompt and its continuation decoded, or, without a
     tokenizer, `"PROMPT IDS | NEW IDS"`.
 
   Raises:
-    SampleError: no checkpoint, no prompt, a synthetic run without `prompt_ids`, a tokenizer
-      that is not the model's.
+    SampleError: no intact checkpoint, no prompt, a synthetic run without `prompt_ids`, a
+      tokenizer that is not the model's.
   """
   if not isinstance(num_samples, int) or num_samples < 1:
     raise SampleError(f"--num_samples must be an int >= 1, got {num_samples!r}")
-  config, _ = run_config(workdir)
+  checkpoint = checkpoint or choose_checkpoint(workdir)
+  config, _ = run_config(workdir, checkpoint=checkpoint)
   try:
     tokenizer = tokenizer_for_run(config)
   except NoTokenizerError:
@@ -353,7 +391,7 @@ def sample(workdir: str, *, prompt: str | None = None, prompt_ids: str | None = 
       raise
     tokenizer = None
   ids = _prompt(tokenizer, prompt=prompt, prompt_ids=prompt_ids)
-  config, model, _ = load_run(workdir)
+  config, model, _ = load_run(workdir, checkpoint=checkpoint)
   if tokenizer is not None and tokenizer.vocab_size != model.cfg.vocab_size:
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
                       f"the checkpoint's model {model.cfg.vocab_size}: not the run's tokenizer")
@@ -387,19 +425,21 @@ def define_flags() -> dict[str, Any]:
 def main(argv, *, holders: dict[str, Any]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.ERROR)  # orbax warns about a manager it may not write to
   values = {name: holder.value for name, holder in holders.items()}
   top_k, temperature = values["top_k"], values["temperature"]
   mode = ("greedy" if is_greedy(top_k=top_k, temperature=temperature)
           else f"top_k={top_k}, temperature={temperature}")
+  workdir = values.pop("workdir")
   try:
-    texts = sample(values.pop("workdir"), **values)
+    checkpoint = choose_checkpoint(workdir)  # its warning (a damaged checkpoint skipped) shows
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.ERROR)  # orbax warns about a manager it may not write to
+    texts = sample(workdir, checkpoint=checkpoint, **values)
   except SampleError as e:
     print(f"train.sample: {e}", file=sys.stderr)
     sys.exit(2)
   for i, text in enumerate(texts):
-    print(f"=== sample {i + 1}/{len(texts)} ({mode}) ===")
+    print(f"=== sample {i + 1}/{len(texts)} ({mode}) from step {checkpoint.step} ===")
     print(text)
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from segpack.cli import errors
 from segpack.text import chat_corpus
 from segpack import loss as loss_lib
 from segpack.data.minibatch_dataset import pack_minibatches
@@ -172,15 +173,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   """Declares the flags of `python -m train.bench sft` on `p`."""
   p.add_argument("--size", choices=("small", "full"), default="small",
                  help="built-in chat corpus size")
-  p.add_argument("--max-train", type=int, default=None,
+  p.add_argument("--max-train", type=errors.at_least(1), default=None,
                  help="use the first N training conversations (default: all)")
-  p.add_argument("--seq-len", type=int, default=512)
-  p.add_argument("--examples-per-batch", type=int, default=16)
+  p.add_argument("--seq-len", type=errors.at_least(2), default=512)
+  p.add_argument("--examples-per-batch", type=errors.at_least(1), default=16)
   p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--heads", type=int, default=2)
+  p.add_argument("--lr", type=errors.at_least(0.0, float), default=3e-3)
+  p.add_argument("--d-model", type=errors.at_least(1), default=64)
+  p.add_argument("--layers", type=errors.at_least(1), default=2)
+  p.add_argument("--heads", type=errors.at_least(1), default=2)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--cache-dir", default=None)
   p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

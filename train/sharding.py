@@ -1,7 +1,9 @@
 """The device mesh and the shardings of parameters, optimizer state and batches.
 
-One mesh with axes `data`, `fsdp` and `tensor` (the names of `segpack.mesh`). Batches are split
-over `data` x `fsdp` (rows); parameters are split over `fsdp` (ZeRO-3 style: gathered for the
+One mesh with axes `data`, `fsdp`, `context` and `tensor` (the names of `segpack.mesh`). Batches
+are split over `data` x `fsdp` (rows) and `context` (the slots of every row: context parallelism,
+each device holding S / context consecutive slots of the row in context order,
+`train.context`); parameters are split over `fsdp` (ZeRO-3 style: gathered for the
 matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explicit rules on the
 parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
 shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from
@@ -18,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from segpack.mesh import BATCH_AXES, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
+from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
 
 AXES = MESH_AXES  # the mesh's axes, in order (names shared with `segment_attention`'s defaults)
 
@@ -27,13 +29,17 @@ class MeshConfigError(ValueError):
   """The mesh shape does not fit the devices, or the batch does not fit the mesh."""
 
 
-def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int,
+               context: int = 1) -> tuple[int, int, int, int]:
   """Resolves a `-1` (at most one) to fill `num_devices` and checks the product.
+
+  Returns:
+    The sizes in mesh order, `(data, fsdp, context, tensor)`.
 
   Raises:
     MeshConfigError: more than one `-1`, a non-positive size, or a product != `num_devices`.
   """
-  sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, TENSOR_AXIS: tensor}
+  sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, CONTEXT_AXIS: context, TENSOR_AXIS: tensor}
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1:
     raise MeshConfigError(f"mesh: at most one axis may be -1, got {sizes}")
@@ -51,14 +57,15 @@ def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[
     raise MeshConfigError(
         f"mesh: axes {sizes} need {math.prod(sizes.values())} devices, but there are "
         f"{num_devices}")
-  return sizes[DATA_AXIS], sizes[FSDP_AXIS], sizes[TENSOR_AXIS]
+  return tuple(sizes[a] for a in AXES)
 
 
-def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
+def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 1,
               devices: Sequence[Any] | None = None) -> Mesh:
-  """Builds the `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices)."""
+  """Builds the `("data", "fsdp", "context", "tensor")` mesh over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, num_devices=len(devices))
+  shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, context=context,
+                     num_devices=len(devices))
   auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # GSPMD propagation inside the step
   if devices == list(jax.devices()):
     return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
@@ -68,6 +75,11 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
 def batch_partitions(mesh: Mesh) -> int:
   """Number of row shards of a batch (`data` x `fsdp`)."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def context_size(mesh: Any) -> int:
+  """Devices that split every row's slots (the `context` axis; 1 for a mesh without it)."""
+  return int(dict(getattr(mesh, "shape", {})).get(CONTEXT_AXIS, 1))
 
 
 def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
@@ -85,6 +97,7 @@ def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
     raise MeshConfigError(
         f"train.batch_size={batch_size} is not divisible by "
         f"train.grad_accum_steps={grad_accum_steps}")
+  _check_context_in_process(mesh)
   micro = batch_size // grad_accum_steps
   if micro % parts:
     raise MeshConfigError(
@@ -92,6 +105,17 @@ def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,
         f"{grad_accum_steps}) is not divisible by the {parts} batch shards of the mesh "
         f"(data={mesh.shape[DATA_AXIS]} x fsdp={mesh.shape[FSDP_AXIS]}; {jax.device_count()} "
         "devices)")
+
+
+def _check_context_in_process(mesh: Mesh) -> None:
+  """Every row's `context` devices belong to one process (a process reads whole rows)."""
+  processes = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  axis = mesh.axis_names.index(CONTEXT_AXIS)
+  if (processes != processes.take([0], axis=axis)).any():
+    raise MeshConfigError(
+        f"mesh.context={mesh.shape[CONTEXT_AXIS]} spans devices of several processes; each "
+        "process reads whole rows, so a row's context devices must be one process's (make "
+        "mesh.context at most the devices per process)")
 
 
 # (path substring, spec per dimension). The first matching rule wins; paths look like
@@ -146,8 +170,8 @@ def opt_state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Rows over `data` x `fsdp`, slots replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+  """Rows over `data` x `fsdp`, slots over `context` (for every `[B, S]` feature)."""
+  return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
 
 
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

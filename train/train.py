@@ -96,9 +96,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def loss_fn(params, micro, total):
-    model = nnx.merge(graphdef, params)
-    logits = model(micro["input_ids"], segment_ids=micro["segment_ids"],
-                   segment_positions=micro["segment_positions"])
+    logits = nnx.merge(graphdef, params).batch_logits(micro)
     loss = loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total,
                                        weighting=weighting,
                                        segment_ids_BxS=micro["segment_ids"])[0]
@@ -134,7 +132,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
                    trained_tokens=loss_lib.count_trained_tokens(batch["labels"]),
                    loss_count=total, real_tokens=real,
                    slots=jnp.float32(batch["segment_ids"].size),
-                   attention_pairs=flops_lib.attention_pairs(batch["segment_ids"]))
+                   attention_pairs=flops_lib.attention_pairs(
+                       batch["segment_ids"], reordered="slot_index" in batch))
     if num_sources:
       metrics.update(source_loss_sum=aux[0], source_tokens=aux[1])
     return new_state, metrics
@@ -151,9 +150,7 @@ def make_eval_step(graphdef: Any, *, weighting: str = "token") -> Callable[..., 
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def step(params, batch):
-    model = nnx.merge(graphdef, params)
-    logits = model(batch["input_ids"], segment_ids=batch["segment_ids"],
-                   segment_positions=batch["segment_positions"])
+    logits = nnx.merge(graphdef, params).batch_logits(batch)
     loss_sum, count = loss_lib.cross_entropy_sum(logits, batch["labels"], weighting=weighting,
                                                  segment_ids_BxS=batch["segment_ids"])
     return loss_sum, count, loss_lib.count_trained_tokens(batch["labels"])
@@ -222,7 +219,7 @@ class AttentionConfigError(ValueError):
 # one line naming the key or file (exit code 2) instead of a traceback.
 USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
                sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
-               ckpt_lib.IncompatibleCheckpointError, ckpt_lib.DataStateError,
+               *ckpt_lib.ERRORS,
                PipelineConfigError, NonFiniteError)
 
 
@@ -265,7 +262,7 @@ def setup(config: Any, workdir: str) -> Run:
   workdir = check_workdir(workdir)
   t = config.train
   mesh = sharding_lib.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp,
-                                tensor=config.mesh.tensor)
+                                tensor=config.mesh.tensor, context=config.mesh.context)
   sharding_lib.check_batch(t.batch_size, mesh=mesh, grad_accum_steps=t.grad_accum_steps,
                            process_count=jax.process_count())
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,

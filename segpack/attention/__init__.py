@@ -13,7 +13,10 @@
 A setting for another backend is refused. `resolve_implementation` and `backend_mesh` hold the
 rules about backends (which one runs, what it accepts, where it runs, whether it takes a mesh).
 
-With a `mesh` it runs per device under `shard_map` (`sharded.py`; axis names from `segpack.mesh`).
+With a `mesh` it runs per device under `shard_map` (`sharded.py`; axis names from `segpack.mesh`);
+with a `context_axis` too, the sequence is split over it and each device all-gathers the row's
+keys and values (`context.py`, context parallelism; `slot_index` places reordered slots, and
+`context_comm_bytes` counts the bytes moved).
 `self_check` (`leak_check.py`) runs a backend against per-document XLA runs, forward and backward.
 """
 
@@ -24,6 +27,7 @@ from segpack.attention.checks import (
     AttentionTypeError,
     NonContiguousSegmentsError,
 )
+from segpack.attention.context import context_comm_bytes
 from segpack.attention.cudnn import round_segment_bound
 from segpack.attention.dispatch import (
     IMPLEMENTATIONS,
@@ -46,6 +50,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "Implementation",
     "backend_mesh",
+    "context_comm_bytes",
     "default_implementation",
     "resolve_implementation",
     "round_segment_bound",

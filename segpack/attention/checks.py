@@ -7,6 +7,7 @@ whose message names the argument and echoes the offending value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,84 @@ def default_scale(head_dim: int, scale: float | None) -> float:
   if not np.isfinite(scale):
     raise AttentionInputError(f"segment_attention: `scale` must be finite, got {scale!r}")
   return float(scale)
+
+
+def find_bad_slots(segment_ids: np.ndarray, slot_index: np.ndarray,
+                   context_size: int) -> str | None:
+  """Describes the first broken `slot_index` invariant, or None when all hold.
+
+  The invariants: every row of `slot_index` is a permutation of `0..S-1`; the segment ids put back
+  in slot order form one contiguous run per non-zero id; and, when `context_size > 1`, each of the
+  `context_size` equal shares of a row (one device's slots) holds ascending slot indices.
+
+  Args:
+    segment_ids: int `[B, S]`, in the (reordered) order of the call.
+    slot_index: int `[B, S]`, each slot's index in the row before reordering.
+    context_size: devices along the context axis (1 without one).
+  """
+  seg, slot = np.asarray(segment_ids), np.asarray(slot_index)
+  b, s = seg.shape
+  if s % context_size:
+    return f"has S={s} slots per row, not divisible by the context axis size {context_size}"
+  for row in range(b):
+    if not np.array_equal(np.sort(slot[row]), np.arange(s)):
+      return f"row {row} is not a permutation of 0..{s - 1}: {slot[row].tolist()}"
+    share = slot[row].reshape(context_size, s // context_size)
+    bad = np.flatnonzero((np.diff(share, axis=1) <= 0).any(axis=1))
+    if bad.size and context_size > 1:
+      return (f"row {row}: the slots of context device {int(bad[0])} are not ascending: "
+              f"{share[bad[0]].tolist()}")
+  natural = np.zeros_like(seg)
+  np.put_along_axis(natural, slot.astype(np.int64), seg, axis=1)
+  found = find_noncontiguous(natural)
+  if found is not None:
+    row, pos, sid = found
+    return f"row {row} reopens segment {sid} at slot index {pos} (in slot order)"
+  return None
+
+
+def _raise_if_bad_slots(segment_ids: np.ndarray, slot_index: np.ndarray,
+                        context_size: int) -> None:
+  problem = find_bad_slots(segment_ids, slot_index, context_size)
+  if problem is not None:
+    raise NonContiguousSegmentsError(
+        f"segment_attention(check_segments=True): `slot_index` {problem}; every row must be a "
+        "permutation, every non-zero segment one contiguous run in slot order, and each context "
+        "device's slots ascending")
+
+
+def check_slots(segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array, *,
+                context_size: int) -> None:
+  """Raises `NonContiguousSegmentsError` if the `slot_index` invariants do not hold.
+
+  Concrete arrays are checked now, traced ones when the computation runs (host callback), as in
+  `check_contiguous`.
+
+  Args:
+    segment_ids_BxS: integer segment ids, in the order of the call.
+    slot_index_BxS: integer slot indices.
+    context_size: devices along the context axis (1 without one).
+  """
+  if isinstance(segment_ids_BxS, jax.core.Tracer) or isinstance(slot_index_BxS, jax.core.Tracer):
+    jax.debug.callback(functools.partial(_raise_if_bad_slots, context_size=context_size),
+                       segment_ids_BxS, slot_index_BxS)
+  else:
+    _raise_if_bad_slots(np.asarray(segment_ids_BxS), np.asarray(slot_index_BxS), context_size)
+
+
+def validate_slot_index(slot_index_BxS: jax.Array, shape: AttentionShape) -> jax.Array:
+  """Checks the shape and dtype of `slot_index` and returns it as int32.
+
+  Raises:
+    AttentionInputError: a shape other than `[B, S]`.
+    AttentionTypeError: a non-integer dtype.
+  """
+  expected = (shape.batch, shape.seq_len)
+  if tuple(slot_index_BxS.shape) != expected:
+    raise AttentionInputError(
+        f"segment_attention: `slot_index` shape {tuple(slot_index_BxS.shape)} must be [B, S] = "
+        f"{list(expected)}")
+  if not jnp.issubdtype(slot_index_BxS.dtype, jnp.integer):
+    raise AttentionTypeError(
+        f"segment_attention: `slot_index` must be an integer array, got {slot_index_BxS.dtype}")
+  return slot_index_BxS.astype(jnp.int32)

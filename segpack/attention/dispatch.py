@@ -20,14 +20,16 @@ import dataclasses
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from segpack.attention import cudnn
 from segpack.attention import pallas as pallas_lib
-from segpack.attention.checks import AttentionInputError, check_contiguous, default_scale
-from segpack.attention.checks import validate_inputs
+from segpack.attention.checks import AttentionInputError, check_contiguous, check_slots
+from segpack.attention.checks import default_scale, validate_inputs, validate_slot_index
+from segpack.attention.context import context_attention, context_size, row_order
 from segpack.attention.pallas import PallasOptions
 from segpack.attention.sharded import shard_attention
-from segpack.attention.xla import segment_attention_xla
+from segpack.attention.xla import segment_attention_xla, segment_attention_xla_slots
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 Implementation = Literal["xla", "pallas", "cudnn"]
@@ -143,12 +145,27 @@ def backend_mesh(*, implementation: str | None,
   return None if resolve_implementation(implementation=implementation) == "xla" else mesh
 
 
+def _backend(impl: str, *, slots: bool, pallas: PallasOptions | None,
+             cudnn_segment_bound: int | None, check_segments: bool):
+  """The backend function and its keyword settings; `slots`: the slot-placed variant (XLA and
+  Pallas only)."""
+  if impl == "xla":
+    return (segment_attention_xla_slots if slots else segment_attention_xla), {}
+  if impl == "pallas":
+    fn = (pallas_lib.segment_attention_pallas_slots if slots
+          else pallas_lib.segment_attention_pallas)
+    return fn, dataclasses.asdict(PallasOptions() if pallas is None else pallas)
+  return cudnn.segment_attention_cudnn, dict(cudnn_segment_bound=cudnn_segment_bound,
+                                             check_segments=check_segments)
+
+
 def segment_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     segment_ids: jax.Array,
     *,
+    slot_index: jax.Array | None = None,
     causal: bool = True,
     scale: float | None = None,
     implementation: Implementation | None = None,
@@ -158,6 +175,7 @@ def segment_attention(
     mesh: jax.sharding.Mesh | None = None,
     batch_axis: str | tuple[str, ...] | None = BATCH_AXES,
     head_axis: str | tuple[str, ...] | None = TENSOR_AXIS,
+    context_axis: str | None = None,
 ) -> jax.Array:
   """Attention in which a query sees only keys of its own segment (document).
 
@@ -166,6 +184,14 @@ def segment_attention(
     k: keys `[B, S, K, D]`, same dtype; H must be a multiple of K (grouped-query attention).
     v: values `[B, S, K, D]`, same dtype.
     segment_ids: integer `[B, S]`; each non-zero id one contiguous run (a document), 0 = padding.
+      With `slot_index`, contiguous in slot order.
+    slot_index: optional integer `[B, S]`: each slot's index in the row before any reordering
+      (context parallelism reorders rows into chunks); None: `arange(S)`. The causal mask is
+      `slot_index[k] <= slot_index[q]`. Invariants (checked by `check_segments=True`): each row
+      a permutation of `0..S-1`; every non-zero segment one contiguous run in slot order; with a
+      context axis of more than one device, the slots of each of its devices ascending (without
+      one, any permutation: the rows are attended in row order and the output put back). Not
+      with cuDNN.
     causal: also hide keys after the query.
     scale: logit scale, default `1/sqrt(D)`.
     implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
@@ -178,41 +204,72 @@ def segment_attention(
       D=128), so N = S is no default; without it the call raises `AttentionInputError`.
       Refused with another backend.
     check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
-      cuDNN backends silently assume it) and, for cuDNN, that no row has more than
-      `cudnn_segment_bound` segments. Concrete inputs are checked now; traced inputs when the
-      computation runs (host callback).
+      cuDNN backends silently assume it), the `slot_index` invariants when given or with a
+      context axis, and, for cuDNN, that no row has more than `cudnn_segment_bound` segments.
+      Concrete inputs are checked now; traced inputs when the computation runs (host callback).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
-      inputs): the batch split over `batch_axis`, the heads over `head_axis`.
+      inputs): the batch split over `batch_axis`, the heads over `head_axis`, the sequence over
+      `context_axis`.
     batch_axis: mesh axis, or tuple of axes, for the batch (None: replicated); default
       `segpack.mesh.BATCH_AXES`, `("data", "fsdp")`, the trainer's mesh.
     head_axis: mesh axis, or tuple of axes, for the heads (None: replicated); must divide H and K;
       default `segpack.mesh.TENSOR_AXIS`, `"tensor"`.
+    context_axis: mesh axis splitting the sequence (context parallelism, e.g.
+      `segpack.mesh.CONTEXT_AXIS`), needs `mesh`; S must be divisible by its size. Each device
+      all-gathers the whole row's keys, values, segment ids and slot indices and attends for its
+      own `S / cp` queries; dK and dV are reduce-scattered back. None: the sequence is not split.
 
   Returns:
     `[B, S, H, D]` in the dtype of `q`; zeros at padding queries.
 
   Raises:
     AttentionInputError: bad shapes, H not a multiple of K, a bad block size, an unknown
-      implementation, a setting for another backend, or cuDNN without a positive
-      `cudnn_segment_bound`.
+      implementation, a setting for another backend, cuDNN without a positive
+      `cudnn_segment_bound` or with `slot_index`/`context_axis`, `context_axis` without `mesh`.
     AttentionTypeError: bad dtypes.
-    NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs.
+    NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs, or a broken
+      `slot_index` invariant.
   """
   shape = validate_inputs(q, k, v, segment_ids)
   scale = default_scale(shape.head_dim, scale)
   impl = resolve_implementation(implementation=implementation, pallas=pallas,
                                 cudnn_segment_bound=cudnn_segment_bound)
-  if check_segments:
-    check_contiguous(segment_ids)
-  if impl == "xla":
-    fn, kwargs = segment_attention_xla, {}
-  elif impl == "pallas":
-    fn = pallas_lib.segment_attention_pallas
-    kwargs = dataclasses.asdict(PallasOptions() if pallas is None else pallas)
-  else:
-    fn = cudnn.segment_attention_cudnn
-    kwargs = dict(cudnn_segment_bound=cudnn_segment_bound, check_segments=check_segments)
+  if context_axis is not None and mesh is None:
+    raise AttentionInputError(
+        f"segment_attention: `context_axis`={context_axis!r} needs `mesh` (the mesh that has "
+        "that axis), got mesh=None")
+  cp = 1 if context_axis is None else context_size(mesh, context_axis)
+  if impl == "cudnn" and (slot_index is not None or context_axis is not None):
+    raise AttentionInputError(
+        "segment_attention: implementation='cudnn' supports neither `slot_index` nor "
+        "`context_axis` (its packed layout needs every document's slots in row order on one "
+        "device); use implementation='pallas' or 'xla' for context parallelism")
+  fn, kwargs = _backend(impl, slots=cp > 1, pallas=pallas,
+                        cudnn_segment_bound=cudnn_segment_bound, check_segments=check_segments)
   kwargs.update(causal=causal, scale=scale)
+  if slot_index is None and cp == 1:
+    if check_segments:
+      check_contiguous(segment_ids)
+    return _row_attention(fn, q, k, v, segment_ids, mesh=mesh, batch_axis=batch_axis,
+                          head_axis=head_axis, **kwargs)
+  if slot_index is None:
+    slot_index = jnp.broadcast_to(
+        jnp.arange(shape.seq_len, dtype=jnp.int32), (shape.batch, shape.seq_len))
+  slot_index = validate_slot_index(slot_index, shape)
+  if check_segments:
+    check_slots(segment_ids, slot_index, context_size=cp)
+  if cp == 1:  # whole rows on every device: attend in row order, put the output back
+    to_row, from_row = row_order(slot_index)
+    out = _row_attention(fn, to_row(q), to_row(k), to_row(v), to_row(segment_ids), mesh=mesh,
+                         batch_axis=batch_axis, head_axis=head_axis, **kwargs)
+    return from_row(out)
+  return context_attention(fn, q, k, v, segment_ids, slot_index, mesh=mesh,
+                           batch_axis=batch_axis, head_axis=head_axis,
+                           context_axis=context_axis, **kwargs)
+
+
+def _row_attention(fn, q, k, v, segment_ids, *, mesh, batch_axis, head_axis, **kwargs):
+  """A backend on whole rows: directly, or per device under `shard_map` with a mesh."""
   if mesh is None:
     return fn(q, k, v, segment_ids, **kwargs)
   return shard_attention(fn, q, k, v, segment_ids, mesh=mesh, batch_axis=batch_axis,

@@ -4,6 +4,8 @@
 ranges (`blocks.py`) and calls a `custom_vjp` whose forward and backward are Pallas kernels
 (`pallas_fwd.py`, `pallas_bwd.py`), lowered through Triton on a GPU or run in interpret mode on
 the CPU. `PallasOptions` groups its settings for `segment_attention(..., pallas=...)`.
+`segment_attention_pallas_slots` is the context-parallel variant: one device's queries against
+the whole (gathered) row, placed by slot index.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from segpack.attention import pallas_bwd
 from segpack.attention import pallas_fwd
 from segpack.attention import resources
 from segpack.attention.checks import AttentionInputError
+from segpack.attention.context import row_order
 from segpack.attention.pallas_fwd import KernelConfig
 from segpack.attention.resources import AUTO, Auto, KernelSettings
 
@@ -91,12 +94,20 @@ def dense_ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) 
   return jnp.broadcast_to(r_Nx4, (b, n, 4)).astype(jnp.int32)
 
 
-def _ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) -> jax.Array:
-  """Per query block (`per_q`) or per key block ranges for the blocks of `cfg`."""
+def _ranges(seg_q_BxQ: jax.Array, seg_k_BxS: jax.Array, q_pos_BxQ: jax.Array | None,
+            cfg: KernelConfig, *, per_q: bool) -> jax.Array:
+  """Per query block (`per_q`) or per key block ranges for the blocks of `cfg`.
+
+  Without query positions (`cfg.q_positions` False) the queries are the keys' row itself.
+  """
+  if cfg.q_positions:
+    fn = blocks.slot_q_block_ranges if per_q else blocks.slot_kv_block_ranges
+    return fn(seg_q_BxQ, q_pos_BxQ, seg_k_BxS, block_q=cfg.block_q, block_k=cfg.block_k,
+              causal=cfg.causal)
   if not cfg.skip_blocks:
-    return dense_ranges(segment_ids_BxS, cfg, per_q=per_q)
+    return dense_ranges(seg_k_BxS, cfg, per_q=per_q)
   fn = blocks.q_block_ranges if per_q else blocks.kv_block_ranges
-  return fn(segment_ids_BxS, block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal)
+  return fn(seg_k_BxS, block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal)
 
 
 def _backward_config(cfg: KernelConfig) -> KernelConfig:
@@ -104,33 +115,38 @@ def _backward_config(cfg: KernelConfig) -> KernelConfig:
                              num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, cfg: KernelConfig):
-  out_BxSxHxD, _ = _flash_fwd(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, cfg)
-  return out_BxSxHxD
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg: KernelConfig):
+  out_BxQxHxD, _ = _flash_fwd(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+                              cfg)
+  return out_BxQxHxD
 
 
-def _flash_fwd(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, cfg: KernelConfig):
-  q_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=True)
-  out_BxSxHxD, lse_BxHxS = pallas_fwd.forward(
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, cfg=cfg)
-  residuals = (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, out_BxSxHxD, lse_BxHxS)
-  return out_BxSxHxD, residuals
+def _flash_fwd(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+               cfg: KernelConfig):
+  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=True)
+  out_BxQxHxD, lse_BxHxQ = pallas_fwd.forward(
+      q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_ranges_BxNx4, cfg=cfg)
+  residuals = (q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, out_BxQxHxD,
+               lse_BxHxQ)
+  return out_BxQxHxD, residuals
 
 
-def _flash_bwd(cfg: KernelConfig, residuals, dout_BxSxHxD):
-  q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, out_BxSxHxD, lse_BxHxS = residuals
+def _flash_bwd(cfg: KernelConfig, residuals, dout_BxQxHxD):
+  q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, out_BxQxHxD, lse_BxHxQ = (
+      residuals)
   cfg = _backward_config(cfg)
-  q_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=True)
-  kv_ranges_BxNx4 = _ranges(segment_ids_BxS, cfg, per_q=False)
-  delta_BxHxS = pallas_bwd.backward_delta(out_BxSxHxD, dout_BxSxHxD, cfg=cfg)
-  dq_BxSxHxD = pallas_bwd.backward_dq(
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, dout_BxSxHxD, lse_BxHxS,
-      delta_BxHxS, cfg=cfg)
+  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=True)
+  kv_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=False)
+  delta_BxHxQ = pallas_bwd.backward_delta(out_BxQxHxD, dout_BxQxHxD, cfg=cfg)
+  common = (seg_q_BxQ, seg_k_BxS, q_pos_BxQ)
+  dq_BxQxHxD = pallas_bwd.backward_dq(
+      q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, *common, q_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ,
+      delta_BxHxQ, cfg=cfg)
   dk_BxSxKxD, dv_BxSxKxD = pallas_bwd.backward_dkv(
-      q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, kv_ranges_BxNx4, dout_BxSxHxD,
-      lse_BxHxS, delta_BxHxS, cfg=cfg)
-  return dq_BxSxHxD, dk_BxSxKxD, dv_BxSxKxD, None
+      q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, *common, kv_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ,
+      delta_BxHxQ, cfg=cfg)
+  return dq_BxQxHxD, dk_BxSxKxD, dv_BxSxKxD, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -219,24 +235,100 @@ def segment_attention_pallas(
   Returns:
     `out_BxSxHxD`.
   """
-  b, s, h, d = q_BxSxHxD.shape
+  s, d = q_BxSxHxD.shape[1], q_BxSxHxD.shape[3]
+  cfg, multiple = _kernel_config(
+      q_BxSxHxD, k_BxSxKxD, seq_len=s, causal=causal, scale=scale, interpret=interpret,
+      skip_blocks=skip_blocks, q_positions=False, block_q=block_q, block_k=block_k,
+      block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, num_warps=num_warps,
+      num_stages=num_stages, smem_bytes=smem_bytes)
+  s_pad = -(-s // multiple) * multiple
+  pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, resources.padded_head_dim(d) - d))
+  q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
+  seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
+  out = _flash(q_p, k_p, v_p, seg_p, seg_p, None, cfg)
+  return out[:, :s, :, :d]
+
+
+def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: float,
+                   interpret: bool, skip_blocks: bool, q_positions: bool,
+                   smem_bytes: int | None, **settings) -> tuple[KernelConfig, int]:
+  """The kernels' static config and the multiple that every padded length must be."""
+  h, d = q_BxQxHxD.shape[2], q_BxQxHxD.shape[3]
   if d > MAX_HEAD_DIM:
     raise AttentionInputError(
         f"segment_attention(implementation='pallas'): head dim D={d} is above {MAX_HEAD_DIM}")
   fwd, bwd = kernel_settings(
-      dtype=q_BxSxHxD.dtype, head_dim=d, group=h // k_BxSxKxD.shape[2], seq_len=s,
-      smem_bytes=smem_bytes, block_q=block_q, block_k=block_k, block_q_bwd=block_q_bwd,
-      block_k_bwd=block_k_bwd, num_warps=num_warps, num_stages=num_stages)
-  multiple = max(fwd.block_q, fwd.block_k, bwd.block_q, bwd.block_k)
-  s_pad = -(-s // multiple) * multiple
-  d_pad = resources.padded_head_dim(d)
-  pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d))
-  q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
-  seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
+      dtype=q_BxQxHxD.dtype, head_dim=d, group=h // k_BxSxKxD.shape[2], seq_len=seq_len,
+      smem_bytes=smem_bytes, **settings)
   cfg = KernelConfig(
       causal=causal, scale=scale, block_q=fwd.block_q, block_k=fwd.block_k,
       block_q_bwd=bwd.block_q, block_k_bwd=bwd.block_k, interpret=interpret,
       skip_blocks=skip_blocks, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
-      num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages)
-  out = _flash(q_p, k_p, v_p, seg_p, cfg)
-  return out[:, :s, :, :d]
+      num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages, q_positions=q_positions)
+  return cfg, max(fwd.block_q, fwd.block_k, bwd.block_q, bwd.block_k)
+
+
+def segment_attention_pallas_slots(
+    q_BxQxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    seg_q_BxQ: jax.Array,
+    seg_k_BxS: jax.Array,
+    slot_q_BxQ: jax.Array,
+    slot_k_BxS: jax.Array,
+    *,
+    causal: bool,
+    scale: float,
+    interpret: bool = False,
+    smem_bytes: int | None = None,
+    **settings: int | Auto | None,
+) -> jax.Array:
+  """Segment flash attention of `Q` queries over a whole row of `S` keys, placed by slot index.
+
+  The context-parallel variant of `segment_attention_pallas` (the signature of
+  `xla.segment_attention_xla_slots`): the keys are the whole row in any order (e.g. all-gathered
+  from the devices of a context axis), `slot_k` their slot indices (a permutation of `0..S-1`);
+  the queries are any `Q` of the row's slots with ascending `slot_q`. The keys, values and
+  segment ids are put back in row order (a gather by the inverse permutation, whose transpose
+  scatters dK and dV back), so every segment is one run and the block ranges of `blocks.py`
+  (`slot_q_block_ranges`, `slot_kv_block_ranges`) skip the blocks of other documents; the
+  kernels read the queries' slot positions from an input (`KernelConfig.q_positions`).
+
+  Args:
+    q_BxQxHxD: queries.
+    k_BxSxKxD: keys of the whole row.
+    v_BxSxKxD: values of the whole row.
+    seg_q_BxQ: segment ids of the queries, 0 = padding.
+    seg_k_BxS: segment ids of the keys, in the keys' order.
+    slot_q_BxQ: int32 slot indices of the queries, ascending.
+    slot_k_BxS: int32 slot indices of the keys, a permutation of `0..S-1` per row.
+    causal: hide keys whose slot index is above the query's.
+    scale: logit scale.
+    interpret: run the kernels in interpret mode (CPU).
+    smem_bytes: shared memory per block of the target GPU (as `segment_attention_pallas`).
+    **settings: `block_q`, `block_k`, `block_q_bwd`, `block_k_bwd`, `num_warps`, `num_stages`
+      (as `segment_attention_pallas`).
+
+  Returns:
+    `out_BxQxHxD`; zeros at padding queries.
+  """
+  sq, d = q_BxQxHxD.shape[1], q_BxQxHxD.shape[3]
+  s = k_BxSxKxD.shape[1]
+  cfg, multiple = _kernel_config(
+      q_BxQxHxD, k_BxSxKxD, seq_len=sq, causal=causal, scale=scale, interpret=interpret,
+      skip_blocks=True, q_positions=True, smem_bytes=smem_bytes, **settings)
+  to_row, _ = row_order(slot_k_BxS)
+  k_nat, v_nat, seg_nat_BxS = (to_row(x) for x in (k_BxSxKxD, v_BxSxKxD,
+                                                   seg_k_BxS.astype(jnp.int32)))
+  sq_pad, s_pad = (-(-n // multiple) * multiple for n in (sq, s))
+  d_pad = resources.padded_head_dim(d)
+  q_p = jnp.pad(q_BxQxHxD, ((0, 0), (0, sq_pad - sq), (0, 0), (0, d_pad - d)))
+  k_p, v_p = (jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
+              for x in (k_nat, v_nat))
+  seg_q_p = jnp.pad(seg_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
+  seg_k_p = jnp.pad(seg_nat_BxS, ((0, 0), (0, s_pad - s)))
+  # Padding queries sit after every key, so they stay last in the ascending order.
+  pos_q_p = jnp.pad(slot_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)),
+                    constant_values=s_pad)
+  out = _flash(q_p, k_p, v_p, seg_q_p, seg_k_p, pos_q_p, cfg)
+  return out[:, :sq, :, :d]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from segpack.attention.pallas_fwd import KernelConfig, compiler_params, element_mask
+from segpack.attention.pallas_fwd import positions_args, query_positions, split_positions
 
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
@@ -42,9 +43,9 @@ def backward_delta(out_BxSxHxD, dout_BxSxHxD, *, cfg: KernelConfig) -> jax.Array
   )(out_BxSxHxD, dout_BxSxHxD)
 
 
-def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, cfg: KernelConfig):
-  bq, bk = cfg.block_q, cfg.block_k
+def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
+  bk = cfg.block_k
+  qpos_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = split_positions(refs, cfg)
   qi = pl.program_id(0)
   kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
   full_lo, full_hi = ranges_ref[qi, 2], ranges_ref[qi, 3]
@@ -53,7 +54,7 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, ls
   lse_Q = lse_ref[...]
   delta_Q = delta_ref[...]
   seg_q_Q = seg_q_ref[...]
-  q_pos_Q = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  q_pos_Q = query_positions(qi, qpos_ref, cfg)
 
   def body(j, dq_QxD, *, masked: bool):
     k_CxD = k_ref[pl.ds(j * bk, bk), :]
@@ -76,37 +77,42 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, ls
   dq_ref[...] = (dq_QxD * cfg.scale).astype(dq_ref.dtype)
 
 
-def backward_dq(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, dout_BxSxHxD,
-                lse_BxHxS, delta_BxHxS, *, cfg: KernelConfig) -> jax.Array:
-  """Runs the dQ kernel; returns `dq_BxSxHxD` in the dtype of `q`."""
-  b, s, h, d = q_BxSxHxD.shape
+def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+                q_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ, delta_BxHxQ, *,
+                cfg: KernelConfig) -> jax.Array:
+  """Runs the dQ kernel; returns `dq_BxQxHxD` in the dtype of `q` (`q_pos` as in `forward`)."""
+  b, sq, h, d = q_BxQxHxD.shape
+  s = k_BxSxKxD.shape[1]
   g = h // k_BxSxKxD.shape[2]
-  nq = s // cfg.block_q
+  nq = sq // cfg.block_q
   q_spec = pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
   row_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, bi, hi: (bi, hi, i))
+  row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
+  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
   in_specs = [
       pl.BlockSpec((None, nq, 4), lambda i, bi, hi: (bi, 0, 0)),
-      pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i)),
+      row_q,
       pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
-      q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+      *pos_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
   ]
   return pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(nq, b, h),
       in_specs=in_specs,
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q_BxSxHxD.shape, q_BxSxHxD.dtype),
+      out_shape=jax.ShapeDtypeStruct(q_BxQxHxD.shape, q_BxQxHxD.dtype),
       compiler_params=compiler_params(cfg),
       interpret=cfg.interpret,
       name="segment_flash_bwd_dq",
-  )(q_ranges_BxNx4, segment_ids_BxS, segment_ids_BxS, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD,
-    dout_BxSxHxD, lse_BxHxS, delta_BxHxS)
+  )(q_ranges_BxNx4, seg_q_BxQ, seg_k_BxS, *pos_args, q_BxQxHxD, k_BxSxKxD, v_BxSxKxD,
+    dout_BxQxHxD, lse_BxHxQ, delta_BxHxQ)
 
 
-def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg: KernelConfig, group: int):
+def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, group: int):
   bq, bk = cfg.block_q, cfg.block_k
+  qpos_ref, refs = split_positions(refs, cfg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
   kj = pl.program_id(0)
   q_lo, q_hi = ranges_ref[kj, 0], ranges_ref[kj, 1]
   full_lo, full_hi = ranges_ref[kj, 2], ranges_ref[kj, 3]
@@ -125,7 +131,10 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, l
     p_QxC = jnp.exp(s_QxC - lse_Q[:, None])
     if masked:
       seg_q_Q = seg_q_ref[pl.ds(i * bq, bq)]
-      q_pos_Q = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
+      if cfg.q_positions:
+        q_pos_Q = qpos_ref[pl.ds(i * bq, bq)]
+      else:
+        q_pos_Q = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
       p_QxC = jnp.where(element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal), p_QxC, 0.0)
     dv_CxD += jnp.dot(p_QxC.astype(do_QxD.dtype).T, do_QxD, preferred_element_type=jnp.float32)
     dp_QxC = jnp.dot(do_QxD, v_CxD.T, preferred_element_type=jnp.float32)
@@ -146,25 +155,32 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, l
   dv_ref[...] = dv_CxD.astype(dv_ref.dtype)
 
 
-def backward_dkv(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, kv_ranges_BxNx4, dout_BxSxHxD,
-                 lse_BxHxS, delta_BxHxS, *, cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
-  """Runs the dK/dV kernel; returns `(dk_BxSxKxD, dv_BxSxKxD)`, summed over each kv head's group."""
-  b, s, h, d = q_BxSxHxD.shape
+def backward_dkv(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+                 kv_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ, delta_BxHxQ, *,
+                 cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
+  """Runs the dK/dV kernel; returns `(dk_BxSxKxD, dv_BxSxKxD)`, summed over each kv head's group.
+
+  `q_pos` as in `forward`.
+  """
+  b, sq, h, d = q_BxQxHxD.shape
+  s = k_BxSxKxD.shape[1]
   kh = k_BxSxKxD.shape[2]
   g = h // kh
   nk = s // cfg.block_k
-  q_BxSxKxGxD = q_BxSxHxD.reshape(b, s, kh, g, d)
-  do_BxSxKxGxD = dout_BxSxHxD.reshape(b, s, kh, g, d)
-  lse_BxKxGxS = lse_BxHxS.reshape(b, kh, g, s)
-  delta_BxKxGxS = delta_BxHxS.reshape(b, kh, g, s)
+  q_BxQxKxGxD = q_BxQxHxD.reshape(b, sq, kh, g, d)
+  do_BxQxKxGxD = dout_BxQxHxD.reshape(b, sq, kh, g, d)
+  lse_BxKxGxQ = lse_BxHxQ.reshape(b, kh, g, sq)
+  delta_BxKxGxQ = delta_BxHxQ.reshape(b, kh, g, sq)
   kv_spec = pl.BlockSpec((None, cfg.block_k, None, d), lambda j, bi, ki: (bi, j, ki, 0))
-  q_spec = pl.BlockSpec((None, s, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
-  row_spec = pl.BlockSpec((None, None, g, s), lambda j, bi, ki: (bi, ki, 0, 0))
+  q_spec = pl.BlockSpec((None, sq, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
+  row_spec = pl.BlockSpec((None, None, g, sq), lambda j, bi, ki: (bi, ki, 0, 0))
+  row_q = pl.BlockSpec((None, sq), lambda j, bi, ki: (bi, 0))
+  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
   in_specs = [
       pl.BlockSpec((None, nk, 4), lambda j, bi, ki: (bi, 0, 0)),
-      pl.BlockSpec((None, s), lambda j, bi, ki: (bi, 0)),
+      row_q,
       pl.BlockSpec((None, cfg.block_k), lambda j, bi, ki: (bi, j)),
-      q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+      *pos_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
   ]
   out_shape = [jax.ShapeDtypeStruct(k_BxSxKxD.shape, k_BxSxKxD.dtype),
                jax.ShapeDtypeStruct(v_BxSxKxD.shape, v_BxSxKxD.dtype)]
@@ -177,5 +193,5 @@ def backward_dkv(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, kv_ranges_BxN
       compiler_params=compiler_params(cfg),
       interpret=cfg.interpret,
       name="segment_flash_bwd_dkv",
-  )(kv_ranges_BxNx4, segment_ids_BxS, segment_ids_BxS, q_BxSxKxGxD, k_BxSxKxD, v_BxSxKxD,
-    do_BxSxKxGxD, lse_BxKxGxS, delta_BxKxGxS)
+  )(kv_ranges_BxNx4, seg_q_BxQ, seg_k_BxS, *pos_args, q_BxQxKxGxD, k_BxSxKxD, v_BxSxKxD,
+    do_BxQxKxGxD, lse_BxKxGxQ, delta_BxKxGxQ)

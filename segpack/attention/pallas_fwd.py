@@ -5,6 +5,10 @@ blocks `[kv_lo, kv_hi)` precomputed by `blocks.q_block_ranges`, in three loops: 
 `[kv_lo, full_lo)`, mask-free blocks `[full_lo, full_hi)` (inside the query block's segment and at
 or below the diagonal), masked blocks `[full_hi, kv_hi)`. The kv head is `h // G`.
 
+Context parallelism (`KernelConfig.q_positions`): the queries are `Q` slots of the row (one
+device's share), the keys the whole row in row order; the queries' slot positions come from an
+input instead of `program_id * block_q`, and the ranges from `blocks.slot_q_block_ranges`.
+
 `KernelConfig`, the static settings of a kernel call, lives here because the forward and the
 backward kernels (`pallas_bwd.py`) both read it; `pallas.py` builds it.
 """
@@ -41,6 +45,9 @@ class KernelConfig:
     num_stages: Triton pipeline stages of the forward kernel.
     num_warps_bwd: Triton warps of the backward kernels (delta, dQ, dK/dV).
     num_stages_bwd: Triton pipeline stages of the backward kernels.
+    q_positions: the queries' slot positions come from an input array (queries placed anywhere
+      in the row of keys, context parallelism) instead of `program_id * block_q`; the kernels
+      then also accept fewer queries than keys.
   """
 
   causal: bool
@@ -55,6 +62,7 @@ class KernelConfig:
   num_stages: int = 2
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
+  q_positions: bool = False
 
 
 def compiler_params(cfg: KernelConfig) -> pltriton.CompilerParams:
@@ -70,15 +78,22 @@ def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool) -> jax.Array:
   return mask_QxC
 
 
-def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                cfg: KernelConfig):
+def query_positions(qi, qpos_ref, cfg: KernelConfig) -> jax.Array:
+  """Slot positions of query block `qi`: read from `qpos_ref`, or `qi * block_q + iota`."""
+  if cfg.q_positions:
+    return qpos_ref[...]
+  return qi * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_q,), 0)
+
+
+def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   bq, bk = cfg.block_q, cfg.block_k
+  qpos_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_positions(refs, cfg)
   qi = pl.program_id(0)
   kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
   full_lo, full_hi = ranges_ref[qi, 2], ranges_ref[qi, 3]
   q_QxD = q_ref[...]
   seg_q_Q = seg_q_ref[...]
-  q_pos_Q = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
+  q_pos_Q = query_positions(qi, qpos_ref, cfg)
   d = q_QxD.shape[-1]
 
   def body(j, carry, *, masked: bool):
@@ -112,21 +127,38 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, ls
   lse_ref[...] = jnp.where(valid_Q, m_Q + jnp.log(l_safe_Q), jnp.inf)
 
 
-def forward(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, *,
-            cfg: KernelConfig):
-  """Runs the forward kernel.
+def split_positions(refs, cfg: KernelConfig):
+  """`(qpos_ref or None, the other refs)`: the positions input comes first when present."""
+  return (refs[0], refs[1:]) if cfg.q_positions else (None, refs)
+
+
+def positions_args(q_pos_BxQ, spec, cfg: KernelConfig) -> tuple[list, list]:
+  """The extra `(in_specs, args)` that pass the query positions to a kernel, if any."""
+  return ([spec], [q_pos_BxQ]) if cfg.q_positions else ([], [])
+
+
+def forward(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_ranges_BxNx4,
+            *, cfg: KernelConfig):
+  """Runs the forward kernel (`Q` queries, `S` keys; `Q == S` unless `cfg.q_positions`).
+
+  `q_pos_BxQ` (int32 slot positions of the queries in the row of keys) is read only when
+  `cfg.q_positions`, otherwise it may be None.
 
   Returns:
-    `(out_BxSxHxD, lse_BxHxS)`; `lse` is the float32 log-sum-exp of the scaled logits, `+inf` at
+    `(out_BxQxHxD, lse_BxHxQ)`; `lse` is the float32 log-sum-exp of the scaled logits, `+inf` at
     padding queries (so the backward gives them zero probability).
   """
-  b, s, h, d = q_BxSxHxD.shape
+  b, sq, h, d = q_BxQxHxD.shape
+  s = k_BxSxKxD.shape[1]
   g = h // k_BxSxKxD.shape[2]
-  nq = s // cfg.block_q
+  nq = sq // cfg.block_q
+  row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
+  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
   in_specs = [
       pl.BlockSpec((None, nq, 4), lambda i, bi, hi: (bi, 0, 0)),
-      pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i)),
+      row_q,
       pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
+      *pos_specs,
       pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
       pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
       pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
@@ -135,8 +167,8 @@ def forward(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, *,
       pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
       pl.BlockSpec((None, None, cfg.block_q), lambda i, bi, hi: (bi, hi, i)),
   ]
-  out_shape = [jax.ShapeDtypeStruct(q_BxSxHxD.shape, q_BxSxHxD.dtype),
-               jax.ShapeDtypeStruct((b, h, s), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct(q_BxQxHxD.shape, q_BxQxHxD.dtype),
+               jax.ShapeDtypeStruct((b, h, sq), jnp.float32)]
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg),
       grid=(nq, b, h),
@@ -146,4 +178,4 @@ def forward(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, q_ranges_BxNx4, *,
       compiler_params=compiler_params(cfg),
       interpret=cfg.interpret,
       name="segment_flash_fwd",
-  )(q_ranges_BxNx4, segment_ids_BxS, segment_ids_BxS, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD)
+  )(q_ranges_BxNx4, seg_q_BxQ, seg_k_BxS, *pos_args, q_BxQxHxD, k_BxSxKxD, v_BxSxKxD)

@@ -5,7 +5,7 @@ split over the batch axes and the heads over the tensor axis (by default the nam
 `segpack.mesh`: batch over `("data", "fsdp")`, heads over `"tensor"`): every device runs the kernel
 on its `[B / batch, S, H / tensor, D]` block (and `[B / batch, S, K / tensor, D]` keys and values;
 the grouped-query pairing `h // G` is preserved because both head dims are split into contiguous
-chunks). The sequence axis is never split: a segment's keys must stay on the device of its queries.
+chunks). The sequence axis is not split here; `context.py` splits it (context parallelism).
 """
 
 from __future__ import annotations
@@ -22,8 +22,12 @@ from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 AxisNames = str | tuple[str, ...] | None
 
 
-def _axis_size(mesh: Mesh, axis: AxisNames, arg: str) -> int:
-  """Devices along one mesh axis name, or the product over a tuple of names."""
+def axis_size(mesh: Mesh, axis: AxisNames, arg: str) -> int:
+  """Devices along one mesh axis name, or the product over a tuple of names (None: 1).
+
+  Raises:
+    AttentionInputError: a name that is not an axis of `mesh` (the error names `arg`).
+  """
   names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
   size = 1
   for name in names:
@@ -33,6 +37,28 @@ def _axis_size(mesh: Mesh, axis: AxisNames, arg: str) -> int:
           f"{dict(mesh.shape)} (pass `{arg}` naming axes of this mesh, or None to replicate)")
     size *= mesh.shape[name]
   return size
+
+
+def check_divisible(mesh: Mesh, q_BxSxHxD: jax.Array, k_BxSxKxD: jax.Array, *,
+                    batch_axis: AxisNames, head_axis: AxisNames,
+                    context_axis: str | None = None) -> None:
+  """Checks that every mesh axis divides the dimension it splits: B by `batch_axis`, S by
+  `context_axis` (if any), H and K by `head_axis`.
+
+  Raises:
+    AttentionInputError: an unknown axis, or a dimension its axis does not divide.
+  """
+  b, s, h, _ = q_BxSxHxD.shape
+  dims = [("batch B", b, batch_axis, "batch_axis")]
+  if context_axis is not None:
+    dims.append(("sequence S", s, context_axis, "context_axis"))
+  dims += [("query heads H", h, head_axis, "head_axis"),
+           ("key/value heads K", k_BxSxKxD.shape[2], head_axis, "head_axis")]
+  for name, size, axis, arg in dims:
+    n = axis_size(mesh, axis, arg)
+    if size % n:
+      raise AttentionInputError(
+          f"segment_attention: {name}={size} is not divisible by mesh axis {axis!r} of size {n}")
 
 
 def shard_attention(
@@ -68,16 +94,7 @@ def shard_attention(
   Raises:
     AttentionInputError: an unknown axis, or a dimension its axis does not divide.
   """
-  b, _, h, _ = q_BxSxHxD.shape
-  kh = k_BxSxKxD.shape[2]
-  n_batch = _axis_size(mesh, batch_axis, "batch_axis")
-  n_head = _axis_size(mesh, head_axis, "head_axis")
-  for name, size, n, axis in (("batch B", b, n_batch, batch_axis),
-                              ("query heads H", h, n_head, head_axis),
-                              ("key/value heads K", kh, n_head, head_axis)):
-    if size % n:
-      raise AttentionInputError(
-          f"segment_attention: {name}={size} is not divisible by mesh axis {axis!r} of size {n}")
+  check_divisible(mesh, q_BxSxHxD, k_BxSxKxD, batch_axis=batch_axis, head_axis=head_axis)
   heads_spec = P(batch_axis, None, head_axis, None)
   seg_spec = P(batch_axis, None)
 

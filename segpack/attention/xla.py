@@ -48,17 +48,61 @@ def segment_attention_xla(
   Returns:
     `out_BxSxHxD` in the dtype of `q`.
   """
+  mask_BxSxT = segment_mask(segment_ids_BxS, causal=causal)
+  return _masked_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxSxT, segment_ids_BxS != 0,
+                           scale=scale)
+
+
+def segment_attention_xla_slots(
+    q_BxQxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    seg_q_BxQ: jax.Array,
+    seg_k_BxS: jax.Array,
+    slot_q_BxQ: jax.Array,
+    slot_k_BxS: jax.Array,
+    *,
+    causal: bool,
+    scale: float,
+) -> jax.Array:
+  """Dense-mask segment attention of `Q` queries over `S` keys placed by their slot indices.
+
+  The mask is `seg_q[i] == seg_k[j] != 0` and, if causal, `slot_k[j] <= slot_q[i]`: the slot
+  index is a slot's position in the row before any reordering (context parallelism), so neither
+  the queries nor the keys need to be in row order.
+
+  Args:
+    q_BxQxHxD: queries (e.g. one device's share of a row).
+    k_BxSxKxD: keys (e.g. the whole row, gathered), H a multiple of K.
+    v_BxSxKxD: values.
+    seg_q_BxQ: segment ids of the queries, 0 = padding.
+    seg_k_BxS: segment ids of the keys.
+    slot_q_BxQ: slot indices of the queries.
+    slot_k_BxS: slot indices of the keys.
+    causal: also mask keys whose slot index is above the query's.
+    scale: logit scale.
+
+  Returns:
+    `out_BxQxHxD` in the dtype of `q`; zeros at padding queries.
+  """
+  mask_BxQxS = (seg_q_BxQ[:, :, None] == seg_k_BxS[:, None, :]) & (seg_q_BxQ[:, :, None] != 0)
+  if causal:
+    mask_BxQxS &= slot_k_BxS[:, None, :] <= slot_q_BxQ[:, :, None]
+  return _masked_attention(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxQxS, seg_q_BxQ != 0,
+                           scale=scale)
+
+
+def _masked_attention(q_BxSxHxD, k_BxTxKxD, v_BxTxKxD, mask_BxSxT, valid_BxS, *, scale: float):
+  """Softmax attention under a boolean `[B, S, T]` mask; zeros at the queries not `valid`."""
   b, s, h, d = q_BxSxHxD.shape
-  kh = k_BxSxKxD.shape[2]
+  kh = k_BxTxKxD.shape[2]
   q_BxSxKxGxD = q_BxSxHxD.reshape(b, s, kh, h // kh, d)
   logits_BxKxGxSxT = jnp.einsum(
-      "bskgd,btkd->bkgst", q_BxSxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32) * scale
-  mask_BxSxT = segment_mask(segment_ids_BxS, causal=causal)
+      "bskgd,btkd->bkgst", q_BxSxKxGxD, k_BxTxKxD, preferred_element_type=jnp.float32) * scale
   logits_BxKxGxSxT = jnp.where(mask_BxSxT[:, None, None], logits_BxKxGxSxT, _MASK_VALUE)
   probs_BxKxGxSxT = jax.nn.softmax(logits_BxKxGxSxT, axis=-1)
-  valid_BxS = segment_ids_BxS != 0
   probs_BxKxGxSxT = jnp.where(valid_BxS[:, None, None, :, None], probs_BxKxGxSxT, 0.0)
   out_BxSxKxGxD = jnp.einsum(
-      "bkgst,btkd->bskgd", probs_BxKxGxSxT.astype(v_BxSxKxD.dtype), v_BxSxKxD,
+      "bkgst,btkd->bskgd", probs_BxKxGxSxT.astype(v_BxTxKxD.dtype), v_BxTxKxD,
       preferred_element_type=jnp.float32)
   return out_BxSxKxGxD.reshape(b, s, h, d).astype(q_BxSxHxD.dtype)

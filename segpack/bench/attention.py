@@ -39,6 +39,8 @@ from segpack import packing
 from segpack.attention import blocks
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
+from segpack.bench import attention_context
+from segpack.cli import errors
 from segpack.files import atomic_write_bytes
 
 NOT_MEASURED = "not measured"
@@ -295,10 +297,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                   "CPU; the times mean nothing)")
   ap.add_argument("--json", action="store_true", help="one JSON record per config, one a line")
   ap.add_argument("--plot", default=None, help="write a PNG plot here")
+  ap.add_argument("--context", action="store_true",
+                  help="the context-parallel balance benchmark instead, with its own flags "
+                  "(segpack.bench.attention_context: --context --help)")
   return ap.parse_args(argv)
 
 
+@errors.command("segpack bench attention")
 def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--context" in argv:
+    return attention_context.main([a for a in argv if a != "--context"])
   args = parse_args(argv)
   results = run(args)
   if args.json:

@@ -6,8 +6,12 @@
 On a CUDA GPU it runs every check of `segpack.bench.gpu_checks` over the grid of the `gpu` tests
 (`segpack.bench.gpu_cases`, `tests/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory
 check at N = 32 (`segpack.bench.gpu_memory`), and the attention benchmark
-(`segpack.bench.attention` at its default sizes; `--quick`: S = 4096 and 8192, D = 128), then
-writes ONE JSON file (temporary file, then `os.replace`; rewritten after every group of checks,
+(`segpack.bench.attention` at its default sizes; `--quick`: S = 4096 and 8192, D = 128), and,
+with more than one GPU, the context-parallel step times (`context_parallel`: forward + backward
+of Pallas `segment_attention` at S = 32768 over cp = min(8, GPUs rounded down to a power of two)
+devices, one packed row each of mean document length 800 and 8000, for every slot order,
+`segpack.bench.context_step`; with one GPU or on the CPU "not yet measured"), then writes ONE
+JSON file (temporary file, then `os.replace`; rewritten after every group of checks,
 with `"complete": false` until the end) holding the device, the versions, the date, every check
 record, the benchmark records and a summary, and prints a short table.
 
@@ -43,10 +47,17 @@ import jaxlib
 
 import segpack
 from segpack.bench import attention as bench
+from segpack.bench import attention_context
+from segpack.bench import context_step
 from segpack.bench import gpu_cases
 from segpack.bench import gpu_checks
 from segpack.bench import gpu_memory
+from segpack.cli import errors
 from segpack.files import atomic_write_bytes
+
+CP_SEQ_LEN = 32768
+CP_MEANS = (800.0, 8000.0)
+CP_MAX_SIZE = 8
 
 _BENCH_ARGS = {
     "full": [],
@@ -174,6 +185,45 @@ def run_benchmark(mode: str) -> list[dict[str, Any]]:
     return [{"error": gpu_checks.describe_error(e)}]
 
 
+def context_parallel_timing(*, on_gpu: bool) -> dict[str, Any]:
+  """Context-parallel step times per slot order with more than one GPU, else not measured."""
+  count = jax.device_count()
+  if not on_gpu or count < 2:
+    return dict(status=context_step.NOT_MEASURED,
+                reason=f"context-parallel step times need more than one GPU; this run has "
+                       f"{count} {jax.default_backend()} device(s)")
+  cp = min(CP_MAX_SIZE, 2 ** int(math.log2(count)))
+  records: list[dict[str, Any]] = []
+  for mean in CP_MEANS:
+    seg = attention_context.packed_rows(CP_SEQ_LEN, num_rows=1, mean=mean, sigma=1.0, seed=0)
+    try:
+      recs = context_step.time_orders(
+          mesh=context_step.context_mesh(cp), segment_ids_BxS=seg,
+          heads=attention_context.HEADS, kv_heads=attention_context.KV_HEADS,
+          head_dim=attention_context.HEAD_DIM, dtype="bfloat16", implementation="pallas")
+    except Exception as e:  # pylint: disable=broad-except
+      records.append(dict(mean=mean, error=gpu_checks.describe_error(e)))
+      continue
+    records.extend(dict(r, mean=mean) for r in recs)
+  return dict(status="measured", seq_len=CP_SEQ_LEN, context_size=cp, records=records)
+
+
+def format_context(section: dict[str, Any] | str) -> str:
+  """The context-parallel section: one line per (mean, order), or why it did not run."""
+  if not isinstance(section, dict) or section["status"] != "measured":
+    reason = section if not isinstance(section, dict) else (
+        f"{section['status']} ({section['reason']})")
+    return f"context-parallel step times: {reason}"
+  lines = [f"context-parallel step times, S={section['seq_len']}, cp={section['context_size']}, "
+           f"Pallas, forward + backward:"]
+  for r in section["records"]:
+    lines.append(f"  mean {r['mean']:>5.0f} " + (
+        f"error: {r['error']}" if "error" in r else
+        f"{r['balance']:<9} {r['step_ms']:>9.2f} ms  x{r['ratio_to_none']:.3f}  "
+        f"(max/mean cost {r['max_over_mean']:.3f})"))
+  return "\n".join(lines)
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, int]:
   """Counts of `passed`, `failed` and `unsupported` records."""
   counts = {"passed": 0, "failed": 0, "unsupported": 0}
@@ -240,9 +290,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   ap.add_argument("--quick", action="store_true", help="a small subset of the grid")
   ap.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                   help="cpu: a tiny grid on the CPU that checks this command, not the numbers")
-  ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+  ap.add_argument("--jobs", type=errors.at_least(1), default=min(4, os.cpu_count() or 1),
                   help="threads compiling programs ahead (1: compile when needed)")
-  ap.add_argument("--no-bench", action="store_true", help="skip the attention benchmark")
+  ap.add_argument("--no-bench", action="store_true",
+                  help="skip the attention benchmark and the context-parallel step times")
   args = ap.parse_args(argv)
   if args.jobs < 1:
     ap.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -265,6 +316,7 @@ def _platform_error(requested: str) -> str | None:
   return None
 
 
+@errors.command("segpack bench gpu-report")
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   error = _platform_error(args.platform)
@@ -286,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           worst_slot_factor=gpu_checks.WORST_SLOT_FACTOR,
                           worst_slot_floor_factor=gpu_checks.WORST_SLOT_FLOOR_FACTOR,
                           floors=gpu_checks.ERROR_FLOORS),
-      complete=False, checks=[], cudnn_memory=None, benchmark=None)
+      complete=False, checks=[], cudnn_memory=None, benchmark=None, context_parallel=None)
 
   def save(records: list[dict[str, Any]]) -> None:
     report.update(checks=records, summary=summarize(records),
@@ -297,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   report["cudnn_memory"] = gpu_memory.cudnn_memory_check()
   save(records)
   report["benchmark"] = "skipped (--no-bench)" if args.no_bench else run_benchmark(mode)
+  report["context_parallel"] = ("skipped (--no-bench)" if args.no_bench
+                                else context_parallel_timing(on_gpu=not on_cpu))
   report.update(complete=True, summary=summarize(records + [report["cudnn_memory"]]),
                 seconds=time.perf_counter() - t0)
   write_report(out, report)
@@ -305,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       "seq_len" in report["benchmark"][0]):
     print()
     print(bench.format_table(report["benchmark"]))
+  print(format_context(report["context_parallel"]))
   print(f"\nreport: {out}")
   return 1 if report["summary"]["failed"] else 0
 

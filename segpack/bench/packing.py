@@ -47,6 +47,7 @@ import sys
 from typing import Any, Sequence
 
 from segpack import packing
+from segpack.cli import errors
 from segpack.bench.packing_mixture import bench_mixture, mixture_notes
 from segpack.bench.packing_sections import (bench_balance, bench_builtin, bench_grain,
                                             bench_load, bench_plan, bench_repack, bench_scale,
@@ -111,37 +112,41 @@ def _parser() -> argparse.ArgumentParser:
   """The command's flags (its help is the module docstring)."""
   ap = argparse.ArgumentParser(prog="segpack bench packing", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--num-docs", type=int, default=10_000_000)
-  ap.add_argument("--seq-len", type=int, default=4096)
-  ap.add_argument("--mean", type=float, default=800.0)
-  ap.add_argument("--sigma", type=float, default=1.0)
+  ap.add_argument("--num-docs", type=errors.at_least(0), default=10_000_000)
+  ap.add_argument("--seq-len", type=errors.at_least(2), default=4096)
+  ap.add_argument("--mean", type=errors.at_least(1.0, float), default=800.0)
+  ap.add_argument("--sigma", type=errors.at_least(0.0, float), default=1.0)
   ap.add_argument("--strategies", default="ffd,bfd")
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--extra-tokens", type=int, default=0,
+  ap.add_argument("--repeats", type=errors.at_least(1), default=3)
+  ap.add_argument("--extra-tokens", type=errors.at_least(0), default=0,
                   help="virtual slots per document in the plan section (2 = BOS + EOS)")
-  ap.add_argument("--grain-docs", type=int, default=100_000, help="0 skips the Grain section")
-  ap.add_argument("--grain-bins", type=int, default=64, help="Grain's num_packing_bins")
-  ap.add_argument("--load-docs", type=int, default=100_000, help="0 skips the loading section")
-  ap.add_argument("--load-batches", type=int, default=2000)
-  ap.add_argument("--batch-size", type=int, default=8)
+  ap.add_argument("--grain-docs", type=errors.at_least(0),
+                  default=100_000, help="0 skips the Grain section")
+  ap.add_argument("--grain-bins", type=errors.at_least(1),
+                  default=64, help="Grain's num_packing_bins")
+  ap.add_argument("--load-docs", type=errors.at_least(0),
+                  default=100_000, help="0 skips the loading section")
+  ap.add_argument("--load-batches", type=errors.at_least(1), default=2000)
+  ap.add_argument("--batch-size", type=errors.at_least(1), default=8)
   ap.add_argument("--work-dir", default=None, help="where the synthetic shards go (temporary)")
   ap.add_argument("--builtin", default="full", choices=("full", "small", "none"),
                   help="built-in corpus for the builtin section (none skips it)")
-  ap.add_argument("--balance-docs", type=int, default=1_000_000,
+  ap.add_argument("--balance-docs", type=errors.at_least(0), default=1_000_000,
                   help="documents of the balance section (0 skips it)")
-  ap.add_argument("--balance-seq-len", type=int, default=32768)
-  ap.add_argument("--balance-batch", type=int, default=64, help="rows per global batch")
-  ap.add_argument("--balance-ranks", type=int, default=8)
-  ap.add_argument("--repack-docs", type=int, default=1_000_000,
+  ap.add_argument("--balance-seq-len", type=errors.at_least(2), default=32768)
+  ap.add_argument("--balance-batch", type=errors.at_least(1),
+                  default=64, help="rows per global batch")
+  ap.add_argument("--balance-ranks", type=errors.at_least(1), default=8)
+  ap.add_argument("--repack-docs", type=errors.at_least(0), default=1_000_000,
                   help="0 skips the repack section")
-  ap.add_argument("--scale-docs", type=int, default=0,
+  ap.add_argument("--scale-docs", type=errors.at_least(0), default=0,
                   help="documents of the scale section (0 skips it), e.g. 100000000: plan time "
                        "and peak RSS of a fresh process")
-  ap.add_argument("--mixture-docs", type=int, default=None,
+  ap.add_argument("--mixture-docs", type=errors.at_least(0), default=None,
                   help="documents per source of the mixture section (0 skips it); default "
                        f"{MIXTURE_DOCS:,} when --sections names mixture, else the section is "
                        "skipped")
-  ap.add_argument("--mixture-grain-docs", type=int, default=100_000,
+  ap.add_argument("--mixture-grain-docs", type=errors.at_least(0), default=100_000,
                   help="documents per source for Grain's mix and packer in the mixture section, "
                        "and for segpack beside it (0: segpack alone)")
   ap.add_argument("--sections", default=None,
@@ -198,13 +203,21 @@ def run_sections(args: argparse.Namespace, strategies: Sequence[str]) -> list[di
   return results
 
 
+@errors.command("segpack bench packing")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the sections that the flags select; prints the table (or JSON with `--json`)."""
   args = _parser().parse_args(argv)
   strategies = [s for s in args.strategies.split(",") if s]
   for s in strategies:
-    packing.planner.check_strategy(s)
+    try:
+      packing.planner.check_strategy(s)
+    except ValueError as e:
+      raise errors.UsageError(f"--strategies {args.strategies!r}: {e}") from None
   wanted = None if args.sections is None else set(args.sections.split(","))
+  known = {name for name, _ in _SIZE_FLAGS} | {"builtin"}
+  if wanted is not None and not wanted <= known:
+    raise errors.UsageError(f"--sections {args.sections!r}: unknown {sorted(wanted - known)}; "
+                            f"the sections are {sorted(known)}")
   if args.mixture_docs is None:
     args.mixture_docs = MIXTURE_DOCS if wanted is not None and "mixture" in wanted else 0
   for name, flag in _SIZE_FLAGS:

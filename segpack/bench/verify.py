@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from segpack.cli import errors
 from segpack.shards import ShardSource, ShardWriter
 
 VOCAB = 32000
@@ -93,13 +94,17 @@ def measure(root: Path, gb: float, repeats: int) -> dict:
   return out
 
 
+@errors.command("python -m segpack.bench.verify")
 def main(argv: list[str] | None = None) -> None:
   """Command-line entry point (see the module docstring)."""
   parser = argparse.ArgumentParser(prog="python -m segpack.bench.verify", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gb", type=float, default=1.0, help="dataset size in GB (1e9 bytes)")
-  parser.add_argument("--dir", default="/tmp", help="where the temporary dataset is written")
-  parser.add_argument("--repeats", type=int, default=5, help="cached opens timed (median)")
+  parser.add_argument("--gb", type=errors.at_least(0.001, float),
+                      default=1.0, help="dataset size in GB (1e9 bytes)")
+  parser.add_argument("--dir", type=errors.directory,
+                      default="/tmp", help="where the temporary dataset is written")
+  parser.add_argument("--repeats", type=errors.at_least(1),
+                      default=5, help="cached opens timed (median)")
   args = parser.parse_args(argv)
   root = Path(tempfile.mkdtemp(prefix="segpack-bench-verify-", dir=args.dir))
   try:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack import packing
+from segpack.cli import errors
 from segpack.data import mixture as mixture_lib
 from segpack.shards import ShardSource
 from segpack.text import corpus
@@ -253,6 +254,7 @@ def _seq_len(flag: str, text: str) -> int:
   return value
 
 
+@errors.command("segpack stats")
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   kwargs = dict(long_docs=args.long_docs, min_len=args.min_len, overlap=args.overlap,
@@ -287,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
     row = summarize(p, seconds=time.perf_counter() - t0)
   except (ValueError, OSError, EOFError) as e:  # bad arguments, unreadable or damaged files
-    print(f"segpack stats: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    print(f"segpack stats: error: {errors.one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(row, indent=1) if args.json else format_summary(row))
   return 0

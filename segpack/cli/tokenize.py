@@ -22,9 +22,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from segpack.cli import errors
 from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
+from segpack.text.beam_remote import tokenize_remote
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
+from segpack.text.remote_inputs import remote_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                  help=f"target tokens per shard (default {DEFAULT_SHARD_TOKENS})")
   p.add_argument("--overwrite", action="store_true",
-                 help="replace a complete dataset made from other inputs or settings")
+                 help="rebuild the dataset at --output, also a finished one: replaces one made "
+                      "from other inputs or settings, repairs missing or damaged files")
   p.add_argument("--cache-dir", default=None,
                  help="cache for the built-in corpus's model (default $SEGPACK_CACHE or "
                       "~/.cache/segpack)")
@@ -77,6 +81,21 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _tokenize_urls(args: argparse.Namespace) -> list | None:
+  """With a URL among the paths: `beam_remote.tokenize_remote` (Beam's filesystems,
+  docs/ingest.md; the local runner refuses URLs in one line); else None."""
+  if not remote_flags(paths=[*args.input, args.output, args.spm_model, args.tokenizer]):
+    return None
+  return [tokenize_remote(
+      args.input, args.output, runner=args.runner, spm_model=args.spm_model,
+      tokenizer=args.tokenizer, vocab_size=args.vocab_size, doc_separator=args.doc_separator,
+      text_field=args.text_field, skip_bad_lines=args.skip_bad_lines,
+      shard_tokens=args.shard_tokens, unit_records=args.unit_records,
+      beam_options=args.beam_options, overwrite=args.overwrite, input_format=args.format,
+      cache_dir=args.cache_dir)]
+
+
+@errors.command("segpack tokenize")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
   args = _parser().parse_args(argv)
@@ -85,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.runner == "beam":  # Beam logs every stage at INFO.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
   try:
-    summaries = tokenize_files(
+    summaries = _tokenize_urls(args) or tokenize_files(
         args.input, args.output, spm_model=args.spm_model, vocab_size=args.vocab_size,
         tokenizer=args.tokenizer,
         doc_separator=args.doc_separator, text_field=args.text_field,
@@ -95,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
     # One line, whatever the message holds (a library's message may span several).
-    print(f"segpack tokenize: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    print(f"segpack tokenize: error: {errors.one_line(e)}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print("segpack tokenize: interrupted; rerun the same command to resume", file=sys.stderr)

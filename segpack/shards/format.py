@@ -14,8 +14,11 @@ A dataset is a directory holding shards and one manifest:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,9 @@ OFFSET_DTYPE = np.dtype("<i8")
 OWNED_FILE = re.compile(
     r"^(shard-\d{5,}(-\d{5,}){0,2}\.(tokens|offsets|mask|done\.json)|manifest\.json)(\..*\.tmp)?$")
 HASH_BLOCK = 1 << 24
+# A manifest holds a few hundred bytes per shard: 64 MiB is some 100,000 shards. Larger files are
+# refused unread (a manifest that is a link to /dev/zero or a huge file must not fill memory).
+MAX_MANIFEST_BYTES = 64 << 20
 
 
 class ShardFormatError(ValueError):
@@ -59,6 +65,54 @@ def require(cond: bool, path: Path, message: str) -> None:
     raise ShardFormatError(f"{path}: {message}")
 
 
+def metadata_sha256(metadata: Any) -> str:
+  """The manifest's `metadata_sha256`: SHA-256 of `metadata` as compact, key-sorted JSON.
+
+  The metadata carries what the packing pipeline reads besides the shards (the tokenizer's
+  BOS/EOS ids, the chat template), which no other check covers: a damaged digit there would
+  change every row silently.
+  """
+  text = json.dumps(metadata, sort_keys=True, separators=(",", ":"))
+  return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def read_manifest(path: Path) -> Any:
+  """The parsed JSON of the manifest file `path`, read only when it is a regular file of at most
+  `MAX_MANIFEST_BYTES`.
+
+  Raises:
+    ShardFormatError: naming `path` and why it is unreadable (missing, not a regular file, over
+      the bound, an I/O error, not UTF-8, not JSON).
+  """
+  bound = f"{MAX_MANIFEST_BYTES >> 20} MiB"
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO must not hang the open.
+  except OSError as e:
+    raise ShardFormatError(f"{path}: unreadable manifest ({e.strerror or e})") from e
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode):
+    os.close(fd)
+    kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, pipe or socket"
+    raise ShardFormatError(f"{path}: unreadable manifest, not a regular file ({kind}); a "
+                           f"manifest is a JSON file of at most {bound}")
+  with os.fdopen(fd, "rb") as f:
+    try:
+      data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+      raise ShardFormatError(f"{path}: unreadable manifest ({e.strerror or e})") from e
+  if len(data) > MAX_MANIFEST_BYTES:
+    raise ShardFormatError(f"{path}: manifest is larger than the {bound} bound "
+                           f"({st.st_size:,} bytes); refusing to read it")
+  try:
+    return json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ShardFormatError(f"{path}: corrupt manifest, not UTF-8 ({e})") from e
+  except json.JSONDecodeError as e:
+    raise ShardFormatError(
+        f"{path}: corrupt manifest, invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+    ) from e
+
+
 def load_manifest(root: Path) -> dict[str, Any]:
   """Reads and checks the manifest's fields and types (not the shard files)."""
   if not root.exists():
@@ -71,14 +125,7 @@ def load_manifest(root: Path) -> dict[str, Any]:
     hint = (f" (it holds {len(unfinished)} shard files of an unfinished write; rerun the "
             f"tokenizer to complete it)" if unfinished else "")
     raise ShardFormatError(f"{path}: missing manifest{hint}")
-  try:
-    manifest = json.loads(path.read_text("utf-8"))
-  except UnicodeDecodeError as e:
-    raise ShardFormatError(f"{path}: corrupt manifest, not UTF-8 ({e})") from e
-  except json.JSONDecodeError as e:
-    raise ShardFormatError(
-        f"{path}: corrupt manifest, invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"
-    ) from e
+  manifest = read_manifest(path)
   require(isinstance(manifest, dict), path, f"corrupt manifest, expected an object, got "
            f"{type(manifest).__name__}")
   require(manifest.get("format") == FORMAT_NAME, path,
@@ -120,6 +167,10 @@ def load_manifest(root: Path) -> dict[str, Any]:
     total = sum(s[key] for s in shards)
     require(manifest.get(key) == total, path,
              f"{key} is {manifest.get(key)!r} but the shards sum to {total}")
+  if "metadata_sha256" in manifest:  # Written since the field exists; older manifests lack it.
+    want, got = manifest["metadata_sha256"], metadata_sha256(manifest.get("metadata"))
+    require(want == got, path, f"metadata does not match metadata_sha256 (the manifest was "
+             f"damaged or edited): {got} but the manifest says {want!r:.80}")
   return manifest
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from segpack.shards.format import ShardFormatError
+
 
 class SequenceSliceReader:
   """Reads document slices through a per-document getter: `source[d]` for tokens, or
@@ -56,6 +58,7 @@ class ShardTokenReader:
     shards = source.manifest["shards"]
     self._path = os.fspath(source.path)
     self._files = [str(shard[kind]) for shard in shards]
+    self._sizes = [int(shard["num_tokens"]) for shard in shards]
     self._dtype = np.dtype(np.uint8) if kind == "mask" else np.dtype(source.dtype)
     counts = np.asarray([int(shard["num_documents"]) for shard in shards], dtype=np.int64)
     self._doc_starts = np.zeros(len(shards) + 1, dtype=np.int64)
@@ -79,9 +82,15 @@ class ShardTokenReader:
   def _open(self) -> list[np.ndarray]:
     if self._arrays is None:
       arrays = []
-      for name in self._files:
+      for name, tokens in zip(self._files, self._sizes):
         file = os.path.join(self._path, name)
-        if os.path.getsize(file) == 0:
+        size, want = os.path.getsize(file), tokens * self._dtype.itemsize
+        if size != want:  # Changed since `ShardSource` checked it (a worker opens it later).
+          raise ShardFormatError(
+              f"{file}: file is {size} bytes but the manifest says {tokens} {self._dtype.name} "
+              f"values ({want} bytes); it changed after the dataset was opened"
+              + (" (truncated)" if size < want else ""))
+        if size == 0:
           arrays.append(np.zeros(0, dtype=self._dtype))
         else:
           arrays.append(np.asarray(np.memmap(file, dtype=self._dtype, mode="r")))

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from segpack import files
+from segpack import remote_files
+from segpack.shards import staging
 from segpack.shards import verified
 from segpack.shards.format import (
     FORMAT_VERSION, HASH_BLOCK, OFFSET_DTYPE, ShardFormatError, check_offsets, load_manifest,
@@ -47,7 +49,8 @@ class ShardSource:
     """Opens the dataset at `path` (a directory with a manifest.json).
 
     Args:
-      path: the dataset directory.
+      path: the dataset directory, or its URL (`gs://`, `s3://`, `hdfs://`): staged first into
+        the local cache (`segpack.shards.staging`, needs segpack[beam]) and the copy opened.
       verify: `"once"` (default): hash each shard file on the first open on this machine and
         remember the success until the file changes; `"always"`: hash on every open;
         `"never"`: only the cheap structural checks.
@@ -58,6 +61,8 @@ class ShardSource:
     if verify not in VERIFY_MODES:
       raise ValueError(f"ShardSource({str(path)!r}): verify must be one of {VERIFY_MODES}, got "
                        f"{verify!r}")
+    if remote_files.is_url(path):
+      path = staging.stage_dataset(url=os.fspath(path)).path
     self.path = Path(path)
     self.manifest = load_manifest(self.path)
     self.vocab_size: int = self.manifest["vocab_size"]
@@ -144,7 +149,10 @@ class ShardSource:
                    "token file changed size since the dataset was opened")
           toks.append(np.memmap(p, dtype=self.dtype, mode="r") if shard["num_tokens"]
                       else np.zeros(0, dtype=self.dtype))  # An empty file cannot be mapped.
-          offs.append(np.memmap(self.path / shard["offsets"], dtype=OFFSET_DTYPE, mode="r"))
+          p = self.path / shard["offsets"]
+          require(p.stat().st_size == (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize, p,
+                   "offsets file changed size since the dataset was opened")
+          offs.append(np.memmap(p, dtype=OFFSET_DTYPE, mode="r"))
         self._offsets = offs
         self._tokens = toks
       return self._tokens, self._offsets

@@ -14,7 +14,7 @@ import numpy as np
 from segpack import files
 from segpack.shards.format import (
     FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, OFFSET_DTYPE, OWNED_FILE, dtype_for_vocab,
-    mask_name, shard_names)
+    mask_name, metadata_sha256, shard_names)
 
 
 class ShardWriter:
@@ -305,6 +305,7 @@ class ShardWriter:
         "inputs": self.inputs,
         "resume_key": self.resume_key,
         "metadata": self.metadata,
+        "metadata_sha256": metadata_sha256(json.loads(json.dumps(self.metadata))),
         "shards": shards,
     }
     if self.loss_mask:

@@ -1,9 +1,10 @@
 """The driver's side of `segpack tokenize --runner beam` (`segpack.text.beam_pipeline`).
 
 Before the pipeline runs, the driver looks at the output directory: a finished dataset with the
-same resume key is the answer (`finished_manifest`); otherwise the directory is cleared of every
-file the shard format owns except the units an interrupted run finished and whose files still
-match their checksums (`clear_output`, `kept_units`). After the run it raises the bad inputs the
+same resume key whose files check out is the answer (`finished_manifest`, which names missing or
+damaged files and refuses them unless `--overwrite` asks for a rebuild); otherwise the directory
+is cleared of every file the shard format owns except the units an interrupted run finished and
+whose files still match their checksums (`clear_output`, `kept_units`). After the run it raises the bad inputs the
 pipeline reported (`raise_input_errors`) and reads its counters (`read_counter`). Also here: the
 names the pipeline's steps and the driver share (`unit_names`, `ERRORS_FILE`,
 `METRICS_NAMESPACE`), and Apache Beam's import and options, which the extra `segpack[beam]`
@@ -15,15 +16,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import re
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from segpack import files
+from segpack import remote_files
 from segpack import shards as shards_lib
-from segpack.shards.format import OWNED_FILE
+from segpack.shards.format import (MAX_MANIFEST_BYTES, OFFSET_DTYPE, OWNED_FILE, load_manifest,
+                                   read_manifest)
+from segpack.text import encode
 from segpack.text.inputs import InputFormatError
 
 __all__ = ["ERRORS_FILE", "METRICS_NAMESPACE", "clear_output", "finished_manifest", "import_beam",
@@ -32,6 +38,7 @@ __all__ = ["ERRORS_FILE", "METRICS_NAMESPACE", "clear_output", "finished_manifes
 
 METRICS_NAMESPACE = "segpack"  # The namespace of the pipeline's Beam counters.
 ERRORS_FILE = "beam-errors.json"  # Where the final step leaves the bad inputs for the driver.
+_DONE = re.compile(r"^shard-\d{5,}-\d{5,}\.done\.json$")
 
 
 def unit_names(index: int, block: int, shard: int | None = None) -> str:
@@ -40,15 +47,23 @@ def unit_names(index: int, block: int, shard: int | None = None) -> str:
   return stem if shard is None else f"{stem}-{shard:05d}"
 
 
-def kept_units(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
-  """Done-records of an interrupted run with the same key whose files match their checksums."""
+def _name(path: str) -> str:
+  """The file name of a listed path (local or URL)."""
+  return path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+
+
+def kept_units(output: str, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
+  """Done-records of an interrupted run with the same key whose files match their sizes and
+  checksums (`output`: a local directory or a URL)."""
   kept = []
-  for done in sorted(output.glob("shard-*-*.done.json")):
+  listed = {_name(p): size for p, size in remote_files.list_files(output).items()}
+  for name in sorted(n for n in listed if _DONE.match(n)):
     try:
-      record = json.loads(done.read_text("utf-8"))
+      record = json.loads(remote_files.read_bytes(remote_files.join(output, name)))
       ok = (record.get("resume_key") == resume_key and record.get("dtype") == dtype.name
-            and done.name == f"{unit_names(*record['unit'])}.done.json"
-            and all(files.sha256_file(output / s[kind]) == s["sha256"][kind]
+            and name == f"{unit_names(*record['unit'])}.done.json"
+            and all(s[kind] in listed and remote_files.sha256(
+                remote_files.join(output, s[kind])) == s["sha256"][kind]
                     for s in record["shards"] for kind in ("tokens", "offsets")))
     except (OSError, ValueError, KeyError, TypeError):
       ok = False
@@ -57,48 +72,95 @@ def kept_units(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str,
   return kept
 
 
-def finished_manifest(output: Path, resume_key: str, overwrite: bool) -> dict[str, Any] | None:
-  """The manifest of a finished dataset with the same key at `output` (None: there is none);
-  raises when another dataset is there and `overwrite` is not set."""
-  manifest_path = output / shards_lib.MANIFEST_NAME
-  if not manifest_path.exists():
+def finished_manifest(output: str, resume_key: str, overwrite: bool) -> dict[str, Any] | None:
+  """The checked manifest of a finished dataset with the same key at `output`, to be kept as is
+  (None: there is none, or `overwrite` asks for a rebuild).
+
+  A local `output` gets the local runner's check (`encode.finished_dataset`: every file's size,
+  the offsets, the checksums); at a URL the manifest is read (at most `MAX_MANIFEST_BYTES`) and
+  checked (`load_manifest`, `metadata_sha256` included), and every listed file's size is checked
+  in one listing (hashing them would download the whole dataset; staging hashes every file).
+
+  Raises:
+    InputFormatError: the manifest is unreadable, holds another key, or files are missing or
+      resized (naming them); each says that `--overwrite` rebuilds the dataset.
+  """
+  if not remote_files.is_url(output):
+    return encode.finished_dataset(Path(output), resume_key, overwrite=overwrite)
+  manifest_path = remote_files.join(output, shards_lib.MANIFEST_NAME)
+  if overwrite or not remote_files.exists(manifest_path):
     return None
-  try:
-    old = json.loads(manifest_path.read_text("utf-8"))
-  except ValueError:
-    old = {}
-  if isinstance(old, dict) and old.get("resume_key") == resume_key:
-    return old
-  if not overwrite:
-    raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
-                           f"inputs or settings; pass --overwrite to replace it")
-  return None
+  where = f"--output {output!r}"
+  with tempfile.TemporaryDirectory(prefix="segpack-manifest-") as tmp:
+    local = Path(tmp) / shards_lib.MANIFEST_NAME  # Errors name the URL, not this copy.
+    try:
+      old = _copy_manifest(manifest_path, local)
+    except shards_lib.ShardFormatError as e:
+      raise InputFormatError(f"{where}: the manifest is unreadable: "
+                             f"{str(e).replace(str(local), manifest_path)}; pass --overwrite to "
+                             f"rebuild the dataset") from e
+    if not isinstance(old, dict) or old.get("resume_key") != resume_key:
+      raise InputFormatError(f"{where} already holds a dataset made from other inputs or "
+                             f"settings; pass --overwrite to replace it")
+    try:
+      manifest = load_manifest(Path(tmp))
+    except shards_lib.ShardFormatError as e:
+      raise InputFormatError(f"{where} holds a finished dataset that is damaged: "
+                             f"{str(e).replace(str(local), manifest_path)}; pass --overwrite to "
+                             f"rebuild it") from e
+  itemsize = np.dtype(manifest["dtype"]).itemsize
+  listed = {_name(p): size for p, size in remote_files.list_files(output).items()}
+  bad = []
+  for shard in manifest["shards"]:
+    want = {shard["tokens"]: shard["num_tokens"] * itemsize,
+            shard["offsets"]: (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize}
+    for name, size in want.items():
+      if name not in listed:
+        bad.append(f"{name} (missing)")
+      elif listed[name] != size:
+        bad.append(f"{name} ({listed[name]} bytes, expected {size})")
+  if bad:
+    raise InputFormatError(f"{where} holds a finished dataset with missing or damaged files: "
+                           f"{', '.join(bad)}; pass --overwrite to rebuild it")
+  return manifest
 
 
-def clear_output(output: Path, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
+def _copy_manifest(url: str, local: Path) -> Any:
+  """Copies at most `MAX_MANIFEST_BYTES` + 1 bytes of the manifest at `url` to `local` and
+  returns them parsed (`read_manifest`: over the bound, not UTF-8 or not JSON is refused)."""
+  with remote_files.open_read(url) as f:
+    local.write_bytes(f.read(MAX_MANIFEST_BYTES + 1))
+  return read_manifest(local)
+
+
+def clear_output(output: str, resume_key: str, dtype: np.dtype) -> list[dict[str, Any]]:
   """Removes the manifest first (the directory never looks finished), then every file the format
   owns except the kept units' (`kept_units`); returns the kept done-records."""
-  output.mkdir(parents=True, exist_ok=True)
-  (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
+  if not remote_files.is_url(output):
+    Path(output).mkdir(parents=True, exist_ok=True)
+  remote_files.delete([remote_files.join(output, shards_lib.MANIFEST_NAME)])
   kept = kept_units(output, resume_key, dtype)
   keep = {f"{unit_names(*r['unit'])}.done.json" for r in kept}
   keep.update(s[k] for r in kept for s in r["shards"] for k in ("tokens", "offsets"))
-  for path in output.iterdir():
-    if OWNED_FILE.match(path.name) and path.name not in keep:
-      path.unlink()
+  remote_files.delete([p for p in remote_files.list_files(output)
+                       if OWNED_FILE.match(_name(p)) and _name(p) not in keep])
   return kept
 
 
 def pipeline_options(beam_options: str):
-  """Beam's PipelineOptions of the `--beam-options` string; the SDK workers log warnings and
-  errors only (Beam's INFO lines per worker would bury the summary) unless the string says
-  otherwise (`--default_sdk_harness_log_level=INFO`)."""
+  """Beam's PipelineOptions of the `--beam-options` string, also set as the options of Beam's
+  filesystems (so `--s3_endpoint_url` and the like reach the driver's own reads of URLs). The SDK
+  workers log warnings and errors only (Beam's INFO lines per worker would bury the summary)
+  unless the string says otherwise (`--default_sdk_harness_log_level=INFO`)."""
+  from apache_beam.io.filesystems import FileSystems  # optional: segpack[beam]
   from apache_beam.options.pipeline_options import PipelineOptions  # optional: segpack[beam]
   try:
     flags = shlex.split(beam_options)
   except ValueError as e:
     raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
-  return PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
+  options = PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
+  FileSystems.set_options(options)  # The driver's own reads and writes of URLs use them too.
+  return options
 
 
 def import_beam():
@@ -117,13 +179,13 @@ def import_beam():
   return apache_beam
 
 
-def raise_input_errors(output: Path) -> None:
+def raise_input_errors(output: str) -> None:
   """Raises the first bad input (in input order) that the pipeline reported, if any."""
-  path = output / ERRORS_FILE
-  if not path.exists():
+  path = remote_files.join(output, ERRORS_FILE)
+  if not remote_files.exists(path):
     return
-  errors = json.loads(path.read_text("utf-8"))
-  path.unlink()
+  errors = json.loads(remote_files.read_bytes(path))
+  remote_files.delete([path])
   raise InputFormatError(errors[0][1] if len(errors) == 1 else
                          f"{errors[0][1]} (and {len(errors) - 1} more bad inputs)")
 

@@ -17,18 +17,22 @@ Algorithm:
      records, once each), tokenize with the tokenizer rebuilt from its spec once per worker
      process, split into shards by the local rule (a shard closes once it holds `shard_tokens`
      tokens), write each file under a name derived from the unit (`shard-FFFFF-BBBBB-SSSSS.tokens`
-     and `.offsets`) through a temporary file and a rename, then the unit's done-record
-     `shard-FFFFF-BBBBB.done.json` (the unit's shards, counts and checksums). A retried or
-     duplicated bundle writes the same names with the same bytes: no duplicate, and nothing
-     half-written under a final name.
+     and `.offsets`) through a temporary file and a rename (at a URL, `gs://`, `s3://`, ...: one
+     upload under the final name, `segpack.remote_files`), then the unit's done-record
+     `shard-FFFFF-BBBBB.done.json` (the unit's shards, counts and checksums); then reads the
+     files back and checks their sizes and checksums. A retried or duplicated bundle writes the
+     same names with the same bytes: no duplicate, and nothing half-written under a final name.
   4. One final step, after a `ToList` barrier, orders the units by id, checks that every input's
-     units are contiguous and full (all but its last), writes the manifest atomically (the keys
-     `ShardWriter` writes) and removes the done-records.
+     units are contiguous and full (all but its last), checks every listed file's size in one
+     listing, writes the manifest last (the keys `ShardWriter` writes, `metadata_sha256` too) and
+     removes the done-records.
 
 The dataset's order is the ids' order whatever the runner and the number of workers, so its
 documents equal the local path's document for document; only the shard boundaries differ (a shard
 never spans two units). A rerun with the same inputs and settings keeps the units whose
-done-records match (resume key, dtype, checksums), reads past their records and redoes the rest.
+done-records match (resume key, dtype, checksums), reads past their records and redoes the rest;
+over a finished dataset it checks the files and changes nothing (`beam_driver.finished_manifest`),
+unless `overwrite` asks for a rebuild.
 
 Example: 2 inputs of 5 and 2 documents, `unit_records=2`: units (0, 0) (0, 1) (0, 2) (1, 0), and
 the dataset holds input 0's documents 0..4, then input 1's 0..1, empty ones skipped and counted.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -46,15 +51,17 @@ from typing import Any
 
 import numpy as np
 
-from segpack import files
+from segpack import remote_files
 from segpack import shards as shards_lib
-from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE
+from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE, metadata_sha256
 from segpack.text import beam_driver
 from segpack.text import corpus
 from segpack.text import encode
+from segpack.text import remote_inputs
 from segpack.text import tokenizer_spec
 from segpack.text.beam_driver import ERRORS_FILE, unit_names
-from segpack.text.inputs import InputFormatError, ReadCounters, iter_file_records
+from segpack.text.inputs import InputFormatError, ReadCounters
+from segpack.text.remote_inputs import iter_remote_records
 
 __all__ = ["DEFAULT_UNIT_RECORDS", "ERRORS_FILE", "builtin_splits_beam", "tokenize_files_beam",
            "unit_names", "write_dataset_beam"]
@@ -62,6 +69,11 @@ __all__ = ["DEFAULT_UNIT_RECORDS", "ERRORS_FILE", "builtin_splits_beam", "tokeni
 DEFAULT_UNIT_RECORDS = 10_000
 # Tokenizers rebuilt in this worker process, by spec (filled on first use, never at import).
 _TOKENIZERS: dict[str, tokenizer_spec.Tokenizer] = {}
+
+
+def _json_bytes(obj: Any) -> bytes:
+  """`obj` as `files.atomic_write_json` writes it (indented, keys sorted, a final newline)."""
+  return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _count(name: str, value: int) -> None:
@@ -74,8 +86,8 @@ def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
   """The tokenizer of `spec`, built once per worker process; it must have the driver's
   fingerprint."""
   tok = _TOKENIZERS.get(spec)
-  if tok is None:
-    tok = _TOKENIZERS[spec] = tokenizer_spec.from_spec(spec)
+  if tok is None:  # A tokenizer file named by URL is copied to this machine first.
+    tok = _TOKENIZERS[spec] = tokenizer_spec.from_spec(remote_inputs.local_tokenizer_spec(spec))
   if tok.fingerprint != fingerprint:
     raise ValueError(f"tokenizer {spec!r} on this worker has fingerprint {tok.fingerprint}, the "
                      f"driver's has {fingerprint}: every worker must see the same file")
@@ -96,7 +108,7 @@ def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: in
   index, path = item
   counters = ReadCounters()
   try:
-    for record, (_, text) in enumerate(iter_file_records(path, counters=counters, **read)):
+    for record, (_, text) in enumerate(iter_remote_records(path, counters=counters, **read)):
       unit = (index, record // unit_records)
       if unit not in kept:
         yield unit, (record, text)
@@ -107,18 +119,19 @@ def _read_input(item: tuple[int, str], *, read: dict[str, Any], unit_records: in
   _count("bad_lines", counters.bad_lines)
 
 
-def _shard_record(output: Path, stem: str, docs: list[np.ndarray], dtype: np.dtype,
+def _shard_record(output: str, stem: str, docs: list[np.ndarray], dtype: np.dtype,
                   vocab_size: int) -> dict[str, Any]:
-  """Writes one shard (`stem.offsets`, then `stem.tokens`, each atomically); its manifest entry."""
+  """Writes one shard (`stem.offsets`, then `stem.tokens`, each whole under its final name);
+  its manifest entry."""
   token_ids = np.concatenate(docs)
   if int(token_ids.max()) >= vocab_size:
-    raise ValueError(f"{output / stem}: token id {int(token_ids.max())} >= vocab_size "
-                     f"{vocab_size}")
+    raise ValueError(f"{remote_files.join(output, stem)}: token id {int(token_ids.max())} >= "
+                     f"vocab_size {vocab_size}")
   tokens = token_ids.astype(dtype, copy=False).tobytes()
   ends = np.cumsum([d.size for d in docs])
   offsets = np.concatenate([[0], ends]).astype(OFFSET_DTYPE).tobytes()
-  files.atomic_write_bytes(output / f"{stem}.offsets", offsets)
-  files.atomic_write_bytes(output / f"{stem}.tokens", tokens)
+  remote_files.write_bytes(remote_files.join(output, f"{stem}.offsets"), offsets)
+  remote_files.write_bytes(remote_files.join(output, f"{stem}.tokens"), tokens)
   return {"tokens": f"{stem}.tokens", "offsets": f"{stem}.offsets", "num_documents": len(docs),
           "num_tokens": int(ends[-1]), "sha256": {"tokens": hashlib.sha256(tokens).hexdigest(),
                                                   "offsets": hashlib.sha256(offsets).hexdigest()}}
@@ -135,7 +148,7 @@ def _write_unit(element: tuple[tuple[int, int], Sequence[tuple[int, str]]], *, o
   if records != list(range(first, first + len(records))) or len(records) > unit_records:
     raise RuntimeError(f"unit ({index}, {block}) got records {records[:5]}...{records[-5:]}, "
                        f"expected {first}.. once each")
-  out = Path(output)
+  out = output
   tok = _tokenizer(spec, fingerprint)
   texts = [t for _, t in values]
   shards, docs, size, skipped = [], [], 0, 0
@@ -154,7 +167,8 @@ def _write_unit(element: tuple[tuple[int, int], Sequence[tuple[int, str]]], *, o
                                 tok.vocab_size))
   record = {"unit": [index, block], "resume_key": resume_key, "dtype": np.dtype(tok.dtype).name,
             "inputs": len(values), "skipped_empty": skipped, "shards": shards}
-  files.atomic_write_json(out / f"{unit_names(index, block)}.done.json", record)
+  remote_files.write_bytes(remote_files.join(out, f"{unit_names(index, block)}.done.json"),
+                           _json_bytes(record))
   _count("text_bytes", sum(len(t.encode("utf-8")) for t in texts))
   return record
 
@@ -174,29 +188,58 @@ def _check_units(records: list[dict[str, Any]], unit_records: int) -> None:
                          f"records but are not the input's last")
 
 
+def _expected_sizes(shard: dict[str, Any], dtype: np.dtype) -> dict[str, int]:
+  """File name -> size in bytes of one shard's manifest entry."""
+  return {shard["tokens"]: shard["num_tokens"] * np.dtype(dtype).itemsize,
+          shard["offsets"]: (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize}
+
+
+def _check_unit(record: dict[str, Any], *, output: str) -> dict[str, Any]:
+  """Reads a written unit's files back: each must have its size and checksum (an upload that
+  went wrong stops the run here, before any manifest names it); returns the done-record."""
+  for shard in record["shards"]:
+    sizes = _expected_sizes(shard, record["dtype"])
+    for kind in ("tokens", "offsets"):
+      path = remote_files.join(output, shard[kind])
+      data = remote_files.read_bytes(path)
+      digest = hashlib.sha256(data).hexdigest()
+      if len(data) != sizes[shard[kind]] or digest != shard["sha256"][kind]:
+        raise RuntimeError(f"{path}: read back {len(data)} bytes with sha256 {digest}, written "
+                           f"{sizes[shard[kind]]} bytes with sha256 {shard['sha256'][kind]}")
+  return record
+
+
 def _write_manifest(records: list[dict[str, Any]], *, output: str, header: dict[str, Any],
                     unit_records: int, errors: Sequence[tuple[int, str]] = ()) -> int:
-  """The final step: the manifest of all units in id order, then the done-records removed.
+  """The final step: checks that every unit's files are there with their sizes, writes the
+  manifest of all units in id order (last: a reader trusts only a manifest), then removes the
+  done-records and temporary files.
 
   With bad inputs (`errors`), no manifest: the errors are written to `ERRORS_FILE` instead, for
   the driver to raise the first one (in input order)."""
-  out = Path(output)
   if errors:
-    files.atomic_write_json(out / ERRORS_FILE, sorted([list(e) for e in errors]))
+    remote_files.write_bytes(remote_files.join(output, ERRORS_FILE),
+                             _json_bytes(sorted([list(e) for e in errors])))
     return 0
   records = sorted(records, key=lambda r: tuple(r["unit"]))
   _check_units(records, unit_records)
   shards = [s for r in records for s in r["shards"]]
+  listed = {p.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]: size
+            for p, size in remote_files.list_files(output).items()}
+  for shard in shards:
+    for name, size in _expected_sizes(shard, header["dtype"]).items():
+      if listed.get(name) != size:
+        raise RuntimeError(f"{remote_files.join(output, name)}: {listed.get(name)} bytes listed, "
+                           f"{size} expected; no manifest written (rerun to redo the unit)")
   manifest = dict(header, num_documents=sum(s["num_documents"] for s in shards),
                   num_tokens=sum(s["num_tokens"] for s in shards),
                   skipped_empty=sum(r["skipped_empty"] for r in records),
                   inputs=sum(r["inputs"] for r in records), shards=shards)
-  files.atomic_write_json(out / shards_lib.MANIFEST_NAME, manifest)
-  for r in records:
-    (out / f"{unit_names(*r['unit'])}.done.json").unlink(missing_ok=True)
-  for path in out.iterdir():  # Temporary files of attempts killed mid-write.
-    if path.name.endswith(".tmp") and OWNED_FILE.match(path.name):
-      path.unlink(missing_ok=True)
+  remote_files.write_bytes(remote_files.join(output, shards_lib.MANIFEST_NAME),
+                           _json_bytes(manifest))
+  done = {f"{unit_names(*r['unit'])}.done.json" for r in records}
+  remote_files.delete([remote_files.join(output, name) for name in listed
+                       if name in done or (name.endswith(".tmp") and OWNED_FILE.match(name))])
   return len(shards)
 
 
@@ -208,8 +251,9 @@ def write_dataset_beam(
     output: str | Path,
     *,
     tokenizer: tokenizer_spec.Tokenizer,
+    worker_spec: str | None = None,
     resume_key: str,
-    files_in: Sequence[Path] | None = None,
+    files_in: Sequence[str | Path] | None = None,
     documents: Sequence[str] | None = None,
     read: dict[str, Any] | None = None,
     shard_tokens: int,
@@ -221,11 +265,14 @@ def write_dataset_beam(
   """Tokenizes `files_in` (or the in-memory `documents`) into a shard dataset with Beam.
 
   Args:
-    output: dataset directory; a path every worker sees (local, NFS, a mounted bucket).
+    output: dataset directory: a path every worker sees (local, NFS, a mounted bucket) or a URL
+      of Beam's filesystems (`gs://`, `s3://`, `hdfs://`).
     tokenizer: carries `spec` (workers rebuild it with `tokenizer_spec.from_spec`), `fingerprint`,
       `vocab_size`, `dtype` and `describe()`.
+    worker_spec: the spec workers rebuild the tokenizer from, when not `tokenizer.spec` (a spec
+      naming a URL, which every worker copies to its machine).
     resume_key: identifies the inputs and settings (as in `encode.write_dataset`).
-    files_in: input files, each read whole by one worker with `read` options.
+    files_in: input files (paths or URLs), each read whole by one worker with `read` options.
     documents: instead of files: the documents of one input (the built-in corpus).
     read: `iter_file_records` options (`doc_separator`, `text_field`, `skip_bad_lines`).
     shard_tokens: a shard closes once it holds this many tokens (shards never span units).
@@ -233,7 +280,9 @@ def write_dataset_beam(
     beam_options: Beam pipeline flags, as on a command line (`--runner=FlinkRunner ...`); none:
       the DirectRunner.
     metadata: stored in the manifest, with `tokenizer` (`describe()`) and `runner` added.
-    overwrite: replace a complete dataset made with a different key (else InputFormatError).
+    overwrite: rebuild the dataset, also a complete one with the same key; without it a complete
+      dataset made with another key, or with an unreadable manifest or missing or damaged files,
+      raises InputFormatError (`beam_driver.finished_manifest`).
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes tokenized, bad lines skipped).
@@ -243,7 +292,8 @@ def write_dataset_beam(
   if not isinstance(unit_records, int) or unit_records < 1:
     raise InputFormatError(f"--unit-records must be a positive int, got {unit_records!r}")
   beam = beam_driver.import_beam()
-  output = Path(output).resolve()
+  options = beam_driver.pipeline_options(beam_options)  # Also configures Beam's filesystems.
+  output = str(output) if remote_files.is_url(output) else str(Path(output).resolve())
   dtype = np.dtype(tokenizer.dtype)
   finished = beam_driver.finished_manifest(output, resume_key, overwrite)
   if finished is not None:
@@ -255,11 +305,13 @@ def write_dataset_beam(
       "tokenizer_fingerprint": tokenizer.fingerprint, "resume_key": resume_key,
       "metadata": dict(metadata or {}, tokenizer=tokenizer.describe(), runner="beam",
                        unit_records=unit_records)}
-  json.dumps(header)  # Fails early when the metadata is not serialisable.
+  # As `ShardWriter` writes it; also fails early when the metadata is not serialisable.
+  header["metadata_sha256"] = metadata_sha256(json.loads(json.dumps(header["metadata"])))
   kept_units = frozenset(tuple(r["unit"]) for r in kept)
-  pipeline = beam.Pipeline(options=beam_driver.pipeline_options(beam_options))
+  pipeline = beam.Pipeline(options=options)
   if files_in is not None:
-    items = [(i, str(Path(p).resolve())) for i, p in enumerate(files_in)]
+    items = [(i, str(p) if remote_files.is_url(p) else str(Path(p).resolve()))
+             for i, p in enumerate(files_in)]
     read_out = (pipeline | "Inputs" >> beam.Create(items) | "Spread" >> beam.Reshuffle()
                 | "Read" >> beam.FlatMap(_read_input, read=dict(read or {}),
                                          unit_records=unit_records, kept=kept_units
@@ -271,13 +323,15 @@ def write_dataset_beam(
         if (0, r // unit_records) not in kept_units])
     errors = pipeline | "NoErrors" >> beam.Create([])
   written = (keyed | "Units" >> beam.GroupByKey()
-             | "Tokenize" >> beam.Map(_write_unit, output=str(output), spec=tokenizer.spec,
+             | "Tokenize" >> beam.Map(_write_unit, output=output,
+                                      spec=worker_spec or tokenizer.spec,
                                       fingerprint=tokenizer.fingerprint,
                                       shard_tokens=shard_tokens, unit_records=unit_records,
-                                      resume_key=resume_key))
+                                      resume_key=resume_key)
+             | "Check" >> beam.Map(_check_unit, output=output))
   _ = ((written, pipeline | "Kept" >> beam.Create(kept)) | "All" >> beam.Flatten()
        | "Barrier" >> beam.combiners.ToList()
-       | "Manifest" >> beam.Map(_write_manifest, output=str(output), header=header,
+       | "Manifest" >> beam.Map(_write_manifest, output=output, header=header,
                                 unit_records=unit_records, errors=beam.pvalue.AsList(errors)))
   with beam_driver.quiet_step_errors():
     result = pipeline.run()
@@ -285,7 +339,8 @@ def write_dataset_beam(
   if str(state).rsplit(".", 1)[-1] != "DONE":
     raise RuntimeError(f"Beam pipeline for {output} ended in state {state}")
   beam_driver.raise_input_errors(output)
-  manifest = json.loads((output / shards_lib.MANIFEST_NAME).read_text("utf-8"))
+  manifest = json.loads(remote_files.read_bytes(remote_files.join(output,
+                                                                 shards_lib.MANIFEST_NAME)))
   return (manifest, sum(len(r["shards"]) for r in kept),
           beam_driver.read_counter(result, "text_bytes"),
           beam_driver.read_counter(result, "bad_lines"))

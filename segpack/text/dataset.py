@@ -11,16 +11,17 @@ and the built-in corpus with an Apache Beam pipeline instead (`beam_pipeline`, d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from segpack.files import atomic_write_json
+from segpack.files import LockHeldError, atomic_write_json, file_lock
 from segpack import shards as shards_lib
 from segpack.text import beam_pipeline
 from segpack.text import chat
@@ -32,7 +33,10 @@ from segpack.text import tokenizer_spec
 from segpack.text.inputs import (
     InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents)
 
-__all__ = ["tokenize_files"]
+__all__ = ["LOCK_NAME", "tokenize_files"]
+
+# Held by a local `segpack tokenize` run for its whole duration (see `_output_lock`).
+LOCK_NAME = ".segpack-tokenize.lock"
 
 _LOG = logging.getLogger(__name__)
 
@@ -96,55 +100,73 @@ def tokenize_files(
   workers = (os.cpu_count() or 1) if workers is None else workers
   _check_arguments(inputs, output, workers=workers, shard_tokens=shard_tokens, runner=runner)
   output = Path(output)
-  given = _given_tokenizer(tokenizer, spm_model, vocab_size)
-  builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
-  if builtin:
-    if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
-      raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
-                             f"{[str(p) for p in inputs]}")
-    return _tokenize_builtin(
-        builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
-        vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
-        shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
-        progress=progress, overwrite=overwrite)
+  with _output_lock(output, runner):
+    given = _given_tokenizer(tokenizer, spm_model, vocab_size)
+    builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
+    if builtin:
+      if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
+        raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
+                               f"{[str(p) for p in inputs]}")
+      return _tokenize_builtin(
+          builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
+          vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
+          shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+          progress=progress, overwrite=overwrite)
 
-  files = expand_inputs(inputs)
-  if not files:
-    raise InputFormatError("--input: no input files given")
-  if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
+    files = expand_inputs(inputs)
+    if not files:
+      raise InputFormatError("--input: no input files given")
+    if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
+      if runner == "beam":
+        raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) "
+                               "run with the local runner")
+      return [_tokenize_chat(files, output, given=given, vocab_size=vocab_size,
+                             train_on=train_on, messages_field=messages_field,
+                             shard_tokens=shard_tokens, overwrite=overwrite)]
+    read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
+    ident = {"inputs": [encode.file_identity(p) for p in files], **read}
+    if given is not None:
+      tokenizer = given
+    elif vocab_size is not None:
+      tokenizer = tokenizer_cache.trained_tokenizer(
+          iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
+          protect=[output], overwrite=overwrite)
+    else:
+      raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
+                             "--vocab-size N (to train a model first)")
     if runner == "beam":
-      raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) run "
-                             "with the local runner")
-    return [_tokenize_chat(files, output, given=given, vocab_size=vocab_size,
-                           train_on=train_on, messages_field=messages_field,
-                           shard_tokens=shard_tokens, overwrite=overwrite)]
-  read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
-  ident = {"inputs": [encode.file_identity(p) for p in files], **read}
-  if given is not None:
-    tokenizer = given
-  elif vocab_size is not None:
-    tokenizer = tokenizer_cache.trained_tokenizer(
-        iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
-        protect=[output], overwrite=overwrite)
-  else:
-    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
-                           "--vocab-size N (to train a model first)")
-  if runner == "beam":
-    return [beam_pipeline.tokenize_files_beam(
-        files, output, tokenizer=tokenizer, read=read, ident=ident,
-        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
-        shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
-        overwrite=overwrite)]
-  start = time.perf_counter()
-  counters = ReadCounters()
-  manifest, resumed, nbytes = encode.write_dataset(
-      iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
-      resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
-                                        shard_tokens=shard_tokens)),
-      workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
-  return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
-                   seconds=time.perf_counter() - start, text_bytes=nbytes)]
+      return [beam_pipeline.tokenize_files_beam(
+          files, output, tokenizer=tokenizer, read=read, ident=ident,
+          metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+          shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
+          overwrite=overwrite)]
+    start = time.perf_counter()
+    counters = ReadCounters()
+    manifest, resumed, nbytes = encode.write_dataset(
+        iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
+        resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
+                                          shard_tokens=shard_tokens)),
+        workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
+        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
+    return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
+                     seconds=time.perf_counter() - start, text_bytes=nbytes)]
+
+
+@contextlib.contextmanager
+def _output_lock(output: Path, runner: str) -> Iterator[None]:
+  """Holds `output/LOCK_NAME` for a local run; another run on the same `--output` is refused at
+  once, naming the holder. The lock is the operating system's (`fcntl.flock`): it goes when its
+  process ends, killed or not. (Beam writes from many machines; its runs are not locked.)"""
+  if runner != "local":
+    yield
+    return
+  try:
+    with file_lock(output / LOCK_NAME, wait=False):
+      yield
+  except LockHeldError as e:
+    raise InputFormatError(
+        f"--output {str(output)!r} is in use by another segpack tokenize run ({e.owner}; lock "
+        f"file {e.path}); wait for it to finish or stop it") from None
 
 
 def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,
@@ -238,15 +260,12 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
     _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
                  tokenizer.model_file)
   key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
-  manifest_path = output / shards_lib.MANIFEST_NAME
-  if manifest_path.exists() and not overwrite:
-    try:
-      same = json.loads(manifest_path.read_text("utf-8")).get("resume_key") == key
-    except ValueError:
-      same = False
-    if not same:
-      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
-                             f"inputs or settings; pass --overwrite to replace it")
+  finished = encode.finished_dataset(output, key, overwrite=overwrite)
+  if finished is not None:
+    return encode.summarize(output, finished, resumed=len(finished["shards"]), bad_lines=0,
+                            seconds=0.0, text_bytes=0)
+  if overwrite:  # `write_chat_dataset` would return a finished dataset with the same key as is.
+    (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
   start = time.perf_counter()
   manifest = chat.write_chat_dataset(
       conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,

@@ -5,8 +5,8 @@ see `tokenizer_spec`; in `workers` processes that rebuild it from its `spec`, ch
 kept in input order) into a `segpack.shards.ShardWriter`. The document stream is deterministic,
 and each finished shard records the range of input documents it holds: a rerun with the same
 inputs and settings (the same `resume_key`) keeps the finished shards, skips their input
-documents without tokenizing them, and redoes the rest; a dataset whose manifest is already
-written is left alone.
+documents without tokenizing them, and redoes the rest; a finished dataset with the same key is
+checked (`finished_dataset`) and left alone, unless `overwrite` asks for a rebuild.
 """
 
 from __future__ import annotations
@@ -28,15 +28,18 @@ import numpy as np
 import tqdm
 
 from segpack import shards as shards_lib
+from segpack.shards.format import OFFSET_DTYPE, load_manifest, read_manifest
 from segpack.text import tokenizer_spec
 from segpack.text.inputs import InputFormatError
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "resume_key", "say",
-           "summarize", "write_dataset"]
+__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "finished_dataset",
+           "resume_key", "say", "summarize", "write_dataset"]
 
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 512
 DEFAULT_SHARD_TOKENS = 1 << 27
+# `file_identity` hashes this many bytes at each end of an input (docs/ingest.md, "Resuming").
+_EDGE_BYTES = 1 << 16
 
 
 @dataclasses.dataclass
@@ -176,23 +179,18 @@ def write_dataset(
     metadata: stored in the manifest, with `tokenizer` (`tokenizer.describe()`: special ids
       such as `bos_id` and `eos_id` that the packing pipeline reads) added.
     progress: show a progress bar on stderr.
-    overwrite: replace a complete dataset made with a different key (else InputFormatError).
+    overwrite: rebuild the dataset, also a complete one made with the same key; without it a
+      complete dataset made with another key, or with an unreadable manifest or missing or
+      damaged files, raises InputFormatError (see `finished_dataset`).
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
   """
   output = Path(output)
   manifest_path = output / shards_lib.MANIFEST_NAME
-  if manifest_path.exists():
-    try:
-      old = json.loads(manifest_path.read_text("utf-8"))
-    except ValueError:
-      old = {}
-    if isinstance(old, dict) and old.get("resume_key") == resume_key:
-      return old, len(old.get("shards", [])), 0
-    if not overwrite:
-      raise InputFormatError(f"--output {str(output)!r} already holds a dataset made from other "
-                             f"inputs or settings; pass --overwrite to replace it")
+  finished = finished_dataset(output, resume_key, overwrite=overwrite)
+  if finished is not None:
+    return finished, len(finished["shards"]), 0
   texts = iter(texts)
   metadata = dict(metadata or {}, tokenizer=tokenizer.describe())
   writer = shards_lib.ShardWriter(
@@ -236,5 +234,72 @@ def resume_key(parts: dict[str, Any]) -> str:
 
 
 def file_identity(path: Path) -> list[Any]:
+  """What the resume key knows of an input file: its resolved path, size, mtime and the SHA-256
+  of its first and last 64 KiB (a change elsewhere with size and mtime restored goes unseen)."""
   st = path.stat()
-  return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+  return [str(path.resolve()), st.st_size, st.st_mtime_ns, _edges_sha256(path, st.st_size)]
+
+
+def _edges_sha256(path: Path, size: int) -> str:
+  """SHA-256 of the first and last `_EDGE_BYTES` of a file (all of it when smaller than both)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    digest.update(f.read(_EDGE_BYTES))
+    if size > _EDGE_BYTES:
+      f.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
+      digest.update(f.read(_EDGE_BYTES))
+  return "sha256-edges:" + digest.hexdigest()
+
+
+def finished_dataset(output: Path, resume_key: str, *, overwrite: bool) -> dict[str, Any] | None:
+  """The checked manifest of a finished dataset with `resume_key` at `output`, to be kept as is;
+  None when there is nothing to keep (no manifest, or `overwrite`: rebuild whatever is there).
+
+  The check is the one `ShardSource` makes on open (every file's size, the offsets, and on the
+  first open on this machine every file's SHA-256), with every missing or resized file listed.
+
+  Raises:
+    InputFormatError: the manifest is unreadable (naming it and why), holds another key, or files
+      are missing or damaged (naming them); each says that `--overwrite` rebuilds the dataset.
+  """
+  manifest_path = output / shards_lib.MANIFEST_NAME
+  if overwrite or not (manifest_path.exists() or manifest_path.is_symlink()):
+    return None
+  where = f"--output {str(output)!r}"
+  try:
+    old = read_manifest(manifest_path)
+  except shards_lib.ShardFormatError as e:
+    raise InputFormatError(f"{where}: the manifest is unreadable: {e}; pass --overwrite to "
+                           f"rebuild the dataset") from e
+  if not isinstance(old, dict) or old.get("resume_key") != resume_key:
+    raise InputFormatError(f"{where} already holds a dataset made from other inputs or "
+                           f"settings; pass --overwrite to replace it")
+  try:
+    manifest = load_manifest(output)
+    bad = _missing_or_resized(output, manifest)
+    if bad:
+      raise InputFormatError(f"{where} holds a finished dataset with missing or damaged files: "
+                             f"{', '.join(bad)}; pass --overwrite to rebuild it")
+    shards_lib.ShardSource(output)
+  except shards_lib.ShardFormatError as e:
+    raise InputFormatError(f"{where} holds a finished dataset that is damaged: {e}; pass "
+                           f"--overwrite to rebuild it") from e
+  return manifest
+
+
+def _missing_or_resized(output: Path, manifest: dict[str, Any]) -> list[str]:
+  """'NAME (missing)' or 'NAME (N bytes, expected M)' for each shard file that is so."""
+  itemsize = np.dtype(manifest["dtype"]).itemsize
+  bad = []
+  for shard in manifest["shards"]:
+    want = {"tokens": shard["num_tokens"] * itemsize,
+            "offsets": (shard["num_documents"] + 1) * OFFSET_DTYPE.itemsize}
+    if manifest.get("loss_mask"):
+      want["mask"] = shard["num_tokens"]
+    for kind, size in want.items():
+      path = output / shard[kind]
+      if not path.is_file():
+        bad.append(f"{shard[kind]} (missing)")
+      elif path.stat().st_size != size:
+        bad.append(f"{shard[kind]} ({path.stat().st_size} bytes, expected {size})")
+  return bad

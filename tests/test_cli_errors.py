@@ -1,0 +1,94 @@
+"""Every command ends a user error with one line naming the argument and its value (exit status
+2) and an internal error with its traceback and a line asking to report it (exit status 1), through
+one shared wrapper (`segpack.cli.errors.command`)."""
+
+import pytest
+
+from segpack.bench import attention as bench_attention
+from segpack.bench import gpu_report as bench_gpu_report
+from segpack.bench import packing as bench_packing
+from segpack.bench import verify as bench_verify
+from segpack.cli import errors
+from segpack.cli import main as cli_main
+from segpack.cli import stats as stats_cli
+from segpack.cli import tokenize as tokenize_cli
+from segpack.shards import ShardFormatError
+from train import bench as train_bench
+from train import plot as train_plot
+
+ENTRY_POINTS = {
+    "segpack": cli_main.main, "segpack tokenize": tokenize_cli.main,
+    "segpack stats": stats_cli.main, "segpack bench packing": bench_packing.main,
+    "segpack bench attention": bench_attention.main,
+    "segpack bench gpu-report": bench_gpu_report.main,
+    "python -m segpack.bench.verify": bench_verify.main, "python -m train.bench": train_bench.main,
+    "python -m train.plot": train_plot.main,
+}
+
+
+def _run(main, argv) -> int:
+  try:
+    return main(argv)
+  except SystemExit as e:  # argparse
+    return e.code
+
+
+def test_every_entry_point_goes_through_the_shared_wrapper():
+  for prog, main in ENTRY_POINTS.items():
+    assert getattr(main, "command_prog", None) == prog, prog
+
+
+# (entry point, argv, what the last line must hold: the argument and the value)
+USER_ERRORS = [
+    (train_plot.main, ["/no/such/run"], ["workdir", "/no/such/run"]),
+    (bench_verify.main, ["--gb", "0"], ["--gb", "'0'"]),
+    (bench_verify.main, ["--dir", "/no/such/dir"], ["--dir", "/no/such/dir"]),
+    (bench_verify.main, ["--repeats", "-1"], ["--repeats", "'-1'"]),
+    (bench_packing.main, ["--strategies", "ffd,nope"], ["--strategies", "nope"]),
+    (bench_packing.main, ["--sections", "plan,nope"], ["--sections", "nope"]),
+    (bench_packing.main, ["--seq-len", "1"], ["--seq-len", "'1'"]),
+    (bench_packing.main, ["--sigma", "nan"], ["--sigma", "'nan'"]),
+    (train_bench.main, ["packed", "--docs", "0"], ["--docs", "'0'"]),
+    (train_bench.main, ["sft", "--examples-per-batch", "0"], ["--examples-per-batch", "'0'"]),
+    (bench_gpu_report.main, ["--jobs", "0"], ["--jobs", "'0'"]),
+    (cli_main.main, ["bench", "packing", "--batch-size", "0"], ["--batch-size", "'0'"]),
+]
+
+
+@pytest.mark.parametrize("main,argv,want", USER_ERRORS,
+                         ids=[f"{m.command_prog} {' '.join(a)}" for m, a, _ in USER_ERRORS])
+def test_a_user_error_ends_with_one_line_naming_argument_and_value(main, argv, want, capsys):
+  assert _run(main, argv) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert "Traceback" not in "\n".join(err), err
+  assert err[-1].startswith(f"{main.command_prog}") and ": error: " in err[-1], err
+  assert all(w in err[-1] for w in want), err
+  assert not err[:-1] or err[0].startswith("usage: "), err  # argparse's usage line only
+
+
+def test_an_unreadable_file_is_a_user_error(tmp_path, capsys):
+  (tmp_path / "metrics.jsonl").mkdir()  # a directory where a file belongs
+  assert train_plot.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "metrics.jsonl" in err[0], err
+
+
+def test_an_internal_error_shows_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
+  def broken(*args, **kwargs):
+    raise ValueError("operands could not be broadcast together")  # a bug, not bad input
+
+  monkeypatch.setattr(bench_verify, "measure", broken)
+  assert bench_verify.main(["--gb", "0.001"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[0].startswith("Traceback") and any("broadcast" in line for line in err), err
+  assert err[-1] == ("python -m segpack.bench.verify: internal error, please report it with the "
+                     "traceback above"), err
+
+
+def test_user_errors_are_the_projects_own_classes_and_os_errors():
+  assert errors.is_user_error(ShardFormatError("x"))
+  assert errors.is_user_error(FileNotFoundError(2, "No such file", "x"))
+  assert errors.is_user_error(errors.UsageError("x"))
+  assert not errors.is_user_error(ValueError("x"))
+  assert not errors.is_user_error(TypeError("x"))
+  assert not errors.is_user_error(KeyError("x"))
