@@ -80,3 +80,16 @@ def test_model_pieces_read_without_protobuf_match_sentencepiece(tmp_path):
   assert tok.symbol_id("<|user|>") == user["<|user|>"] and tok.symbol_id("return") is None
   with pytest.raises(spm_proto.ModelFormatError):
     spm_proto.pieces(tok.model_file.read_bytes()[:-7])
+
+
+def test_a_vocab_smaller_than_the_text_needs_names_the_minimum(tmp_path):
+  # 60 distinct characters: 4 reserved + 256 bytes + "\n", "\t" + 60 characters = 322 pieces.
+  text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 60))
+  with pytest.raises(ValueError) as e:
+    spm.train_spm([text], tmp_path / "m.model", vocab_size=300)
+  message = str(e.value)
+  assert "vocab_size=300 is smaller than the 322 pieces" in message, message
+  assert "at least 322" in message and str(tmp_path / "m.model") in message, message
+  assert not (tmp_path / "m.model").exists()
+  # The minimum it names is enough.
+  assert spm.train_spm([text], tmp_path / "m.model", vocab_size=322).vocab_size >= 322

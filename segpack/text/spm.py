@@ -25,6 +25,7 @@ import io
 import itertools
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ from segpack import shards
 from segpack.text import spm_proto
 
 _LOG = logging.getLogger(__name__)
+# SentencePiece's error when vocab_size is below the pieces every character needs.
+_REQUIRED_PIECES = re.compile(r"smaller than required_chars\. (\d+) vs (\d+)")
 
 
 __all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
@@ -189,6 +192,13 @@ def train_spm(
   if raised:  # The texts' own error (a bad input record, Ctrl-C), as itself.
     raise raised[0]
   if failure is not None:
+    needed = _REQUIRED_PIECES.search(str(failure))
+    if needed:
+      raise ValueError(
+          f"train_spm: vocab_size={vocab_size} is smaller than the {needed.group(2)} pieces the "
+          f"text of {model_file} needs (4 reserved ids, 256 byte pieces, the user-defined "
+          "symbols and one piece per character of 99.95% of the text): pass a vocab_size "
+          f"(--vocab-size) of at least {needed.group(2)}") from failure
     raise ValueError(f"train_spm: SentencePiece could not train {model_file}: {failure}"
                      ) from failure
   files.atomic_write_bytes(model_file, model.getvalue())
