@@ -2,6 +2,7 @@
 2) and an internal error with its traceback and a line asking to report it (exit status 1), through
 one shared wrapper (`segpack.cli.errors.command`)."""
 
+import numpy as np
 import pytest
 
 from segpack.bench import attention as bench_attention
@@ -13,6 +14,7 @@ from segpack.cli import main as cli_main
 from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardFormatError
+from segpack.text import spm
 from train import bench as train_bench
 from train import plot as train_plot
 
@@ -92,3 +94,29 @@ def test_user_errors_are_the_projects_own_classes_and_os_errors():
   assert not errors.is_user_error(ValueError("x"))
   assert not errors.is_user_error(TypeError("x"))
   assert not errors.is_user_error(KeyError("x"))
+
+
+def test_tokenize_and_stats_tell_a_library_bug_from_a_projects_own_check(monkeypatch, tmp_path,
+                                                                         capsys):
+  """A bare ValueError raised inside NumPy is a bug (traceback, exit 1); one raised by a check of
+  segpack's own code names the problem in one line (exit 2)."""
+  def numpy_bug(*args, **kwargs):
+    return np.zeros(3).reshape(4)
+
+  def own_check(*args, **kwargs):
+    return spm.train_spm([""], tmp_path / "m.model", vocab_size=1000)  # no text: bare ValueError
+
+  argv = ["--input", str(tmp_path), "--output", str(tmp_path / "out")]
+  monkeypatch.setattr(tokenize_cli, "tokenize_files", numpy_bug)
+  assert tokenize_cli.main(argv) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[0].startswith("Traceback") and "reshape" in "\n".join(err), err
+  assert err[-1].startswith("segpack tokenize: internal error, please report it"), err
+  monkeypatch.setattr(tokenize_cli, "tokenize_files", own_check)
+  assert tokenize_cli.main(argv) == 2
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and "no non-blank text to train" in err[0], err
+  monkeypatch.setattr(stats_cli.packing, "plan", numpy_bug)
+  np.save(tmp_path / "l.npy", np.array([3, 5, 7]))
+  assert stats_cli.main(["--data", str(tmp_path / "l.npy"), "--seq-len", "8"]) == 1
+  assert "internal error, please report it" in capsys.readouterr().err

@@ -2,9 +2,10 @@
 
 - A user error (a bad flag value, a missing or unreadable file, a damaged dataset) ends with one
   line on stderr, `PROG: error: MESSAGE`, and exit status 2. User errors are `OSError` (the
-  operating system names the file) and the `ValueError` and `TypeError` subclasses that segpack
+  operating system names the file), the `ValueError` and `TypeError` subclasses that segpack
   and its trainer raise on purpose for bad input (`InputFormatError`, `ShardFormatError`,
-  `DataArgumentError`, `ConfigError`, ...), which name the flag, file or key and echo the value.
+  `DataArgumentError`, `ConfigError`, ...), which name the flag, file or key and echo the value,
+  and a bare `ValueError` raised by a `raise` statement in segpack's or the trainer's own code.
 - Ctrl-C ends with one line and exit status 130.
 - Anything else is a bug: its traceback is printed, then one line asking to report it, and the
   exit status is 1. A bare `ValueError` raised deep inside NumPy or JAX is such an internal error,
@@ -37,15 +38,38 @@ class UsageError(ValueError):
   """A command-line argument is unusable; the message names the argument and echoes its value."""
 
 
+# The directories of the project's packages: a bare ValueError raised by a statement in them is
+# raised on purpose (its message names the argument and value).
+_PROJECT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), name) + os.sep for name in _PROJECT_PACKAGES)
+
+
+def _raised_by_project(error: BaseException) -> bool:
+  """Whether the innermost frame of `error`'s traceback is project code (a `raise` of segpack or
+  the trainer), not NumPy, JAX or another library."""
+  tb = error.__traceback__
+  if tb is None:
+    return False
+  while tb.tb_next is not None:
+    tb = tb.tb_next
+  return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PROJECT_DIRS)
+
+
 def is_user_error(error: BaseException) -> bool:
-  """Whether `error` reports bad input (see the module docstring) rather than a bug."""
+  """Whether `error` reports bad input (see the module docstring) rather than a bug.
+
+  User errors: `OSError`; the project's own `ValueError`/`TypeError` subclasses; a bare
+  `ValueError` raised by a `raise` statement of the project's code (its argument checks). A bare
+  `ValueError` or `TypeError` raised inside a library (NumPy, JAX, ...) is a bug.
+  """
   if isinstance(error, OSError):
     return True
   if not isinstance(error, (ValueError, TypeError)):
     return False
-  # The project's own error classes, not the bare built-ins (those come from bugs too).
-  return any(cls.__module__.partition(".")[0] in _PROJECT_PACKAGES
-             for cls in type(error).__mro__ if cls not in (ValueError, TypeError))
+  if any(cls.__module__.partition(".")[0] in _PROJECT_PACKAGES
+         for cls in type(error).__mro__ if cls not in (ValueError, TypeError)):
+    return True
+  return type(error) is ValueError and _raised_by_project(error)
 
 
 def one_line(error: BaseException) -> str:

@@ -289,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
     row = summarize(p, seconds=time.perf_counter() - t0)
   except (ValueError, OSError, EOFError) as e:  # bad arguments, unreadable or damaged files
+    if not (errors.is_user_error(e) or isinstance(e, EOFError)):
+      raise  # a bug: `errors.command` prints its traceback and asks to report it
     print(f"segpack stats: error: {errors.one_line(e)}", file=sys.stderr)
     return 2
   print(json.dumps(row, indent=1) if args.json else format_summary(row))

@@ -113,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         input_format=args.format, train_on=args.train_on, messages_field=args.messages_field,
         runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
+    if not errors.is_user_error(e):
+      raise  # a bug: `errors.command` prints its traceback and asks to report it
     # One line, whatever the message holds (a library's message may span several).
     print(f"segpack tokenize: error: {errors.one_line(e)}", file=sys.stderr)
     return 2
