@@ -77,15 +77,8 @@ def _summary(output: str, manifest: dict[str, Any], *, kept: int, bad_lines: int
   parts = [np.diff(np.frombuffer(remote_files.read_bytes(remote_files.join(output, s["offsets"])),
                                  dtype=OFFSET_DTYPE)) for s in manifest["shards"]]
   lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-  empty = lengths.size == 0
-  return encode.Summary(
-      output=output, documents=int(lengths.size), tokens=int(lengths.sum()),
-      dtype=manifest["dtype"], skipped_empty=manifest["skipped_empty"], bad_lines=bad_lines,
-      shards=len(manifest["shards"]), resumed_shards=kept,
-      mean_length=0.0 if empty else float(lengths.mean()),
-      median_length=0.0 if empty else float(np.median(lengths)),
-      p99_length=0.0 if empty else float(np.percentile(lengths, 99)),
-      max_length=0 if empty else int(lengths.max()), seconds=seconds, text_bytes=text_bytes)
+  return encode.summarize(output, manifest, resumed=kept, bad_lines=bad_lines, seconds=seconds,
+                          text_bytes=text_bytes, lengths=lengths)
 
 
 def tokenize_remote(

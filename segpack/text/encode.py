@@ -214,9 +214,12 @@ def write_dataset(
   return manifest, writer.resumed_shards, text_bytes
 
 
-def summarize(output: Path, manifest: dict[str, Any], *, resumed: int, bad_lines: int,
-             seconds: float, text_bytes: int) -> Summary:
-  lengths = shards_lib.ShardSource(output).lengths
+def summarize(output: Path | str, manifest: dict[str, Any], *, resumed: int, bad_lines: int,
+              seconds: float, text_bytes: int, lengths: np.ndarray | None = None) -> Summary:
+  """The run's `Summary`; `lengths` (document lengths) default to those of the dataset at
+  `output` (a local directory; a dataset at a URL passes its own)."""
+  if lengths is None:
+    lengths = shards_lib.ShardSource(output).lengths
   empty = lengths.size == 0
   return Summary(
       output=output, documents=int(lengths.size), tokens=int(lengths.sum()),
