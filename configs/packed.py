@@ -66,6 +66,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.packing.context_balance = "documents"
 
   c.model = ml_collections.ConfigDict()
+  # A Hugging Face model directory (config.json, *.safetensors, tokenizer files) to start from:
+  # the architecture keys below then come from its config.json (an override that contradicts it
+  # is refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
+  c.model.init_from = config_dict.placeholder(str)
+  # The Hugging Face model_type this architecture is (export writes it): llama, mistral, qwen2,
+  # qwen3; with init_from, the checkpoint's
+  c.model.family = "llama"
   c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
   c.model.num_layers = 4  # L
   c.model.d_model = 256  # E
@@ -76,6 +83,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.rope_theta = 10_000.0  # RoPE base
   c.model.norm_eps = 1e-6  # RMSNorm epsilon
   c.model.tie_embeddings = False  # share the input embedding and the output projection
+  c.model.qkv_bias = False  # biases on the q, k, v projections (Qwen2)
+  c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+  # Sliding-window attention of the checkpoint (tokens a query sees, itself included); None:
+  # full attention. Rows longer than the window are refused (segpack attends to the whole row)
+  c.model.sliding_window = config_dict.placeholder(int)
+  # Positions the model was built for (config.json's max_position_embeddings, written on export);
+  # None: packing.seq_len
+  c.model.max_position_embeddings = config_dict.placeholder(int)
+  c.model.rope_scaling = ml_collections.ConfigDict()
+  # None (plain RoPE), "linear" (frequencies / factor) or "llama3" (Llama 3.1's smooth scaling)
+  c.model.rope_scaling.type = config_dict.placeholder(str)
+  c.model.rope_scaling.factor = 1.0  # linear and llama3: the context extension factor
+  c.model.rope_scaling.low_freq_factor = 1.0  # llama3 only
+  c.model.rope_scaling.high_freq_factor = 4.0  # llama3 only
+  # llama3 only: the pre-training context length the wavelengths are compared with
+  c.model.rope_scaling.original_max_position_embeddings = config_dict.placeholder(int)
   c.model.init_std = 0.02  # std of the normal initialisers
   c.model.dtype = "auto"  # compute dtype: "auto" = float32 on CPU, bfloat16 on GPU/TPU
   c.model.param_dtype = "float32"  # parameter (and optimizer state) dtype

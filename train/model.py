@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from segpack import attention as attention_lib
@@ -31,6 +32,43 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 class ModelConfigError(ValueError):
   """The model hyper-parameters are inconsistent."""
+
+
+# `RopeScaling.kind`: the rotary frequency scalings a `Decoder` computes (Hugging Face's
+# `rope_scaling.rope_type` values of the same names).
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A rescaling of the rotary frequencies for contexts longer than pre-training's.
+
+  `kind="linear"`: every frequency divided by `factor` (positions interpolated). `kind="llama3"`
+  (Llama 3.1+): with `L = original_max_position`, frequencies whose wavelength is below
+  `L / high_freq_factor` stay, those above `L / low_freq_factor` are divided by `factor`, and the
+  ones between are interpolated smoothly between the two (`rope_inv_freq`).
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int | None = None
+
+  def __post_init__(self):
+    if self.kind not in ROPE_SCALINGS:
+      raise ModelConfigError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
+    if not self.factor > 0:
+      raise ModelConfigError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
+    if self.kind == "llama3":
+      if not isinstance(self.original_max_position, int) or self.original_max_position < 1:
+        raise ModelConfigError(
+            "RopeScaling(kind='llama3') needs original_max_position, a positive int, got "
+            f"{self.original_max_position!r}")
+      if not self.high_freq_factor > self.low_freq_factor > 0:
+        raise ModelConfigError(
+            f"RopeScaling(kind='llama3') needs high_freq_factor > low_freq_factor > 0, got "
+            f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +86,9 @@ class DecoderConfig:
   norm_eps: float = 1e-6
   tie_embeddings: bool = False
   init_std: float = 0.02
+  qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+  qk_norm: bool = False  # RMSNorm of every query and key head vector before RoPE (Qwen3)
+  rope_scaling: RopeScaling | None = None  # None: the plain frequencies of `rope_theta`
   dtype: str = "float32"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # storage dtype of the parameters
   attention_implementation: str | None = None  # None: best available for the platform
@@ -100,9 +141,34 @@ class DecoderConfig:
             f"DecoderConfig.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
 
 
-def rope_angles(positions_BxS: jax.Array, *, head_dim: int, theta: float) -> jax.Array:
+def rope_inv_freq(*, head_dim: int, theta: float,
+                  scaling: RopeScaling | None = None) -> np.ndarray:
+  """The `D/2` rotary frequencies (float32), rescaled by `scaling` (see `RopeScaling`).
+
+  Computed in float32 in the order Hugging Face's Llama computes them, so that an imported
+  model's angles agree with transformers' to the last bit at thousands of positions.
+  """
+  exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+  inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
+  if scaling is None:
+    return inv_freq
+  factor = np.float32(scaling.factor)
+  if scaling.kind == "linear":
+    return (inv_freq / factor).astype(np.float32)
+  old_len = np.float32(scaling.original_max_position)
+  low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
+  wavelen = np.float32(2 * np.pi) / inv_freq
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq).astype(np.float32)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_angles(positions_BxS: jax.Array, *, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary angles `[B, S, D/2]` for integer positions (float32)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  inv_freq = jnp.asarray(rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling))
   return positions_BxS.astype(jnp.float32)[..., None] * inv_freq
 
 
@@ -128,9 +194,10 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float) -> nnx.Linear:
+def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float,
+            bias: bool = False) -> nnx.Linear:
   return nnx.Linear(
-      d_in, d_out, use_bias=False, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
+      d_in, d_out, use_bias=bias, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
       kernel_init=nnx.initializers.normal(std), rngs=rngs)
 
 
@@ -139,10 +206,15 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-    self.q = _linear(cfg.d_model, cfg.num_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
-    self.k = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
-    self.v = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, std=cfg.init_std)
+    qkv = dict(std=cfg.init_std, bias=cfg.qkv_bias)
+    self.q = _linear(cfg.d_model, cfg.num_heads * cfg.head_dim, cfg, rngs, **qkv)
+    self.k = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, **qkv)
+    self.v = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, **qkv)
     self.o = _linear(cfg.num_heads * cfg.head_dim, cfg.d_model, cfg, rngs, std=out_std)
+    if cfg.qk_norm:
+      norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+      self.q_norm = RMSNorm(cfg.head_dim, **norm)
+      self.k_norm = RMSNorm(cfg.head_dim, **norm)
     self.cfg = cfg
 
   def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
@@ -152,6 +224,8 @@ class Attention(nnx.Module):
     q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
     k_BxSxKxD = self.k(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+      q_BxSxHxD, k_BxSxKxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxKxD)
     q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
     k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
     impl, extra = cfg.attention_implementation, {}
@@ -233,7 +307,7 @@ class Decoder(nnx.Module):
                       slot_index: jax.Array | None = None) -> jax.Array:
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
     angles_BxSxD2 = rope_angles(segment_positions, head_dim=self.cfg.head_dim,
-                                theta=self.cfg.rope_theta)
+                                theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
       x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
     x_BxSxE = self.final_norm(x_BxSxE)
@@ -279,6 +353,19 @@ def pallas_options(attention_cfg: Any) -> attention_lib.PallasOptions | None:
   return attention_lib.PallasOptions(interpret=True) if attention_cfg.interpret else None
 
 
+def rope_scaling(scaling_cfg: Any) -> RopeScaling | None:
+  """The config's `model.rope_scaling` group as a `RopeScaling` (None when its type is None)."""
+  if scaling_cfg.type is None:
+    return None
+  if scaling_cfg.type not in ROPE_SCALINGS:
+    raise ModelConfigError(f"model.rope_scaling.type must be None or one of {ROPE_SCALINGS}, "
+                           f"got {scaling_cfg.type!r}")
+  return RopeScaling(kind=scaling_cfg.type, factor=float(scaling_cfg.factor),
+                     low_freq_factor=float(scaling_cfg.low_freq_factor),
+                     high_freq_factor=float(scaling_cfg.high_freq_factor),
+                     original_max_position=scaling_cfg.original_max_position_embeddings)
+
+
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
                    mesh: Any = None, cudnn_segment_bound: int | None = None) -> DecoderConfig:
   """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`.
@@ -297,7 +384,9 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
       num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
       head_dim=model_cfg.head_dim, d_ff=model_cfg.d_ff, rope_theta=model_cfg.rope_theta,
       norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
-      init_std=model_cfg.init_std, dtype=dtype, param_dtype=model_cfg.param_dtype,
+      init_std=model_cfg.init_std, qkv_bias=bool(model_cfg.qkv_bias),
+      qk_norm=bool(model_cfg.qk_norm), rope_scaling=rope_scaling(model_cfg.rope_scaling),
+      dtype=dtype, param_dtype=model_cfg.param_dtype,
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
       attention_pallas=pallas_options(attention_cfg),
       attention_cudnn_segment_bound=(None if cudnn_segment_bound is None

@@ -140,7 +140,7 @@ def param_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
   return P()  # norms' scales and anything unknown: replicated
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
   parts = []
   for key in path:
     for attr in ("key", "name", "idx"):
@@ -155,7 +155,7 @@ def _path_str(path) -> str:
 def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
   """`NamedSharding`s for a pytree of parameter shapes (e.g. from `nnx.eval_shape`)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: NamedSharding(mesh, param_spec(_path_str(path), x.shape, mesh)),
+      lambda path, x: NamedSharding(mesh, param_spec(path_str(path), x.shape, mesh)),
       abstract_params)
 
 

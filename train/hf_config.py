@@ -1,0 +1,237 @@
+"""A Hugging Face `config.json` read as the trainer's `model` keys, and written back on export.
+
+Families: `llama` (Llama 2, 3, 3.1+ with `rope_scaling` `llama3` or `linear`), `mistral`, `qwen2`
+(Qwen2 / 2.5: biases on q, k, v) and `qwen3` (RMSNorm of every query and key head). Anything else
+is refused by name, never approximated: another `model_type` (Gemma's embedding scale, `(1 + w)`
+norms and soft-capping included), a `rope_scaling` type other than `linear` / `llama3`, an
+activation other than SiLU, biases on the output or MLP projections, mixture-of-experts, a
+quantized checkpoint. A sliding window is kept (`model.sliding_window`) and rows longer than it
+are refused where the row length is known (`check_window`).
+
+RoPE settings are read from both places transformers has kept them: `rope_theta` / `rope_scaling`
+(4.x, with `rope_type` or the older `type`) and `rope_parameters` (5.x); they must agree. Export
+writes both, so that neither version falls back to a default silently.
+
+Algorithm of `adopt` (what `--config.model.init_from=DIR` does to a config):
+  1. Read `DIR/config.json` and turn it into values of `model.*` keys (`architecture`).
+  2. A key the command line set explicitly to another value is an error naming both values.
+  3. Every key takes the checkpoint's value; `model.param_dtype` takes the checkpoint's dtype
+     unless the command line set it.
+
+Example: a Qwen2 config.json with `hidden_size: 896`, `num_key_value_heads: 2` gives
+`model.d_model=896`, `model.num_kv_heads=2`, `model.qkv_bias=True`, `model.family="qwen2"`;
+`--config.model.d_model=512` beside it stops the run: "model.d_model=512 contradicts ... 896".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+CONFIG_NAME = "config.json"
+# Families refused by name, with the reason (what segpack's decoder does not compute).
+_REFUSED = {
+    "gemma": "embeddings scaled by sqrt(hidden_size), (1 + w) RMSNorm, GeLU",
+    "gemma2": "logit soft-capping, alternating local/global attention, (1 + w) RMSNorm",
+    "gemma3": "alternating local/global attention with two RoPE bases, (1 + w) RMSNorm",
+    "gemma3_text": "alternating local/global attention with two RoPE bases, (1 + w) RMSNorm",
+    "mixtral": "mixture-of-experts feed-forward layers",
+    "qwen2_moe": "mixture-of-experts feed-forward layers",
+    "qwen3_moe": "mixture-of-experts feed-forward layers",
+}
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+# The architecture keys `adopt` sets (top-level `model.*` keys; rope_scaling is a group).
+ARCH_KEYS = ("family", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
+             "head_dim", "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
+             "qk_norm", "sliding_window", "max_position_embeddings")
+SCALING_KEYS = ("type", "factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+class HfModelError(ValueError):
+  """A Hugging Face model directory segpack cannot load exactly (printed as one line, rc 2)."""
+
+
+def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """`model_dir/config.json` as a dict; HfModelError naming the path when absent or not JSON."""
+  model_dir = os.fspath(model_dir)
+  if not os.path.isdir(model_dir):
+    raise HfModelError(f"model.init_from={model_dir!r} is not a directory")
+  path = os.path.join(model_dir, CONFIG_NAME)
+  if not os.path.isfile(path):
+    raise HfModelError(f"model.init_from={model_dir!r} has no {CONFIG_NAME} (a Hugging Face "
+                       f"model directory holds config.json, *.safetensors and tokenizer files)")
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise HfModelError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from e
+  if not isinstance(config, dict):
+    raise HfModelError(f"{path}: expected a JSON object, got {type(config).__name__}")
+  return config
+
+
+def _field(hf: dict[str, Any], key: str, where: str, *, kind: type | tuple[type, ...] = int,
+           default: Any = ...) -> Any:
+  value = hf.get(key, default)
+  if value is ...:
+    raise HfModelError(f"{where}: {key} is missing")
+  ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+  if not ok:
+    raise HfModelError(f"{where}: {key}={value!r} is not a {getattr(kind, '__name__', kind)}")
+  return value
+
+
+def _refuse_features(hf: dict[str, Any], family: str, where: str) -> None:
+  """One error per feature segpack's decoder does not compute (the field and its value)."""
+  checks = [
+      ("quantization_config", hf.get("quantization_config") is not None,
+       "quantized checkpoints are not supported"),
+      ("num_experts", bool(hf.get("num_experts")), "mixture-of-experts is not supported"),
+      ("num_local_experts", bool(hf.get("num_local_experts")),
+       "mixture-of-experts is not supported"),
+      ("hidden_act", hf.get("hidden_act", "silu") != "silu",
+       "only the SiLU (SwiGLU) feed-forward is supported"),
+      ("mlp_bias", bool(hf.get("mlp_bias")), "biases on the MLP projections are not supported"),
+      ("attention_bias", family != "qwen2" and bool(hf.get("attention_bias")),
+       "biases on the attention projections (o_proj included) are not supported"),
+  ]
+  for key, bad, why in checks:
+    if bad:
+      raise HfModelError(f"{where}: {key}={hf.get(key)!r}: {why}")
+
+
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+  """`(rope_theta, model.rope_scaling values)` from `rope_scaling` and/or `rope_parameters`."""
+  params = hf.get("rope_parameters")
+  legacy = hf.get("rope_scaling")
+  for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+    if value is not None and not isinstance(value, dict):
+      raise HfModelError(f"{where}: {key}={value!r} is not an object")
+  theta = hf.get("rope_theta", (params or {}).get("rope_theta", 10_000.0))
+  if params and "rope_theta" in params and float(params["rope_theta"]) != float(theta):
+    raise HfModelError(f"{where}: rope_theta={theta!r} and rope_parameters.rope_theta="
+                       f"{params['rope_theta']!r} disagree")
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 1:
+    raise HfModelError(f"{where}: rope_theta={theta!r} is not a number > 1")
+  scaling = legacy if legacy else {k: v for k, v in (params or {}).items() if k != "rope_theta"}
+  kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+  out = dict(type=None, factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
+             original_max_position_embeddings=None)
+  if kind in (None, "default"):
+    return float(theta), out
+  if kind not in ("linear", "llama3"):
+    raise HfModelError(f"{where}: rope_scaling type {kind!r} is not supported (segpack "
+                       f"computes 'linear' and 'llama3'; refusing rather than training a "
+                       f"different model)")
+  out.update(type=kind, factor=float(_field(scaling, "factor", where + " rope_scaling",
+                                            kind=(int, float))))
+  if kind == "llama3":
+    for key in ("low_freq_factor", "high_freq_factor"):
+      out[key] = float(_field(scaling, key, where + " rope_scaling", kind=(int, float)))
+    out["original_max_position_embeddings"] = _field(
+        scaling, "original_max_position_embeddings", where + " rope_scaling")
+  return float(theta), out
+
+
+def _sliding_window(hf: dict[str, Any], family: str, where: str) -> int | None:
+  """The attention window of the checkpoint's layers (None: full attention everywhere)."""
+  window = hf.get("sliding_window")
+  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    return None
+  layer_types = hf.get("layer_types")
+  if isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types):
+    return None
+  if window is None:
+    return None
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise HfModelError(f"{where}: sliding_window={window!r} is not a positive int")
+  return window
+
+
+def torch_dtype(hf: dict[str, Any], where: str) -> str:
+  """The checkpoint's parameter dtype (`dtype` in transformers 5, `torch_dtype` before)."""
+  value = hf.get("dtype", hf.get("torch_dtype", "float32"))
+  if value not in _DTYPES:
+    raise HfModelError(f"{where}: torch_dtype={value!r} is not one of {sorted(_DTYPES)}")
+  return _DTYPES[value]
+
+
+def architecture(hf: dict[str, Any], *, where: str) -> dict[str, Any]:
+  """The `model.*` values a Hugging Face config describes (keys `ARCH_KEYS`, plus
+  `rope_scaling`, a dict of `SCALING_KEYS`). Raises HfModelError for anything unsupported."""
+  family = hf.get("model_type")
+  if family in _REFUSED:
+    raise HfModelError(f"{where}: model_type={family!r} is not supported ({_REFUSED[family]}); "
+                       f"segpack imports {', '.join(FAMILIES)}")
+  if family not in FAMILIES:
+    raise HfModelError(f"{where}: model_type={family!r} is not supported; segpack imports "
+                       f"{', '.join(FAMILIES)}")
+  _refuse_features(hf, family, where)
+  d_model = _field(hf, "hidden_size", where)
+  num_heads = _field(hf, "num_attention_heads", where)
+  head_dim = hf.get("head_dim") or d_model // num_heads
+  theta, scaling = _rope(hf, where)
+  return dict(
+      family=family, vocab_size=_field(hf, "vocab_size", where),
+      num_layers=_field(hf, "num_hidden_layers", where), d_model=d_model, num_heads=num_heads,
+      num_kv_heads=_field(hf, "num_key_value_heads", where, default=num_heads),
+      head_dim=int(head_dim), d_ff=_field(hf, "intermediate_size", where), rope_theta=theta,
+      norm_eps=float(_field(hf, "rms_norm_eps", where, kind=(int, float))),
+      tie_embeddings=bool(_field(hf, "tie_word_embeddings", where, kind=bool, default=False)),
+      qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+      sliding_window=_sliding_window(hf, family, where),
+      max_position_embeddings=hf.get("max_position_embeddings"), rope_scaling=scaling)
+
+
+def _explicit_conflicts(model_cfg: Any, arch: dict[str, Any], explicit: set[str],
+                        where: str) -> None:
+  for key in ARCH_KEYS:
+    if f"model.{key}" in explicit and model_cfg[key] != arch[key]:
+      raise HfModelError(f"--config.model.{key}={model_cfg[key]!r} contradicts {where}, which "
+                         f"says {arch[key]!r} (the architecture comes from model.init_from; "
+                         f"leave the key unset)")
+  for key in SCALING_KEYS:
+    name = f"model.rope_scaling.{key}"
+    if name in explicit and model_cfg.rope_scaling[key] != arch["rope_scaling"][key]:
+      raise HfModelError(f"--config.{name}={model_cfg.rope_scaling[key]!r} contradicts {where}, "
+                         f"which says {arch['rope_scaling'][key]!r}")
+
+
+def adopt(config: Any, *, explicit: set[str] | frozenset[str] = frozenset()) -> None:
+  """With `config.model.init_from` set, makes the config's model keys the checkpoint's.
+
+  Args:
+    config: a trainer config (edited in place; a locked ConfigDict accepts it).
+    explicit: the dotted keys the command line set (`model.d_model`, ...); one of them that
+      contradicts the checkpoint is an error naming both values.
+
+  Raises:
+    HfModelError: no usable config.json, an unsupported model, or a contradiction.
+  """
+  model_dir = config.model.init_from
+  if model_dir is None:
+    return
+  where = os.path.join(model_dir, CONFIG_NAME)
+  hf = read_config(model_dir)
+  arch = architecture(hf, where=where)
+  _explicit_conflicts(config.model, arch, set(explicit), where)
+  dtype = torch_dtype(hf, where)
+  if "model.param_dtype" not in explicit:
+    config.model.param_dtype = dtype
+  for key in ARCH_KEYS:
+    config.model[key] = arch[key]
+  for key in SCALING_KEYS:
+    config.model.rope_scaling[key] = arch["rope_scaling"][key]
+
+
+def check_window(model_cfg: Any, seq_len: int) -> None:
+  """Refuses rows longer than the model's sliding window (segpack attends to the whole row)."""
+  window = model_cfg.sliding_window
+  if window is not None and seq_len > window:
+    raise HfModelError(
+        f"packing.seq_len={seq_len} is longer than the model's sliding window "
+        f"model.sliding_window={window}: segpack attends to the whole segment, so the model "
+        f"would differ; use packing.seq_len <= {window}")
