@@ -56,9 +56,14 @@ def make_model(directory: str, family: str = "llama", *, seed: int = 0, dtype: s
 TOKENS = [f"w{i}" for i in range(150)]
 
 
+CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # segpack's ChatTemplate
+
+
 def make_tokenizer(directory: str, *, eos: str = "</s>") -> str:
-  """A word-level `tokenizer.json` + `tokenizer_config.json` (pad 0, BOS 1, EOS 2, then 150
-  words `w0`..`w149`) saved with transformers' `PreTrainedTokenizerFast` into `directory`."""
+  """A word-level `tokenizer.json` + `tokenizer_config.json` (pad 0, BOS 1, EOS 2, unk 3, 150
+  words `w0`..`w149` as ids 4..153, segpack's four chat markers as added tokens 154..157: 158
+  tokens, fewer than the models' 160 embedding rows) saved with transformers'
+  `PreTrainedTokenizerFast` into `directory`."""
   import tokenizers
   import transformers
   vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
@@ -67,9 +72,38 @@ def make_tokenizer(directory: str, *, eos: str = "</s>") -> str:
   tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
   tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
   fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token="<s>", eos_token=eos, pad_token="<pad>", unk_token="<unk>")
+      tokenizer_object=tok, bos_token="<s>", eos_token=eos, pad_token="<pad>", unk_token="<unk>",
+      additional_special_tokens=list(CHAT_MARKERS))
   fast.save_pretrained(directory)
   return directory
+
+
+def write_chat_jsonl(path: str, n: int, *, seed: int = 0) -> str:
+  """`n` conversations (an optional system prompt, 1-3 user/assistant turns) of random words."""
+  rng = np.random.default_rng(seed)
+
+  def words(k):
+    return " ".join(TOKENS[i] for i in rng.integers(0, len(TOKENS), size=k))
+
+  with open(path, "w", encoding="utf-8") as f:
+    for _ in range(n):
+      messages = [{"role": "system", "content": words(5)}] if rng.random() < 0.3 else []
+      for _ in range(int(rng.integers(1, 4))):
+        messages += [{"role": "user", "content": words(int(rng.integers(3, 30)))},
+                     {"role": "assistant", "content": words(int(rng.integers(3, 60)))}]
+      f.write(json.dumps({"messages": messages}) + "\n")
+  return path
+
+
+def write_text_jsonl(path: str, n: int, *, seed: int = 0) -> str:
+  """`n` plain documents of 5-200 random words, `{"text": ...}` per line."""
+  rng = np.random.default_rng(seed)
+  with open(path, "w", encoding="utf-8") as f:
+    for _ in range(n):
+      k = int(rng.integers(5, 200))
+      f.write(json.dumps({"text": " ".join(TOKENS[i] for i in rng.integers(0, 150, size=k))})
+              + "\n")
+  return path
 
 
 def documents(n: int, *, lengths: list[int], seed: int = 0, vocab: int = 154) -> list[np.ndarray]:

@@ -228,8 +228,9 @@ def test_errors_name_the_flag_and_the_value(tmp_path, bpe, capsys):
   assert "not a Hugging Face tokenizer.json" in err
   err = _cli_error(tmp_path, capsys, "--tokenizer", f"bpe:{bpe}")
   assert f"--tokenizer 'bpe:{bpe}'" in err and "hf:PATH" in err
-  err = _cli_error(tmp_path, capsys, "--tokenizer", f"hf:{bpe.parent}")
-  assert "is a directory" in err
+  (tmp_path / "empty_model").mkdir()
+  err = _cli_error(tmp_path, capsys, "--tokenizer", f"hf:{tmp_path / 'empty_model'}")
+  assert "is a directory without a tokenizer.json" in err and "empty_model" in err
   with pytest.raises(SystemExit):  # argparse: mutually exclusive flags.
     tokenize_cli.main(["--input", "x", "--output", "o", "--tokenizer", f"hf:{bpe}",
                        "--vocab-size", "300"])
@@ -238,6 +239,13 @@ def test_errors_name_the_flag_and_the_value(tmp_path, bpe, capsys):
     dataset.tokenize_files(["x"], tmp_path / "o", tokenizer=f"hf:{bpe}", spm_model="m.model")
   with pytest.raises(ValueError, match="--input builtin takes a SentencePiece model only"):
     dataset.tokenize_files(["builtin"], tmp_path / "o", tokenizer=f"hf:{bpe}")
+
+
+def test_a_model_directory_names_its_tokenizer_json(tmp_path, bpe):
+  from_dir = hf.HfTokenizer(bpe.parent)
+  from_file = hf.HfTokenizer(bpe)
+  assert from_dir.model_file == bpe and from_dir.fingerprint == from_file.fingerprint
+  assert from_dir.spec == from_file.spec
 
 
 def test_config_naming_an_unknown_token_and_missing_library(tmp_path, bpe, monkeypatch):

@@ -129,6 +129,8 @@ class Data:
     eval_by_source: a mixture's held-out batches of each source, by name (empty otherwise).
     context: the slot order of the batches (`train.context`); `eval` and `eval_by_source` come
       out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
+    tokenizer_fingerprint: the tokenizer of a `segpack tokenize` dataset (its manifest's
+      `tokenizer_fingerprint`); None for the built-in and synthetic sources.
   """
 
   train: grain.MapDataset
@@ -140,6 +142,7 @@ class Data:
   source_names: tuple[str, ...] = ()
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
   context: context_lib.ContextOrder = context_lib.ContextOrder()
+  tokenizer_fingerprint: str | None = None
 
   def __post_init__(self):
     if self.context.active:
@@ -193,7 +196,8 @@ def _mixture(spec: DataSpec) -> Mixture | None:
   return mixture
 
 
-def _mixture_sources(spec: DataSpec, mixture: Mixture) -> tuple[Any, Any, int, dict[str, int]]:
+def _mixture_sources(spec: DataSpec,
+                     mixture: Mixture) -> tuple[Any, Any, int, dict[str, int], str]:
   """A mixture `data.train`: each source split by `held_out_split` (or `data.eval`); the
   held-out documents of all sources are evaluated together."""
   opened = [_open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
@@ -215,10 +219,11 @@ def _mixture_sources(spec: DataSpec, mixture: Mixture) -> tuple[Any, Any, int, d
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
   tokenizer = opened[0].manifest.get("metadata", {}).get("tokenizer", {})
   ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
-  return train, held_out, max(int(src.vocab_size) for src in opened), ids
+  return (train, held_out, max(int(src.vocab_size) for src in opened), ids,
+          opened[0].tokenizer_fingerprint)
 
 
-def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
+def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int], str]:
   """`data.train` (and `data.eval`, or its held-out share): ids and vocabulary from the manifest."""
   mixture = _mixture(spec)
   if mixture is not None:
@@ -238,12 +243,15 @@ def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
       raise DataConfigError(f"data.eval_share={spec.eval_share!r} with data.train: {e}") from e
   tokenizer = train.manifest.get("metadata", {}).get("tokenizer", {})
   ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
-  return train, held_out, int(train.vocab_size), ids  # BOS/EOS: from the manifest
+  # BOS/EOS: from the manifest
+  return train, held_out, int(train.vocab_size), ids, train.tokenizer_fingerprint
 
 
-def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
+def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int], str | None]:
+  """`(train, held_out, vocab_size, special ids, tokenizer fingerprint)` of the configured
+  data; the fingerprint is a `segpack tokenize` dataset's (None for the built-in sources)."""
   if spec.train is not None:
-    if spec.source != "builtin":
+    if spec.source == "synthetic":  # the built-in corpora are defaults that data.train replaces
       raise DataConfigError(
           f"data.train={spec.train!r} and data.source={spec.source!r} name two training sets; "
           f"data.train replaces data.source: leave data.source at its default")
@@ -256,18 +264,19 @@ def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int]]:
     held_out = synthetic_documents(num_docs=max(spec.synthetic_docs // 20, 8),
                                    mean_len=spec.synthetic_mean_len, vocab=spec.synthetic_vocab,
                                    seed=spec.seed + 1)
-    return train, held_out, spec.synthetic_vocab, dict(bos_id=SYNTHETIC_BOS, eos_id=SYNTHETIC_EOS)
+    ids = dict(bos_id=SYNTHETIC_BOS, eos_id=SYNTHETIC_EOS)
+    return train, held_out, spec.synthetic_vocab, ids, None
   if spec.source == "builtin":
     built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir, progress=True)
     tok = spm.SpmTokenizer(built.spm_model)
     ids = dict(bos_id=int(tok.bos_id), eos_id=int(tok.eos_id))
-    return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
+    return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids, None
   if spec.source == "builtin_chat":
     built = chat_corpus.ensure_builtin_chat(size=spec.size, train_on=spec.train_on,
                                             cache_dir=spec.cache_dir)
     tok = spm.SpmTokenizer(built.spm_model)
     ids = dict(bos_id=tok.bos_id, eos_id=tok.eos_id)
-    return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids
+    return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids, None
   raise DataConfigError(
       f"data.source must be one of {list(config_checks.SOURCES)}, got {spec.source!r}")
 
@@ -291,7 +300,7 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   if spec.repack not in REPACK_MODES:
     raise DataConfigError(
         f"packing.repack must be one of {list(REPACK_MODES)}, got {spec.repack!r}")
-  train_src, eval_src, vocab, ids = _sources(spec)
+  train_src, eval_src, vocab, ids, tokenizer = _sources(spec)
   common = dict(
       seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
       special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))
@@ -314,8 +323,10 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
           f"packing.repack={spec.repack!r} is for packing.mode='global' (minibatch mode packs "
           f"every minibatch afresh already); set packing.repack='none'")
     shard = grain.sharding.ShardOptions(shard_index=process_index, shard_count=process_count)
-    return _minibatch_data(spec, train_src, eval_rows, eval_batches,
+    data = _minibatch_data(spec, train_src, eval_rows, eval_batches,
                            dict(common, shard_options=shard), batch_size=batch_size, vocab=vocab)
+    data.tokenizer_fingerprint = tokenizer
+    return data
   if spec.mode != "global":
     raise DataConfigError(
         f"packing.mode must be one of {list(config_checks.PACKING_MODES)}, got {spec.mode!r}")
@@ -337,7 +348,8 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                    f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
                    f"eval rows, vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row),
-      source_names=names, eval_by_source=by_source, context=spec.context)
+      source_names=names, eval_by_source=by_source, context=spec.context,
+      tokenizer_fingerprint=tokenizer)
 
 
 def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:

@@ -16,6 +16,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from train import hf_config
 from train import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
@@ -92,6 +93,8 @@ def main(argv):
     jax.distributed.initialize()
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
   try:
+    explicit = set(config_flags.get_override_values(flags.FLAGS["config"]))
+    hf_config.adopt(_CONFIG.value, explicit=explicit)  # model.init_from: config.json decides
     train.train_and_evaluate(_CONFIG.value, workdir)
   except train.USER_ERRORS as e:
     _fail(str(e))

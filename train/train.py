@@ -36,6 +36,8 @@ from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
+from train import hf_config
+from train import hf_init
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -219,7 +221,7 @@ class AttentionConfigError(ValueError):
 # one line naming the key or file (exit code 2) instead of a traceback.
 USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
                sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
-               *ckpt_lib.ERRORS,
+               *ckpt_lib.ERRORS, hf_config.HfModelError,
                PipelineConfigError, NonFiniteError)
 
 
@@ -257,6 +259,8 @@ def check_attention_leaks(config: Any) -> attention_lib.SelfCheckResult | None:
 def setup(config: Any, workdir: str) -> Run:
   """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
   config_checks.check_config(config)
+  if config.model.init_from is not None:
+    hf_init.check_adopted(config)
   check_attention(config.attention, platform=jax.default_backend())
   check_attention_leaks(config)
   workdir = check_workdir(workdir)
@@ -268,6 +272,9 @@ def setup(config: Any, workdir: str) -> Run:
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
                             num_ranks=sharding_lib.batch_partitions(mesh))
+  if config.model.init_from is not None:
+    hf_init.check_tokenizer(config.model.init_from, data_fingerprint=data.tokenizer_fingerprint,
+                            data_name=data_lib.DataSpec.from_config(config).name)
   vocab_size = config_checks.check_vocab_size(config, data.vocab_size)
   tx, schedule = make_optimizer(t)
   graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
@@ -286,7 +293,11 @@ def setup(config: Any, workdir: str) -> Run:
   abstract_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              abstract, state_sh)
   restored = checkpointer.restore_or_none(abstract_sh, config_dict)
-  if restored is None:
+  if restored is None and config.model.init_from is not None:
+    hf_init.keep_source_files(config.model.init_from, workdir)
+    state, start_step, changes = hf_init.initial_state(config, abstract["params"], state_sh,
+                                                       tx.init), 0, []
+  elif restored is None:
     def init():
       params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab_size, mesh=mesh,
                                          max_segments_in_row=data.max_segments_in_row))[1]

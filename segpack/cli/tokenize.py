@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
   tok.add_argument("--vocab-size", type=int, metavar="N",
                    help="train a SentencePiece model of N pieces on the input first")
   tok.add_argument("--tokenizer", metavar="KIND:FILE",
-                   help="hf:FILE, a Hugging Face tokenizer.json (needs segpack[hf]; special ids "
-                        "from tokenizer_config.json beside it), or spm:FILE (= --spm-model)")
+                   help="hf:FILE or hf:DIR, a Hugging Face tokenizer.json or the model "
+                        "directory holding it (needs segpack[hf]; special ids from "
+                        "tokenizer_config.json beside it), or spm:FILE (= --spm-model)")
   p.add_argument("--doc-separator", choices=("file", "blank-line"), default="file",
                  help=".txt files: a file is a document, or blank lines separate documents")
   p.add_argument("--text-field", default="text",

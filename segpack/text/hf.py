@@ -42,9 +42,10 @@ import numpy as np
 from segpack import files
 from segpack import shards
 
-__all__ = ["CONFIG_NAME", "HfTokenizer"]
+__all__ = ["CONFIG_NAME", "TOKENIZER_NAME", "HfTokenizer"]
 
 CONFIG_NAME = "tokenizer_config.json"
+TOKENIZER_NAME = "tokenizer.json"
 _NAMES = ("bos", "eos", "pad", "unk")
 
 
@@ -114,10 +115,15 @@ class HfTokenizer:
   """
 
   def __init__(self, tokenizer_file: str | os.PathLike[str]):
-    """Loads `tokenizer_file`; raises FileNotFoundError / ValueError naming it."""
+    """Loads `tokenizer_file` (a `tokenizer.json`, or a Hugging Face model directory holding
+    one); raises FileNotFoundError / ValueError naming it."""
     self.model_file = Path(tokenizer_file)
-    if self.model_file.is_dir():
-      raise ValueError(f"{str(self.model_file)!r} is a directory; name the tokenizer.json in it")
+    if self.model_file.is_dir():  # a Hugging Face model directory: its tokenizer.json
+      if not (self.model_file / TOKENIZER_NAME).is_file():
+        raise FileNotFoundError(f"{str(self.model_file)!r} is a directory without a "
+                                f"{TOKENIZER_NAME}; name a tokenizer.json or a model directory "
+                                f"that holds one")
+      self.model_file = self.model_file / TOKENIZER_NAME
     if not self.model_file.is_file():
       raise FileNotFoundError(f"tokenizer file {str(self.model_file)!r} does not exist")
     raw = self.model_file.read_bytes()

@@ -1,0 +1,153 @@
+"""Fine-tuning an imported Hugging Face model: the first step's loss equals transformers' on the
+same documents, the dataset's tokenizer must be the model's, and the README's commands run end
+to end (a tiny model and tokenizer made here with transformers; nothing is downloaded)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import grain
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+import hf_models  # noqa: E402
+from configs import packed  # noqa: E402
+from train import data as data_lib  # noqa: E402
+from train import hf_config  # noqa: E402
+from train import train as train_lib  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("hf") / "tiny-llama")
+  hf_models.make_model(d, "llama", kv_heads=2)
+  return hf_models.make_tokenizer(d)
+
+
+def run_cli(*args, cwd=REPO, check=True):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=900)
+  if check:
+    assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+@pytest.fixture(scope="module")
+def text_data(model_dir, tmp_path_factory):
+  root = tmp_path_factory.mktemp("text")
+  hf_models.write_text_jsonl(str(root / "docs.jsonl"), 60, seed=4)
+  run_cli("segpack", "tokenize", "--input", str(root / "docs.jsonl"), "--tokenizer",
+          f"hf:{model_dir}", "--output", str(root / "data"))
+  return root
+
+
+def _config(model_dir, data_dir, **train):
+  config = packed.get_config()
+  config.model.init_from = model_dir
+  config.data.train = str(data_dir)
+  config.packing.seq_len = 256
+  config.attention.implementation = "xla"
+  config.attention.self_check = False
+  t = config.train
+  t.batch_size, t.num_steps, t.log_every, t.eval_every, t.checkpoint_every = 8, 1, 1, 0, 0
+  for key, value in train.items():
+    t[key] = value
+  hf_config.adopt(config)
+  return config
+
+
+def test_first_step_loss_equals_transformers_mean_token_loss(model_dir, text_data, tmp_path):
+  import transformers
+  config = _config(model_dir, text_data / "data")
+  assert config.model.vocab_size == 160 and config.model.family == "llama"
+  train_lib.train_and_evaluate(config, tmp_path / "run")
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  loss = next(r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1)
+  # The same first batch, rebuilt; the trainer logged its fingerprint.
+  data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=8,
+                            process_index=0, process_count=1)
+  batch = next(data.train_iterator(read_options=grain.ReadOptions(num_threads=1)))
+  logged = json.loads(open(tmp_path / "run" / "batches.jsonl").readline())
+  assert data_lib.fingerprint(batch)[0] == logged["fingerprint"]
+  tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+  texts = [json.loads(line)["text"] for line in open(text_data / "docs.jsonl")]
+  known = {tuple([tok.bos_token_id] + tok(t, add_special_tokens=False)["input_ids"]
+                 + [tok.eos_token_id]) for t in texts}
+  docs = []
+  for r in range(len(batch["input_ids"])):
+    for s in np.unique(batch["segment_ids"][r][batch["segment_ids"][r] > 0]):
+      ids = batch["input_ids"][r][batch["segment_ids"][r] == s]
+      assert tuple(ids.tolist()) in known  # a whole document, BOS and EOS as the model has them
+      docs.append(ids)
+  assert len(docs) >= 3
+  want = hf_models.transformers_token_losses(model_dir, docs).mean()
+  assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
+  # Negative control: a freshly initialised model (std 0.02) predicts nearly uniformly, ln(160);
+  # the imported weights (std 0.2) are far from that, so an ignored init_from cannot pass.
+  assert abs(want - np.log(160)) > 0.5
+
+
+def test_a_dataset_of_another_tokenizer_is_refused(model_dir, text_data, tmp_path):
+  other = str(tmp_path / "other")
+  hf_models.make_tokenizer(other, eos="<unk>")  # the same vocabulary, another EOS
+  run_cli("segpack", "tokenize", "--input", str(text_data / "docs.jsonl"), "--tokenizer",
+          f"hf:{other}", "--output", str(tmp_path / "data"))
+  out = run_cli("train.main", "--config=configs/packed.py:smoke",
+                f"--config.model.init_from={model_dir}", f"--config.data.train={tmp_path / 'data'}",
+                f"--workdir={tmp_path / 'run'}", check=False)
+  assert out.returncode == 2, out.stderr[-2000:]
+  line = out.stderr.strip().splitlines()[-1]
+  assert "was tokenized with tokenizer sha256:" in line and model_dir in line
+  assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_builtin_corpus_with_init_from_is_refused(model_dir, tmp_path):
+  config = packed.get_config("smoke")
+  config.model.init_from = model_dir
+  hf_config.adopt(config)
+  with pytest.raises(hf_config.HfModelError, match="needs data tokenized with the model's"):
+    train_lib.train_and_evaluate(config, tmp_path / "run")
+
+
+def test_a_contradicting_override_names_both_values(model_dir, tmp_path):
+  out = run_cli("train.main", "--config=configs/packed.py:smoke",
+                f"--config.model.init_from={model_dir}", "--config.model.d_model=128",
+                f"--workdir={tmp_path / 'run'}", check=False)
+  assert out.returncode == 2
+  line = out.stderr.strip()
+  assert "--config.model.d_model=128 contradicts" in line and "says 64" in line
+  assert len(line.splitlines()) == 1
+
+
+def test_readme_fine_tune_commands(model_dir, tmp_path):
+  """The README's "Fine-tune a Hugging Face model" block, with fewer steps."""
+  readme = (REPO / "README.md").read_text()
+  block = readme.split("## Fine-tune a Hugging Face model", 1)[1].split("```bash", 1)[1]
+  commands = [c.strip() for c in block.split("```", 1)[0].strip().splitlines()
+              if c.strip() and not c.startswith("#")]
+  assert commands[0].startswith("python -m segpack tokenize") and "hf:" in commands[0]
+  assert commands[1].startswith("python -m train.main --config=configs/sft.py")
+  hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 80, seed=1)
+  subs = {"MODEL_DIR": model_dir, "chat.jsonl": str(tmp_path / "chat.jsonl"),
+          "data/chat": str(tmp_path / "data" / "chat"), "runs/sft_hf": str(tmp_path / "run"),
+          "exported": str(tmp_path / "exported")}
+  for command in commands:
+    for a, b in subs.items():
+      command = command.replace(a, b)
+    args = command.split()[2:]
+    if args[0] == "train.main":
+      args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
+               "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
+    run_cli(*args)
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  summary = records[-1]
+  assert summary["kind"] == "summary" and summary["steps"] == 3
+  assert np.isfinite(summary["final_loss"])
