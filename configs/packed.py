@@ -13,6 +13,49 @@ import ml_collections
 from ml_collections import config_dict
 
 
+def model_group() -> ml_collections.ConfigDict:
+  """The `model` group: the decoder's architecture (or `init_from`, a Hugging Face model whose
+  config.json then sets it) and dtypes."""
+  m = ml_collections.ConfigDict()
+  # A Hugging Face model directory (config.json, *.safetensors, tokenizer files) to start from:
+  # the architecture keys below then come from its config.json (an override that contradicts it
+  # is refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
+  m.init_from = config_dict.placeholder(str)
+  # The Hugging Face model_type this architecture is (export writes it): llama, mistral, qwen2,
+  # qwen3; with init_from, the checkpoint's
+  m.family = "llama"
+  m.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
+  m.num_layers = 4  # L
+  m.d_model = 256  # E
+  m.num_heads = 4  # H
+  m.num_kv_heads = 2  # K (grouped-query attention)
+  m.head_dim = 64  # D
+  m.d_ff = 704  # F (SwiGLU hidden size, ~8/3 E rounded to 64)
+  m.rope_theta = 10_000.0  # RoPE base
+  m.norm_eps = 1e-6  # RMSNorm epsilon
+  m.tie_embeddings = False  # share the input embedding and the output projection
+  m.qkv_bias = False  # biases on the q, k, v projections (Qwen2)
+  m.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+  # Sliding-window attention of the checkpoint (tokens a query sees, itself included); None:
+  # full attention. Rows longer than the window are refused (segpack attends to the whole row)
+  m.sliding_window = config_dict.placeholder(int)
+  # Positions the model was built for (config.json's max_position_embeddings, written on export);
+  # None: packing.seq_len
+  m.max_position_embeddings = config_dict.placeholder(int)
+  m.rope_scaling = ml_collections.ConfigDict()
+  # None (plain RoPE), "linear" (frequencies / factor) or "llama3" (Llama 3.1's smooth scaling)
+  m.rope_scaling.type = config_dict.placeholder(str)
+  m.rope_scaling.factor = 1.0  # linear and llama3: the context extension factor
+  m.rope_scaling.low_freq_factor = 1.0  # llama3 only
+  m.rope_scaling.high_freq_factor = 4.0  # llama3 only
+  # llama3 only: the pre-training context length the wavelengths are compared with
+  m.rope_scaling.original_max_position_embeddings = config_dict.placeholder(int)
+  m.init_std = 0.02  # std of the normal initialisers
+  m.dtype = "auto"  # compute dtype: "auto" = float32 on CPU, bfloat16 on GPU/TPU
+  m.param_dtype = "float32"  # parameter (and optimizer state) dtype
+  return m
+
+
 def base_config() -> ml_collections.ConfigDict:
   """The full (unlocked) config; `configs/padded.py` edits a copy of it."""
   c = ml_collections.ConfigDict()
@@ -65,43 +108,7 @@ def base_config() -> ml_collections.ConfigDict:
   # work). Only the order of slots changes, never the data or the loss; ignored at context 1.
   c.packing.context_balance = "documents"
 
-  c.model = ml_collections.ConfigDict()
-  # A Hugging Face model directory (config.json, *.safetensors, tokenizer files) to start from:
-  # the architecture keys below then come from its config.json (an override that contradicts it
-  # is refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
-  c.model.init_from = config_dict.placeholder(str)
-  # The Hugging Face model_type this architecture is (export writes it): llama, mistral, qwen2,
-  # qwen3; with init_from, the checkpoint's
-  c.model.family = "llama"
-  c.model.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
-  c.model.num_layers = 4  # L
-  c.model.d_model = 256  # E
-  c.model.num_heads = 4  # H
-  c.model.num_kv_heads = 2  # K (grouped-query attention)
-  c.model.head_dim = 64  # D
-  c.model.d_ff = 704  # F (SwiGLU hidden size, ~8/3 E rounded to 64)
-  c.model.rope_theta = 10_000.0  # RoPE base
-  c.model.norm_eps = 1e-6  # RMSNorm epsilon
-  c.model.tie_embeddings = False  # share the input embedding and the output projection
-  c.model.qkv_bias = False  # biases on the q, k, v projections (Qwen2)
-  c.model.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
-  # Sliding-window attention of the checkpoint (tokens a query sees, itself included); None:
-  # full attention. Rows longer than the window are refused (segpack attends to the whole row)
-  c.model.sliding_window = config_dict.placeholder(int)
-  # Positions the model was built for (config.json's max_position_embeddings, written on export);
-  # None: packing.seq_len
-  c.model.max_position_embeddings = config_dict.placeholder(int)
-  c.model.rope_scaling = ml_collections.ConfigDict()
-  # None (plain RoPE), "linear" (frequencies / factor) or "llama3" (Llama 3.1's smooth scaling)
-  c.model.rope_scaling.type = config_dict.placeholder(str)
-  c.model.rope_scaling.factor = 1.0  # linear and llama3: the context extension factor
-  c.model.rope_scaling.low_freq_factor = 1.0  # llama3 only
-  c.model.rope_scaling.high_freq_factor = 4.0  # llama3 only
-  # llama3 only: the pre-training context length the wavelengths are compared with
-  c.model.rope_scaling.original_max_position_embeddings = config_dict.placeholder(int)
-  c.model.init_std = 0.02  # std of the normal initialisers
-  c.model.dtype = "auto"  # compute dtype: "auto" = float32 on CPU, bfloat16 on GPU/TPU
-  c.model.param_dtype = "float32"  # parameter (and optimizer state) dtype
+  c.model = model_group()
 
   c.attention = ml_collections.ConfigDict()
   c.attention.implementation = config_dict.placeholder(str)  # None: pallas on GPU, xla elsewhere

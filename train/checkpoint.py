@@ -224,8 +224,8 @@ class Checkpointer:
               "; to resume with another train.batch_size, set "
               "--config.train.allow_batch_size_change=True")
       raise IncompatibleCheckpointError(
-          f"cannot resume from {where}: its config differs from this run's:\n  "
-          + "\n  ".join(diffs) + f"\n(use a new --workdir, or the same config{hint})")
+          f"cannot resume from {where}: its config differs from this run's: "
+          + "; ".join(diffs) + f" (use a new --workdir, or the same config{hint})")
     restored = self._read(where, step, ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     item = restored["data"]

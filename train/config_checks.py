@@ -27,6 +27,7 @@ from segpack.data.context import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
 from segpack.text import chat
 from segpack.text import corpus
+from train import hf_config
 from train import model as model_lib
 
 # `data.source`: the built-in text corpus, the built-in chat corpus, or random documents.
@@ -50,6 +51,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "packing.context_balance": CONTEXT_BALANCES,
     "model.dtype": ("auto",) + _DTYPES,
     "model.param_dtype": _DTYPES,
+    "model.family": hf_config.FAMILIES,
+    "model.rope_scaling.type": (None,) + model_lib.ROPE_SCALINGS,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
 }
@@ -120,6 +123,9 @@ NUMERIC: dict[str, Rule] = {
     "train.checkpoint_every": _COUNT,  # 0: only at the end
     "train.max_checkpoints": _POSITIVE,  # 0 would keep none, so a rerun starts from scratch
     "train.peak_flops": Rule(0, open_low=True, optional=True),
+    "model.sliding_window": _OPTIONAL_POSITIVE,
+    "model.max_position_embeddings": _OPTIONAL_POSITIVE,
+    "model.rope_scaling.factor": Rule(0, open_low=True),
 }
 
 
@@ -141,6 +147,13 @@ def check_rule(key: str, value: Any, rule: Rule) -> None:
     raise ConfigError(f"{key} must be {rule.describe()}, got {value!r}")
 
 
+def _value(config: Any, key: str) -> Any:
+  """The value of a dotted key (`model.rope_scaling.type`)."""
+  for part in key.split("."):
+    config = config[part]
+  return config
+
+
 def check_config(config: Any) -> None:
   """Checks every key of `CHOICES` and `NUMERIC` in a trainer config
   (`configs/packed.py:get_config()`).
@@ -149,11 +162,9 @@ def check_config(config: Any) -> None:
     ConfigError: the first key whose value is not one of its choices or breaks its rule.
   """
   for key, choices in CHOICES.items():
-    group, name = key.split(".")
-    check_choice(key, config[group][name], choices)
+    check_choice(key, _value(config, key), choices)
   for key, rule in NUMERIC.items():
-    group, name = key.split(".")
-    check_rule(key, config[group][name], rule)
+    check_rule(key, _value(config, key), rule)
   check_context(config)
 
 

@@ -113,3 +113,24 @@ class Throughput:
     self.t_last, self.last_step = now, step
     self.real_tokens = self.slots = self.flops = 0.0
     return out
+
+
+def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
+                 source_names: tuple[str, ...] = ()) -> dict[str, Any]:
+  """One `train` record from the (fetched) metrics of the steps since the last record."""
+  for m in window:
+    meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
+              attention_pairs=float(m["attention_pairs"]))
+  # Each step's loss weighted by its normaliser (trained tokens, or documents under
+  # loss.weighting="sequence"): the window's loss as one batch of all its steps would give it.
+  counts = sum(float(m["loss_count"]) for m in window)
+  loss = sum(float(m["loss"]) * float(m["loss_count"]) for m in window) / max(counts, 1.0)
+  last = window[-1]
+  record = dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
+                grad_norm=float(last["grad_norm"]), **meter.report(step))
+  for n, name in enumerate(source_names):  # a mixture: every source's loss over the window
+    tokens = sum(float(m["source_tokens"][n]) for m in window)
+    record[f"tokens/{name}"] = int(tokens)
+    record[f"loss/{name}"] = (sum(float(m["source_loss_sum"][n]) for m in window) / tokens
+                              if tokens else None)
+  return record

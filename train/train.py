@@ -362,27 +362,6 @@ def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
     f.flush()
 
 
-def _train_record(step: int, window: list[dict[str, Any]], meter: metrics_lib.Throughput,
-                  source_names: tuple[str, ...] = ()) -> dict[str, Any]:
-  """One `train` record from the (fetched) metrics of the steps since the last record."""
-  for m in window:
-    meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
-              attention_pairs=float(m["attention_pairs"]))
-  # Each step's loss weighted by its normaliser (trained tokens, or documents under
-  # loss.weighting="sequence"): the window's loss as one batch of all its steps would give it.
-  counts = sum(float(m["loss_count"]) for m in window)
-  loss = sum(float(m["loss"]) * float(m["loss_count"]) for m in window) / max(counts, 1.0)
-  last = window[-1]
-  record = dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
-                grad_norm=float(last["grad_norm"]), **meter.report(step))
-  for n, name in enumerate(source_names):  # a mixture: every source's loss over the window
-    tokens = sum(float(m["source_tokens"][n]) for m in window)
-    record[f"tokens/{name}"] = int(tokens)
-    record[f"loss/{name}"] = (sum(float(m["source_loss_sum"][n]) for m in window) / tokens
-                              if tokens else None)
-  return record
-
-
 def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any]:
   """Trains the model `config` describes, resuming from `workdir` if it holds a checkpoint.
 
@@ -434,7 +413,7 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
                    learning_rate=t.learning_rate)
     if step % t.log_every == 0 or last_step:
       real_total += sum(float(m["real_tokens"]) for m in window)
-      record, window = _train_record(step, window, meter, run.data.source_names), []
+      record, window = metrics_lib.train_record(step, window, meter, run.data.source_names), []
       first_loss = record["loss"] if first_loss is None else first_loss
       last_loss = record["loss"]
       writer.write(record)
