@@ -1,48 +1,57 @@
 """Host memory of importing a Hugging Face checkpoint: `python -m train.bench_hf_import [--json]`.
 
 The import (`train.hf_weights.load_params`) reads tensors through memory-mapped safetensors one
-at a time and places each straight onto the mesh with its sharding, in the checkpoint's dtype, so
-its peak host memory above the process's baseline should be at most the largest tensor plus 10%
-beyond the parameters themselves. This command measures it on a Llama-family checkpoint of at
-least `--size-gb` GB that it writes itself.
+at a time and places each straight onto the mesh with its sharding, in the checkpoint's dtype.
+Its host memory above the process's baseline must stay within the largest tensor plus 10%,
+beyond the parameters themselves. This command measures that on a Llama-family checkpoint of at
+least `--size-gb` GB, which it writes itself, and prints the peak RSS beside the checkpoint size.
 
-What is measured: the resident set (RSS) of a fresh process, which counts its anonymous memory
-(NumPy buffers, the parameters) and the pages of a safetensors file that are mapped and touched;
-the page cache of a file that is no longer mapped is not counted. On the CPU the loaded
-parameters live in host memory, so the loader's own cost is the transient: the peak above the
-baseline minus the bytes of the parameters resident at the end. The transient is measured where
-it is largest against the parameters loaded after it (the last tensors, `lm_head.weight` among
-them, fully); the bound checked is transient <= 1.1 x the largest tensor.
+What is measured: the resident set (RSS) of a fresh process. RSS counts its anonymous memory
+(NumPy buffers, the parameters) and the pages of a safetensors file while they are mapped and
+touched. The loader maps a file for one tensor and unmaps it after the copy, so those pages count
+only during that tensor's read. The kernel's page cache of an unmapped file is not counted (it is
+reclaimable). On the CPU the loaded parameters live in host memory, so the loader's own cost is
+the transient: peak above baseline minus the bytes of all loaded parameters. That difference is,
+over the tensors, the largest of (a tensor's transient - the parameters loaded after it): exact
+for the last tensor, `lm_head.weight` (as large as the largest), a lower bound for earlier ones.
+The check is transient <= 1.1 x the largest tensor; it is meant for checkpoints of 1 GB and
+more: at a few MB the runtime's own allocations (the first transfers, the allocator's pools)
+weigh more than 10% of the largest tensor.
 
 Algorithm:
   1. Choose the shapes: hidden 2048, 16 query / 8 key-value heads of 128, intermediate 5632,
      vocabulary 32000, an untied `lm_head`, and the fewest layers that reach `--size-gb`
      (hidden, heads, intermediate and vocabulary are halved while one layer overshoots a small
      size).
-  2. Write `config.json` (`model_type` "llama") and one safetensors file per group of
+  2. Write `config.json` (`model_type` "llama"), one safetensors file per group of
      `train.hf_weights.tensor_map`'s tensors (the embedding; each layer; the final norm and
-     `lm_head`) with `model.safetensors.index.json`, generating each file's random tensors
-     just before writing it, so the writer never holds more than one file.
-  3. In a fresh process (one CPU device; `JAX_PLATFORMS=cpu`): import JAX and the trainer, adopt
+     `lm_head`) and `model.safetensors.index.json`, generating each file's random tensors just
+     before writing it, so the writer holds one file at a time (numpy and safetensors only).
+  3. In a fresh process (one CPU device, `JAX_PLATFORMS=cpu`): import JAX and the trainer, adopt
      the config and build the abstract model once (`nnx.eval_shape`), then record the baseline
-     RSS (`/proc/self/status` VmRSS) and reset the peak (`/proc/self/clear_refs`).
+     RSS (`/proc/self/status` VmRSS) and reset the peak to it (`/proc/self/clear_refs`).
   4. Load with `train.hf_weights.load_decoder` on the default mesh, wait for every parameter
-     (`jax.block_until_ready`), and read the peak RSS (`getrusage` `ru_maxrss`) and the RSS.
-  5. Report the checkpoint and largest tensor bytes, the baseline, peak and resident RSS, the
-     parameter bytes (sum of the loaded arrays' `nbytes`), the transient and the check, and the
-     load time and GB/s; delete the checkpoint unless `--workdir` was given.
+     (`jax.block_until_ready`), and read the peak RSS (VmHWM since the reset) and the RSS.
+     `getrusage`'s `ru_maxrss` is reported beside it; it cannot be reset, and Linux carries the
+     starting process's peak into it across `exec`, so it can only be higher.
+  5. Report the checkpoint and largest tensor bytes, the baseline, peak and final RSS, the
+     parameter bytes (the sum of the loaded arrays' `nbytes`), the transient and the check, and
+     the load time and GB/s; delete the checkpoint unless `--workdir` was given.
 
-Example: the default 1.2 GB float32 checkpoint has 4 layers (1.28 GB in 41 tensors, the largest
-`model.embed_tokens.weight` [32000, 2048] of 262 MB): the transient may be at most 288 MB.
+Example: the default 1.2 GB float32 checkpoint has 4 layers, 1.28 GB in 39 tensors, the largest
+`model.embed_tokens.weight` and `lm_head.weight` of [32000, 2048] (262 MB each), so the
+transient may be at most 288 MB.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -50,14 +59,22 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+import jax
+import ml_dtypes
 import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
 
+from configs import packed
 from segpack.cli import errors
+from train import hf_config
+from train import hf_weights
+from train import model as model_lib
+from train import sharding as sharding_lib
 
 GB = 10**9
 DTYPES = ("float32", "bfloat16")
 BOUND = 1.1  # the transient may be at most BOUND x the largest tensor
-_INDEX_NAME = "model.safetensors.index.json"  # train.hf_weights.INDEX_NAME (not imported: JAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,21 +100,20 @@ def flax_shapes(s: Shapes) -> dict[str, tuple[int, ...]]:
   q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
   out = {"embed/embedding": (s.vocab, s.hidden), "final_norm/scale": (s.hidden,),
          "lm_head/kernel": (s.hidden, s.vocab)}
+  per_layer = {"attn_norm/scale": (s.hidden,), "mlp_norm/scale": (s.hidden,),
+               "attn/q/kernel": (s.hidden, q), "attn/k/kernel": (s.hidden, kv),
+               "attn/v/kernel": (s.hidden, kv), "attn/o/kernel": (q, s.hidden),
+               "mlp/gate/kernel": (s.hidden, s.intermediate),
+               "mlp/up/kernel": (s.hidden, s.intermediate),
+               "mlp/down/kernel": (s.intermediate, s.hidden)}
   for n in range(s.layers):
-    out.update({f"layers/{n}/attn_norm/scale": (s.hidden,),
-                f"layers/{n}/mlp_norm/scale": (s.hidden,),
-                f"layers/{n}/attn/q/kernel": (s.hidden, q), f"layers/{n}/attn/k/kernel": (s.hidden, kv),
-                f"layers/{n}/attn/v/kernel": (s.hidden, kv), f"layers/{n}/attn/o/kernel": (q, s.hidden),
-                f"layers/{n}/mlp/gate/kernel": (s.hidden, s.intermediate),
-                f"layers/{n}/mlp/up/kernel": (s.hidden, s.intermediate),
-                f"layers/{n}/mlp/down/kernel": (s.intermediate, s.hidden)})
+    out.update({f"layers/{n}/{name}": shape for name, shape in per_layer.items()})
   return out
 
 
 def file_groups(s: Shapes) -> list[dict[str, tuple[int, ...]]]:
   """The checkpoint's files (step 2): each a dict of Hugging Face tensor name -> torch shape
   (`[out, in]` for a Linear weight), in `train.hf_weights.tensor_map`'s names."""
-  from train import hf_weights  # pylint: disable=import-outside-toplevel  # imports JAX
   names = hf_weights.tensor_map(num_layers=s.layers, qkv_bias=False, qk_norm=False,
                                 tie_embeddings=False)
   groups: list[dict[str, tuple[int, ...]]] = [{} for _ in range(s.layers + 2)]
@@ -142,8 +158,6 @@ def write_checkpoint(model_dir: str, s: Shapes, dtype: str, *, seed: int = 0) ->
     `checkpoint_bytes` (the tensors' bytes, the index's `total_size`), `file_bytes` (on disk),
     `largest_tensor`, `largest_tensor_bytes`, `num_tensors` and `num_files`.
   """
-  import ml_dtypes  # pylint: disable=import-outside-toplevel
-  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
   itemsize = np.dtype(np_dtype).itemsize
   os.makedirs(model_dir, exist_ok=True)
@@ -163,7 +177,7 @@ def write_checkpoint(model_dir: str, s: Shapes, dtype: str, *, seed: int = 0) ->
     file_bytes += os.path.getsize(os.path.join(model_dir, name))
   sizes = {t: math.prod(shape) * itemsize for g in groups for t, shape in g.items()}
   total = sum(sizes.values())
-  with open(os.path.join(model_dir, _INDEX_NAME), "w", encoding="utf-8") as f:
+  with open(os.path.join(model_dir, hf_weights.INDEX_NAME), "w", encoding="utf-8") as f:
     json.dump(dict(metadata=dict(total_size=total), weight_map=weight_map), f, indent=2)
   largest = max(sizes, key=sizes.get)
   return dict(checkpoint_bytes=total, file_bytes=file_bytes, largest_tensor=largest,
@@ -190,15 +204,7 @@ def _reset_peak() -> bool:
 
 
 def measure(model_dir: str) -> dict[str, Any]:
-  """Steps 3-4, in the process that imports nothing else: loads `model_dir` onto the mesh."""
-  import gc  # pylint: disable=import-outside-toplevel
-  import resource  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from configs import packed  # pylint: disable=import-outside-toplevel
-  from train import hf_config, hf_weights  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
-  from train import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  """Steps 3-4, in a fresh process (`measure_in_subprocess`): loads `model_dir` onto the mesh."""
   config = packed.get_config()
   config.model.init_from = model_dir
   config.attention.implementation = "xla"
@@ -213,10 +219,11 @@ def measure(model_dir: str) -> dict[str, Any]:
   decoder = hf_weights.load_decoder(config, mesh=mesh)
   params = jax.block_until_ready(nnx.state(decoder, nnx.Param))
   seconds = time.perf_counter() - start
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   leaves = jax.tree.leaves(params)
-  return dict(baseline_rss=baseline, peak_rss=peak, peak_hwm=_rss_bytes("VmHWM"),
-              rss_after=_rss_bytes(), peak_rss_before_load=peak_before, peak_reset=peak_reset,
+  return dict(baseline_rss=baseline, ru_maxrss=ru_maxrss, ru_maxrss_before_load=peak_before,
+              peak_rss=_rss_bytes("VmHWM") if peak_reset else ru_maxrss,
+              peak_source="VmHWM" if peak_reset else "ru_maxrss", rss_after=_rss_bytes(),
               param_bytes=sum(int(x.nbytes) for x in leaves), num_params=len(leaves),
               param_dtype=str(config.model.param_dtype), load_seconds=seconds,
               num_devices=jax.device_count(), device=jax.devices()[0].platform)
@@ -259,6 +266,7 @@ def bench(*, size_gb: float, dtype: str, workdir: str | None, seed: int = 0) -> 
   out["bound_bytes"] = int(BOUND * out["largest_tensor_bytes"])
   out["transient_over_largest"] = out["transient_bytes"] / out["largest_tensor_bytes"]
   out["ok"] = out["transient_bytes"] <= out["bound_bytes"]
+  out["retained_bytes"] = out["rss_after"] - out["baseline_rss"] - out["param_bytes"]
   out["gb_per_s"] = out["checkpoint_bytes"] / GB / out["load_seconds"]
   if workdir is not None:
     out["model_dir"] = model_dir
@@ -266,26 +274,27 @@ def bench(*, size_gb: float, dtype: str, workdir: str | None, seed: int = 0) -> 
 
 
 def _table(r: dict[str, Any]) -> str:
-  mb = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+  mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
   rows = [
-      ("checkpoint (tensor bytes)", f"{mb(r['checkpoint_bytes'])} in {r['num_tensors']} "
-       f"tensors, {r['num_files']} files"),
+      ("checkpoint", f"{mb(r['checkpoint_bytes'])} in {r['num_tensors']} tensors, "
+       f"{r['num_files']} files"),
       ("largest tensor", f"{mb(r['largest_tensor_bytes'])} ({r['largest_tensor']})"),
       ("baseline RSS", mb(r["baseline_rss"])),
-      ("peak RSS", mb(r["peak_rss"])),
+      ("peak RSS", f"{mb(r['peak_rss'])} ({r['peak_source']}; ru_maxrss {mb(r['ru_maxrss'])})"),
       ("peak above baseline", mb(r["peak_above_baseline"])),
       ("parameters resident", f"{mb(r['param_bytes'])} ({r['num_params']} arrays, "
        f"{r['param_dtype']})"),
-      ("RSS after the load", mb(r["rss_after"])),
-      ("loader transient", f"{mb(r['transient_bytes'])} = {r['transient_over_largest']:.2f} x "
+      ("loader transient", f"{mb(r['transient_bytes'])} = {r['transient_over_largest']:.3f} x "
        "the largest tensor"),
       (f"transient <= {BOUND} x largest", f"{'PASS' if r['ok'] else 'FAIL'} (bound "
        f"{mb(r['bound_bytes'])})"),
+      ("RSS after the load", f"{mb(r['rss_after'])} (baseline + parameters + "
+       f"{mb(r['retained_bytes'])})"),
       ("load time", f"{r['load_seconds']:.2f} s, {r['gb_per_s']:.2f} GB/s"),
   ]
   head = (f"Llama checkpoint, {r['dtype']}: hidden {r['hidden']}, {r['heads']}/{r['kv_heads']} "
           f"heads of {r['head_dim']}, intermediate {r['intermediate']}, vocab {r['vocab']}, "
-          f"{r['layers']} layers; loaded on {r['num_devices']} {r['device']} device(s)")
+          f"{r['layers']} layers; loaded onto {r['num_devices']} {r['device']} device(s)")
   width = max(len(k) for k, _ in rows)
   return "\n".join([head] + [f"{k:<{width}}  {v}" for k, v in rows])
 

@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import mmap
 import os
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 
 from train import hf_config
+from train import model as model_lib
 from train import sharding as sharding_lib
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -81,7 +85,7 @@ def model_tensor_map(model_cfg: Any) -> dict[str, Tensor]:
 
 
 def _safe_open(path: str):
-  from safetensors import safe_open  # optional at import time: only HF interop needs it.
+  from safetensors import safe_open  # optional: Hugging Face interop only (extra segpack[hf])
   try:
     return safe_open(path, framework="numpy")
   except Exception as e:  # safetensors raises its own SafetensorError / OSError types.
@@ -158,13 +162,36 @@ def check_tensors(model_dir: str, expected: dict[str, Tensor],
 
 
 def _reader(path: str, tensor: Tensor, dtype: Any):
-  """The `make_array_from_callback` callback of one parameter (step 3)."""
+  """The `make_array_from_callback` callback of one parameter (step 3).
+
+  The callback maps the file, views the tensor in the map (its offset from the safetensors
+  header, whose shapes and dtypes `check_tensors` has checked), and copies the device's slice,
+  transposed and cast in the one copy, into a 64-byte aligned buffer, which JAX's CPU client
+  adopts without a copy; then it closes the map. Host memory above the parameters is the slice's
+  mapped pages while they are copied: no copy by `safetensors` and no intermediate array (a
+  transpose or cast made apart, whose freed blocks the allocator may keep).
+  """
   def read(index: tuple[slice, ...]) -> np.ndarray:
     theirs = tuple(reversed(index)) if tensor.transpose else index
-    with _safe_open(path) as f:
-      block = f.get_slice(tensor.name)[theirs]
-    block = np.asarray(block)
-    return np.ascontiguousarray(block.T if tensor.transpose else block).astype(dtype, copy=False)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+      size = int.from_bytes(mm[:8], "little")
+      entry = json.loads(mm[8:8 + size])[tensor.name]
+      file_dtype = np.dtype(_NP_DTYPES[_FLOAT_CODES[entry["dtype"]]])
+      start, end = (8 + size + int(o) for o in entry["data_offsets"])
+      count = math.prod(entry["shape"])
+      if end - start != count * file_dtype.itemsize or end > len(mm):
+        raise hf_config.HfModelError(f"{path}: tensor {tensor.name!r} has data_offsets "
+                                     f"{entry['data_offsets']} that do not hold its shape "
+                                     f"{entry['shape']} of {entry['dtype']} in the file")
+      whole = np.frombuffer(mm, file_dtype, count, start).reshape(entry["shape"])
+      block = whole[theirs].T if tensor.transpose else whole[theirs]
+      nbytes = block.size * np.dtype(dtype).itemsize
+      raw = np.empty(nbytes + 64, np.uint8)
+      first = -raw.ctypes.data % 64
+      out = raw[first:first + nbytes].view(dtype).reshape(block.shape)
+      np.copyto(out, block, casting="unsafe")
+      del whole, block  # the map closes only once no array views it.
+    return out
   return read
 
 
@@ -210,8 +237,6 @@ def load_decoder(config: Any, *, mesh: Any) -> Any:
   `train.sharding.param_shardings` (for sampling, export checks and tests; the trainer places
   them through `load_params` inside its own state).
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from train import model as model_lib  # pylint: disable=import-outside-toplevel
   abstract = nnx.eval_shape(lambda: model_lib.build(config, 0, mesh=mesh))
   graphdef, abstract_params = nnx.split(abstract)
   params = load_params(config.model.init_from, abstract_params,
