@@ -96,10 +96,23 @@ def _tokenize_urls(args: argparse.Namespace) -> list | None:
       cache_dir=args.cache_dir)]
 
 
+def join_beam_options(argv: Sequence[str]) -> list[str]:
+  """`--beam-options "--runner=X ..."` as `--beam-options=--runner=X ...`: argparse would read a
+  value that starts with `--runner=` as segpack's own `--runner` (it splits at `=` before it
+  looks for spaces), so the documented spelling could not run."""
+  out, args = [], list(argv)
+  for i, arg in enumerate(args):
+    if i and args[i - 1] == "--beam-options" and out and out[-1] == "--beam-options":
+      out[-1] = f"--beam-options={arg}"
+    else:
+      out.append(arg)
+  return out
+
+
 @errors.command("segpack tokenize")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
-  args = _parser().parse_args(argv)
+  args = _parser().parse_args(join_beam_options(sys.argv[1:] if argv is None else argv))
   if not logging.getLogger().handlers:
     logging.basicConfig(level=logging.INFO, format="segpack tokenize: %(message)s")
   if args.runner == "beam":  # Beam logs every stage at INFO.

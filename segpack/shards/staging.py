@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ except ImportError:  # A dependency of segpack; without it, log lines instead of
 __all__ = ["StagedDataset", "stage_dataset", "staged_dir"]
 
 _BLOCK = 1 << 23
+# The environment variable bounding the first request to a dataset's URL (seconds).
+TIMEOUT_ENV = "SEGPACK_REMOTE_TIMEOUT"
 _log = logging.getLogger(__name__)
 
 
@@ -145,16 +148,56 @@ def _complete(folder: Path, manifest_bytes: bytes, sizes: dict[str, int]) -> boo
     return False
 
 
-def _require_manifest(url: str, where: str) -> None:
-  """Raises a one-line ShardFormatError naming `url` when its manifest `where` is not there, or
-  when URLs cannot be read here (Apache Beam, or boto3 for `s3://`, not installed)."""
+def reach_timeout() -> float:
+  """Seconds the first request to a dataset's URL may take: `$SEGPACK_REMOTE_TIMEOUT`, else 60."""
+  value = os.environ.get(TIMEOUT_ENV, "60")
   try:
-    found = remote_files.exists(where)
+    seconds = float(value)
+  except ValueError:
+    seconds = float("nan")
+  if not seconds > 0 or seconds == float("inf"):
+    raise ShardFormatError(f"${TIMEOUT_ENV}={value!r} must be a number of seconds > 0")
+  return seconds
+
+
+def _probe(where: str, timeout: float) -> bool:
+  """`remote_files.exists(where)` within `timeout` seconds, in a daemon thread: an endpoint that
+  refuses connections or credentials that are missing make the client retry for minutes, so
+  the wait is bounded here and what the client raised comes back as it is."""
+  box: dict[str, Any] = {}
+
+  def ask():
+    try:
+      box["found"] = remote_files.exists(where)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised in the caller)
+      box["error"] = e
+
+  worker = threading.Thread(target=ask, name="segpack-reach", daemon=True)
+  worker.start()
+  worker.join(timeout)
+  if worker.is_alive():
+    raise TimeoutError(f"no answer within {timeout:g} s (the endpoint is unreachable or the "
+                       f"client keeps retrying; ${TIMEOUT_ENV} sets the wait)")
+  if "error" in box:
+    raise box["error"]
+  return box["found"]
+
+
+def _require_manifest(url: str, where: str) -> None:
+  """Raises a one-line ShardFormatError naming `url` when its manifest `where` is not there,
+  when the URL cannot be reached (no answer within `reach_timeout()`, refused, no credentials:
+  the cause in a few words), or when URLs cannot be read here (Apache Beam, or boto3 for
+  `s3://`, not installed)."""
+  try:
+    found = _probe(where, reach_timeout())
   except ImportError as e:
     cause = e.__cause__ or e
     raise ShardFormatError(f"{url}: a dataset at a URL is staged through Apache Beam's "
                            f"filesystems, which are not installed ({cause}); pip install "
                            f"'segpack[beam]'") from e
+  except Exception as e:  # pylint: disable=broad-except  (any client error: the URL, the cause)
+    cause = " ".join(str(e).split())[:300]
+    raise ShardFormatError(f"{url}: cannot be reached: {type(e).__name__}: {cause}") from e
   if not found:
     raise ShardFormatError(f"{where}: missing manifest, so {url} is not a finished dataset "
                            f"(rerun `segpack tokenize` to complete it); nothing was staged")

@@ -159,8 +159,24 @@ def pipeline_options(beam_options: str):
   except ValueError as e:
     raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
   options = PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
+  _check_runner(options, beam_options)
   FileSystems.set_options(options)  # The driver's own reads and writes of URLs use them too.
   return options
+
+
+def _check_runner(options: Any, beam_options: str) -> None:
+  """An unknown `--runner=` in `--beam-options` is one line before anything is written (Beam
+  itself refuses it only when the pipeline is built, with its traceback)."""
+  from apache_beam.options.pipeline_options import StandardOptions  # optional: segpack[beam]
+  from apache_beam.runners import runner as runner_lib  # optional: segpack[beam]
+  name = options.view_as(StandardOptions).runner
+  if name is None:
+    return
+  try:
+    runner_lib.create_runner(name)
+  except (ValueError, ImportError) as e:
+    raise InputFormatError(f"--beam-options {beam_options!r}: runner {name!r} is not one Beam "
+                           f"can run here ({' '.join(str(e).split())[:300]})") from e
 
 
 def import_beam():

@@ -26,6 +26,8 @@ import itertools
 import logging
 import os
 import re
+import sys
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,7 @@ def train_spm(
     max_sentences: int = 4_000_000,
     model_type: str = "unigram",
     user_defined_symbols: Sequence[str] = (),
+    progress: bool = False,
 ) -> SpmTokenizer:
   """Trains a SentencePiece model on `texts` and writes it atomically to `model_file`.
 
@@ -161,6 +164,8 @@ def train_spm(
     model_type: "unigram" or "bpe".
     user_defined_symbols: extra strings that always become one piece each (e.g. the chat role
       markers of `segpack.text.chat`); they get the ids right after "\\n" and "\\t" (6, 7, ...).
+    progress: say on stderr when training starts (it takes minutes on a large corpus, and
+      SentencePiece itself is silent) and how long it took.
 
   Returns:
     The trained tokenizer.
@@ -180,6 +185,11 @@ def train_spm(
     raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
   model = io.BytesIO()
   raised: list[BaseException] = []
+  started = time.perf_counter()
+  if progress:
+    print(f"training a {vocab_size}-piece SentencePiece model on the input's lines (up to "
+          f"{max_sentences:,}; minutes on a large corpus) -> {model_file}", file=sys.stderr,
+          flush=True)
   # Sentences from an iterator and the model into memory: the model file then records no
   # temporary paths in its trainer spec, so it is byte-identical from run to run.
   try:
@@ -203,6 +213,9 @@ def train_spm(
                      ) from failure
   files.atomic_write_bytes(model_file, model.getvalue())
   tokenizer = SpmTokenizer(model_file)
+  if progress:
+    print(f"trained the SentencePiece model in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
   if tokenizer.vocab_size < vocab_size:  # hard_vocab_limit=False: the text had fewer pieces
     _LOG.warning("trained a %d-piece SentencePiece model, fewer than the %d asked for: the text "
                  "holds no more pieces; the dataset's vocab_size is %d", tokenizer.vocab_size,
