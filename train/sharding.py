@@ -62,11 +62,18 @@ def mesh_shape(*, data: int, fsdp: int, tensor: int, num_devices: int,
 
 def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 1,
               devices: Sequence[Any] | None = None) -> Mesh:
-  """Builds the `("data", "fsdp", "context", "tensor")` mesh over `devices` (default: all)."""
+  """Builds the `("data", "fsdp", "context", "tensor")` mesh over `devices` (default: all).
+
+  Its axes are `Auto` (`jax.sharding.AxisType`), not the `Explicit` axes `jax.make_mesh` makes
+  by default: the step's shardings come from the jit partitioner's propagation, and the model's
+  ops carry no output shardings (on explicit axes Flax's embedding lookup of batch-sharded ids
+  is refused as ambiguous, a `ShardingTypeError`). `segment_attention` itself accepts meshes of
+  either kind.
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, context=context,
                      num_devices=len(devices))
-  auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # GSPMD propagation inside the step
+  auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # jit sharding propagation (not Explicit)
   if devices == list(jax.devices()):
     return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
   return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=auto)

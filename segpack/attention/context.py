@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from segpack.attention.checks import AttentionInputError
-from segpack.attention.sharded import AxisNames, axis_size, check_divisible
+from segpack.attention.sharded import AxisNames, axis_size, check_divisible, run_shard_map
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 # Bytes of one segment id and of one slot index as they travel (int32).
@@ -89,7 +89,7 @@ def context_attention(
     v_BxSxKxD: values.
     segment_ids_BxS: segment ids.
     slot_index_BxS: int32 slot index of every slot in the row before reordering.
-    mesh: the device mesh.
+    mesh: the device mesh, of `Auto` or `Explicit` axes.
     batch_axis: mesh axis (or tuple of axes) splitting the batch, or None.
     head_axis: mesh axis (or tuple of axes) splitting the heads, or None.
     context_axis: mesh axis splitting the sequence, or None.
@@ -116,11 +116,9 @@ def context_attention(
   def per_device(q, k, v, seg, slot):
     return attention_fn(q, gather(k), gather(v), seg, gather(seg), slot, gather(slot), **kwargs)
 
-  return jax.shard_map(
-      per_device, mesh=mesh,
-      in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, rows_spec),
-      out_specs=heads_spec, check_vma=False)(
-          q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, slot_index_BxS)
+  return run_shard_map(
+      per_device, q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, slot_index_BxS, mesh=mesh,
+      in_specs=(heads_spec, heads_spec, heads_spec, rows_spec, rows_spec), out_specs=heads_spec)
 
 
 def context_comm_bytes(*, seq_len: int, kv_heads: int, head_dim: int, dtype_bytes: int,

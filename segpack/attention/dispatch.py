@@ -82,7 +82,9 @@ def resolve_implementation(
        where None means XLA (pass `implementation="pallas"` to mean Pallas).
     3. Only when `platform` is given: "pallas" on "cpu" needs `pallas.interpret=True` (the
        Triton kernels need a GPU). Without a platform nothing is checked against one, so a CPU
-       host can still lower for a GPU (`lowering_platforms=("cuda",)`).
+       host can still lower for a GPU (`lowering_platforms=("cuda",)`); lowered for the CPU
+       without interpret mode, the kernel then fails with one line naming
+       `PallasOptions(interpret=True)` (`pallas.cpu_guard`).
 
   Example: `resolve_implementation(implementation="pallas", platform="cpu",
   pallas=PallasOptions(interpret=True))` is "pallas"; without `pallas` it raises.
@@ -133,11 +135,13 @@ def backend_mesh(*, implementation: str | None,
   The kernel backends (Pallas, cuDNN) are custom calls the jit partitioner cannot split: under
   the mesh they run per device in `shard_map`; without it their sharded inputs would be gathered
   onto every device. XLA's dense attention is ordinary jitted code that the partitioner splits
-  by the inputs' shardings, so it gets None.
+  by the inputs' shardings, so it gets None. The same holds on either kind of mesh axes
+  (`jax.sharding.AxisType`): on `Explicit` axes the XLA ops carry their inputs' shardings, and
+  `segment_attention` reshards the inputs of `shard_map` to its specs (`sharded.run_shard_map`).
 
   Args:
     implementation: "xla", "pallas", "cudnn" or None (resolved by `resolve_implementation`).
-    mesh: the caller's mesh, or None.
+    mesh: the caller's mesh (of `Auto` or `Explicit` axes), or None.
 
   Returns:
     `mesh` for Pallas and cuDNN, None for XLA.
@@ -209,7 +213,8 @@ def segment_attention(
       Concrete inputs are checked now; traced inputs when the computation runs (host callback).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
       inputs): the batch split over `batch_axis`, the heads over `head_axis`, the sequence over
-      `context_axis`.
+      `context_axis`. Its axes may be `Auto` or `Explicit` (`jax.make_mesh`'s default), or
+      both; on explicit axes the inputs are resharded to those splits first.
     batch_axis: mesh axis, or tuple of axes, for the batch (None: replicated); default
       `segpack.mesh.BATCH_AXES`, `("data", "fsdp")`, the trainer's mesh.
     head_axis: mesh axis, or tuple of axes, for the heads (None: replicated); must divide H and K;
@@ -259,18 +264,29 @@ def segment_attention(
   if check_segments:
     check_slots(segment_ids, slot_index, context_size=cp)
   if cp == 1:  # whole rows on every device: attend in row order, put the output back
-    to_row, from_row = row_order(slot_index)
-    out = _row_attention(fn, to_row(q), to_row(k), to_row(v), to_row(segment_ids), mesh=mesh,
-                         batch_axis=batch_axis, head_axis=head_axis, **kwargs)
-    return from_row(out)
+    return _row_attention(_in_row_order(fn), q, k, v, segment_ids, slot_index, mesh=mesh,
+                          batch_axis=batch_axis, head_axis=head_axis, **kwargs)
   return context_attention(fn, q, k, v, segment_ids, slot_index, mesh=mesh,
                            batch_axis=batch_axis, head_axis=head_axis,
                            context_axis=context_axis, **kwargs)
 
 
-def _row_attention(fn, q, k, v, segment_ids, *, mesh, batch_axis, head_axis, **kwargs):
-  """A backend on whole rows: directly, or per device under `shard_map` with a mesh."""
+def _in_row_order(fn):
+  """`fn` on whole rows in any slot order: put in row (slot index) order, attend, put back.
+
+  Under a mesh this runs per device (rows are whole on every device, so the reordering moves
+  nothing between devices, and no gather meets an explicitly sharded array).
+  """
+  def attend(q, k, v, segment_ids, slot_index, **kwargs):
+    to_row, from_row = row_order(slot_index)
+    return from_row(fn(to_row(q), to_row(k), to_row(v), to_row(segment_ids), **kwargs))
+  return attend
+
+
+def _row_attention(fn, q, k, v, *rows, mesh, batch_axis, head_axis, **kwargs):
+  """A backend on whole rows (`rows`: the segment ids, then any more `[B, S]` inputs of `fn`):
+  directly, or per device under `shard_map` with a mesh."""
   if mesh is None:
-    return fn(q, k, v, segment_ids, **kwargs)
-  return shard_attention(fn, q, k, v, segment_ids, mesh=mesh, batch_axis=batch_axis,
+    return fn(q, k, v, *rows, **kwargs)
+  return shard_attention(fn, q, k, v, *rows, mesh=mesh, batch_axis=batch_axis,
                          head_axis=head_axis, **kwargs)

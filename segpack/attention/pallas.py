@@ -6,6 +6,10 @@ ranges (`blocks.py`) and calls a `custom_vjp` whose forward and backward are Pal
 the CPU. `PallasOptions` groups its settings for `segment_attention(..., pallas=...)`.
 `segment_attention_pallas_slots` is the context-parallel variant: one device's queries against
 the whole (gathered) row, placed by slot index.
+
+Without interpret mode, a call lowered for the CPU fails with one line naming
+`PallasOptions(interpret=True)` (`cpu_guard`), not Pallas's own message; the check is made when
+the computation is lowered for its platform, so a CPU host can still lower it for a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
+from jax.interpreters import mlir
 
 from segpack.attention import blocks
 from segpack.attention import pallas_bwd
@@ -26,6 +32,33 @@ from segpack.attention.pallas_fwd import KernelConfig
 from segpack.attention.resources import AUTO, Auto, KernelSettings
 
 MAX_HEAD_DIM = 256
+CPU_NEEDS_INTERPRET = (
+    "segment_attention: implementation='pallas' on the CPU needs "
+    "pallas=PallasOptions(interpret=True) (the GPU kernels in Pallas interpret mode, slowly), got "
+    "interpret=False; or use implementation='xla'")
+
+
+def _refuse_cpu(ctx, **params):
+  """The CPU lowering of `cpu_guard`: the one-line error (Pallas lowers only interpret mode)."""
+  raise AttentionInputError(CPU_NEEDS_INTERPRET)
+
+
+# A primitive without inputs whose value is int32 0; lowering it for the CPU raises instead.
+# Without inputs it needs no autodiff or batching rule (nothing is ever differentiated or mapped).
+_cpu_guard_p = jax_core.Primitive("segpack_pallas_cpu_guard")
+_cpu_guard_p.def_abstract_eval(lambda: jax.core.ShapedArray((), jnp.int32))
+mlir.register_lowering(
+    _cpu_guard_p, mlir.lower_fun(lambda: jnp.zeros((), jnp.int32), multiple_results=False))
+mlir.register_lowering(_cpu_guard_p, _refuse_cpu, platform="cpu")
+_cpu_guard_jit = jax.jit(_cpu_guard_p.bind)  # outside a trace: compiled for the default backend
+_cpu_guard_p.def_impl(_cpu_guard_jit)
+
+
+def cpu_guard(segment_ids: jax.Array, *, interpret: bool) -> jax.Array:
+  """`segment_ids` unchanged, but without interpret mode made to depend on a value whose CPU
+  lowering raises `AttentionInputError(CPU_NEEDS_INTERPRET)` (the kernels read them, so the
+  check cannot be pruned from the computation)."""
+  return segment_ids if interpret else segment_ids + _cpu_guard_p.bind()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -245,6 +278,7 @@ def segment_attention_pallas(
   pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, resources.padded_head_dim(d) - d))
   q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
   seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
+  seg_p = cpu_guard(seg_p, interpret=interpret)
   out = _flash(q_p, k_p, v_p, seg_p, seg_p, None, cfg)
   return out[:, :s, :, :d]
 
@@ -325,7 +359,8 @@ def segment_attention_pallas_slots(
   q_p = jnp.pad(q_BxQxHxD, ((0, 0), (0, sq_pad - sq), (0, 0), (0, d_pad - d)))
   k_p, v_p = (jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
               for x in (k_nat, v_nat))
-  seg_q_p = jnp.pad(seg_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
+  seg_q_p = cpu_guard(jnp.pad(seg_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq))),
+                      interpret=interpret)
   seg_k_p = jnp.pad(seg_nat_BxS, ((0, 0), (0, s_pad - s)))
   # Padding queries sit after every key, so they stay last in the ascending order.
   pos_q_p = jnp.pad(slot_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)),
