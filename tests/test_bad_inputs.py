@@ -11,7 +11,8 @@ The oracle is this file's own account of each generated record (usable or not) a
 (readable to its end or not); it never calls the readers. Every run must end in one of two ways:
 
 * exit status 2, stderr exactly one line `segpack tokenize: error: ...` naming the first file the
-  oracle expects to fail, and no manifest (nor, when training, a model file);
+  oracle expects to fail (or every input, when no document holds text), and no manifest (nor,
+  when training, a model file);
 * exit status 0 and a dataset that decodes to exactly the oracle's documents, with the oracle's
   count of skipped bad records.
 
@@ -279,13 +280,16 @@ def _check(files, skip, phase, tokenizer_flags):
     output = Path(tmp) / "out"
     model_file = output / "spm.model" if phase == "train" else Path(tokenizer_flags[1])
     no_text = phase == "train" and failing is None and not _trainable(docs)  # Not with SEED.
-    CASES[phase, "error" if failing is not None or no_text else "dataset"] += 1
-    if failing is not None or no_text:
+    no_docs = failing is None and not no_text and not any(docs)  # an empty dataset is refused
+    CASES[phase, "error" if failing is not None or no_text or no_docs else "dataset"] += 1
+    if failing is not None or no_text or no_docs:
       assert rc == 2, (rc, out, err)
       assert err.count("\n") == 1 and err.endswith("\n"), err
       assert err.startswith("segpack tokenize: error: "), err
       if no_text:
         assert "no non-blank text to train" in err, err
+      elif no_docs:
+        assert "no documents to tokenize" in err and all(n in err for n in names), err
       else:
         assert names[failing].removeprefix("hf-disk:") in err, (names[failing], err)
       assert not (output / "manifest.json").exists()

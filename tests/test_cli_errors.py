@@ -16,6 +16,8 @@ from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardFormatError
 from segpack.text import spm
 from train import bench as train_bench
+from train import bench_hf_import
+from train import export as train_export
 from train import plot as train_plot
 
 ENTRY_POINTS = {
@@ -24,7 +26,8 @@ ENTRY_POINTS = {
     "segpack bench attention": bench_attention.main,
     "segpack bench gpu-report": bench_gpu_report.main,
     "python -m segpack.bench.verify": bench_verify.main, "python -m train.bench": train_bench.main,
-    "python -m train.plot": train_plot.main,
+    "python -m train.plot": train_plot.main, "python -m train.export": train_export.main,
+    "python -m train.bench_hf_import": bench_hf_import.main,
 }
 
 
@@ -43,6 +46,9 @@ def test_every_entry_point_goes_through_the_shared_wrapper():
 # (entry point, argv, what the last line must hold: the argument and the value)
 USER_ERRORS = [
     (train_plot.main, ["/no/such/run"], ["workdir", "/no/such/run"]),
+    (train_export.main, ["--workdir", "/no/such/run", "--output", "/tmp/x"],
+     ["--workdir", "/no/such/run"]),
+    (bench_hf_import.main, ["--size-gb", "-1"], ["--size-gb", "-1"]),
     (bench_verify.main, ["--gb", "0"], ["--gb", "'0'"]),
     (bench_verify.main, ["--dir", "/no/such/dir"], ["--dir", "/no/such/dir"]),
     (bench_verify.main, ["--repeats", "-1"], ["--repeats", "'-1'"]),

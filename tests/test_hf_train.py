@@ -145,9 +145,21 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
     args = command.split()[2:]
     if args[0] == "train.main":
       args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
+               "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
                "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
     run_cli(*args)
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   summary = records[-1]
   assert summary["kind"] == "summary" and summary["steps"] == 3
   assert np.isfinite(summary["final_loss"])
+  # What the export wrote loads in transformers, with the chat template the data was rendered
+  # with, and its tokenizer encodes a conversation with the model's own ids.
+  import transformers
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "exported"), output_loading_info=True)
+  assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
+  ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=True,
+                                add_generation_prompt=True)
+  ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+  assert ids[0] == tok.bos_token_id and "<|assistant|>" in tok.decode(ids)

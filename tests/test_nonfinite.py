@@ -12,6 +12,7 @@ import pytest
 
 from test_train import _synthetic
 from train import sharding as sharding_lib
+from train import run_guard
 from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,22 +38,22 @@ def _metrics(loss=1.0, grad_norm=1.0, finite=True):
 
 def test_check_finite_names_the_first_bad_step_and_value():
   kw = dict(checkpointer=_Checkpointer(4), learning_rate=0.1)
-  train_lib.check_finite(5, [_metrics(), _metrics()], **kw)
+  run_guard.check_finite(5, [_metrics(), _metrics()], **kw)
   window = [_metrics(), _metrics(grad_norm=np.inf, finite=False), _metrics(np.nan, finite=False)]
-  with pytest.raises(train_lib.NonFiniteError,
+  with pytest.raises(run_guard.NonFiniteError,
                      match=r"^step 6: the grad norm is inf; stopped without saving it, the "
                            r"checkpoint of step 4 is kept \(try a train.learning_rate lower than "
                            r"0.1,"):
-    train_lib.check_finite(5, window, **kw)
-  with pytest.raises(train_lib.NonFiniteError, match=r"^step 5: the loss is nan;"):
-    train_lib.check_finite(5, window[2:], **kw)
-  with pytest.raises(train_lib.NonFiniteError, match=r"^step 7: the new parameters or optimizer "
+    run_guard.check_finite(5, window, **kw)
+  with pytest.raises(run_guard.NonFiniteError, match=r"^step 5: the loss is nan;"):
+    run_guard.check_finite(5, window[2:], **kw)
+  with pytest.raises(run_guard.NonFiniteError, match=r"^step 7: the new parameters or optimizer "
                      r"state are not finite; stopped without saving it, there is no checkpoint"):
-    train_lib.check_finite(7, [_metrics(finite=False)], checkpointer=_Checkpointer(None),
+    run_guard.check_finite(7, [_metrics(finite=False)], checkpointer=_Checkpointer(None),
                            learning_rate=0.1)
-  with pytest.raises(train_lib.NonFiniteError, match=r"^step 3: the eval loss is nan;"):
-    train_lib.check_finite(3, [dict(kind="eval", eval_loss=float("nan"))], **kw)
-  assert train_lib.NonFiniteError in train_lib.USER_ERRORS
+  with pytest.raises(run_guard.NonFiniteError, match=r"^step 3: the eval loss is nan;"):
+    run_guard.check_finite(3, [dict(kind="eval", eval_loss=float("nan"))], **kw)
+  assert run_guard.NonFiniteError in train_lib.USER_ERRORS
 
 
 def test_the_step_flags_a_non_finite_state(tmp_path):
@@ -81,7 +82,7 @@ def test_a_diverging_run_stops_at_the_bad_step_and_keeps_the_last_good_checkpoin
   config = _synthetic(**{"train.learning_rate": HUGE_LR, "train.num_steps": 6,
                          "train.checkpoint_every": checkpoint_every, "train.log_every": log_every,
                          "train.eval_every": 0, "attention.self_check": False})
-  with pytest.raises(train_lib.NonFiniteError) as e:
+  with pytest.raises(run_guard.NonFiniteError) as e:
     train_lib.train_and_evaluate(config, str(tmp_path))
   match = ERROR.match(str(e.value))
   assert match and "\n" not in str(e.value), str(e.value)

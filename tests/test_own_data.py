@@ -95,13 +95,22 @@ def test_a_subset_packs_like_a_list_of_its_documents(tmp_path):
   assert train.fingerprint != held.fingerprint  # one cached plan each, beside the shards
 
 
+def test_eval_share_zero_trains_on_every_document_without_evaluation(tmp_path):
+  write_named_docs(tmp_path / "ds", 50)
+  data = data_lib.make_data(spec(train=str(tmp_path / "ds"), eval_share=0.0), batch_size=8,
+                            process_index=0, process_count=1)
+  epoch = -(-data.train_rows_per_epoch // 8)
+  assert data.eval is None and "evaluation is off" in data.description
+  assert docs_in(data.train[k] for k in range(epoch)) == set(range(50))
+
+
 def test_bad_data_keys_are_one_line_errors_naming_the_key(tmp_path):
   write_named_docs(tmp_path / "ds", 50)
   with open(tmp_path / "other.txt", "w") as f:
     f.write("x")
   cases = [
       (dict(train=str(tmp_path / "nope")), "data.train=.*nope.* could not be opened as a dataset.*does not exist"),
-      (dict(train=str(tmp_path / "ds"), eval_share=0.0), "data.eval_share=0.0"),
+      (dict(train=str(tmp_path / "ds"), eval_share=0.99), "data.eval_share=0.99"),
       (dict(train=str(tmp_path / "ds"), source="synthetic"), "data.source='synthetic'"),
       (dict(eval=str(tmp_path / "ds")), "data.eval=.* is for data.train"),
   ]

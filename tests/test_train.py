@@ -77,16 +77,17 @@ def test_smoke_run_on_builtin_corpus(tmp_path):
 
 _CHILD = """
 import json, os, signal, sys
+from train import metrics as M
 from train import train as T
 from test_train import _synthetic
 kill_at = int(sys.argv[2])
 if kill_at:
-  log = T._log_batch
+  log = M.log_batch
   def log_then_die(path, step, local, *info):
     log(path, step, local, *info)
     if step == kill_at:
       os.kill(os.getpid(), signal.SIGKILL)
-  T._log_batch = log_then_die
+  M.log_batch = log_then_die
 c = _synthetic(**{"train.num_steps": 9, "train.checkpoint_every": 3, "train.eval_every": 0})
 print(json.dumps(T.train_and_evaluate(c, sys.argv[1])))
 """

@@ -45,6 +45,17 @@ from train import sharding as sharding_lib
 from train import train as train_lib
 
 
+def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+  """Pads a short (last) eval batch with all-padding rows to `rows` rows."""
+  n = len(batch["input_ids"])
+  if n == rows:
+    return batch
+  out = {}
+  for key, value in batch.items():
+    fill = -100 if key == "labels" else 0
+    out[key] = np.concatenate([value, np.full((rows - n,) + value.shape[1:], fill, value.dtype)])
+  return out
+
 def _documents(size: str, num_docs: int, seed: int) -> tuple[list[np.ndarray], int, dict[str, int]]:
   built = corpus.ensure_builtin(size=size)
   source = shards.ShardSource(built.train_dir)
@@ -59,7 +70,7 @@ def _epoch_batches(docs, *, strategy: str, seq_len: int, batch_size: int, ids: d
   rows = pack_dataset(docs, seq_len=seq_len, strategy=strategy, shuffle=False, num_epochs=1,
                       special_tokens=SpecialTokens(**ids))
   batches = rows.batch(batch_size, drop_remainder=False)
-  return [data_lib.pad_batch(batches[i], batch_size) for i in range(len(batches))]
+  return [pad_batch(batches[i], batch_size) for i in range(len(batches))]
 
 
 def run_one(config: Any, docs, *, strategy: str, vocab: int, ids: dict[str, int]

@@ -12,14 +12,18 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
 leaves the previous checkpoint as the latest one. Then `digest.json` records the sha256 of every
 file (`train.checkpoint_digest`); a restore checks it first and falls back to the newest intact
-checkpoint, or refuses with `DamagedCheckpointError` when there is none.
+checkpoint, or refuses with `DamagedCheckpointError` when there is none. The directory must be
+writable when the run starts, and a save the disk refuses (full, read-only) stops the run with
+one `CheckpointWriteError` line naming the directory and its free space.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -29,7 +33,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from train import checkpoint_digest as digest_lib
-from train.checkpoint_digest import DamagedCheckpointError
+from train.checkpoint_digest import CheckpointWriteError, DamagedCheckpointError
 
 # Config keys that may change between a run and its resumption (they do not change the math of
 # the steps already taken or the batches still to come).
@@ -83,7 +87,8 @@ class DataStateError(ValueError):
 
 
 # What a checkpoint can get wrong: `train.USER_ERRORS` holds these (one line, exit code 2).
-ERRORS = (IncompatibleCheckpointError, DataStateError, DamagedCheckpointError)
+ERRORS = (IncompatibleCheckpointError, DataStateError, DamagedCheckpointError,
+          CheckpointWriteError)
 
 
 @dataclasses.dataclass
@@ -108,8 +113,13 @@ class Checkpointer:
   """Saves every `every` steps (and on demand), verifies and restores the latest checkpoint.
 
   Algorithm:
-    1. `restore_or_none(abstract_state, config_dict)`: check the checkpoints newest first against
-       their digests (`train.checkpoint_digest`: sha256 of every file, recorded after the save).
+    0. `__init__`: create the directory and write a byte into it (`check_writable`): a read-only
+       or full one is a `CheckpointWriteError` before the first step.
+    1. `restore_or_none(abstract_state, config_dict)`: list the directory (`checkpoint_digest.
+       scan`): entries not named like a step (`06`, `step_9`) are skipped with one warning,
+       orbax's temporary directories of unfinished saves are removed (warning), and the steps
+       (directories, but also a file or a link with a step's name) are checked newest first
+       against their digests (sha256 of every file, recorded after the save).
        A damaged one is named in a warning and moved to `<workdir>/damaged_checkpoints/`; the
        newest intact one is used, saying so. When checkpoints exist and none is intact, raise
        `DamagedCheckpointError` naming each one's problem (never a silent fresh start). Then
@@ -120,6 +130,8 @@ class Checkpointer:
        the processes' data states are gathered and must agree. Orbax saves synchronously
        (`enable_async_checkpointing=False`, then `wait_until_finished`), so the files are final
        when process 0 hashes them and writes `digest.json`; that checkpoint is then verified.
+       A save that fails for the disk (`checkpoint_digest.write_errno`) removes what it wrote
+       and raises `CheckpointWriteError` (the directory, its free space, the checkpoint kept).
     3. Rotation (ours, not orbax's): keep the `max_to_keep` newest checkpoints and, always, the
        newest verified one (a checkpoint whose digest could not be recorded is not verified).
 
@@ -138,7 +150,7 @@ class Checkpointer:
       raise DamagedCheckpointError(
           f"{self.directory} is not a directory: the workdir's checkpoints go there (move that "
           "file away, or use another --workdir)")
-    os.makedirs(self.directory, exist_ok=True)
+    digest_lib.check_writable(self.directory)
     self._orbax: ocp.CheckpointManager | None = None  # made after the restore's checks
 
   @property
@@ -157,44 +169,81 @@ class Checkpointer:
     return max(self._verified) if self._verified else None
 
   def _choose_step(self) -> int | None:
-    """The newest intact checkpoint's step after quarantining the damaged newer ones (all
-    processes agree: process 0 checks and decides); None when there is no checkpoint.
+    """The newest intact checkpoint's step after quarantining the damaged newer ones, and the
+    older step entries that are no directory (a file, a link); all processes agree: process 0
+    checks and decides. None when there is no checkpoint.
 
     Raises:
-      DamagedCheckpointError: checkpoints exist and none is intact.
+      DamagedCheckpointError: checkpoints exist and none is intact, or a damaged one cannot be
+        moved aside.
     """
-    steps, chosen, damaged = digest_lib.step_dirs(self.directory), None, []
+    listing, chosen, damaged = digest_lib.scan(self.directory), None, []
     if jax.process_index() == 0:
-      for step in steps:
-        bad = digest_lib.problem(os.path.join(self.directory, str(step)), step)
-        if bad is None:
-          chosen = step
-          break
-        damaged.append((step, " ".join(bad.split())))
+      for step in listing.steps:
+        path = os.path.join(self.directory, str(step))
+        if chosen is not None:  # older: only a link or a file is moved aside (orbax trips on it)
+          bad = digest_lib.problem(path, step) if not _plain_directory(path) else None
+        else:
+          bad = digest_lib.problem(path, step)
+          chosen = step if bad is None else None
+        if bad is not None:
+          damaged.append((step, " ".join(bad.split())))
     if jax.process_count() > 1:
       chosen = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if chosen is None else
                                                                  chosen)))
       chosen = None if chosen < 0 else chosen
-    if chosen is None and steps:  # the one line says it all: no warnings before it
+    if chosen is None and listing.steps:  # the one line says it all: no warnings before it
       found = "; ".join(f"{s}: {why}" for s, why in damaged) or "process 0 found none"
       raise DamagedCheckpointError(
           f"no intact checkpoint in {self.directory} ({found}); move the damaged ones away (or use "
           "a new --workdir) to train from scratch")
-    if jax.process_index() == 0 and damaged:
-      moved = []
-      for step, bad in damaged:
-        logging.warning("checkpoint %s/%d is damaged: %s", self.directory, step, bad)
-        target = digest_lib.quarantine_path(self.directory, step)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(os.path.join(self.directory, str(step)), target)
-        moved.append(target)
-      logging.warning("resuming from the newest intact checkpoint %s/%d instead; the damaged "
-                      "one(s) moved to %s", self.directory, chosen, ", ".join(moved))
+    if jax.process_index() == 0:
+      self._tidy(listing, damaged, chosen)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("checkpoint quarantine")
     if self._orbax is not None:
       self._orbax.reload()
     return chosen
+
+  def _tidy(self, listing: digest_lib.Listing, damaged: list[tuple[int, str]],
+            chosen: int | None) -> None:
+    """Process 0, before orbax lists the directory: names the entries that are no checkpoint
+    (left in place), removes orbax's unfinished saves and moves the damaged checkpoints to
+    `damaged_checkpoints/`, each in a warning."""
+    skipped = listing.skipped_line()
+    if skipped:
+      logging.warning("%s", skipped)
+    if listing.unfinished:
+      failed = digest_lib.remove_unfinished(self.directory, listing.unfinished)
+      logging.warning("%s: removed %s, orbax's temporary directories of saves that did not finish"
+                      "%s", self.directory, ", ".join(listing.unfinished),
+                      f" (could not remove {', '.join(failed)})" if failed else "")
+    moved = [self._quarantine(step, bad) for step, bad in damaged]
+    if any(step > chosen for step, _ in damaged):
+      logging.warning("resuming from the newest intact checkpoint %s/%d instead; the damaged "
+                      "one(s) moved to %s", self.directory, chosen, ", ".join(moved))
+    elif moved:
+      logging.warning("resuming from %s/%d; older entries that are no checkpoint directory moved "
+                      "to %s", self.directory, chosen, ", ".join(moved))
+
+  def _quarantine(self, step: int, bad: str) -> str:
+    """Moves the damaged checkpoint `step` (a directory, a file or a link) to
+    `checkpoint_digest.quarantine_path`, warning with `bad`; returns where it went.
+
+    Raises:
+      DamagedCheckpointError: it cannot be moved (one line naming both paths).
+    """
+    logging.warning("checkpoint %s/%d is damaged: %s", self.directory, step, bad)
+    source = os.path.join(self.directory, str(step))
+    target = digest_lib.quarantine_path(self.directory, step)
+    try:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(source, target)
+    except OSError as e:
+      raise DamagedCheckpointError(
+          f"cannot move the damaged checkpoint {source} to {target} ({e.strerror or e}): move it "
+          f"out of {self.directory} yourself (or use a new --workdir)") from e
+    return target
 
   def restore_or_none(self, abstract_state: Any,
                       config_dict: dict[str, Any]) -> Restored | None:
@@ -266,6 +315,9 @@ class Checkpointer:
 
     Raises:
       DataStateError: the processes' data states differ.
+      CheckpointWriteError: the disk has less free space than the newest verified checkpoint
+        takes, or the save failed for the disk (full, read-only, ...; what it wrote is removed):
+        the newest verified checkpoint stays the one a rerun resumes from.
     """
     if not force and (self.every <= 0 or step % self.every):
       return False
@@ -277,10 +329,9 @@ class Checkpointer:
           f"step {step}: the processes' data positions differ, so no single position can be "
           f"saved: {states}")
     item = {"format": DATA_FORMAT, "iterator": data_state, "process_count": len(states)}
-    self._manager.save(step, args=ocp.args.Composite(
+    self._save(step, ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
-        meta=ocp.args.JsonSave({"config": config_dict, "step": step})), force=True)
-    self._manager.wait_until_finished()
+        meta=ocp.args.JsonSave({"config": config_dict, "step": step})))
     recorded = True
     if jax.process_index() == 0:
       try:
@@ -297,17 +348,73 @@ class Checkpointer:
     self._rotate()
     return True
 
+  def _save(self, step: int, args: Any) -> None:
+    """Orbax's save of `args` as `step`, finished when it returns.
+
+    Raises:
+      CheckpointWriteError: the free space is less than the newest verified checkpoint takes
+        (nothing is written), or the save failed for the disk (`checkpoint_digest.write_errno`;
+        orbax's threads log their own errors first).
+    """
+    last = self.latest_step()
+    short = False
+    if jax.process_index() == 0 and last is not None:
+      need = digest_lib.tree_bytes(os.path.join(self.directory, str(last)))
+      short = need is not None and shutil.disk_usage(self.directory).free < need
+    if jax.process_count() > 1:
+      short = bool(multihost_utils.broadcast_one_to_all(np.int32(short)))
+    if short:
+      raise CheckpointWriteError(self._write_failure(step, "not enough space", removed=False))
+    try:
+      self._manager.save(step, args=args, force=True)
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      code = digest_lib.write_errno(e)
+      if code is None:
+        raise  # not the disk: a bug, with its traceback
+      line = self._write_failure(step, os.strerror(code), removed=True,  # free space before
+                                 full=code in (errno.ENOSPC, errno.EDQUOT))  # the removal
+      if jax.process_index() == 0:  # what the save left: orbax's temporary directory, or `step`
+        digest_lib.remove_unfinished(self.directory, [
+            n for n in os.listdir(self.directory) if n == str(step)
+            or (digest_lib.UNFINISHED_NAME.fullmatch(n) and n.split(".")[0] == str(step))])
+      raise CheckpointWriteError(line) from e
+
+  def _write_failure(self, step: int, why: str, *, removed: bool, full: bool = True) -> str:
+    """The one line of a save of `step` that failed (`why`): the directory, its free space, the
+    checkpoint kept and what to do."""
+    last = self.latest_step()
+    kept = ("there is no earlier checkpoint" if last is None else
+            f"the newest intact checkpoint, {self.directory}/{last}, is kept")
+    size = (digest_lib.tree_bytes(os.path.join(self.directory, str(last)))
+            if last is not None else None)
+    takes = "" if size is None else f"; a checkpoint of this run takes {digest_lib.human(size)}"
+    fix = ("free some space (or use a --workdir on a larger disk)" if full else
+           f"make {self.directory} writable (or use another --workdir)")
+    return (f"cannot save the checkpoint {self.directory}/{step}: {why} "
+            f"({digest_lib.free_space(self.directory)}{takes}); "
+            f"{'its partial files are removed and ' if removed else ''}{kept}: {fix}, then rerun "
+            "to resume from it")
+
   def _rotate(self) -> None:
     """Deletes the checkpoints `checkpoint_digest.steps_to_remove` names (orbax's `delete`:
     process 0 removes the directory)."""
     for step in digest_lib.steps_to_remove(list(self._manager.all_steps()),
                                            verified=self._verified, keep=self.max_to_keep):
-      self._manager.delete(step)
+      if _plain_directory(os.path.join(self.directory, str(step))):
+        self._manager.delete(step)
+      elif jax.process_index() == 0:  # a link put there during the run: never deleted through
+        self._quarantine(step, "not a checkpoint directory")
       self._verified.discard(step)
 
   def close(self) -> None:
     if self._orbax is not None:
       self._orbax.close()
+
+
+def _plain_directory(path: str) -> bool:
+  """Whether `path` is a directory and not a symbolic link (to one)."""
+  return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _gather_json(value: dict[str, Any]) -> dict[str, Any]:

@@ -34,10 +34,11 @@ from segpack import shards
 from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import pack_minibatches
-from segpack.data.mixture import Mixture
+from segpack.data.mixture import Mixture, parse_data
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches
+from segpack.packing.minibatch_planner import RowsPerBatchError
 from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
@@ -131,10 +132,11 @@ class Data:
       out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
     tokenizer_fingerprint: the tokenizer of a `segpack tokenize` dataset (its manifest's
       `tokenizer_fingerprint`); None for the built-in and synthetic sources.
+    source_weights: a mixture's weights (shares of trained tokens), in `source_names` order.
   """
 
   train: grain.MapDataset
-  eval: grain.MapDataset
+  eval: grain.MapDataset | None  # None: no held-out data (data.eval_share=0, no data.eval)
   vocab_size: int
   train_rows_per_epoch: int
   description: str
@@ -143,9 +145,10 @@ class Data:
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
   context: context_lib.ContextOrder = context_lib.ContextOrder()
   tokenizer_fingerprint: str | None = None
+  source_weights: tuple[float, ...] = ()
 
   def __post_init__(self):
-    if self.context.active:
+    if self.context.active and self.eval is not None:
       self.eval = context_lib.OrderedBatches(self.eval, order=self.context)
       self.eval_by_source = {name: context_lib.OrderedBatches(batches, order=self.context)
                              for name, batches in self.eval_by_source.items()}
@@ -182,12 +185,12 @@ def _open_dataset(key: str, path: str) -> shards.ShardSource:
 
 
 def _mixture(spec: DataSpec) -> Mixture | None:
-  """`data.train` as a `Mixture` when it names weights or several sources, else None."""
+  """`data.train` as a `Mixture`, or None for one dataset (`segpack.data.mixture.parse_data`)."""
   try:
-    mixture = Mixture.parse(spec.train, tokens_per_epoch=spec.tokens_per_epoch)
+    mixture = parse_data(spec.train, tokens_per_epoch=spec.tokens_per_epoch)
   except PipelineConfigError as e:
     raise DataConfigError(f"data.train={spec.train!r}: {e}") from e
-  if len(mixture.sources) == 1 and mixture.sources[0].source == spec.train.strip():
+  if mixture is None:
     if spec.tokens_per_epoch is not None:
       raise DataConfigError(
           f"data.tokens_per_epoch={spec.tokens_per_epoch} is for a mixture data.train "
@@ -201,8 +204,8 @@ def _mixture_sources(spec: DataSpec,
   """A mixture `data.train`: each source split by `held_out_split` (or `data.eval`); the
   held-out documents of all sources are evaluated together."""
   opened = [_open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
-  if spec.eval is not None:
-    held_out = _open_dataset("data.eval", spec.eval)
+  if spec.eval is not None or spec.eval_share == 0:  # data.eval_share=0: no held-out data
+    held_out = None if spec.eval is None else _open_dataset("data.eval", spec.eval)
     train_parts = opened
   else:
     try:
@@ -236,6 +239,8 @@ def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int], str
           f"data.train={spec.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
           f"data.eval={spec.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were tokenized "
           f"differently; tokenize both with one tokenizer (segpack tokenize --spm-model ...)")
+  elif spec.eval_share == 0:  # train on every document; no evaluation
+    held_out = None
   else:
     try:
       train, held_out = subset.held_out_split(train, share=spec.eval_share)
@@ -306,9 +311,10 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)
-  eval_rows = pack_dataset(eval_src, shuffle=False, num_epochs=1,
-                           max_segments_per_row=spec.max_segments_per_row, **common)
-  eval_batches = StreamBatches(eval_rows, **layout)
+  eval_rows = None if eval_src is None else pack_dataset(
+      eval_src, shuffle=False, num_epochs=1, max_segments_per_row=spec.max_segments_per_row,
+      **common)
+  eval_batches = None if eval_rows is None else StreamBatches(eval_rows, **layout)
   if spec.mode == "minibatch":
     if isinstance(train_src, Mixture):
       raise DataConfigError(
@@ -344,12 +350,20 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=train_rows.rows_per_epoch,
-      description=(f"{spec.name}, {spec.strategy} packing, seq_len {spec.seq_len}: "
-                   f"{train_rows.rows_per_epoch} train rows/epoch, {eval_rows.rows_per_epoch} "
-                   f"eval rows, vocab {vocab}"),
-      max_segments_in_row=max(train_rows.max_segments_in_row, eval_rows.max_segments_in_row),
+      description=(f"{spec.name}{f' (mixture: {train_src.shares()})' if names else ''}, "
+                   f"{spec.strategy} packing, seq_len {spec.seq_len}: "
+                   f"{train_rows.rows_per_epoch} train rows/epoch, {_eval_rows(eval_rows)}, "
+                   f"vocab {vocab}"),
+      max_segments_in_row=max(train_rows.max_segments_in_row,
+                              eval_rows.max_segments_in_row if eval_rows else 0),
       source_names=names, eval_by_source=by_source, context=spec.context,
+      source_weights=tuple(float(m.weight) for m in train_src.sources) if names else (),
       tokenizer_fingerprint=tokenizer)
+
+
+def _eval_rows(eval_rows: Any) -> str:
+  return ("no held-out data (data.eval_share=0): evaluation is off" if eval_rows is None
+          else f"{eval_rows.rows_per_epoch} eval rows")
 
 
 def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:
@@ -375,12 +389,16 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
       train_src, seed=spec.seed, shuffle=True, num_epochs=None,
       examples_per_batch=spec.examples_per_batch, tokens_per_batch=spec.tokens_per_batch,
       rows_per_batch=batch_size, **common)
-  steps = train.batches_in_epoch(0)
+  try:
+    steps = train.batches_in_epoch(0)
+  except RowsPerBatchError as e:
+    raise rows_per_batch_error(e) from e
   # Only a document's last chunk can be shorter than a row, so a row holding two or more pieces
   # holds pieces of distinct examples of one minibatch: at most examples_per_batch of them.
   bound = None
   if spec.examples_per_batch is not None:
-    bound = max(min(int(spec.examples_per_batch), spec.seq_len), eval_rows.max_segments_in_row)
+    bound = max(min(int(spec.examples_per_batch), spec.seq_len),
+                eval_rows.max_segments_in_row if eval_rows else 0)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab, context=spec.context,
       train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
@@ -389,19 +407,24 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "
                    f"{batch_size} rows, seq_len {spec.seq_len}: {steps} steps/epoch, "
                    f"{train.padded_slot_fraction(0):.1%} padded slots, "
-                   f"{eval_rows.rows_per_epoch} eval rows, vocab {vocab}"))
+                   f"{_eval_rows(eval_rows)}, vocab {vocab}"))
 
 
-def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-  """Pads a short (last) eval batch with all-padding rows to `rows` rows."""
-  n = len(batch["input_ids"])
-  if n == rows:
-    return batch
-  out = {}
-  for key, value in batch.items():
-    fill = -100 if key == "labels" else 0
-    out[key] = np.concatenate([value, np.full((rows - n,) + value.shape[1:], fill, value.dtype)])
-  return out
+def rows_per_batch_error(e: RowsPerBatchError) -> DataConfigError:
+  """The library's "raise rows_per_batch" in the trainer's keys (`train.batch_size` is it)."""
+  return DataConfigError(
+      f"packing.mode='minibatch': the minibatch of epoch {e.epoch}, step {e.batch + 1} of the "
+      f"epoch, needs {e.needed} rows of packing.seq_len, but train.batch_size={e.rows_per_batch}"
+      f" rows make a step; raise --config.train.batch_size to {e.needed} or more (divisible by "
+      f"the devices), or lower packing.examples_per_batch / packing.tokens_per_batch")
+
+
+def next_batch(iterator: Any) -> dict[str, np.ndarray]:
+  """`next(iterator)` of `Data.train_iterator`, with a too-small step named by config keys."""
+  try:
+    return next(iterator)
+  except RowsPerBatchError as e:
+    raise rows_per_batch_error(e) from e
 
 
 def fingerprint(batch: dict[str, np.ndarray]) -> tuple[str, list[str]]:

@@ -12,6 +12,10 @@ RoPE settings are read from both places transformers has kept them: `rope_theta`
 (4.x, with `rope_type` or the older `type`) and `rope_parameters` (5.x); they must agree. Export
 writes both, so that neither version falls back to a default silently.
 
+Export (`to_hf_config`) is `architecture` read backwards: the `model.*` keys become config.json
+fields (on top of the imported model's own config.json when there is one), and
+`architecture(to_hf_config(...))` gives the keys back.
+
 Algorithm of `adopt` (what `--config.model.init_from=DIR` does to a config):
   1. Read `DIR/config.json` and turn it into values of `model.*` keys (`architecture`).
   2. A key the command line set explicitly to another value is an error naming both values.
@@ -235,3 +239,115 @@ def check_window(model_cfg: Any, seq_len: int) -> None:
         f"packing.seq_len={seq_len} is longer than the model's sliding window "
         f"model.sliding_window={window}: segpack attends to the whole segment, so the model "
         f"would differ; use packing.seq_len <= {window}")
+
+
+# The transformers class of each family (config.json's `architectures`).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The fields of config.json that say whether (and which) layers use a sliding window.
+_WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+
+
+def _rope_fields(model_cfg: Any) -> dict[str, Any]:
+  """`rope_theta` and `rope_scaling` (transformers 4.x; both `rope_type` and the older `type`)
+  and `rope_parameters` (5.x) of the config's `model.rope_theta` / `model.rope_scaling`."""
+  theta = float(model_cfg.rope_theta)
+  scaling_cfg = model_cfg.rope_scaling
+  kind = scaling_cfg.type
+  if kind is None:
+    return dict(rope_theta=theta, rope_scaling=None,
+                rope_parameters=dict(rope_type="default", rope_theta=theta))
+  if kind not in ("linear", "llama3"):
+    raise HfModelError(f"model.rope_scaling.type={kind!r} has no Hugging Face equivalent "
+                       f"(export writes 'linear' and 'llama3')")
+  scaling = dict(factor=float(scaling_cfg.factor))
+  if kind == "llama3":
+    scaling.update(low_freq_factor=float(scaling_cfg.low_freq_factor),
+                   high_freq_factor=float(scaling_cfg.high_freq_factor),
+                   original_max_position_embeddings=int(
+                       scaling_cfg.original_max_position_embeddings))
+  return dict(rope_theta=theta, rope_scaling=dict(rope_type=kind, type=kind, **scaling),
+              rope_parameters=dict(rope_type=kind, rope_theta=theta, **scaling))
+
+
+def _window_fields(family: str, window: int | None, num_layers: int) -> dict[str, Any]:
+  """The sliding-window fields of a fresh config (`_sliding_window` reads them back)."""
+  if family in ("qwen2", "qwen3"):
+    kind = "full_attention" if window is None else "sliding_attention"
+    return dict(use_sliding_window=window is not None, sliding_window=window,
+                max_window_layers=num_layers if window is None else 0,
+                layer_types=[kind] * num_layers)
+  if family == "mistral" or window is not None:  # Mistral's absent window means 4096
+    return dict(sliding_window=window)
+  return {}
+
+
+def _check_family(model_cfg: Any) -> str:
+  """The family, after checking the q/k/v biases and q/k norms are the family's own."""
+  family = model_cfg.family
+  if family not in FAMILIES:
+    raise HfModelError(f"model.family={family!r} is not one export writes ({', '.join(FAMILIES)})")
+  for key, owner in (("qkv_bias", "qwen2"), ("qk_norm", "qwen3")):
+    if bool(model_cfg[key]) != (family == owner):
+      raise HfModelError(
+          f"model.{key}={bool(model_cfg[key])!r} with model.family={family!r}: in Hugging Face "
+          f"models only {owner} has {'biases on q, k, v' if owner == 'qwen2' else 'q/k norms'}"
+          f" (set model.family={owner!r} for them, or model.{key}={family == owner!r})")
+  return family
+
+
+def to_hf_config(model_cfg: Any, *, vocab_size: int, base: dict[str, Any] | None,
+                 special_ids: dict[str, Any], dtype: str,
+                 seq_len: int | None = None) -> dict[str, Any]:
+  """The config.json of a model with the keys of a trainer config's `model` group.
+
+  Algorithm:
+    1. Start from `base` (an imported model's config.json: its other fields, e.g. the
+       initializer range or the transformers version, stay) or a fresh config of the family.
+    2. Write the architecture fields `architecture` reads (sizes, norm epsilon, tying, RoPE in
+       both the 4.x and 5.x places, the sliding window; `base`'s window fields are kept when they
+       already describe the same window) and the dtype (`torch_dtype` and `dtype`).
+    3. Write `special_ids` (`bos_token_id`, `eos_token_id`, `pad_token_id`) as given.
+
+  Example: a llama-family `model` group with `d_model=64`, `tie_embeddings=True` gives
+  `{"model_type": "llama", "hidden_size": 64, "tie_word_embeddings": true, ...}`, and
+  `architecture` of that dict gives `d_model=64, tie_embeddings=True` back.
+
+  Args:
+    model_cfg: the config's `model` group (after `adopt` for an imported model).
+    vocab_size: the embedding's rows (the trained vocabulary, whatever `model.vocab_size` says).
+    base: the imported model's config.json, or None for a model trained from scratch.
+    special_ids: config.json's special-token fields to write (absent keys are left alone).
+    dtype: the parameters' dtype (`model.param_dtype`): "float32", "bfloat16" or "float16".
+    seq_len: `max_position_embeddings` when `model.max_position_embeddings` is None.
+
+  Raises:
+    HfModelError: a family, feature or dtype that has no Hugging Face equivalent.
+  """
+  family = _check_family(model_cfg)
+  if dtype not in _DTYPES:
+    raise HfModelError(f"model.param_dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+  fresh = base is None
+  out = dict(base) if base is not None else dict(
+      initializer_range=float(model_cfg.init_std), use_cache=True, attention_dropout=0.0)
+  num_layers = int(model_cfg.num_layers)
+  window = model_cfg.sliding_window
+  out.update(
+      model_type=family, architectures=[ARCHITECTURES[family]], vocab_size=int(vocab_size),
+      hidden_size=int(model_cfg.d_model), num_hidden_layers=num_layers,
+      num_attention_heads=int(model_cfg.num_heads),
+      num_key_value_heads=int(model_cfg.num_kv_heads), head_dim=int(model_cfg.head_dim),
+      intermediate_size=int(model_cfg.d_ff), hidden_act="silu",
+      rms_norm_eps=float(model_cfg.norm_eps), tie_word_embeddings=bool(model_cfg.tie_embeddings),
+      max_position_embeddings=int(model_cfg.max_position_embeddings or seq_len or 0) or None,
+      torch_dtype=dtype, dtype=dtype, **_rope_fields(model_cfg))
+  if family in ("llama", "qwen3"):
+    out["attention_bias"] = False
+  if family == "llama":
+    out["mlp_bias"] = False
+  if fresh or _sliding_window(base, family, "config.json") != window:
+    for key in _WINDOW_FIELDS:
+      out.pop(key, None)
+    out.update(_window_fields(family, window, num_layers))
+  out.update(special_ids)
+  return out

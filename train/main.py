@@ -1,7 +1,8 @@
 r"""Trains a decoder LM on packed rows: `python -m train.main --config=configs/packed.py`.
 
 Flags: `--config` (a config file, `:smoke` for a run of seconds, `--config.a.b=v` overrides) and
-`--workdir` (default `./runs/<config file name>[_<arg>]`). Multi-host: pass `--distributed` on
+`--workdir` (default `./runs/<config file name>[_<arg>][-<hash of the overrides a run cannot
+resume across>]`, `default_workdir`). Multi-host: pass `--distributed` on
 every host (`jax.distributed.initialize()` then finds the cluster from the environment).
 
 Every mistake of the command line or the config (a missing config file, an unknown `:variant`, a
@@ -9,14 +10,19 @@ bad override, `train.USER_ERRORS` from the run) is printed as one line, `train.m
 with exit code 2.
 """
 
+import hashlib
+import json
 import os
 import sys
+from typing import Any
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from train import checkpoint as ckpt_lib
 from train import hf_config
+from train import run_guard
 from train import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
@@ -25,11 +31,19 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize().")
 
 
-def default_workdir(config_path: str) -> str:
-  """`configs/packed.py:smoke` -> `./runs/packed_smoke`."""
+def default_workdir(config_path: str, overrides: dict[str, Any] | None = None) -> str:
+  """`configs/packed.py:smoke` -> `./runs/packed_smoke`; with `--config.*` overrides that a run
+  cannot resume across (any key outside `train.checkpoint.RESUMABLE_CHANGES`), a suffix of
+  their hash, so that two documented commands never share a workdir by accident:
+  `--config.data.train=data/mine` -> `./runs/packed-5dd894db`."""
   path, _, arg = config_path.partition(":")
   name = os.path.splitext(os.path.basename(path))[0]
-  return os.path.join("runs", f"{name}_{arg}" if arg else name)
+  name = f"{name}_{arg}" if arg else name
+  kept = {k: v for k, v in (overrides or {}).items() if k not in ckpt_lib.RESUMABLE_CHANGES}
+  if kept:
+    digest = hashlib.sha256(json.dumps(sorted(kept.items()), default=str).encode()).hexdigest()
+    name = f"{name}-{digest[:8]}"
+  return os.path.join("runs", name)
 
 
 def _fail(message: str) -> None:
@@ -91,13 +105,21 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename)
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename, overrides)
   try:
-    explicit = set(config_flags.get_override_values(flags.FLAGS["config"]))
+    explicit = set(overrides)
     hf_config.adopt(_CONFIG.value, explicit=explicit)  # model.init_from: config.json decides
     train.train_and_evaluate(_CONFIG.value, workdir)
   except train.USER_ERRORS as e:
     _fail(str(e))
+  except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
+    print(f"train.main: {e}", file=sys.stderr, flush=True)
+    sys.exit(128 + e.signum)
+  except KeyboardInterrupt:  # a second Ctrl-C: stop at once, the newest checkpoint stays
+    print("train.main: interrupted; resume from the newest checkpoint with the same command",
+          file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

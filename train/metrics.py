@@ -14,9 +14,14 @@ import os
 import time
 from typing import Any
 
+import numpy as np
+import tensorboardX
+
+from train import data as data_lib
 from train import flops as flops_lib
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir WORKDIR/tensorboard`
 
 
 def _percent(value: float | None) -> str:
@@ -31,20 +36,26 @@ def _format(record: dict[str, Any]) -> str:
             f"util {record['slot_utilization']:.1%} | MFU {_percent(record.get('mfu'))} | "
             f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s")
   if kind == "eval":
+    sources = "".join(f" | {k.split('/', 1)[1]} {v:.4f}" for k, v in record.items()
+                      if k.startswith("eval_loss/") and v is not None)
     return (f"step {record['step']:>6} | eval loss {record['eval_loss']:.4f} over "
-            f"{record['eval_tokens']:,} tokens")
+            f"{record['eval_tokens']:,} tokens{sources}")
   body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in record.items() if k != "kind")
   return f"{kind}: {body}"
 
 
 class MetricsWriter:
-  """Prints records and appends them as JSON lines (process 0 only)."""
+  """Prints records, appends them as JSON lines and writes their numbers as TensorBoard scalars
+  (`WORKDIR/tensorboard`, through tensorboardX; tag `train/loss`, `eval/eval_loss/web`, ...);
+  process 0 only."""
 
   def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True, echo: bool = True):
     self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
     self.enabled = enabled
     self.echo = echo
+    self._board = (tensorboardX.SummaryWriter(os.path.join(os.fspath(workdir), TENSORBOARD_DIR))
+                   if enabled else None)
 
   def write(self, record: dict[str, Any]) -> None:
     if not self.enabled:
@@ -54,8 +65,19 @@ class MetricsWriter:
     with open(self.path, "a", encoding="utf-8") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
       f.flush()
+    kind = record.get("kind", "train")
+    if kind in ("train", "eval") and "step" in record:
+      for key, value in record.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+          self._board.add_scalar(f"{kind}/{key}", value, global_step=int(record["step"]))
+      self._board.flush()
     if self.echo:
       print(_format(record), flush=True)
+
+  def close(self) -> None:
+    """Closes the TensorBoard event file."""
+    if self._board is not None:
+      self._board.close()
 
 
 def read(workdir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -134,3 +156,34 @@ def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
     record[f"loss/{name}"] = (sum(float(m["source_loss_sum"][n]) for m in window) / tokens
                               if tokens else None)
   return record
+
+
+def announce(run: Any, *, record_name: str) -> None:
+  """The run's first lines: workdir and steps, data, model, and any changes on resume."""
+  t, c = run.config.train, run.config
+  start = f"resuming at step {run.start_step}" if run.start_step else "from scratch"
+  init = f", weights from {c.model.init_from}" if c.model.init_from else ""
+  print(f"workdir {run.workdir} (config and data fingerprints in {record_name}): "
+        f"{t.num_steps} steps of {t.batch_size} rows x {c.packing.seq_len} slots, {start}",
+        flush=True)
+  print(f"data: {run.data.description}", flush=True)
+  print(f"model: {c.model.family}, {run.num_params:,} parameters{init}; mesh "
+        f"{dict(run.mesh.shape)}", flush=True)
+  if run.resume_changes:
+    print(f"resuming at data position {run.iterator.get_state()} with changes: "
+          f"{'; '.join(run.resume_changes)}", flush=True)
+
+
+def log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
+               position: dict[str, Any] | None = None, plan_rows: Any = None) -> None:
+  """Appends the step's batch fingerprints, the data position the batch started at and (global
+  packing) every local row's `[epoch, plan row]` to `path` (nothing when None)."""
+  if path is None:
+    return
+  whole, rows = data_lib.fingerprint(local)
+  record = dict(step=step, fingerprint=whole, rows=rows, position=position)
+  if plan_rows is not None:
+    record["plan_rows"] = np.stack(plan_rows, axis=1).tolist()
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps(record) + "\n")
+    f.flush()

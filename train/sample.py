@@ -63,15 +63,15 @@ class Checkpoint:
 
 def choose_checkpoint(workdir: str) -> Checkpoint:
   """The newest checkpoint of `WORKDIR/checkpoints` that matches its digest: the one the trainer
-  would resume from (`train.checkpoint_digest.problem`, newest first). Logs one warning line
-  naming the damaged newer ones it passes over (their first bad file); moves or deletes nothing.
+  would resume from (`checkpoint_digest.scan`, `problem`, newest first); moves nothing. Warns
+  naming the damaged newer ones passed over (first bad file) and any entry that is no step.
 
   Raises:
     SampleError: `workdir` has no checkpoint, or none matches its digest (naming each one's
       problem).
   """
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  steps = digest_lib.step_dirs(directory)  # [] when not a directory
+  steps = (listing := digest_lib.scan(directory)).steps  # none when not a directory
   if not steps:
     why = ("has no step directory" if os.path.isdir(directory) else "is not a directory"
            if os.path.lexists(directory) else "does not exist")
@@ -80,6 +80,7 @@ def choose_checkpoint(workdir: str) -> Checkpoint:
   for step in steps:
     bad = digest_lib.problem(os.path.join(directory, str(step)), step)
     if bad is None:
+      logging.log_if(logging.WARNING, "%s", listing.other, listing.skipped_line())
       skipped = (f"damaged checkpoint skipped: {'; '.join(damaged)}; sampling from the newest "
                  f"intact one, {directory}/{step}") if damaged else None
       logging.log_if(logging.WARNING, "%s", bool(damaged), skipped)
@@ -89,7 +90,7 @@ def choose_checkpoint(workdir: str) -> Checkpoint:
                     "nothing to sample from")
 
 
-def _restore(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
+def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
   """`CheckpointManager.<method>(step, **kwargs)` of a manager that only reads; orbax's errors
   (a checkpoint that matches its digest but that it cannot read) become a SampleError."""
   with ocp.CheckpointManager(
@@ -108,12 +109,12 @@ def run_config(workdir: str, *,
   """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
   step. Raises SampleError when `workdir` has no intact checkpoint."""
   checkpoint = checkpoint or choose_checkpoint(workdir)
-  meta = _restore(checkpoint, "restore",
+  meta = restore_item(checkpoint, "restore",
                   args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   return ml_collections.ConfigDict(meta["config"]), checkpoint.step
 
 
-def _sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of `config` whose attention runs on XLA (no kernel settings, no mesh)."""
   copy = ml_collections.ConfigDict(config.to_dict())
   copy.attention.implementation = "xla"
@@ -121,7 +122,7 @@ def _sampling_config(config: ml_collections.ConfigDict) -> ml_collections.Config
   return copy
 
 
-def _saved_vocab_size(state_metadata: Any, *, where: str) -> int:
+def saved_vocab_size(state_metadata: Any, *, where: str) -> int:
   """Rows of the checkpoint's embedding table: the vocabulary the run trained with."""
   node = state_metadata["params"]["embed"]["embedding"]
   if isinstance(node, dict) or hasattr(node, "keys"):
@@ -142,16 +143,16 @@ def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
   """
   checkpoint = checkpoint or choose_checkpoint(workdir)
   config, step = run_config(workdir, checkpoint=checkpoint)
-  vocab = _saved_vocab_size(_restore(checkpoint, "item_metadata")["state"],
+  vocab = saved_vocab_size(restore_item(checkpoint, "item_metadata")["state"],
                             where=f"{checkpoint.directory}/{step}")
   abstract = nnx.eval_shape(lambda: model_lib.build(
-      _sampling_config(config), config.train.seed, vocab_size=vocab))
+      sampling_config(config), config.train.seed, vocab_size=vocab))
   graphdef, abstract_params = nnx.split(abstract)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = {"params": jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
   restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-  restored = _restore(checkpoint, "restore", args=ocp.args.Composite(
+  restored = restore_item(checkpoint, "restore", args=ocp.args.Composite(
       state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                    partial_restore=True)))
   return config, nnx.merge(graphdef, restored["state"]["params"]), step

@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack.data.options import PipelineConfigError
+from segpack.shards import ShardFormatError
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
@@ -40,6 +41,7 @@ from train import hf_config
 from train import hf_init
 from train import metrics as metrics_lib
 from train import model as model_lib
+from train import run_guard
 from train import sharding as sharding_lib
 
 
@@ -93,7 +95,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   gradients are exactly those of the full batch's loss. With `num_sources` (a mixture whose rows
   carry `segment_sources`) the metrics also hold every source's summed token loss and trained
   tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each). `finite`: the loss, gradient
-  norm and every element of the new state are finite (the loop checks it, `check_finite`).
+  norm and every element of the new state are finite (the loop checks it, `run_guard.check_finite`).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
@@ -191,27 +193,6 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
 
-class NonFiniteError(ArithmeticError):
-  """A step's loss, gradient norm or update is not finite; the run stops without saving it."""
-
-
-def check_finite(first_step: int, window: list[dict[str, Any]], *,
-                 checkpointer: ckpt_lib.Checkpointer, learning_rate: float) -> None:
-  """Raises `NonFiniteError` at the first step of `window` (fetched metrics of the steps
-  `first_step, first_step + 1, ...`, or eval records) with a non-finite value or `finite` flag."""
-  for step, m in enumerate(window, start=first_step):
-    bad = [f"the {k.replace('_', ' ')} is {float(m[k])}" for k in ("loss", "grad_norm", "eval_loss")
-           if k in m and not np.isfinite(float(m[k]))]
-    if not bad and bool(m.get("finite", True)):
-      continue
-    what = bad[0] if bad else "the new parameters or optimizer state are not finite"
-    kept = checkpointer.latest_step()
-    kept = "there is no checkpoint" if kept is None else f"the checkpoint of step {kept} is kept"
-    raise NonFiniteError(
-        f"step {step}: {what}; stopped without saving it, {kept} (try a train.learning_rate "
-        f"lower than {learning_rate:g}, a longer train.warmup_steps or train.grad_clip > 0)")
-
-
 class AttentionConfigError(ValueError):
   """The `attention` config group asks for a backend this platform cannot run, or gives a backend
   a setting it does not use."""
@@ -221,8 +202,9 @@ class AttentionConfigError(ValueError):
 # one line naming the key or file (exit code 2) instead of a traceback.
 USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
                sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
-               *ckpt_lib.ERRORS, hf_config.HfModelError,
-               PipelineConfigError, NonFiniteError)
+               *ckpt_lib.ERRORS, hf_config.HfModelError, run_guard.WorkdirBusyError,
+               run_guard.DataChangedError,
+               PipelineConfigError, ShardFormatError, run_guard.NonFiniteError)
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> None:
@@ -256,13 +238,21 @@ def check_attention_leaks(config: Any) -> attention_lib.SelfCheckResult | None:
                                   pallas=model_lib.pallas_options(a), dtype=_compute_dtype(config))
 
 
-def setup(config: Any, workdir: str) -> Run:
-  """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore."""
+def preflight(config: Any) -> None:
+  """The checks that need no data and write nothing: config values, the imported model's keys,
+  the attention backend and its leak check."""
   config_checks.check_config(config)
   if config.model.init_from is not None:
     hf_init.check_adopted(config)
   check_attention(config.attention, platform=jax.default_backend())
   check_attention_leaks(config)
+
+
+def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
+  """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore (`checked`: the
+  caller ran `preflight` already)."""
+  if not checked:
+    preflight(config)
   workdir = check_workdir(workdir)
   t = config.train
   mesh = sharding_lib.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp,
@@ -272,6 +262,8 @@ def setup(config: Any, workdir: str) -> Run:
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
                             num_ranks=sharding_lib.batch_partitions(mesh))
+  fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
+  run_guard.check_run_record(workdir, fingerprints)  # before a checkpoint can be blamed
   if config.model.init_from is not None:
     hf_init.check_tokenizer(config.model.init_from, data_fingerprint=data.tokenizer_fingerprint,
                             data_name=data_lib.DataSpec.from_config(config).name)
@@ -306,6 +298,8 @@ def setup(config: Any, workdir: str) -> Run:
   else:
     state, start_step, changes = restored.state, restored.step, restored.changes
     iterator.set_state(restored.data_state)
+  if jax.process_index() == 0:
+    run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
   batch_sh = sharding_lib.batch_sharding(mesh)
   weighting = config.loss.weighting
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
@@ -327,12 +321,21 @@ def evaluate(run: Run) -> dict[str, float]:
   """Held-out loss over the first `train.eval_batches` eval batches (all of them if <= 0).
 
   With `loss.weighting="sequence"` it is the mean of per-document means over all the documents
-  of the evaluated batches."""
-  loss, tokens = _eval_loss(run, run.data.eval)
-  out = dict(eval_loss=loss, eval_tokens=tokens)
-  for name, dataset in run.data.eval_by_source.items():  # a mixture: each source's own
+  of the evaluated batches. For a mixture, every source is evaluated on its own held-out
+  documents (`train.eval_batches` batches of each) and `eval_loss` is the mixture of their
+  losses by the sources' token shares, `sum_s w_s * eval_loss/s`: the expected per-token loss
+  of the training mixture."""
+  if not run.data.eval_by_source:
+    loss, tokens = _eval_loss(run, run.data.eval)
+    return dict(eval_loss=loss, eval_tokens=tokens)
+  out, total, weights = {}, 0, run.data.source_weights
+  for name, dataset in run.data.eval_by_source.items():
     out[f"eval_loss/{name}"], out[f"eval_tokens/{name}"] = _eval_loss(run, dataset)
-  return out
+    total += out[f"eval_tokens/{name}"]
+  shares = np.asarray(weights, np.float64) / np.sum(weights)
+  headline = sum(float(w) * out[f"eval_loss/{name}"]
+                 for name, w in zip(run.data.source_names, shares))
+  return dict(eval_loss=headline, eval_tokens=total, **out)
 
 
 def _eval_loss(run: Run, dataset: Any) -> tuple[float, int]:
@@ -347,47 +350,51 @@ def _eval_loss(run: Run, dataset: Any) -> tuple[float, int]:
   return loss_sum / max(count, 1.0), int(tokens)
 
 
-def _log_batch(path: str | None, step: int, local: dict[str, np.ndarray],
-               position: dict[str, Any] | None = None, plan_rows: Any = None) -> None:
-  """Appends the step's batch fingerprints, the data position the batch started at and (global
-  packing) every local row's `[epoch, plan row]` to `path` (nothing when None)."""
-  if path is None:
-    return
-  whole, rows = data_lib.fingerprint(local)
-  record = dict(step=step, fingerprint=whole, rows=rows, position=position)
-  if plan_rows is not None:
-    record["plan_rows"] = np.stack(plan_rows, axis=1).tolist()
-  with open(path, "a", encoding="utf-8") as f:
-    f.write(json.dumps(record) + "\n")
-    f.flush()
-
-
 def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any]:
   """Trains the model `config` describes, resuming from `workdir` if it holds a checkpoint.
 
+  The workdir is locked for the run (`train.run_guard`); SIGINT / SIGTERM save a checkpoint at
+  the next step boundary and raise `run_guard.RunStopped`. A run already at `train.num_steps`
+  trains nothing and appends nothing.
+
   Args:
     config: a trainer config (`configs/packed.py:get_config()`).
-    workdir: checkpoints, `metrics.jsonl` and `batches*.jsonl` go here.
+    workdir: checkpoints, `metrics.jsonl`, `run.json` and `batches*.jsonl` go here.
 
   Returns:
-    The summary record (also printed and appended to `metrics.jsonl`).
+    The summary record (also printed and appended to `metrics.jsonl`), or for a finished run a
+    `{"kind": "finished", ...}` record that is only printed.
   """
-  run = setup(config, os.fspath(workdir))
+  preflight(config)  # a refused config writes nothing, not even the lock file
+  path = check_workdir(workdir)
+  with run_guard.workdir_lock(path, enabled=jax.process_index() == 0):
+    run = setup(config, path, checked=True)
+    if run.start_step >= config.train.num_steps:
+      run.checkpointer.close()
+      message = (f"the run in {run.workdir} is finished at step {run.start_step} "
+                 f"(train.num_steps={config.train.num_steps}); nothing to do: raise "
+                 f"--config.train.num_steps to train further")
+      if jax.process_index() == 0:
+        print(f"train.main: {message}", flush=True)
+      return dict(kind="finished", step=run.start_step, workdir=run.workdir, message=message)
+    with run_guard.StopSignals() as signals:
+      return _train_loop(run, signals)
+
+
+def _train_loop(run: Run, signals: run_guard.StopSignals) -> dict[str, Any]:
+  """Step 4 of the algorithm: the steps from `run.start_step + 1` to `train.num_steps`."""
+  config = run.config
   t = config.train
   is_main = jax.process_index() == 0
   writer = metrics_lib.MetricsWriter(run.workdir, enabled=is_main)
   suffix = "" if jax.process_count() == 1 else f".p{jax.process_index()}"
   batches_path = os.path.join(run.workdir, f"batches{suffix}.jsonl") if t.log_batches else None
   if is_main:
-    print(f"{run.data.description}; {run.num_params:,} parameters; mesh {dict(run.mesh.shape)}; "
-          f"{'resuming at step ' + str(run.start_step) if run.start_step else 'from scratch'}",
-          flush=True)
-    if run.resume_changes:
-      print(f"resuming at data position {run.iterator.get_state()} with changes: "
-            f"{'; '.join(run.resume_changes)}", flush=True)
+    metrics_lib.announce(run, record_name=run_guard.RECORD_NAME)
   t0, first_loss, last_loss, eval_rec, real_total = time.perf_counter(), None, None, None, 0.0
   initial_eval = None
-  if run.start_step == 0 and t.eval_every > 0:
+  evals = t.eval_every > 0 and run.data.eval is not None  # data.eval_share=0: no held-out data
+  if run.start_step == 0 and evals:
     eval_rec = dict(kind="eval", step=0, **evaluate(run))
     initial_eval = eval_rec["eval_loss"]
     writer.write(eval_rec)
@@ -400,18 +407,19 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
   window = []
   for step in range(run.start_step + 1, t.num_steps + 1):
     position = run.iterator.get_state() if batches_path else None
-    local = next(run.iterator)
-    _log_batch(batches_path, step, local, position, getattr(run.iterator, "last_plan_rows", None))
+    local = data_lib.next_batch(run.iterator)
+    metrics_lib.log_batch(batches_path, step, local, position,
+                          getattr(run.iterator, "last_plan_rows", None))
     run.state, step_metrics = run.train_step(run.state, sharding_lib.global_batch(local, run.mesh))
     window.append(step_metrics)
-    last_step = step == t.num_steps
-    evaluating = t.eval_every > 0 and (step % t.eval_every == 0 or last_step)
-    saving = last_step or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+    last_step, stopping = step == t.num_steps, signals.requested is not None
+    evaluating = evals and (step % t.eval_every == 0 or last_step)
+    saving = last_step or stopping or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
     if step % t.log_every == 0 or evaluating or saving:  # never evaluate or save a bad state
       window = jax.device_get(window)  # the only device->host sync of the steps in between
-      check_finite(step + 1 - len(window), window, checkpointer=run.checkpointer,
-                   learning_rate=t.learning_rate)
-    if step % t.log_every == 0 or last_step:
+      run_guard.check_finite(step + 1 - len(window), window, checkpointer=run.checkpointer,
+                             learning_rate=t.learning_rate)
+    if step % t.log_every == 0 or last_step or stopping:
       real_total += sum(float(m["real_tokens"]) for m in window)
       record, window = metrics_lib.train_record(step, window, meter, run.data.source_names), []
       first_loss = record["loss"] if first_loss is None else first_loss
@@ -419,10 +427,15 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
       writer.write(record)
     if evaluating:
       eval_rec = dict(kind="eval", step=step, **evaluate(run))
-      check_finite(step, [eval_rec], checkpointer=run.checkpointer, learning_rate=t.learning_rate)
+      run_guard.check_finite(step, [eval_rec], checkpointer=run.checkpointer,
+                             learning_rate=t.learning_rate)
       writer.write(eval_rec)
     run.checkpointer.maybe_save(step, run.state, run.iterator.get_state(), run.config_dict,
-                                force=last_step)
+                                force=last_step or stopping)
+    if stopping:
+      run.checkpointer.close()
+      writer.close()
+      raise signals.stopped(step=step, checkpoint_dir=run.checkpointer.directory)
   run.checkpointer.close()
   elapsed = time.perf_counter() - t0
   summary = dict(kind="summary", steps=t.num_steps, resumed_from=run.start_step,
@@ -433,4 +446,5 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any
                  real_tokens_per_s=real_total / max(elapsed, 1e-9), params=run.num_params,
                  workdir=run.workdir)
   writer.write(summary)
+  writer.close()
   return summary

@@ -8,10 +8,11 @@ Examples:
 
 `--data` is a shard dataset directory, a `.npy` file of document lengths, or `builtin` /
 `builtin:small` for the built-in corpus (built on first use). A mixture of shard dataset
-directories (`name=path:weight,...`, as `segpack.Mixture.parse` reads it) prints, per source, its
-documents and tokens, its weight (its target share of the tokens), the target and the realized
-tokens and share of mixture epoch 0's draw and how often its documents repeat, then the plan of
-the whole draw.
+directories (`name=path:weight,...`, read by `segpack.data.mixture.parse_data`, the rule of the
+trainer's `data.train` too: an existing path is one dataset) prints, per source, its documents
+and tokens, its weight (its target share of the tokens), the target and the realized tokens and
+share of mixture epoch 0's draw and how often its documents repeat, then the plan of the whole
+draw.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import numpy as np
 from segpack import packing
 from segpack.cli import errors
 from segpack.data import mixture as mixture_lib
+from segpack.data.options import PipelineConfigError
 from segpack.shards import ShardSource
 from segpack.text import corpus
 
 COMPARE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+BUILTIN_SPELLINGS = ("builtin", "builtin:full", "builtin:small")
 
 
 class DataArgumentError(ValueError):
@@ -47,7 +50,7 @@ def load_lengths(data: str) -> tuple[np.ndarray, str, str | None]:
   Returns:
     `(lengths, fingerprint, shard directory or None)`.
   """
-  if data in ("builtin", "builtin:full", "builtin:small"):  # only these spell the corpus
+  if data in BUILTIN_SPELLINGS:  # only these spell the corpus
     size = data.partition(":")[2] or "full"
     data = os.fspath(corpus.ensure_builtin(size=size).train_dir)
   if data.endswith(".npy") and os.path.isfile(data):
@@ -113,24 +116,19 @@ def format_summary(row: dict[str, Any]) -> str:
 
 def parse_mixture(data: str, *,
                   tokens_per_epoch: int | None) -> mixture_lib.Mixture | None:
-  """The mixture `data` spells, or None when `data` is one dataset (today's `--data`).
-
-  `data` is a mixture when `Mixture.parse` reads several entries, a `name=` or a `:weight`; one
-  entry whose path is the whole text (`data/web`, `lengths.npy`, `builtin`) is one dataset, and
-  so is text the parser refuses that has no `,` and no `=` (`builtin:small`).
+  """The mixture `data` spells, or None when `data` is one dataset: `builtin[:full|:small]`, or
+  what `segpack.data.mixture.parse_data` (the trainer's `data.train` rule too) reads as one path.
 
   Raises:
-    DataArgumentError: a mixture entry that cannot be read (a weight that is not a number).
+    DataArgumentError: an entry that cannot be read (a weight that is not a number, weights on
+      some entries only, a spelling that reads two ways), naming it.
   """
+  if data in BUILTIN_SPELLINGS:
+    return None
   try:
-    mixture = mixture_lib.Mixture.parse(data, tokens_per_epoch=tokens_per_epoch)
-  except ValueError as e:
-    if "," in data or "=" in data:
-      raise DataArgumentError(f"--data {data!r}: {e}") from e
-    return None
-  if len(mixture.sources) == 1 and mixture.sources[0].source == data.strip():
-    return None
-  return mixture
+    return mixture_lib.parse_data(data, tokens_per_epoch=tokens_per_epoch)
+  except PipelineConfigError as e:
+    raise DataArgumentError(f"--data {data!r}: {e}") from e
 
 
 def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, seq_len: int, strategy: str,

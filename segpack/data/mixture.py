@@ -2,8 +2,9 @@
 
 `Mixture` names its sources and weights; `pack_dataset(Mixture(...), ...)` draws every mixture
 epoch anew (`MixtureDraws.draw`) and packs the drawn documents with one exact global plan. The
-one spelling for configs and command lines is `"web=data/web:0.7,code=data/code:0.3"`
-(`Mixture.parse`); a plain path is a mixture of one.
+one spelling for configs and command lines is `"web=data/web:0.7,code=data/code:0.3"`, read by
+`parse_data` (one dataset or a mixture: the trainer's `data.train` and `segpack stats --data`
+both use it) and `Mixture.parse` (one dataset is a mixture of one).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from segpack.data import subset
 from segpack.data.options import PipelineConfigError
 from segpack.data.sources import document_lengths, open_source
 
-__all__ = ["Draw", "Mixture", "MixtureDraws", "MixtureSource"]
+__all__ = ["Draw", "Mixture", "MixtureDraws", "MixtureSource", "parse_data"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,33 +72,201 @@ class Mixture:
 
   @classmethod
   def parse(cls, spec: str, *, tokens_per_epoch: int | None = None) -> "Mixture":
-    """Reads `"name=path:weight,name=path:weight"` (a plain `path`: a mixture of one).
-
-    The name defaults to the path's last component, the weight to 1.
+    """Reads `"name=path:weight,name=path:weight"` by the rules of `parse_data`; one dataset
+    (`data/mine`) is a mixture of one, named after the path's last component.
 
     Raises:
       PipelineConfigError: naming the entry that cannot be read.
     """
-    if not isinstance(spec, str) or not spec.strip():
-      raise PipelineConfigError(f"mixture: expected 'name=path:weight,...', got {spec!r}")
-    entries = []
-    for entry in spec.split(","):
-      entry = entry.strip()
-      name, eq, rest = entry.partition("=")
-      if not eq:
-        name, rest = "", entry
-      path, colon, weight_text = rest.rpartition(":")
-      if not colon or os.sep in weight_text or not weight_text:
-        path, weight_text = rest, "1"
-      try:
-        weight = float(weight_text)
-      except ValueError as e:
-        raise PipelineConfigError(
-            f"mixture entry {entry!r}: the weight {weight_text!r} is not a number") from e
-      path = path.strip()
-      name = name.strip() or os.path.basename(os.path.normpath(path))
-      entries.append(MixtureSource(name=name, source=path, weight=weight))
-    return cls(sources=tuple(entries), tokens_per_epoch=tokens_per_epoch)
+    mixture = parse_data(spec, tokens_per_epoch=tokens_per_epoch)
+    if mixture is not None:
+      return mixture
+    path = spec.strip()
+    return cls(sources=(MixtureSource(name=_default_name(path), source=path, weight=1.0),),
+               tokens_per_epoch=tokens_per_epoch)
+
+  def shares(self) -> str:
+    """The target token share of every source, for logs: `"web 70.0%, code 30.0%"`, or
+    `"equal token shares"` when all weights are equal (as when none was given)."""
+    weights = [float(s.weight) for s in self.sources]
+    if len(set(weights)) == 1:
+      return "equal token shares"
+    total = math.fsum(weights)
+    return ", ".join(f"{s.name} {100 * w / total:.1f}%" for s, w in zip(self.sources, weights))
+
+
+def _default_name(path: str) -> str:
+  """A source's name when the entry gives none: the path's last component."""
+  return os.path.basename(os.path.normpath(path))
+
+
+def _number(text: str) -> float | None:
+  """`text` as a float, or None when it does not spell a number."""
+  try:
+    return float(text)
+  except ValueError:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """One entry of a data argument as read: `name` ("" when not given), `path`, `weight` (the
+  text after the last ':', None when not given)."""
+
+  text: str
+  name: str
+  path: str
+  weight: str | None
+
+
+def _by_syntax(text: str) -> _Entry:
+  """An entry read by its spelling alone: a name before the first '=' (when it holds no '/'),
+  a weight after the last ':' (when it is not empty and holds no '/')."""
+  name, eq, rest = text.partition("=")
+  if not eq or "/" in name or os.sep in name:
+    name, rest = "", text
+  head, colon, tail = rest.rpartition(":")
+  if colon and head.strip() and tail.strip() and "/" not in tail and os.sep not in tail:
+    return _Entry(text, name.strip(), head.strip(), tail.strip())
+  return _Entry(text, name.strip(), rest.strip(), None)
+
+
+def _plain(entry: _Entry) -> bool:
+  """Whether the entry is a bare path (no name, no weight)."""
+  return not entry.name and entry.weight is None
+
+
+def _valid(entry: _Entry, exists: Callable[[str], bool]) -> bool:
+  """Whether `entry` names an existing path with no weight or a number for one."""
+  return bool(entry.path) and exists(entry.path) and (
+      entry.weight is None or _number(entry.weight) is not None)
+
+
+def _readings(text: str) -> list[_Entry]:
+  """Every way to read one entry: the whole text as a path, `name=` + a path, a path + `:weight`
+  (with or without the name)."""
+  syntax = _by_syntax(text)
+  out = [_Entry(text, "", text, None)]
+  if syntax.name:
+    out.append(_Entry(text, syntax.name, text.partition("=")[2].strip(), None))
+  if syntax.weight is not None:
+    head = text.rpartition(":")[0].strip()
+    out.append(_Entry(text, "", head, syntax.weight))
+  out.append(syntax)
+  return list(dict.fromkeys(out))
+
+
+def _as_path(path: str) -> str:
+  """A spelling of the directory `path` that no rule reads as a name or a weight."""
+  return (path if os.path.isabs(path) else os.path.join(".", path)).rstrip("/") + "/"
+
+
+def _spelled(entries: list[_Entry]) -> str:
+  """The entries written so that each reads one way only."""
+  return ",".join((f"{e.name}=" if e.name else "") + _as_path(e.path)
+                  + (f":{e.weight}" if e.weight is not None else "") for e in entries)
+
+
+def _said(e: _Entry) -> str:
+  """One reading in words: `the dataset 'D/ds' with weight 2`."""
+  return (f"the dataset {e.path!r}" + (f" named {e.name!r}" if e.name else "")
+          + (f" with weight {e.weight}" if e.weight is not None else ""))
+
+
+def _read_entry(text: str, exists: Callable[[str], bool]) -> _Entry:
+  """One entry: the reading whose path exists; none: the spelling's; several: refused."""
+  valid = [e for e in _readings(text) if _valid(e, exists)]
+  if len(valid) > 1:
+    raise PipelineConfigError(
+        f"{text!r} reads {len(valid)} ways: " + "; or ".join(_said(e) for e in valid)
+        + "; write " + " or ".join(repr(_spelled([e])) for e in valid) + " to say which")
+  return valid[0] if valid else _by_syntax(text)
+
+
+def _read_entries(text: str, exists: Callable[[str], bool]) -> list[_Entry]:
+  """The entries of `text`: an existing path is a path; a spelling that also reads as other
+  existing datasets is refused naming both readings."""
+  parts = [part.strip() for part in text.split(",")]
+  if len(parts) == 1:
+    return [_read_entry(text, exists)]
+  if exists(text):
+    syntax = [_by_syntax(part) for part in parts]
+    if all(_valid(e, exists) for e in syntax):
+      raise PipelineConfigError(
+          f"{text!r} reads two ways: the dataset {text!r}, or the mixture {_spelled(syntax)!r}; "
+          f"write {_as_path(text)!r} for the first or {_spelled(syntax)!r} for the second")
+    return [_Entry(text, "", text, None)]
+  return [_read_entry(part, exists) for part in parts]
+
+
+def _weights(entries: list[_Entry]) -> list[float]:
+  """Every entry's weight: all given or none (then equal); each finite and > 0, the sum too."""
+  given = [e for e in entries if e.weight is not None]
+  if given and len(given) < len(entries):
+    bare = next(e for e in entries if e.weight is None)
+    raise PipelineConfigError(
+        f"mixture entry {bare.text!r} has no weight but {given[0].text!r} has one; give every "
+        f"entry a weight, or none for equal token shares")
+  weights = []
+  for e in entries:
+    if e.weight is None:
+      weights.append(1.0)
+      continue
+    w = _number(e.weight)
+    if w is None:
+      raise PipelineConfigError(
+          f"mixture entry {e.text!r}: the weight {e.weight!r} is not a number, and "
+          f"{e.text.partition('=')[2] if e.name else e.text!r} is no existing path")
+    if not (math.isfinite(w) and w > 0):
+      raise PipelineConfigError(
+          f"mixture entry {e.text!r}: mixture source {e.name or _default_name(e.path)!r} needs a "
+          f"positive weight, got {w!r} (a finite number > 0)")
+    weights.append(w)
+  if not math.isfinite(sum(weights)):
+    top = entries[max(range(len(weights)), key=weights.__getitem__)]
+    raise PipelineConfigError(
+        f"mixture entry {top.text!r}: the weights sum to infinity; weights are relative, so "
+        f"scale them down (0.7 and 0.3 mix like 7 and 3)")
+  return weights
+
+
+def parse_data(spec: str, *, tokens_per_epoch: int | None = None,
+               exists: Callable[[str], bool] = os.path.exists) -> Mixture | None:
+  """The one rule for a data argument (`data.train`, `segpack stats --data`): one dataset
+  (None) or a `Mixture`.
+
+  Rules:
+    1. An existing path is a path, whatever it holds (`D/run:v2`, `D/lr=3e-4`, `D/a,b`).
+    2. Otherwise `spec` is entries `name=path:weight` separated by ','; the name (before the
+       first '=', holding no '/') defaults to the path's last component, the weight is the text
+       after the last ':' (holding no '/'). Within an entry, rule 1 holds again.
+    3. A spelling that reads both ways (`D/ds:2` when both `D/ds:2` and `D/ds` exist) is refused,
+       naming both readings and how to write each (`./D/ds:2/`, `./D/ds/:2`).
+    4. Every entry has a weight or none has (equal token shares); weights are finite and > 0,
+       and so is their sum.
+    5. One entry without a name and a weight is one dataset (None); anything else a mixture.
+
+  Args:
+    spec: the argument's text.
+    tokens_per_epoch: the mixture's `tokens_per_epoch`.
+    exists: whether a path exists (a test may stand in for the file system).
+
+  Raises:
+    PipelineConfigError: one line naming the entry (and both readings of an ambiguous one).
+  """
+  if not isinstance(spec, str) or not spec.strip():
+    raise PipelineConfigError(f"mixture: expected 'name=path:weight,...' or a dataset path, "
+                              f"got {spec!r}")
+  entries = _read_entries(spec.strip(), exists)
+  if len(entries) == 1 and _plain(entries[0]):
+    return None
+  for e in entries:
+    if not e.path:
+      raise PipelineConfigError(f"mixture entry {e.text!r} names no path")
+  weights = _weights(entries)
+  return Mixture(sources=tuple(
+      MixtureSource(name=e.name or _default_name(e.path), source=e.path, weight=w)
+      for e, w in zip(entries, weights)), tokens_per_epoch=tokens_per_epoch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +311,10 @@ class MixtureDraws:
         raise PipelineConfigError(f"{fn}: mixture source {s.name!r} ({s.source!r:.200}) is empty")
     self._check_tokenizers(mixture, fn)
     weights = np.asarray([s.weight for s in mixture.sources], dtype=np.float64)
+    if not math.isfinite(sum(weights.tolist())):
+      raise PipelineConfigError(
+          f"{fn}: mixture weights {weights.tolist()} sum to infinity; weights are relative, so "
+          f"scale them down (0.7 and 0.3 mix like 7 and 3)")
     self.weights = weights / weights.sum()
     self.total_tokens = np.asarray([int(lengths.sum()) for lengths in self.lengths])
     total = int(self.total_tokens.sum())

@@ -34,8 +34,9 @@ class RowBuilder:
   2. Give every piece its flat output offset: `row * seq_len + (cumulative length of the earlier
      pieces of its row)`, and its segment id: 1 + (rank of the piece within its row).
   3. Copy tokens: one slice copy per piece from the memory-mapped token file (a
-     `ShardTokenReader`, or `source[doc]` for other sources), plus the BOS/EOS slots where the
-     piece covers virtual slot 0 / the last virtual slot.
+     `ShardTokenReader`, which refuses ids >= the manifest's `vocab_size`, or `source[doc]` for
+     other sources), plus the BOS/EOS slots where the piece covers virtual slot 0 / the last
+     virtual slot.
   4. The real slots of a row are a prefix of it: `segment_ids` and `segment_positions` of all
      real slots are built contiguously (`np.repeat` of the per-piece segment id; `arange` minus
      the repeated piece offsets), then copied into each row's prefix.

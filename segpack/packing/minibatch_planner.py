@@ -18,11 +18,20 @@ from segpack.packing.first_fit import FirstFitTree
 from segpack.packing.plan_format import Plan
 from segpack.packing.planner import plan as plan_rows
 
-__all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner"]
+__all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner", "RowsPerBatchError"]
 
 
 class MinibatchConfigError(PipelineConfigError):
   """An argument of minibatch packing is invalid (the message names it and echoes the value)."""
+
+
+class RowsPerBatchError(MinibatchConfigError):
+  """A minibatch needs more rows than `rows_per_batch`; `epoch`, `batch`, `needed` and
+  `rows_per_batch` say which and by how much (a trainer names its own config keys with them)."""
+
+  def __init__(self, message: str, *, epoch: int, batch: int, needed: int, rows_per_batch: int):
+    super().__init__(message)
+    self.epoch, self.batch, self.needed, self.rows_per_batch = epoch, batch, needed, rows_per_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +199,11 @@ def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, ext
   width = int(needed.max()) if rows_per_batch is None else int(rows_per_batch)
   if needed.size and int(needed.max()) > width:
     b = int(np.argmax(needed))
-    raise MinibatchConfigError(
+    raise RowsPerBatchError(
         f"minibatch packing: epoch {epoch} batch {b} needs {int(needed[b])} rows but "
         f"rows_per_batch={width}; "
-        f"raise rows_per_batch (or leave it None with a finite num_epochs to size it exactly)")
+        f"raise rows_per_batch (or leave it None with a finite num_epochs to size it exactly)",
+        epoch=int(epoch), batch=b, needed=int(needed[b]), rows_per_batch=width)
   counts, doc, start, length = [], [], [], []
   for _, rows in batches:
     for row in rows:

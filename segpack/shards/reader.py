@@ -49,6 +49,13 @@ class ShardTokenReader:
        until a slice is copied.
     3. For a batch of pieces, find the shards with one `searchsorted`, then copy each piece's
        slice into the output.
+    4. Token ids: one vectorized maximum over the output (int32 values read as unsigned) must be
+       below the manifest's `vocab_size`; when it is not, the pieces are searched one by one and
+       the first id too large is a `ShardFormatError` naming the shard file, the id, its
+       position and document, and the vocabulary size (the padding the caller put in the output
+       may be that large too: then nothing is raised). This catches what the open-time checks
+       cannot: a manifest whose `vocab_size` and `max_token` were both lowered, ids changed with
+       their checksum.
 
   Example: shards of 2 and 1 documents with lengths [3, 2, 4] give starts [0, 3, 0]; document 2,
   tokens [1, 3) is shard 1's file slice [1, 3).
@@ -73,6 +80,8 @@ class ShardTokenReader:
     small = local.size == 0 or int(local.max()) < 2**31
     self._local_start = local.astype(np.int32 if small else np.int64)
     self._arrays: list[np.ndarray] | None = None
+    vocab = getattr(source, "vocab_size", None) if kind == "tokens" else None
+    self._vocab = None if vocab is None else int(vocab)
 
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
@@ -107,6 +116,31 @@ class ShardTokenReader:
                             dst_P.tolist()):
       if b > a:
         out[dst:dst + b - a] = arrays[s][a:b]
+    if self._vocab is not None and len(dst_P) and _unsigned_max(out) >= self._vocab:
+      self._refuse_ids(arrays, doc_P, shard_P, base_P + lo_P, base_P + hi_P)
+
+  def _refuse_ids(self, arrays: list[np.ndarray], doc_P: np.ndarray, shard_P: np.ndarray,
+                  a_P: np.ndarray, b_P: np.ndarray) -> None:
+    """Raises naming the first piece holding a token id >= vocab_size (none: `out` held a
+    padding id that large, which is the caller's)."""
+    for d, s, a, b in zip(np.asarray(doc_P).tolist(), shard_P.tolist(), a_P.tolist(),
+                          b_P.tolist()):
+      piece = arrays[s][a:b]
+      if b > a and int(piece.max()) >= self._vocab:
+        k = int(np.argmax(piece >= self._vocab))
+        raise ShardFormatError(
+            f"{os.path.join(self._path, self._files[s])}: token id {int(piece[k])} at position "
+            f"{a + k} (document {d} of the dataset) is >= vocab_size {self._vocab} of "
+            f"{os.path.join(self._path, 'manifest.json')}; the shard or the manifest changed "
+            f"after it was written (ShardSource(path).verify() checks every file)")
+
+
+def _unsigned_max(out: np.ndarray) -> int:
+  """The largest value of `out`, negative values read as the large unsigned ids they wrap
+  (a uint32 id >= 2**31 copied into int32)."""
+  if out.dtype.kind == "i":
+    return int(out.view(out.dtype.str.replace("i", "u")).max())
+  return int(out.max())
 
 
 class SubsetReader:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -20,12 +21,15 @@ from typing import Any
 
 from segpack import files
 from segpack import shards
+from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import corpus
 from segpack.text import spm
 
 __all__ = ["BuiltinChatDataset", "CHAT_CORPUS_VERSION", "builtin_conversations",
            "ensure_builtin_chat"]
+
+_LOG = logging.getLogger(__name__)
 
 # Bump when the conversations change: part of the cache key.
 CHAT_CORPUS_VERSION = 1
@@ -178,6 +182,25 @@ def _root(size: str, cache_dir: str | os.PathLike[str] | None) -> Path:
   return spm.cache_root(cache_dir) / f"builtin-chat-{size}-{_cache_key(size)}"
 
 
+def _cached(out: Path, key: str) -> bool:
+  """Whether `out` holds the finished split of `key` and passes `corpus.damaged`'s checks (the
+  ones of every dataset the trainer opens); a damaged one loses its manifest, to be rebuilt."""
+  manifest = out / shards.MANIFEST_NAME
+  if not manifest.exists():
+    return False
+  try:
+    if read_manifest(manifest).get("resume_key") != key:
+      return False
+  except (shards.ShardFormatError, AttributeError):
+    return False
+  problem = corpus.damaged(out)
+  if problem is None:
+    return True
+  _LOG.warning("cached built-in chat corpus %s is damaged (%s); re-tokenizing it", out, problem)
+  manifest.unlink()
+  return False
+
+
 def ensure_builtin_chat(
     *,
     size: str = "small",
@@ -208,11 +231,7 @@ def ensure_builtin_chat(
         files.atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode("utf-8"))
       out = root / f"{split}-{train_on}"
       key = f"{_cache_key(size)}|{tok.fingerprint}|{train_on}|{split}"
-      try:
-        done = shards.ShardSource(out).manifest.get("resume_key") == key
-      except shards.ShardFormatError:
-        done = False
-      if not done:
+      if not _cached(out, key):
         chat.write_chat_dataset(
             chat.read_conversations(jsonl), out, encoder=encoder, resume_key=key,
             metadata={"source": f"builtin-chat:{size}", "split": split, "python": sys.version})

@@ -58,6 +58,7 @@ __all__ = [
     "builtin_documents",
     "builtin_dir",
     "builtin_tokenizer",
+    "damaged",
     "ensure_builtin",
     "is_eval_group",
 ]
@@ -257,19 +258,31 @@ def builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *, 
   return summaries
 
 
+def damaged(path: Path) -> str | None:
+  """Why the cached dataset at `path` fails the checks of every dataset the trainer opens
+  (`ShardSource(path)`: the structure, each file's SHA-256 once per machine, the token ids
+  against `vocab_size`), or None when it passes. The built-in corpora rebuild a damaged cache."""
+  try:
+    shards_lib.ShardSource(path)
+  except shards_lib.ShardFormatError as e:
+    return str(e)
+  return None
+
+
 def _intact(root: Path) -> bool:
-  """Whether both cached splits pass the structural checks and have the current layout."""
+  """Whether both cached splits pass `damaged`'s checks and have the current layout."""
   try:
     done = json.loads((root / "complete.json").read_text("utf-8"))
     if not isinstance(done, dict) or done.get("layout") != _BUILTIN_LAYOUT:
+      _LOG.warning("cached built-in corpus %s has an older layout; re-tokenizing it", root)
       return False
   except (OSError, ValueError):
     return False
-  try:
-    shards_lib.ShardSource(root / "train")
-    shards_lib.ShardSource(root / "eval")
-  except shards_lib.ShardFormatError:
-    return False
+  for split in _SPLITS:
+    problem = damaged(root / split)
+    if problem is not None:
+      _LOG.warning("cached built-in corpus %s is damaged (%s); re-tokenizing it", root, problem)
+      return False
   return True
 
 
@@ -306,7 +319,6 @@ def ensure_builtin(
   tokenizer = builtin_tokenizer(size=size, cache_dir=cache_dir, progress=progress)
   with files.file_lock(root / ".lock"):
     if (root / "complete.json").exists() and not _intact(root):
-      _LOG.warning("cached built-in corpus %s is damaged or outdated; re-tokenizing it", root)
       for path in (root / "complete.json", root / "train" / shards_lib.MANIFEST_NAME,
                    root / "eval" / shards_lib.MANIFEST_NAME):
         path.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ and the built-in corpus with an Apache Beam pipeline instead (`beam_pipeline`, d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -20,6 +21,7 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from segpack.files import LockHeldError, atomic_write_json, file_lock
 from segpack import shards as shards_lib
@@ -31,7 +33,7 @@ from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
 from segpack.text import tokenizer_spec
 from segpack.text.inputs import (
-    InputFormatError, ReadCounters, expand_inputs, is_chat, iter_documents)
+    InputFormatError, ReadCounters, describe_inputs, expand_inputs, is_chat, iter_documents)
 
 __all__ = ["LOCK_NAME", "tokenize_files"]
 
@@ -113,16 +115,17 @@ def tokenize_files(
           shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
           progress=progress, overwrite=overwrite)
 
-    files = expand_inputs(inputs)
+    skipped: collections.Counter[str] = collections.Counter()
+    files = expand_inputs(inputs, skipped=skipped)
     if not files:
       raise InputFormatError("--input: no input files given")
     if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
       if runner == "beam":
         raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) "
                                "run with the local runner")
-      return [_tokenize_chat(files, output, given=given, vocab_size=vocab_size,
-                             train_on=train_on, messages_field=messages_field,
-                             shard_tokens=shard_tokens, overwrite=overwrite)]
+      return _said(inputs, files, skipped, None, [_tokenize_chat(
+          files, output, given=given, vocab_size=vocab_size, train_on=train_on,
+          messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite)])
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
     ident = {"inputs": [encode.file_identity(p) for p in files], **read}
     if given is not None:
@@ -135,21 +138,54 @@ def tokenize_files(
       raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
                              "--vocab-size N (to train a model first)")
     if runner == "beam":
-      return [beam_pipeline.tokenize_files_beam(
+      return _said(inputs, files, skipped, None, [beam_pipeline.tokenize_files_beam(
           files, output, tokenizer=tokenizer, read=read, ident=ident,
           metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
           shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
-          overwrite=overwrite)]
+          overwrite=overwrite)])
     start = time.perf_counter()
     counters = ReadCounters()
+    documents: collections.Counter[str] = collections.Counter()
     manifest, resumed, nbytes = encode.write_dataset(
-        iter_documents(files, counters=counters, **read), output, tokenizer=tokenizer,
-        resume_key=encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint,
-                                          shard_tokens=shard_tokens)),
+        _documents(inputs, files, skipped, documents, counters, read), output,
+        tokenizer=tokenizer, resume_key=encode.resume_key(dict(
+            ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
         workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
         metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
-    return [encode.summarize(output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
-                     seconds=time.perf_counter() - start, text_bytes=nbytes)]
+    return _said(inputs, files, skipped, documents or None, [encode.summarize(
+        output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
+        seconds=time.perf_counter() - start, text_bytes=nbytes)])
+
+
+def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
+                  bad_lines: int = 0) -> InputFormatError:
+  """The one-line refusal of inputs that give no document, naming them and what was read."""
+  bad = f"; {bad_lines:,} records without usable text skipped" if bad_lines else ""
+  return InputFormatError(
+      f"--input {[str(p) for p in inputs]}: no documents to tokenize ({report}{bad}); a dataset "
+      f"needs at least one document with text")
+
+
+def _documents(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
+               skipped: collections.Counter[str], documents: collections.Counter[str],
+               counters: ReadCounters, read: dict[str, Any]) -> Iterator[str]:
+  """The documents of `files`, counted by file type in `documents`; when none holds text, the
+  end of the stream is an error, so the writer writes no manifest of an empty dataset."""
+  yield from iter_documents(files, counters=counters, documents=documents, **read)
+  if not sum(documents.values()):
+    raise _no_documents(inputs, describe_inputs(files, skipped, documents), counters.bad_lines)
+
+
+def _said(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
+          skipped: collections.Counter[str], documents: collections.Counter[str] | None,
+          summaries: list[encode.Summary]) -> list[encode.Summary]:
+  """Says on stderr (a warning when files were not read) what the inputs gave, by file type;
+  refuses a dataset without documents (a chat or Beam run writes one before it can tell)."""
+  report = describe_inputs(files, skipped, documents)
+  if any(s.documents == 0 for s in summaries):
+    raise _no_documents(inputs, report, sum(s.bad_lines for s in summaries))
+  _LOG.log(logging.WARNING if skipped else logging.INFO, "inputs: %s", report)
+  return summaries
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
 """Input readers: text, JSONL, Parquet, `datasets` `save_to_disk` directories; chat detection.
 
-Inputs are read in the order given (a directory: its supported files, sorted by path):
+Inputs are read in the order given (a directory: its supported files, sorted by path; the
+others are counted by type, `expand_inputs(skipped=...)`, and `describe_inputs` says what was
+read and what was not):
 
 * `.txt` (also `.txt.gz`, `.txt.zst`): one document per file, or, with
   `--doc-separator blank-line`, one per block of lines between blank lines;
@@ -31,6 +33,7 @@ of a block's first line with `blank-line`.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import os
@@ -42,8 +45,8 @@ from typing import Any
 from segpack.text import arrow_inputs
 from segpack.text.input_errors import InputFormatError, ReadCounters
 
-__all__ = ["InputFormatError", "ReadCounters", "SUFFIXES", "expand_inputs", "is_chat",
-           "iter_documents", "iter_file_records"]
+__all__ = ["InputFormatError", "ReadCounters", "SUFFIXES", "describe_inputs", "expand_inputs",
+           "is_chat", "iter_documents", "iter_file_records", "kind_of"]
 
 _TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.zst")
 _JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -58,20 +61,65 @@ class _CorruptStream(Exception):
   """A compressed stream that cannot be read to its end (turned into an InputFormatError)."""
 
 
-def expand_inputs(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def kind_of(path: Path) -> str:
+  """The file type of an input as the summaries count it: its supported suffix (`.jsonl.gz`),
+  `.arrow`, else its last suffix (`.rst`), or `(no extension)`."""
+  for suffix in SUFFIXES + (".arrow",):
+    if path.name.endswith(suffix):
+      return suffix
+  return path.suffix or "(no extension)"
+
+
+def _counted(counts: dict[str, int], what: str) -> str:
+  """`".rst 14 files, .py 1 file"` of `{kind: count}` (`what` = "file")."""
+  return ", ".join(f"{kind} {n:,} {what}{'s' if n != 1 else ''}".lstrip()
+                   for kind, n in counts.items())
+
+
+def describe_inputs(files: Sequence[Path], skipped: collections.Counter[str] | None = None,
+                    documents: collections.Counter[str] | None = None) -> str:
+  """One line: the files read by type (with their documents when counted) and the files of the
+  input directories that were not read, by type.
+
+  Example: `read .txt 1 file (1 document); not read: .rst 14 files (not an input type: ...)`.
+  """
+  read = collections.Counter(kind_of(p) for p in files)
+  parts = []
+  for kind, n in read.items():
+    docs = "" if documents is None else f" ({_counted({'': documents[kind]}, 'document')})"
+    parts.append(f"{_counted({kind: n}, 'file')}{docs}")
+  line = "read " + (", ".join(parts) or "no files")
+  if skipped:
+    line += (f"; not read: {_counted(skipped, 'file')} in the input directories (not an input "
+             f"type: {', '.join(SUFFIXES)})")
+  return line
+
+
+def expand_inputs(paths: Sequence[str | os.PathLike[str]], *,
+                  skipped: collections.Counter[str] | None = None) -> list[Path]:
   """Input files in order: a directory contributes its supported files, sorted by path;
-  `hf-disk:PATH` its Arrow files in the order of its `state.json`."""
+  `hf-disk:PATH` its Arrow files in the order of its `state.json`.
+
+  Args:
+    paths: the `--input` paths.
+    skipped: counts, by `kind_of`, the files of the directories that are not read.
+  """
   files = []
+  skipped = skipped if skipped is not None else collections.Counter()
   for raw in paths:
     if os.fspath(raw).startswith(arrow_inputs.HF_DISK_PREFIX):
       files.extend(arrow_inputs.hf_disk_files(os.fspath(raw)))
       continue
     path = Path(raw)
     if path.is_dir():
-      found = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES))
+      every = sorted(p for p in path.rglob("*") if p.is_file())
+      found = [p for p in every if p.name.endswith(SUFFIXES)]
+      others = collections.Counter(kind_of(p) for p in every if not p.name.endswith(SUFFIXES))
       if not found:
-        raise InputFormatError(f"--input {str(path)!r}: directory holds no {', '.join(SUFFIXES)} "
-                               f"files")
+        raise InputFormatError(
+            f"--input {str(path)!r}: directory holds no {', '.join(SUFFIXES)} files"
+            + (f" (it holds {_counted(others, 'file')})" if others else " (it holds no files)"))
+      skipped.update(others)
       files.extend(found)
     elif not path.exists():
       raise InputFormatError(f"--input {str(path)!r}: no such file or directory")
@@ -288,12 +336,14 @@ def iter_file_records(
 def iter_documents(
     files: Sequence[Path], *, doc_separator: str = "file", text_field: str = "text",
     skip_bad_lines: bool = False, counters: ReadCounters | None = None,
+    documents: collections.Counter[str] | None = None,
 ) -> Iterator[str]:
   """The documents of `files`, in order: `iter_file_records` of each, without record numbers.
 
   Args:
     files: input files (`expand_inputs` turns CLI paths into these).
     doc_separator, text_field, skip_bad_lines, counters: as for `iter_file_records`.
+    documents: counts, by `kind_of` the file, the documents that hold text (not empty).
 
   Yields:
     Document texts (possibly empty: the writer counts and skips those).
@@ -303,8 +353,11 @@ def iter_documents(
     raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
                            f"{doc_separator!r}")
   for path in files:
+    kind = kind_of(path)
     for _, text in iter_file_records(path, doc_separator=doc_separator, text_field=text_field,
                                      skip_bad_lines=skip_bad_lines, counters=counters):
+      if documents is not None and text:
+        documents[kind] += 1
       yield text
 
 

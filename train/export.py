@@ -1,0 +1,302 @@
+r"""Exports a run's newest intact checkpoint as a Hugging Face model directory.
+
+  python -m train.export --workdir runs/sft_hf --output exported
+  python -m train.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
+
+The directory loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`: config.json (RoPE settings where transformers 4.x and 5.x
+read them, the special ids, the dtype, tied or untied as trained), safetensors shards with their
+index, generation_config.json, the tokenizer files and, for a run on chat data, the chat template
+the data was rendered with. A run fine-tuned from a Hugging Face model (`model.init_from`) keeps
+its source's config.json fields, special ids, generation config and tokenizer files
+(`WORKDIR/hf_source`); a run trained from scratch is written as its `model.family` (a Llama by
+default) with the run's tokenizer (`train.hf_export` converts segpack's SentencePiece models).
+
+Algorithm:
+  1. The checkpoint: the newest one of `WORKDIR/checkpoints` matching its digest, and the config
+     that wrote it (`train.sample.choose_checkpoint`, `run_config`).
+  2. The output: its parent must be a writable directory; `.NAME.export-lock` beside it is locked
+     (`segpack.files.file_lock`, so two exports never write one directory); an existing non-empty
+     `--output` is refused unless `--overwrite`; leftovers of a killed export are removed.
+  3. The parameters are restored from the checkpoint onto all devices (split over them, as
+     `train.sharding` splits parameters over `fsdp`), never gathered as a whole.
+  4. Everything is written into the sibling `NAME.tmp-<pid>`: the safetensors shards (one
+     parameter fetched at a time, at most one shard's tensors on the host,
+     `hf_export.write_weights`), config.json, generation_config.json, the tokenizer files.
+  5. `NAME.tmp-<pid>` is renamed to `NAME` (an old `NAME` is first renamed aside and removed
+     after), so a directory named `--output` is always a complete export.
+
+Example: a tiny Llama fine-tuned for 3 steps (21 tensors, 0.3 MB) gives `exported/` with
+config.json, generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json;
+with `--max-shard-size 40KB` the tensors go to model-00001-of-0000N.safetensors, ... and
+model.safetensors.index.json names the file of each.
+
+With several processes (`--distributed` on every host) every process restores its part and joins
+the gathers, and process 0 writes the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from absl import logging as absl_logging
+from jax.experimental import multihost_utils
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from segpack import files
+from segpack.cli import errors
+from train import hf_export
+from train import hf_weights
+from train import model as model_lib
+from train import sample as sample_lib
+from train import sharding as sharding_lib
+from train.hf_export import ExportError
+
+_LOG = logging.getLogger(__name__)
+PROG = "python -m train.export"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+  """What `export` wrote: the directory, the checkpoint's step, the weight files, the tensors
+  and their bytes, the tokenizer files, and whether a chat template was written."""
+  output: str
+  step: int
+  weight_files: tuple[str, ...]
+  num_tensors: int
+  total_bytes: int
+  tokenizer_files: tuple[str, ...]
+  chat_template: bool
+
+
+def _paths(output: str) -> tuple[Path, Path, Path]:
+  """`(output, its parent, the lock file)` as absolute paths."""
+  target = Path(os.path.abspath(output))
+  return target, target.parent, target.parent / f".{target.name}.export-lock"
+
+
+def check_output(output: str, *, overwrite: bool) -> None:
+  """Step 2's checks (one line each, naming `--output` and its value).
+
+  Raises:
+    ExportError: the parent is missing, not a directory or not writable; `output` is a file, or
+      a non-empty directory without `overwrite`.
+  """
+  target, parent, _ = _paths(output)
+  if not parent.is_dir():
+    raise ExportError(f"--output {output!r}: its parent {str(parent)!r} is not an existing "
+                      f"directory")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise ExportError(f"--output {output!r}: its parent {str(parent)!r} is not writable")
+  if target.exists() and not target.is_dir():
+    raise ExportError(f"--output {output!r} exists and is not a directory")
+  if target.is_dir() and any(target.iterdir()) and not overwrite:
+    raise ExportError(f"--output {output!r} exists and is not empty; pass --overwrite to "
+                      f"replace it")
+
+
+@contextlib.contextmanager
+def output_lock(output: str) -> Iterator[None]:
+  """Holds the output's lock file; another export holding it is one line naming its owner."""
+  _, _, lock = _paths(output)
+  try:
+    with files.file_lock(lock, wait=False):
+      yield
+  except files.LockHeldError as e:
+    raise ExportError(f"--output {output!r} is being written by another export ({e.owner}; "
+                      f"lock file {e.path})") from None
+
+
+def _remove_leftovers(target: Path) -> None:
+  """Removes `NAME.tmp-*` / `NAME.old-*` of killed exports (the lock is held: none is live)."""
+  for pattern in (f"{target.name}.tmp-*", f"{target.name}.old-*"):
+    for path in target.parent.glob(pattern):
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(staging: Path, target: Path) -> None:
+  """Step 5: `staging` (its files flushed to disk first, so that a power loss after the rename
+  leaves no truncated file) becomes `target`; an old `target` is renamed aside, then removed."""
+  for path in staging.iterdir():
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+  files.fsync_dir(staging)
+  old = None
+  if target.exists():
+    old = target.with_name(f"{target.name}.old-{os.getpid()}")
+    os.replace(target, old)
+  os.replace(staging, target)
+  files.fsync_dir(target.parent)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _checkpoint_and_config(workdir: str) -> tuple[sample_lib.Checkpoint, Any, int]:
+  """Step 1 (a missing or damaged checkpoint is an ExportError naming `--workdir`)."""
+  try:
+    checkpoint = sample_lib.choose_checkpoint(workdir)
+    config, step = sample_lib.run_config(workdir, checkpoint=checkpoint)
+  except sample_lib.SampleError as e:
+    raise ExportError(str(e).replace("nothing to sample from", "nothing to export")) from e
+  return checkpoint, config, step
+
+
+def _agree(error: ExportError | None) -> None:
+  """Raises `error` (process 0's check) on process 0 and a line saying so on the others, which
+  would otherwise wait in the gathers for a process that stopped."""
+  if jax.process_count() > 1:
+    ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not ok and error is None:
+      raise ExportError("process 0 refused the export (its error line says why)")
+  if error is not None:
+    raise error
+
+
+def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES,
+           overwrite: bool = False) -> ExportResult:
+  """Writes the Hugging Face directory `output` of the newest intact checkpoint of `workdir`.
+
+  Args:
+    workdir: the run directory (holding `checkpoints/`).
+    output: the directory to write (created; its parent must exist).
+    max_shard_bytes: the most bytes of tensors per safetensors file.
+    overwrite: replace an existing non-empty `output`.
+
+  Returns:
+    What was written (`ExportResult`).
+
+  Raises:
+    ExportError: no intact checkpoint, an unusable `output` (see `check_output`), a locked
+      output, or a model / tokenizer with no Hugging Face equivalent.
+  """
+  if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
+      max_shard_bytes < 1):
+    raise ExportError(f"--max-shard-size must be at least 1 byte, got {max_shard_bytes!r}")
+  checkpoint, config, step = _checkpoint_and_config(workdir)
+  writer = jax.process_index() == 0
+  target, _, _ = _paths(output)
+  staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+  with contextlib.ExitStack() as stack:
+    refused = None
+    if writer:
+      try:
+        check_output(output, overwrite=overwrite)  # before the lock, which creates parents
+        stack.enter_context(output_lock(output))
+        check_output(output, overwrite=overwrite)  # again: another export may have written it
+        _remove_leftovers(target)
+        _make_staging(staging, output)
+        stack.callback(shutil.rmtree, staging, ignore_errors=True)  # gone once published
+      except ExportError as e:
+        refused = e
+    _agree(refused)
+    params, vocab = restore_params(checkpoint, config)
+    weights = hf_export.write_weights(
+        str(staging), params, hf_weights.model_tensor_map(config.model),
+        dtype=config.model.param_dtype, max_shard_bytes=max_shard_bytes, write=writer)
+    del params
+    described = ((), False)
+    if writer:
+      described = hf_export.write_files(str(staging), config, workdir, vocab_size=vocab)
+      _publish(staging, target)
+  return ExportResult(output=output, step=step, weight_files=tuple(weights["files"]),
+                      num_tensors=weights["tensors"], total_bytes=weights["total_size"],
+                      tokenizer_files=tuple(described[0]), chat_template=described[1])
+
+
+def _make_staging(staging: Path, output: str) -> None:
+  """Creates the temporary sibling directory everything is written into (step 4)."""
+  try:
+    staging.mkdir()
+  except OSError as e:
+    raise ExportError(f"--output {output!r}: cannot create {str(staging)!r} "
+                      f"({e.strerror or e})") from e
+
+
+def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
+  """Step 3: `({parameter path: array split over all devices}, vocabulary)` of the checkpoint.
+
+  The checkpoint is read as `train.sample.load_run` reads it (its `_restore`, the vocabulary of
+  the saved embedding, the model built with XLA attention), but onto a mesh of every device with
+  the parameters split over it (`fsdp`) instead of onto one device.
+  """
+  # pylint: disable=protected-access
+  where = f"{checkpoint.directory}/{checkpoint.step}"
+  try:
+    vocab = sample_lib.saved_vocab_size(
+        sample_lib.restore_item(checkpoint, "item_metadata")["state"], where=where)
+    abstract = nnx.eval_shape(lambda: model_lib.build(
+        sample_lib.sampling_config(config), config.train.seed, vocab_size=vocab))
+    _, abstract_params = nnx.split(abstract)
+    mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
+    shardings = sharding_lib.param_shardings(abstract_params, mesh)
+    target = {"params": jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
+        shardings)}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+    restored = sample_lib.restore_item(checkpoint, "restore", args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                     partial_restore=True)))
+  except sample_lib.SampleError as e:
+    raise ExportError(str(e)) from e
+  flat = {}
+  jax.tree_util.tree_map_with_path(
+      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), restored["state"]["params"])
+  return flat, vocab
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The `python -m train.export` parser."""
+
+  def size(text: str) -> int:
+    try:
+      return hf_export.parse_size(text)
+    except ExportError as e:
+      raise argparse.ArgumentTypeError(str(e)) from None
+
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True, help="the run directory (holds checkpoints/)")
+  parser.add_argument("--output", required=True, help="the directory to write")
+  parser.add_argument("--max-shard-size", type=size, default=hf_export.DEFAULT_MAX_SHARD_BYTES,
+                      help="the most bytes per safetensors file: 5GB (default), 500MB, 2GiB, ...")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace an existing non-empty --output")
+  parser.add_argument("--distributed", action="store_true",
+                      help="call jax.distributed.initialize() (every host runs the command)")
+  return parser
+
+
+@errors.command(PROG)
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m train.export ...`; returns the exit status."""
+  args = build_parser().parse_args(argv)
+  absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about a read-only manager
+  if args.distributed:
+    jax.distributed.initialize()
+  result = export(workdir=args.workdir, output=args.output, max_shard_bytes=args.max_shard_size,
+                  overwrite=args.overwrite)
+  if jax.process_index() == 0:
+    print(f"wrote {result.output}: step {result.step}, {result.num_tensors} tensors "
+          f"({result.total_bytes / 1e6:.1f} MB) in {len(result.weight_files)} file(s), "
+          f"tokenizer files {list(result.tokenizer_files) or 'none'}"
+          f"{', chat template' if result.chat_template else ''}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,284 @@
+r"""The tokenizer and chat-template files of a Hugging Face directory that `python -m
+train.export` writes (`train.hf_export` writes the weights and config.json).
+
+Tokenizer: a SentencePiece model is written as `tokenizer.model` plus a `tokenizer.json` built
+with the `tokenizers` library (`spm_tokenizer`: a Unigram model of the pieces and scores, byte
+fallback, spaces as "▁", the user-defined symbols as added tokens), which transformers loads
+without converting anything; `tokenizer_config.json` names `PreTrainedTokenizerFast`, whose
+tokenizer is that file as written (transformers 5's `LlamaTokenizer` replaces the normalizer and
+pre-tokenizer of the file with Llama's own, which adds a leading "▁" segpack's SentencePiece
+models do not). The conversion is checked on `PROBE_TEXTS` when it is written; a model trained
+with other settings (NFKC normalization, a dummy prefix) is refused with an `ExportError` rather
+than written as a tokenizer that encodes differently. An imported model's tokenizer files
+(`WORKDIR/hf_source`) are copied as they are.
+
+Algorithm of `write_tokenizer`:
+  1. An imported model: copy its tokenizer files and read its BOS / EOS / pad ids from its
+     config.json and generation_config.json (never a tokenizer default).
+  2. Else the run's SentencePiece model: `tokenizer.model`, the converted `tokenizer.json`,
+     `tokenizer_config.json`; the ids are the SentencePiece model's.
+  3. The chat template the data was rendered with (`run_chat_template`), when the data is chat:
+     into `tokenizer_config.json` and `chat_template.jinja`.
+
+Chat template: `chat_template_jinja` renders a conversation exactly as
+`segpack.text.chat.ChatTemplate.render` does, after the BOS the pipeline puts first.
+
+Example: `chat_template_jinja(ChatTemplate(), add_bos=True)` renders user "Hi", assistant "Hello"
+as `<s><|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>`, and user "Hi" with
+`add_generation_prompt=True` as `<s><|user|>\nHi<|end|>\n<|assistant|>\n`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import sentencepiece
+
+from segpack import files
+from segpack import shards
+from segpack.data.mixture import Mixture
+from segpack.shards.format import read_manifest
+from segpack.text import chat
+from segpack.text import hf as hf_tokenizer
+from segpack.text import spm
+from segpack.text import spm_proto
+from train import data as data_lib
+from train import hf_init
+from train import sample as sample_lib
+
+_LOG = logging.getLogger(__name__)
+# Texts on which a converted SentencePiece tokenizer must give SentencePiece's own ids.
+PROBE_TEXTS = ("Hello world", " leading space", "two  spaces and\ta tab", "line\nbreak\n\n  x",
+               "trailing ", "def f(x):\n    return x + 1\n", "ｆｕｌｌｗｉｄｔｈ ﬁ ①",
+               "e\u0301 é", "unicode ✓ 𝔘 日本語", "<0x41> literal byte piece")
+
+
+class ExportError(ValueError):
+  """A run or an output directory that cannot be exported (printed as one line, exit code 2)."""
+
+
+def write_json(path: str, value: Any) -> None:
+  """`value` as indented JSON (keys in their order), written through a temporary file."""
+  files.atomic_write_bytes(Path(path), (json.dumps(value, indent=2) + "\n").encode("utf-8"))
+
+
+def _jinja_string(text: str) -> str:
+  """A Jinja string literal of `text` (JSON's escapes are Jinja's: `\\n`, `\\u2581`, ...)."""
+  return json.dumps(text)
+
+
+def chat_template_jinja(template: chat.ChatTemplate, *, add_bos: bool) -> str:
+  """The Jinja chat template (transformers' `apply_chat_template`) rendering what `template`
+  renders: `bos_token` first when the pipeline adds BOS, then every message as marker,
+  `after_marker`, content and `end_of_turn`, with `after_turn` between messages;
+  `add_generation_prompt` appends `after_turn` (after a message), the assistant marker and
+  `after_marker`. A role other than system, user and assistant raises."""
+  q = _jinja_string
+  markers = (f"{{% if message['role'] == 'system' %}}{{{{ {q(template.system)} }}}}"
+             f"{{% elif message['role'] == 'user' %}}{{{{ {q(template.user)} }}}}"
+             f"{{% elif message['role'] == 'assistant' %}}{{{{ {q(template.assistant)} }}}}"
+             f"{{% else %}}{{{{ raise_exception('segpack chat template: the roles are system, "
+             f"user and assistant, got ' + message['role']) }}}}{{% endif %}}")
+  return (("{{ bos_token }}" if add_bos else "") +
+          "{% for message in messages %}"
+          f"{{% if not loop.first %}}{{{{ {q(template.after_turn)} }}}}{{% endif %}}"
+          f"{markers}{{{{ {q(template.after_marker)} + message['content'] + "
+          f"{q(template.end_of_turn)} }}}}"
+          "{% endfor %}"
+          f"{{% if add_generation_prompt %}}{{% if messages %}}{{{{ {q(template.after_turn)} }}}}"
+          f"{{% endif %}}{{{{ {q(template.assistant)} + {q(template.after_marker)} }}}}"
+          "{% endif %}")
+
+
+def _spm_processor(model_file: str):
+  return sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+
+
+def spm_tokenizer(model_file: str, *, add_bos: bool) -> Any:
+  """A `tokenizers.Tokenizer` that encodes as the SentencePiece model `model_file` does (segpack's
+  settings: identity normalization, no dummy prefix, byte fallback; see the module docstring),
+  adding the BOS when `add_bos`. Raises ExportError when it disagrees with SentencePiece on
+  `PROBE_TEXTS` (a model trained with other normalization settings)."""
+  # optional at import time: the `tokenizers` package (extra segpack[hf])
+  from tokenizers import (  # optional: the [hf] extra, SentencePiece export only
+      AddedToken, Tokenizer, decoders, models, normalizers, processors)
+  sp = _spm_processor(model_file)
+  vocab, special = [], []
+  for i in range(sp.get_piece_size()):
+    # SentencePiece never matches control or byte pieces in text; a score far below every
+    # other keeps the Unigram model from matching them (bytes still serve as the fallback).
+    score = -1e9 if sp.is_byte(i) or sp.is_control(i) else sp.get_score(i)
+    vocab.append((sp.id_to_piece(i), score))
+    if sp.is_control(i) or sp.is_unknown(i):
+      special.append(sp.id_to_piece(i))
+  user = spm_proto.user_defined_pieces(Path(model_file).read_bytes())
+  tok = Tokenizer(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=True))
+  tok.normalizer = normalizers.Replace(" ", "▁")
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse()])
+  tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in special])
+  tok.add_tokens([AddedToken(p, special=False, normalized=False)
+                  for p, _ in sorted(user.items(), key=lambda kv: kv[1])])
+  if add_bos and sp.bos_id() >= 0:
+    bos = sp.id_to_piece(sp.bos_id())
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, sp.bos_id())])
+  for text in PROBE_TEXTS:
+    want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
+    if want != got:
+      raise ExportError(
+          f"{model_file}: the SentencePiece model encodes {text!r} as {want}, its converted "
+          f"tokenizer.json as {got}: export converts models trained with segpack's settings "
+          f"(identity normalization, no dummy prefix)")
+  return tok
+
+
+def spm_tokenizer_config(model_file: str, *, add_bos: bool, model_max_length: int | None,
+                         chat_template: str | None) -> dict[str, Any]:
+  """`tokenizer_config.json` beside `spm_tokenizer`'s tokenizer.json: the SentencePiece model's
+  special tokens by name, `add_bos_token` as the pipeline adds BOS, no EOS added to encodings
+  (the pipeline's EOS ends a training document; a prompt does not end there)."""
+  sp = _spm_processor(model_file)
+
+  def piece(i: int) -> str | None:
+    return sp.id_to_piece(i) if i >= 0 else None
+
+  out = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=piece(sp.bos_id()),
+             eos_token=piece(sp.eos_id()), unk_token=piece(sp.unk_id()),
+             pad_token=piece(sp.pad_id()), add_bos_token=bool(add_bos), add_eos_token=False,
+             clean_up_tokenization_spaces=False)
+  if model_max_length:
+    out["model_max_length"] = int(model_max_length)
+  if chat_template is not None:
+    out["chat_template"] = chat_template
+  return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+  try:
+    value = json.loads(path.read_text("utf-8"))
+  except (OSError, ValueError) as e:
+    raise ExportError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from e
+  if not isinstance(value, dict):
+    raise ExportError(f"{path}: expected a JSON object, got {type(value).__name__}")
+  return value
+
+
+def run_chat_template(config: Any) -> Any:
+  """The `segpack.text.chat.ChatTemplate` the run's data was rendered with, None for plain text:
+  the template a chat dataset's manifest records (`metadata.chat.template`; every chat source of
+  a mixture must agree), or the default one for `data.source="builtin_chat"`."""
+  train = config.data.get("train")
+  if not train:
+    return chat.DEFAULT_TEMPLATE if config.data.source == "builtin_chat" else None
+  templates = set()
+  for source in Mixture.parse(str(train), tokens_per_epoch=None).sources:
+    path = str(source.source)
+    if "://" in path:
+      _LOG.warning("data.train source %s is a URL: its manifest is not read, so a chat template "
+                   "it records is not exported", path)
+      continue
+    try:
+      manifest = read_manifest(Path(path) / shards.MANIFEST_NAME)
+    except shards.ShardFormatError as e:
+      raise ExportError(f"data.train={train!r}: {e}") from e
+    recorded = (manifest.get("metadata") or {}).get("chat") or {}
+    if recorded.get("template"):
+      templates.add(chat.ChatTemplate(**recorded["template"]))
+  if len(templates) > 1:
+    raise ExportError(f"data.train={train!r}: its chat sources were rendered with different "
+                      f"templates ({sorted(map(repr, templates))}); a model has one")
+  return templates.pop() if templates else None
+
+
+def _special_ids(source: Path) -> dict[str, Any]:
+  """bos/eos/pad ids of an imported model: config.json's, else generation_config.json's."""
+  base = _read_json(source / "config.json")
+  generation = (_read_json(source / "generation_config.json")
+                if (source / "generation_config.json").is_file() else {})
+  out = {}
+  for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    if base.get(key) is not None:
+      out[key] = base[key]
+    elif generation.get(key) is not None:
+      out[key] = generation[key]
+  return out
+
+
+def _write_chat_template(directory: Path, jinja: str | None) -> None:
+  """The template as chat_template.jinja and in tokenizer_config.json (when there is one)."""
+  if jinja is None:
+    return
+  (directory / "chat_template.jinja").write_text(jinja, encoding="utf-8")
+  tokenizer_config = directory / "tokenizer_config.json"
+  if tokenizer_config.is_file():
+    write_json(str(tokenizer_config), dict(_read_json(tokenizer_config), chat_template=jinja))
+
+
+def _copy_tokenizer(directory: Path, names: Sequence[tuple[Path, str]],
+                    jinja: str | None) -> list[str]:
+  """Copies tokenizer files `(path, name in directory)`; a chat template among them is replaced
+  by `jinja` when there is one."""
+  written = []
+  for path, name in names:
+    if jinja is not None and name in ("chat_template.jinja", "chat_template.json"):
+      continue
+    shutil.copyfile(path, directory / name)
+    written.append(name)
+  _write_chat_template(directory, jinja)
+  return written + (["chat_template.jinja"] if jinja is not None else [])
+
+
+def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
+                    template: Any) -> tuple[list[str], dict[str, Any]]:
+  """The tokenizer files and the special ids config.json gets.
+
+  An imported model's files come from `source` (`WORKDIR/hf_source`) and its ids from its
+  config.json / generation_config.json; otherwise the run's tokenizer (`train.sample.
+  tokenizer_for_run`): a SentencePiece model converted (`spm_tokenizer`), a Hugging
+  Face tokenizer.json copied, or none for synthetic data (its ids only).
+  """
+  add_bos = bool(config.data.add_bos)
+  if source is not None:
+    jinja = None if template is None else chat_template_jinja(template, add_bos=add_bos)
+    names = [(source / n, n) for n in hf_init.SOURCE_FILES
+             if n not in ("config.json", "generation_config.json") and (source / n).is_file()]
+    return _copy_tokenizer(directory, names, jinja), _special_ids(source)
+  try:
+    tokenizer = sample_lib.tokenizer_for_run(config)
+  except sample_lib.NoTokenizerError:
+    _LOG.warning("data.source=%r has no tokenizer: no tokenizer files are written",
+                 config.data.source)
+    return [], dict(bos_token_id=data_lib.SYNTHETIC_BOS, eos_token_id=data_lib.SYNTHETIC_EOS,
+                    pad_token_id=0)
+  except sample_lib.SampleError as e:
+    raise ExportError(str(e)) from e
+  ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
+  ids = {k: int(v) for k, v in ids.items() if v is not None and v >= 0}
+  add_bos = add_bos and "bos_token_id" in ids
+  jinja = None if template is None else chat_template_jinja(template, add_bos=add_bos)
+  if isinstance(tokenizer, hf_tokenizer.HfTokenizer):
+    names = [(tokenizer.model_file, hf_tokenizer.TOKENIZER_NAME)] + (
+        [(tokenizer.config_file, hf_tokenizer.CONFIG_NAME)] if tokenizer.config_file else [])
+    return _copy_tokenizer(directory, names, jinja), ids
+  if not isinstance(tokenizer, spm.SpmTokenizer):
+    raise ExportError(f"the run's tokenizer {tokenizer!r} is not one export writes")
+  model = str(tokenizer.model_file)
+  if config.model.family == "qwen2":
+    _LOG.warning("model.family='qwen2': transformers 5 reads a qwen2 directory's tokenizer.json "
+                 "with Qwen2Tokenizer, whose byte-level pre-tokenizer does not fit the converted "
+                 "SentencePiece model; AutoTokenizer will not encode as segpack did")
+  spm_tokenizer(model, add_bos=add_bos).save(str(directory / "tokenizer.json"))
+  shutil.copyfile(model, directory / "tokenizer.model")
+  write_json(str(directory / "tokenizer_config.json"), spm_tokenizer_config(
+      model, add_bos=add_bos, chat_template=jinja,
+      model_max_length=config.model.max_position_embeddings or config.packing.seq_len))
+  if jinja is not None:
+    (directory / "chat_template.jinja").write_text(jinja, encoding="utf-8")
+  names = ["tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+  return names + (["chat_template.jinja"] if jinja is not None else []), ids
