@@ -260,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     _seq_len("--seq-len", str(args.seq_len))
     packing.planner.check_strategy(args.strategy)
+    if args.seed < 0:
+      raise DataArgumentError(f"--seed must be an int >= 0 (a draw seed), got {args.seed}")
     if args.tokens_per_epoch is not None and args.tokens_per_epoch <= 0:
       raise DataArgumentError(
           f"--tokens-per-epoch must be a positive number of tokens, got {args.tokens_per_epoch}")

@@ -289,6 +289,34 @@ class Draw:
   max_repeats: np.ndarray
 
 
+# Host bytes per drawn document of one mixture epoch, draw and plan together (docs/benchmarks.md,
+# "Mixtures": about 40 for the draw and 11 for the plan), rounded up.
+BYTES_PER_DRAWN_DOCUMENT = 64
+
+
+def _physical_memory() -> int:
+  """This machine's physical memory in bytes (0 when the system does not say)."""
+  try:
+    return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+  except (ValueError, OSError, AttributeError):
+    return 0
+
+
+def _check_draw_memory(tokens_per_epoch: int, lengths: list[np.ndarray], fn: str) -> None:
+  """Refuses a `tokens_per_epoch` whose draw could not fit in memory (it would run for minutes
+  and end in a MemoryError): the documents it draws are about `tokens_per_epoch` over the mean
+  document length, each costing `BYTES_PER_DRAWN_DOCUMENT` bytes."""
+  total_docs = sum(int(x.size) for x in lengths)
+  mean = sum(int(x.sum()) for x in lengths) / max(total_docs, 1)
+  documents = tokens_per_epoch / max(mean, 1.0)
+  memory = _physical_memory()
+  if memory and documents * BYTES_PER_DRAWN_DOCUMENT > memory:
+    raise PipelineConfigError(
+        f"{fn}: tokens_per_epoch={tokens_per_epoch:,} draws about {documents:,.0f} documents "
+        f"(mean length {mean:,.0f} tokens), about {documents * BYTES_PER_DRAWN_DOCUMENT / 2**30:,.0f}"
+        f" GiB to draw and plan, more than this machine's {memory / 2**30:,.0f} GiB; lower it")
+
+
 class MixtureDraws:
   """A `Mixture` with its sources opened and checked: draws each epoch's documents."""
 
@@ -323,7 +351,10 @@ class MixtureDraws:
       raise PipelineConfigError(
           f"{fn}: mixture tokens_per_epoch must be a positive int, got {budget!r}")
     self.tokens_per_epoch = int(budget)
+    _check_draw_memory(self.tokens_per_epoch, self.lengths, fn)
     self.targets = self.weights * self.tokens_per_epoch
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise PipelineConfigError(f"{fn}: the mixture's seed must be an int >= 0, got {seed!r}")
     self.seed = int(seed)
     self.segment_sources = bool(mixture.segment_sources)
 

@@ -23,8 +23,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from segpack.files import LockHeldError, atomic_write_json, file_lock
+from segpack import files
+from segpack import remote_files
 from segpack import shards as shards_lib
+from segpack.files import LockHeldError, atomic_write_json, file_lock
 from segpack.text import beam_pipeline
 from segpack.text import chat
 from segpack.text import corpus
@@ -133,16 +135,18 @@ def tokenize_files(
     elif vocab_size is not None:
       tokenizer = tokenizer_cache.trained_tokenizer(
           iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
-          protect=[output], overwrite=overwrite)
+          protect=[output], overwrite=overwrite, progress=progress)
     else:
       raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
                              "--vocab-size N (to train a model first)")
     if runner == "beam":
-      return _said(inputs, files, skipped, None, [beam_pipeline.tokenize_files_beam(
+      summary = beam_pipeline.tokenize_files_beam(
           files, output, tokenizer=tokenizer, read=read, ident=ident,
           metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
           shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
-          overwrite=overwrite)])
+          overwrite=overwrite)
+      keep_tokenizer(tokenizer, output)
+      return _said(inputs, files, skipped, None, [summary])
     start = time.perf_counter()
     counters = ReadCounters()
     documents: collections.Counter[str] = collections.Counter()
@@ -152,6 +156,7 @@ def tokenize_files(
             ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
         workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
         metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
+    keep_tokenizer(tokenizer, output)
     return _said(inputs, files, skipped, documents or None, [encode.summarize(
         output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
         seconds=time.perf_counter() - start, text_bytes=nbytes)])
@@ -250,6 +255,22 @@ def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
     raise InputFormatError(f"--tokenizer {spec!r}: {e}") from e
 
 
+def keep_tokenizer(tokenizer: tokenizer_spec.Tokenizer, output: Path) -> None:
+  """Copies the tokenizer's files (a SentencePiece model; a `tokenizer.json` and the
+  `tokenizer_config.json` beside it) into the finished dataset under the names its manifest
+  records (`metadata.tokenizer.model_file`, `config_file`), so that training, sampling and export
+  never depend on a path outside the dataset. Atomic per file; a copy already equal is kept."""
+  if remote_files.is_url(str(output)):
+    return  # a dataset at a URL: its tokenizer stays where --tokenizer / --spm-model named it
+  sources = [getattr(tokenizer, "model_file", None), getattr(tokenizer, "config_file", None)]
+  for src in (Path(p) for p in sources if p is not None):
+    dest = output / src.name
+    if dest.exists() and (dest.resolve() == src.resolve()
+                          or files.sha256_file(dest) == files.sha256_file(src)):
+      continue
+    files.atomic_write_bytes(dest, src.read_bytes())
+
+
 def _model_entry(tokenizer: tokenizer_spec.Tokenizer) -> dict[str, str]:
   """The manifest metadata entry naming the tokenizer's file."""
   key = "spm_model" if isinstance(tokenizer, spm_lib.SpmTokenizer) else "tokenizer_file"
@@ -298,6 +319,7 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
   key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
   finished = encode.finished_dataset(output, key, overwrite=overwrite)
   if finished is not None:
+    keep_tokenizer(tokenizer, output)
     return encode.summarize(output, finished, resumed=len(finished["shards"]), bad_lines=0,
                             seconds=0.0, text_bytes=0)
   if overwrite:  # `write_chat_dataset` would return a finished dataset with the same key as is.
@@ -306,6 +328,7 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
   manifest = chat.write_chat_dataset(
       conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,
       metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
+  keep_tokenizer(tokenizer, output)
   return encode.summarize(output, manifest, resumed=0, bad_lines=0,
                   seconds=time.perf_counter() - start,
                   text_bytes=sum(p.stat().st_size for p in files))

@@ -69,7 +69,7 @@ def trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int
        f"reading its documents, then training (about a minute on 2 cores for the full corpus)")
   start = time.perf_counter()
   tokenizer = spm_lib.train_spm(counted(texts, progress, "read for the tokenizer"), model_file,
-                                vocab_size=vocab_size)
+                                vocab_size=vocab_size, progress=progress)
   files.atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,
                                          "fingerprint": tokenizer.fingerprint})
   _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
