@@ -62,8 +62,8 @@ def test_the_choices_are_the_library_tuples():
 @pytest.mark.parametrize("key", sorted(config_checks.CHOICES))
 def test_a_bad_string_choice_names_the_key_the_value_and_every_choice(key):
   config = packed.get_config("smoke")
-  group, name = key.split(".")
-  config[group][name] = "nope"
+  group, name = _parent(config, key)
+  group[name] = "nope"
   with pytest.raises(config_checks.ConfigError) as e:
     config_checks.check_config(config)
   message = str(e.value)
@@ -144,6 +144,9 @@ BAD_NUMBERS = {
     "train.checkpoint_every": [-1],
     "train.max_checkpoints": [0, -1],
     "train.peak_flops": [0.0, -1.0, float("inf")],
+    "model.sliding_window": [0, -4096],
+    "model.max_position_embeddings": [0],
+    "model.rope_scaling.factor": [0.0, -2.0, float("nan")],
 }
 # Boundary values each numeric key accepts (0 means "never" / "all" / "only at the end" where the
 # config says so; None "the default" for the optional keys).
@@ -153,8 +156,17 @@ GOOD_NUMBERS = {
     "train.learning_rate": 0.0, "train.warmup_steps": 0, "train.min_lr_ratio": 1.0,
     "train.b1": 0.0, "train.grad_clip": 0.0, "train.eval_every": 0, "train.eval_batches": 0,
     "train.checkpoint_every": 0, "train.max_checkpoints": 1, "train.peak_flops": None,
-    "train.log_every": 1, "data.synthetic_vocab": 4,
+    "train.log_every": 1, "data.synthetic_vocab": 4, "model.sliding_window": None,
+    "model.max_position_embeddings": 1,
 }
+
+
+def _parent(config, key):
+  """`(the ConfigDict holding the key, its last name)` for a dotted key (`model.rope_scaling.type`)."""
+  *groups, name = key.split(".")
+  for group in groups:
+    config = config[group]
+  return config, name
 
 
 def test_every_numeric_key_has_bad_values():
@@ -167,19 +179,19 @@ def test_every_numeric_key_has_bad_values():
                                         for v in vs])
 def test_a_bad_number_names_the_key_the_value_and_the_rule(key, value):
   config = packed.get_config("smoke")
-  group, name = key.split(".")
-  config[group][name] = value
+  group, name = _parent(config, key)
+  group[name] = value
   with pytest.raises(config_checks.ConfigError) as e:
     config_checks.check_config(config)
   rule = config_checks.NUMERIC[key].describe()
-  assert str(e.value) == f"{key} must be {rule}, got {config[group][name]!r}"
+  assert str(e.value) == f"{key} must be {rule}, got {group[name]!r}"
 
 
 @pytest.mark.parametrize("key", sorted(GOOD_NUMBERS))
 def test_a_boundary_number_is_accepted(key):
   config = packed.get_config("smoke")
-  group, name = key.split(".")
-  config[group][name] = GOOD_NUMBERS[key]
+  group, name = _parent(config, key)
+  group[name] = GOOD_NUMBERS[key]
   config_checks.check_config(config)
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import hf_models  # noqa: E402
+from test_hf_train import run_cli  # noqa: E402
 from configs import packed  # noqa: E402
 from segpack import files  # noqa: E402
 from segpack import shards  # noqa: E402
@@ -57,15 +58,6 @@ RUNS = {"llama": ("llama", dict(tie=False, rope=LLAMA3), "text"),
         "qwen3": ("qwen3", dict(tie=False, eos_token_id=[2, 157]), "chat"),
         "bfloat16": ("llama", dict(tie=True, dtype="bfloat16"), "text")}
 COMPARED = ("llama", "qwen2", "qwen3")  # float32 runs: their logits are compared
-
-
-def run_cli(*args, check=True):
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  out = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
-  if check:
-    assert out.returncode == 0, out.stderr[-3000:]
-  return out
 
 
 def _ids(encoded):

@@ -165,6 +165,10 @@ def _probe(where: str, timeout: float) -> bool:
   refuses connections or credentials that are missing make the client retry for minutes, so
   the wait is bounded here and what the client raised comes back as it is."""
   box: dict[str, Any] = {}
+  # Beam's retry decorator logs every retry with its traceback; the wait is bounded here and
+  # its outcome said in one line, so those lines would only bury it (they may go on after the
+  # timeout, in the abandoned thread, until the process ends).
+  logging.getLogger("apache_beam.utils.retry").setLevel(logging.ERROR)
 
   def ask():
     try:
