@@ -212,3 +212,36 @@ def test_pallas_on_the_cpu_without_interpret_mode_is_one_line(on_mesh):
     assert "implementation='pallas'" in message and "Only interpret mode" not in message
   text = jax.jit(fn).trace(q).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"__gpu$xla.gpu.triton"}
+
+
+def test_the_decoder_and_the_pair_count_run_on_an_explicit_data_parallel_mesh():
+  """`jax.make_mesh`'s default (explicit) axes with rows over `data` and slots over `context`:
+  the decoder's embedding lookup names its output sharding, XLA attention gathers the key side,
+  the causal-pair count gathers the slots; logits and the count equal those without a mesh."""
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec
+  from packing_oracles import naive_rows
+  from train import flops as flops_lib
+  from train import model as model_lib
+  cfg = model_lib.DecoderConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2,
+                                num_kv_heads=1, head_dim=8, d_ff=32, init_std=0.3,
+                                attention_implementation="xla")
+  model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))
+  rng = np.random.default_rng(0)
+  rows = [[rng.integers(1, 50, n) for n in (5, 9, 2)] for _ in range(8)]
+  batch = naive_rows(rows, 16)
+  mesh = jax.make_mesh((4, 2), ("data", "context"))
+  assert jax.sharding.AxisType.Explicit in mesh.axis_types
+  sharding = NamedSharding(mesh, PartitionSpec("data", "context"))
+  placed = {k: jax.device_put(np.asarray(v), sharding) for k, v in batch.items()}
+
+  @jax.jit
+  def run(ids, seg, pos):
+    return (model(ids, segment_ids=seg, segment_positions=pos),
+            flops_lib.attention_pairs(seg))
+
+  want, want_pairs = run(*(jnp.asarray(batch[k]) for k in
+                           ("input_ids", "segment_ids", "segment_positions")))
+  got, got_pairs = run(placed["input_ids"], placed["segment_ids"], placed["segment_positions"])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  assert float(got_pairs) == float(want_pairs) == 8 * (15 + 45 + 3)

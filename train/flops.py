@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from segpack import mesh as mesh_lib
 from segpack.attention import blocks
 
 # Dense (no sparsity) bfloat16 tensor-core peak per device, by substring of `device_kind`; the
@@ -77,6 +78,7 @@ def attention_pairs(segment_ids_BxS: jax.Array, *, reordered: bool = False) -> j
   Returns:
     A float32 scalar (exact per row in int32, rows summed in float32).
   """
+  segment_ids_BxS = mesh_lib.whole_slots(segment_ids_BxS)  # scans along the slots
   if reordered:
     segment_ids_BxS = jnp.sort(segment_ids_BxS, axis=1)
   start_BxS, _ = blocks.segment_bounds(segment_ids_BxS)

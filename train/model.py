@@ -22,8 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from segpack import attention as attention_lib
+from segpack import mesh as mesh_lib
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from train import sharding as sharding_lib
 
@@ -299,8 +301,18 @@ class Decoder(nnx.Module):
       self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, std=cfg.init_std)
 
   def embed_tokens(self, input_ids_BxS: jax.Array) -> jax.Array:
-    """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them)."""
-    return self.embed(input_ids_BxS)
+    """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them).
+
+    On a mesh with explicit axes (what `jax.make_mesh` makes by default) the lookup names its
+    output sharding, the ids' own (rows and slots as the batch is split, E whole): JAX refuses
+    a gather whose output sharding it would have to guess."""
+    mesh = mesh_lib.explicit_mesh_of(input_ids_BxS)
+    if mesh is None:
+      return self.embed(input_ids_BxS)
+    spec = jax.typeof(input_ids_BxS).sharding.spec
+    out_BxSxE = self.embed.embedding[...].at[input_ids_BxS].get(
+        out_sharding=jax.sharding.NamedSharding(mesh, P(*spec, None)))
+    return out_BxSxE.astype(DTYPES[self.cfg.dtype])
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
                       segment_positions: jax.Array,

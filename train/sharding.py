@@ -65,10 +65,12 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 
   """Builds the `("data", "fsdp", "context", "tensor")` mesh over `devices` (default: all).
 
   Its axes are `Auto` (`jax.sharding.AxisType`), not the `Explicit` axes `jax.make_mesh` makes
-  by default: the step's shardings come from the jit partitioner's propagation, and the model's
-  ops carry no output shardings (on explicit axes Flax's embedding lookup of batch-sharded ids
-  is refused as ambiguous, a `ShardingTypeError`). `segment_attention` itself accepts meshes of
-  either kind.
+  by default: the step's shardings come from the jit partitioner's propagation. On explicit
+  axes the decoder runs with rows over `data` / `fsdp` and slots over `context` (its embedding
+  lookup, XLA attention's key side and the pair count name their shardings), but the `tensor`
+  and `fsdp` splits of the parameters would need an output sharding on every matmul (JAX
+  refuses a contraction over a sharded dimension without one), which the model does not give
+  yet. `segment_attention` itself accepts meshes of either kind.
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, context=context,

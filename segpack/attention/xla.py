@@ -9,12 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from segpack import mesh as mesh_lib
+
 _MASK_VALUE = -1e30
 
 
 def segment_mask(segment_ids_BxS: jax.Array, *, causal: bool) -> jax.Array:
   """The boolean `[B, S, T]` mask: same non-zero segment and, if causal, key not after query."""
-  same_BxSxT = segment_ids_BxS[:, :, None] == segment_ids_BxS[:, None, :]
+  same_BxSxT = segment_ids_BxS[:, :, None] == mesh_lib.whole_slots(segment_ids_BxS)[:, None, :]
   mask_BxSxT = same_BxSxT & (segment_ids_BxS[:, :, None] != 0)
   if causal:
     s = segment_ids_BxS.shape[1]
@@ -49,8 +51,8 @@ def segment_attention_xla(
     `out_BxSxHxD` in the dtype of `q`.
   """
   mask_BxSxT = segment_mask(segment_ids_BxS, causal=causal)
-  return _masked_attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxSxT, segment_ids_BxS != 0,
-                           scale=scale)
+  return _masked_attention(q_BxSxHxD, mesh_lib.whole_slots(k_BxSxKxD), mesh_lib.whole_slots(v_BxSxKxD),
+                           mask_BxSxT, segment_ids_BxS != 0, scale=scale)
 
 
 def segment_attention_xla_slots(
