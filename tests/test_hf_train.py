@@ -163,3 +163,15 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
                                 add_generation_prompt=True)
   ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
   assert ids[0] == tok.bos_token_id and "<|assistant|>" in tok.decode(ids)
+
+
+def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_dir, text_data,
+                                                                        tmp_path, capsys):
+  """160 embedding rows, 158 tokenizer ids: train.sample decodes with the dataset's copy of the
+  model's tokenizer (it refused such a run as "not the run's tokenizer")."""
+  from train import sample as sample_lib
+  config = _config(model_dir, text_data / "data")
+  train_lib.train_and_evaluate(config, tmp_path / "run")
+  texts = sample_lib.sample(str(tmp_path / "run"), prompt="w1 w2 w3", max_new_tokens=4,
+                            num_samples=1)
+  assert len(texts) == 1 and texts[0].startswith("w1 w2 w3")

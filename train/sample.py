@@ -393,7 +393,7 @@ def sample(workdir: str, *, prompt: str | None = None, prompt_ids: str | None = 
     tokenizer = None
   ids = _prompt(tokenizer, prompt=prompt, prompt_ids=prompt_ids)
   config, model, _ = load_run(workdir, checkpoint=checkpoint)
-  if tokenizer is not None and tokenizer.vocab_size != model.cfg.vocab_size:
+  if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:  # more rows: fine
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
                       f"the checkpoint's model {model.cfg.vocab_size}: not the run's tokenizer")
   bos_id, eos_id = special_ids(config, tokenizer)
