@@ -154,3 +154,13 @@ def test_resuming_with_another_init_from_is_refused(tmp_path):
   assert out.returncode == 2, out.stderr[-2000:]
   assert "model.init_from" in out.stderr and str(b) in out.stderr and str(a) in out.stderr
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_without_the_hf_extra_import_and_export_say_which_extra(tmp_path, tiny, monkeypatch):
+  import sys as sys_module
+  from train import hf_export
+  monkeypatch.setitem(sys_module.modules, "safetensors", None)
+  with pytest.raises(hf_config.HfModelError, match=r"pip install 'segpack\[hf\]'"):
+    _load(_adopt(tiny))
+  with pytest.raises(hf_export.ExportError, match=r"safetensors package: pip install 'segpack\[hf\]'"):
+    hf_export.check_extras()

@@ -187,6 +187,7 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
   if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
       max_shard_bytes < 1):
     raise ExportError(f"--max-shard-size must be at least 1 byte, got {max_shard_bytes!r}")
+  hf_export.check_extras()
   checkpoint, config, step = _checkpoint_and_config(workdir)
   writer = jax.process_index() == 0
   target, _, _ = _paths(output)

@@ -28,6 +28,7 @@ Tokenizer and chat template: `train.hf_export_tokenizer`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import re
@@ -104,6 +105,16 @@ def fetch(array: jax.Array) -> np.ndarray:
   if array.is_fully_addressable:
     return np.asarray(jax.device_get(array))
   return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def check_extras() -> None:
+  """Raises ExportError naming the extra when safetensors or tokenizers is not installed."""
+  for name in ("safetensors", "tokenizers"):
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ExportError(f"export writes Hugging Face files with the {name} package: pip install "
+                        f"'segpack[hf]' ({e})") from e
 
 
 def save_shard(tensors: dict[str, np.ndarray], path: str) -> None:

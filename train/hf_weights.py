@@ -85,7 +85,11 @@ def model_tensor_map(model_cfg: Any) -> dict[str, Tensor]:
 
 
 def _safe_open(path: str):
-  from safetensors import safe_open  # optional: Hugging Face interop only (extra segpack[hf])
+  try:
+    from safetensors import safe_open  # optional: Hugging Face interop only (extra segpack[hf])
+  except ImportError as e:
+    raise hf_config.HfModelError(f"model.init_from needs the safetensors package: pip install "
+                                 f"'segpack[hf]' ({e})") from e
   try:
     return safe_open(path, framework="numpy")
   except Exception as e:  # safetensors raises its own SafetensorError / OSError types.
