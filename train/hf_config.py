@@ -190,18 +190,23 @@ def architecture(hf: dict[str, Any], *, where: str) -> dict[str, Any]:
       max_position_embeddings=hf.get("max_position_embeddings"), rope_scaling=scaling)
 
 
+def differences(model_cfg: Any, arch: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+  """`(key, config value, checkpoint value)` for every architecture key where the config's
+  `model` group and `architecture(...)` differ; keys relative to `model` (`d_model`,
+  `rope_scaling.type`)."""
+  pairs = [(key, model_cfg[key], arch[key]) for key in ARCH_KEYS]
+  pairs += [(f"rope_scaling.{key}", model_cfg.rope_scaling[key], arch["rope_scaling"][key])
+            for key in SCALING_KEYS]
+  return [(key, ours, theirs) for key, ours, theirs in pairs if ours != theirs]
+
+
 def _explicit_conflicts(model_cfg: Any, arch: dict[str, Any], explicit: set[str],
                         where: str) -> None:
-  for key in ARCH_KEYS:
-    if f"model.{key}" in explicit and model_cfg[key] != arch[key]:
-      raise HfModelError(f"--config.model.{key}={model_cfg[key]!r} contradicts {where}, which "
-                         f"says {arch[key]!r} (the architecture comes from model.init_from; "
-                         f"leave the key unset)")
-  for key in SCALING_KEYS:
-    name = f"model.rope_scaling.{key}"
-    if name in explicit and model_cfg.rope_scaling[key] != arch["rope_scaling"][key]:
-      raise HfModelError(f"--config.{name}={model_cfg.rope_scaling[key]!r} contradicts {where}, "
-                         f"which says {arch['rope_scaling'][key]!r}")
+  for key, ours, theirs in differences(model_cfg, arch):
+    if f"model.{key}" in explicit:
+      raise HfModelError(f"--config.model.{key}={ours!r} contradicts {where}, which says "
+                         f"{theirs!r} (the architecture comes from model.init_from; leave the "
+                         f"key unset)")
 
 
 def adopt(config: Any, *, explicit: set[str] | frozenset[str] = frozenset()) -> None:

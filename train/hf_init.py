@@ -38,17 +38,12 @@ def check_adopted(config: Any) -> None:
   model_dir = config.model.init_from
   where = os.path.join(model_dir, hf_config.CONFIG_NAME)
   arch = hf_config.architecture(hf_config.read_config(model_dir), where=where)
-  ours = {key: config.model[key] for key in hf_config.ARCH_KEYS}
-  ours.update({f"rope_scaling.{key}": config.model.rope_scaling[key]
-               for key in hf_config.SCALING_KEYS})
-  theirs = {key: arch[key] for key in hf_config.ARCH_KEYS}
-  theirs.update({f"rope_scaling.{key}": arch["rope_scaling"][key]
-                 for key in hf_config.SCALING_KEYS})
-  for key, value in ours.items():
-    if value != theirs[key]:
-      raise hf_config.HfModelError(
-          f"model.{key}={value!r} differs from {where} ({theirs[key]!r}): call "
-          f"train.hf_config.adopt(config) before train_and_evaluate (python -m train.main does)")
+  diffs = hf_config.differences(config.model, arch)
+  if diffs:
+    key, ours, theirs = diffs[0]
+    raise hf_config.HfModelError(
+        f"model.{key}={ours!r} differs from {where} ({theirs!r}): call "
+        f"train.hf_config.adopt(config) before train_and_evaluate (python -m train.main does)")
   hf_config.check_window(config.model, config.packing.seq_len)
 
 
