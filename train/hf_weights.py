@@ -3,7 +3,7 @@
 Names: `model.embed_tokens.weight` is `embed/embedding`, `model.layers.N.self_attn.q_proj.weight`
 is `layers/N/attn/q/kernel` (transposed: torch Linear weights are `[out, in]`, Flax kernels
 `[in, out]`), and so on (`tensor_map`). The rotary layout needs no permutation: both sides rotate
-the two halves of each head vector (transformers' `rotate_half`, `train.model.apply_rope`).
+the two halves of each head vector (transformers' `rotate_half`, `train.rope.apply_rope`).
 
 Algorithm of `load_params`:
   1. Index: `model.safetensors.index.json` (every file it names must exist), else the one

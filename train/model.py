@@ -20,57 +20,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from segpack import attention as attention_lib
 from segpack import mesh as mesh_lib
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
+from train import rope as rope_lib
 from train import sharding as sharding_lib
+from train.rope import ROPE_SCALINGS, RopeConfigError, RopeScaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class ModelConfigError(ValueError):
   """The model hyper-parameters are inconsistent."""
-
-
-# `RopeScaling.kind`: the rotary frequency scalings a `Decoder` computes (Hugging Face's
-# `rope_scaling.rope_type` values of the same names).
-ROPE_SCALINGS = ("linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """A rescaling of the rotary frequencies for contexts longer than pre-training's.
-
-  `kind="linear"`: every frequency divided by `factor` (positions interpolated). `kind="llama3"`
-  (Llama 3.1+): with `L = original_max_position`, frequencies whose wavelength is below
-  `L / high_freq_factor` stay, those above `L / low_freq_factor` are divided by `factor`, and the
-  ones between are interpolated smoothly between the two (`rope_inv_freq`).
-  """
-
-  kind: str
-  factor: float
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position: int | None = None
-
-  def __post_init__(self):
-    if self.kind not in ROPE_SCALINGS:
-      raise ModelConfigError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
-    if not self.factor > 0:
-      raise ModelConfigError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
-    if self.kind == "llama3":
-      if not isinstance(self.original_max_position, int) or self.original_max_position < 1:
-        raise ModelConfigError(
-            "RopeScaling(kind='llama3') needs original_max_position, a positive int, got "
-            f"{self.original_max_position!r}")
-      if not self.high_freq_factor > self.low_freq_factor > 0:
-        raise ModelConfigError(
-            f"RopeScaling(kind='llama3') needs high_freq_factor > low_freq_factor > 0, got "
-            f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,45 +107,6 @@ class DecoderConfig:
             f"DecoderConfig.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
 
 
-def rope_inv_freq(*, head_dim: int, theta: float,
-                  scaling: RopeScaling | None = None) -> np.ndarray:
-  """The `D/2` rotary frequencies (float32), rescaled by `scaling` (see `RopeScaling`).
-
-  Computed in float32 in the order Hugging Face's Llama computes them, so that an imported
-  model's angles agree with transformers' to the last bit at thousands of positions.
-  """
-  exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-  inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
-  if scaling is None:
-    return inv_freq
-  factor = np.float32(scaling.factor)
-  if scaling.kind == "linear":
-    return (inv_freq / factor).astype(np.float32)
-  old_len = np.float32(scaling.original_max_position)
-  low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
-  wavelen = np.float32(2 * np.pi) / inv_freq
-  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq).astype(np.float32)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_angles(positions_BxS: jax.Array, *, head_dim: int, theta: float,
-                scaling: RopeScaling | None = None) -> jax.Array:
-  """Rotary angles `[B, S, D/2]` for integer positions (float32)."""
-  inv_freq = jnp.asarray(rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling))
-  return positions_BxS.astype(jnp.float32)[..., None] * inv_freq
-
-
-def apply_rope(x_BxSxHxD: jax.Array, angles_BxSxD2: jax.Array) -> jax.Array:
-  """Rotates the two halves of every head vector by the per-position angles (rotate-half form)."""
-  x1, x2 = jnp.split(x_BxSxHxD.astype(jnp.float32), 2, axis=-1)
-  cos, sin = jnp.cos(angles_BxSxD2)[:, :, None], jnp.sin(angles_BxSxD2)[:, :, None]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxSxHxD.dtype)
-
-
 class RMSNorm(nnx.Module):
   """Root-mean-square layer norm with a learned scale; statistics in float32."""
 
@@ -219,8 +144,10 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(cfg.head_dim, **norm)
     self.cfg = cfg
 
-  def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
-               segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
+  def qkv(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries `[B, S, H, D]`, keys and values `[B, S, K, D]`, normed (Qwen3) and rotated: what
+    attention reads (and what a decoder's KV cache keeps)."""
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
     q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
@@ -228,8 +155,14 @@ class Attention(nnx.Module):
     v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q_BxSxHxD, k_BxSxKxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxKxD)
-    q_BxSxHxD = apply_rope(q_BxSxHxD, angles_BxSxD2)
-    k_BxSxKxD = apply_rope(k_BxSxKxD, angles_BxSxD2)
+    return (rope_lib.apply_rope(q_BxSxHxD, angles_BxSxD2), rope_lib.apply_rope(k_BxSxKxD, angles_BxSxD2),
+            v_BxSxKxD)
+
+  def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
+               segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
+    cfg = self.cfg
+    b, s, _ = x_BxSxE.shape
+    q_BxSxHxD, k_BxSxKxD, v_BxSxKxD = self.qkv(x_BxSxE, angles_BxSxD2)
     impl, extra = cfg.attention_implementation, {}
     mesh = attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh)
     if sharding_lib.context_size(cfg.attention_mesh) > 1:  # the sequence split over `context`
@@ -318,7 +251,7 @@ class Decoder(nnx.Module):
                       segment_positions: jax.Array,
                       slot_index: jax.Array | None = None) -> jax.Array:
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
-    angles_BxSxD2 = rope_angles(segment_positions, head_dim=self.cfg.head_dim,
+    angles_BxSxD2 = rope_lib.rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
       x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
@@ -372,10 +305,13 @@ def rope_scaling(scaling_cfg: Any) -> RopeScaling | None:
   if scaling_cfg.type not in ROPE_SCALINGS:
     raise ModelConfigError(f"model.rope_scaling.type must be None or one of {ROPE_SCALINGS}, "
                            f"got {scaling_cfg.type!r}")
-  return RopeScaling(kind=scaling_cfg.type, factor=float(scaling_cfg.factor),
-                     low_freq_factor=float(scaling_cfg.low_freq_factor),
-                     high_freq_factor=float(scaling_cfg.high_freq_factor),
-                     original_max_position=scaling_cfg.original_max_position_embeddings)
+  try:
+    return RopeScaling(kind=scaling_cfg.type, factor=float(scaling_cfg.factor),
+                       low_freq_factor=float(scaling_cfg.low_freq_factor),
+                       high_freq_factor=float(scaling_cfg.high_freq_factor),
+                       original_max_position=scaling_cfg.original_max_position_embeddings)
+  except RopeConfigError as e:
+    raise ModelConfigError(f"model.rope_scaling: {e}") from e
 
 
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
