@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from typing import Any
 
 import grain
 import numpy as np
 
 from segpack import shards
+from segpack.data import sources as sources_lib
 from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import pack_minibatches
@@ -46,6 +48,7 @@ from train import config_checks
 from train import context as context_lib
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
+_LOG = logging.getLogger(__name__)
 
 
 class DataConfigError(ValueError):
@@ -306,6 +309,9 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
     raise DataConfigError(
         f"packing.repack must be one of {list(REPACK_MODES)}, got {spec.repack!r}")
   train_src, eval_src, vocab, ids, tokenizer = _sources(spec)
+  if sources_lib.template_writes_special_tokens(train_src, fn=f"data.train={spec.train!r}"):
+    _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
+              "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", spec.name)
   common = dict(
       seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
       special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))

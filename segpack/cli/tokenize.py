@@ -51,15 +51,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--text-field", default="text",
                  help=".jsonl: the field holding the text; .parquet, hf-disk: the column")
   p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
-                 help="chat: .jsonl conversations with a loss mask; auto: chat when the first "
-                      "record has --messages-field and no --text-field")
+                 help="chat: .jsonl conversations with a loss mask, in the chat template of "
+                      "--tokenizer hf:DIR when DIR holds one (needs segpack[hf]), else segpack's; "
+                      "auto: chat when the first record has --messages-field and no --text-field")
   p.add_argument("--train-on", choices=("assistant", "last_assistant", "all"),
                  default="assistant", help="chat: which tokens carry loss")
   p.add_argument("--messages-field", default="messages", help="chat: the field of the messages")
   p.add_argument("--skip-bad-lines", action="store_true",
                  help="count and skip records without usable text (.jsonl lines that are not "
-                      "JSON or lack the field, null or non-string cells); unreadable files "
-                      "still stop the run")
+                      "JSON or lack the field, null or non-string cells; chat: conversations "
+                      "that are refused); unreadable files still stop the run")
   p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: CPUs)")
   p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                  help=f"target tokens per shard (default {DEFAULT_SHARD_TOKENS})")

@@ -254,7 +254,7 @@ def pack_minibatches(
   planner = MinibatchPlanner(
       prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
       min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
-      extra_tokens=special_tokens.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
+      extra_tokens=prepared.special.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
       examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
       drop_remainder=bool(drop_remainder))
   builder = rows_lib.RowBuilder(prepared.source, planner.empty_plan(), special=prepared.special,

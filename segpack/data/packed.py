@@ -366,6 +366,7 @@ def pack_dataset(
     draws = mixture_lib.MixtureDraws(source, seed=int(seed), fn=fn)
     prepared = sources.prepare(draws.draw(0).documents, fn=fn, special_tokens=special_tokens,
                                loss_mask=loss_mask)
+    plan_kwargs["extra_tokens"] = prepared.special.extra_tokens
     planner = epoch_plans.MixturePlanner(
         draws=draws, plan_kwargs=plan_kwargs, special=prepared.special,
         loss_mask=prepared.loss_mask, max_segments_per_row=max_segments_per_row)
@@ -374,6 +375,7 @@ def pack_dataset(
   else:
     _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
     prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
+    plan_kwargs["extra_tokens"] = prepared.special.extra_tokens
     plan = _make_plan(prepared.lengths, source=prepared.source, plan_kwargs=plan_kwargs,
                       max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
     builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,

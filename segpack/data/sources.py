@@ -34,11 +34,17 @@ def prepare(source: Any, *, fn: str, special_tokens: SpecialTokens,
             loss_mask: bool | None) -> Prepared:
   """Opens `source`, reads its lengths, resolves the special ids and the loss mask.
 
+  A source whose documents hold their chat template's BOS and end-of-turn tokens already
+  (`template_writes_special_tokens`) gets no BOS/EOS, whatever `special_tokens` asks: the
+  resolved `Prepared.special` has `add_bos=add_eos=False`, and plans count no extra slot.
+
   Raises:
     PipelineConfigError: the source is not usable, holds no documents, lacks a needed special id
       or a requested loss mask (the message starts with `fn`).
   """
   source = open_source(source, fn=fn)
+  if template_writes_special_tokens(source, fn=fn):
+    special_tokens = dataclasses.replace(special_tokens, add_bos=False, add_eos=False)
   special = dataclasses.replace(
       special_tokens,
       bos_id=special_id(source, "bos_id", special_tokens.bos_id, special_tokens.add_bos, fn=fn),
@@ -66,6 +72,36 @@ def open_source(source: Any, *, fn: str = "pack_dataset") -> Any:
         f"{fn}: source must be a dataset directory, a ShardSource or a random-access "
         f"sequence of 1-D integer arrays, got {type(source).__name__}")
   return source
+
+
+def _chat_flags(source: Any) -> set[bool]:
+  """Whether each dataset under `source` (itself, a document subset's parents or a mixture's
+  sources) says that packing adds no BOS/EOS (manifest `metadata.chat.add_bos_eos: false`)."""
+  parents = getattr(source, "parents", None) or [
+      getattr(m, "source", None) for m in getattr(source, "sources", None) or ()]  # a Mixture
+  if parents:
+    return set().union(*(_chat_flags(p) for p in parents))
+  manifest = getattr(source, "manifest", None)
+  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
+  described = metadata.get("chat") if isinstance(metadata, dict) else None
+  return {isinstance(described, dict) and described.get("add_bos_eos") is False}
+
+
+def template_writes_special_tokens(source: Any, *, fn: str = "pack_dataset") -> bool:
+  """Whether the documents of `source` already hold the BOS and end-of-turn tokens of the chat
+  template they were rendered with (`segpack tokenize --format chat` with a tokenizer's own
+  template), so that packing must add no BOS/EOS to them.
+
+  Raises:
+    PipelineConfigError: a mixture or subset of such datasets and others.
+  """
+  flags = _chat_flags(source)
+  if len(flags) > 1:
+    raise PipelineConfigError(
+        f"{fn}: the source {source!r:.200} mixes datasets whose chat template writes BOS and "
+        f"end-of-turn tokens itself (no BOS/EOS added) with datasets that need them added; "
+        f"pack them separately")
+  return flags == {True}
 
 
 def document_lengths(source: Any, *, fn: str = "pack_dataset") -> np.ndarray:

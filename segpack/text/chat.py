@@ -4,7 +4,8 @@ A conversation is a JSON object `{"messages": [{"role": ..., "content": ...}, ..
 of a JSONL file). `ChatEncoder` renders it through a `ChatTemplate` into token ids and a mask of
 the same length (1 = the token is trained as a prediction target). The mask is stored beside the
 tokens in the shards (`segpack.shards.ShardWriter(loss_mask=True)`, docs/format.md) and the
-packing pipeline turns mask 0 into label -100 (docs/packing.md, "Loss masks").
+packing pipeline turns mask 0 into label -100 (docs/packing.md, "Loss masks"). Conversations in a
+tokenizer's own chat template are `segpack.text.hf_chat`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from segpack import shards
 
 __all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
-           "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
+           "Skipped", "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -30,6 +31,23 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 
 class ChatFormatError(ValueError):
   """A conversation is malformed; the message names the file:line (or index), message and field."""
+
+
+@dataclasses.dataclass
+class Skipped:
+  """Conversations skipped under `--skip-bad-lines`: how many, and the first error (for the log).
+
+  `read_conversations` and `write_chat_dataset` add every `ChatFormatError` to it instead of
+  raising when they are given one.
+  """
+
+  count: int = 0
+  first: str | None = None
+
+  def add(self, error: ChatFormatError) -> None:
+    self.count += 1
+    if self.first is None:
+      self.first = str(error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +223,11 @@ class ChatEncoder:
       return np.zeros(0, dtype=np.int64)
     return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
+  def describe(self) -> dict[str, Any]:
+    """The manifest's `metadata.chat` for data rendered by this encoder."""
+    return {"template": dataclasses.asdict(self.template), "train_on": self.train_on,
+            "markers_are_symbols": self.markers_are_symbols}
+
   def encode(self, messages: Sequence[Mapping[str, str]], *,
              where: str = "conversation") -> tuple[np.ndarray, np.ndarray]:
     """Validates and encodes one conversation.
@@ -216,31 +239,78 @@ class ChatEncoder:
     Returns:
       (int64 token ids, uint8 loss mask), both 1-D of the same length.
     """
+    ids, mask, _ = self.encode_counted(messages, where=where)
+    return ids, mask
+
+  def encode_counted(self, messages: Sequence[Mapping[str, str]], *, where: str = "conversation",
+                     ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    """`encode`, plus the trained tokens per role (every role of the conversation listed; a
+    message's marker, content, end marker and separator count as its role's)."""
     messages = validate_messages(messages, where=where, template=self.template,
                                  train_on=self.train_on)
     t = self.template
     assistants = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     trained = set(assistants[-1:] if self.train_on == "last_assistant" else assistants)
+    every = 1 if self.train_on == "all" else 0
     ids, mask = [], []
+    counts = dict.fromkeys((m["role"] for m in messages), 0)
     for k, message in enumerate(messages):
-      on = 1 if self.train_on == "all" or k in trained else 0
+      on = 1 if every or k in trained else 0
       head = np.concatenate([self._ids[t.marker(message["role"])], self._text(t.after_marker)])
       body = np.concatenate([self._text(message["content"]), self._ids[t.end_of_turn]])
-      ids += [head, body]
-      mask += [np.full(head.size, 1 if self.train_on == "all" else 0, np.uint8),
-               np.full(body.size, on, np.uint8)]
-      if k + 1 < len(messages):
-        tail = self._text(t.after_turn)
-        ids.append(tail)
-        mask.append(np.full(tail.size, 1 if self.train_on == "all" else 0, np.uint8))
-    return np.concatenate(ids), np.concatenate(mask)
+      tail = self._text(t.after_turn) if k + 1 < len(messages) else np.zeros(0, np.int64)
+      ids += [head, body, tail]
+      mask += [np.full(head.size, every, np.uint8), np.full(body.size, on, np.uint8),
+               np.full(tail.size, every, np.uint8)]
+      counts[message["role"]] += every * (head.size + tail.size) + on * body.size
+    return np.concatenate(ids), np.concatenate(mask), counts
+
+  def prompt_ids(self, messages: Sequence[Mapping[str, str]], *,
+                 where: str = "prompt") -> list[int]:
+    """The ids of `messages` followed by the assistant marker and `after_marker` (what the model
+    continues with an answer), encoded as `encode` encodes them.
+
+    No BOS: the packing pipeline put the BOS before every document of segpack-template data, so
+    the caller puts the tokenizer's BOS first, as the run did (`data.add_bos`).
+    """
+    messages = validate_messages(messages, where=where, template=self.template, train_on="all")
+    t = self.template
+    parts = []
+    for message in messages:
+      parts += [self._ids[t.marker(message["role"])], self._text(t.after_marker),
+                self._text(message["content"]), self._ids[t.end_of_turn],
+                self._text(t.after_turn)]
+    parts += [self._ids[t.assistant], self._text(t.after_marker)]
+    return [int(i) for i in np.concatenate(parts)]
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The end-of-turn marker's id when it is one token, and the tokenizer's EOS id."""
+    end = self._ids[self.template.end_of_turn]
+    eos = getattr(self.tokenizer, "eos_id", None)
+    out = ([int(end[0])] if end.size == 1 else []) + (
+        [int(eos)] if eos is not None and eos >= 0 else [])
+    return tuple(dict.fromkeys(out))
+
+
+def _record(raw: bytes, where: str, messages_field: str) -> Any:
+  """The messages of one JSONL line; raises ChatFormatError naming `where`."""
+  try:
+    record = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ChatFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
+  if not isinstance(record, dict) or messages_field not in record:
+    found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+    raise ChatFormatError(f"{where}: no field {messages_field!r} (found: {found})")
+  return record[messages_field]
 
 
 def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "messages",
-                       ) -> Iterator[tuple[str, Any]]:
+                       skipped: Skipped | None = None) -> Iterator[tuple[str, Any]]:
   """Yields (where, messages) for every non-blank line of a `.jsonl` / `.jsonl.gz` file.
 
   `where` is "file:line"; the messages are not validated here (`ChatEncoder.encode` does).
+  With `skipped` (`--skip-bad-lines`), a bad line is counted there and skipped.
 
   Raises:
     ChatFormatError: a line is not a JSON object with `messages_field`.
@@ -253,32 +323,39 @@ def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "m
         continue
       where = f"{path}:{lineno}"
       try:
-        record = json.loads(raw)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ChatFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
-      if not isinstance(record, dict) or messages_field not in record:
-        found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-        raise ChatFormatError(f"{where}: no field {messages_field!r} (found: {found})")
-      yield where, record[messages_field]
+        messages = _record(raw, where, messages_field)
+      except ChatFormatError as e:
+        if skipped is None:
+          raise
+        skipped.add(e)
+        continue
+      yield where, messages
 
 
 def write_chat_dataset(
     conversations: Iterable[tuple[str, Any]],
     output: str | os.PathLike[str],
     *,
-    encoder: ChatEncoder,
+    encoder: Any,
     shard_tokens: int = 1 << 27,
     metadata: Mapping[str, Any] | None = None,
     resume_key: str | None = None,
+    skipped: Skipped | None = None,
 ) -> dict[str, Any]:
   """Encodes `(where, messages)` pairs into a shard dataset with a loss mask; returns the manifest.
 
   With a `resume_key`, a complete dataset with that key is returned as is, and the finished
-  shards of an interrupted run with that key are kept (their conversations skipped).
+  shards of an interrupted run with that key are kept (their conversations are encoded again, to
+  count them, but not written). With `skipped`, a conversation the encoder refuses is counted
+  there and skipped instead of stopping the run.
 
-  The manifest's metadata gets `chat`: the template, `train_on` and whether the markers are
-  special symbols, and `tokenizer` (the tokenizer's `describe()`, where `pack_dataset` finds the
-  BOS/EOS ids) when the tokenizer has one.
+  Args:
+    encoder: a `ChatEncoder` or a `segpack.text.hf_chat.HfChatTemplate` (`encode_counted`,
+      `describe`, `tokenizer`).
+
+  The manifest's metadata gets `chat`: the encoder's `describe()` plus `trained_tokens_by_role`
+  and `skipped_conversations`, and `tokenizer` (the tokenizer's `describe()`, where
+  `pack_dataset` finds the BOS/EOS ids) when the tokenizer has one.
   """
   manifest_path = Path(output) / shards.MANIFEST_NAME
   if resume_key is not None and manifest_path.exists():
@@ -290,18 +367,28 @@ def write_chat_dataset(
       return old  # Already complete with these inputs and settings.
   tok = encoder.tokenizer
   meta = dict(metadata or {})
-  meta["chat"] = {"template": dataclasses.asdict(encoder.template), "train_on": encoder.train_on,
-                  "markers_are_symbols": encoder.markers_are_symbols}
+  meta["chat"] = encoder.describe()
   if hasattr(tok, "describe"):
     meta["tokenizer"] = tok.describe()
+  counts: dict[str, int] = {}
   with shards.ShardWriter(output, vocab_size=int(tok.vocab_size),
                           tokenizer_fingerprint=str(getattr(tok, "fingerprint", "")),
                           shard_tokens=shard_tokens, metadata=meta, resume_key=resume_key,
                           loss_mask=True) as writer:
-    conversations = iter(conversations)
-    for _ in range(writer.resumed_inputs):  # Conversations already in kept shards.
-      next(conversations, None)
+    written = 0
     for where, messages in conversations:
-      ids, mask = encoder.encode(messages, where=where)
-      writer.write(ids, loss_mask=mask)
+      try:
+        ids, mask, roles = encoder.encode_counted(messages, where=where)
+      except ChatFormatError as e:
+        if skipped is None:
+          raise
+        skipped.add(e)
+        continue
+      for role, n in roles.items():
+        counts[role] = counts.get(role, 0) + n
+      written += 1
+      if written > writer.resumed_inputs:  # else: already in a kept shard
+        writer.write(ids, loss_mask=mask)
+    writer.metadata["chat"] = dict(meta["chat"], trained_tokens_by_role=counts,
+                                   skipped_conversations=skipped.count if skipped else 0)
   return json.loads((Path(output) / shards.MANIFEST_NAME).read_text("utf-8"))

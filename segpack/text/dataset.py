@@ -31,6 +31,8 @@ from segpack.text import beam_pipeline
 from segpack.text import chat
 from segpack.text import corpus
 from segpack.text import encode
+from segpack.text import hf as hf_lib
+from segpack.text import hf_chat
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
 from segpack.text import tokenizer_spec
@@ -123,11 +125,11 @@ def tokenize_files(
       raise InputFormatError("--input: no input files given")
     if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
       if runner == "beam":
-        raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) "
-                               "run with the local runner")
+        raise InputFormatError("--runner beam tokenizes plain text; run chat inputs locally")
       return _said(inputs, files, skipped, None, [_tokenize_chat(
-          files, output, given=given, vocab_size=vocab_size, train_on=train_on,
-          messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite)])
+          files, output, given=given, vocab_size=vocab_size, train_on=train_on, spec=tokenizer,
+          messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite,
+          skip_bad_lines=skip_bad_lines)])
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
     ident = {"inputs": [encode.file_identity(p) for p in files], **read}
     if given is not None:
@@ -277,58 +279,106 @@ def _model_entry(tokenizer: tokenizer_spec.Tokenizer) -> dict[str, str]:
   return {key: str(getattr(tokenizer, "model_file", tokenizer.spec))}
 
 
+def _chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | None,
+                    ident: dict[str, Any], overwrite: bool) -> tokenizer_spec.Tokenizer:
+  """The tokenizer of `--format chat`: the one given, or a SentencePiece model trained on the
+  contents with segpack's chat markers as symbols (kept and reused under the same key)."""
+  if given is not None:
+    return given
+  if vocab_size is None:
+    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
+                           "--vocab-size N (to train a model first)")
+  texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
+           for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
+  model_file = output / "spm.model"
+  key_hash = encode.resume_key(dict(ident, vocab_size=vocab_size))
+  record = model_file.with_suffix(".json")
+  try:
+    ok = json.loads(record.read_text("utf-8")).get("key") == key_hash
+  except (OSError, ValueError):
+    ok = False
+  if ok and model_file.exists():
+    return spm_lib.SpmTokenizer(model_file)
+  tokenizer_cache.refuse_to_replace_model(model_file, [output], overwrite=overwrite)
+  tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
+                                user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
+  atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
+  return tokenizer
+
+
+def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str,
+                  spec: str | None) -> chat.ChatEncoder | hf_chat.HfChatTemplate:
+  """The tokenizer's own chat template (a Hugging Face directory holding one), else segpack's
+  `ChatTemplate`."""
+  directory = tokenizer.model_file.parent if isinstance(tokenizer, hf_lib.HfTokenizer) else None
+  if directory is None or hf_chat.template_file(directory) is None:
+    encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
+    if not encoder.markers_are_symbols:
+      _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
+                   tokenizer.model_file)
+    return encoder
+  try:
+    encoder = hf_chat.HfChatTemplate(directory, train_on=train_on)
+  except (ImportError, OSError, ValueError) as e:
+    raise InputFormatError(f"--tokenizer {spec!r}: {' '.join(str(e).split())}") from e
+  _LOG.info("rendering conversations with the chat template of %s (%s)", directory,
+            encoder.template_file)
+  return encoder
+
+
+def _chat_summary(output: Path, manifest: dict[str, Any], *, resumed: int, seconds: float,
+                  text_bytes: int) -> encode.Summary:
+  """The summary of a chat dataset: skipped conversations and trained tokens by role too."""
+  described = manifest.get("metadata", {}).get("chat", {})
+  return dataclasses.replace(
+      encode.summarize(output, manifest, resumed=resumed, seconds=seconds, text_bytes=text_bytes,
+                       bad_lines=int(described.get("skipped_conversations", 0))),
+      trained_by_role=described.get("trained_tokens_by_role"))
+
+
 def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, train_on: str,
-                   messages_field: str, shard_tokens: int, overwrite: bool) -> encode.Summary:
-  """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`)."""
-  def conversations():
+                   messages_field: str, shard_tokens: int, overwrite: bool,
+                   skip_bad_lines: bool = False, spec: str | None = None) -> encode.Summary:
+  """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`,
+  or `segpack.text.hf_chat` for a tokenizer with its own chat template)."""
+  def conversations(skipped: chat.Skipped | None = None):
     for path in files:
       try:
-        yield from chat.read_conversations(path, messages_field=messages_field)
+        yield from chat.read_conversations(path, messages_field=messages_field, skipped=skipped)
       except (OSError, EOFError, zlib.error) as e:  # Corrupt or truncated gzip, I/O errors.
         raise InputFormatError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
 
   ident = {"inputs": [encode.file_identity(p) for p in files], "format": "chat",
            "messages_field": messages_field, "train_on": train_on,
            "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
-  if given is not None:
-    tokenizer = given
-  elif vocab_size is not None:
-    texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
-             for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
-    model_file = output / "spm.model"
-    key_hash = encode.resume_key(dict(ident, vocab_size=vocab_size))
-    record = model_file.with_suffix(".json")
-    try:
-      ok = json.loads(record.read_text("utf-8")).get("key") == key_hash
-    except (OSError, ValueError):
-      ok = False
-    if ok and model_file.exists():
-      tokenizer = spm_lib.SpmTokenizer(model_file)
-    else:
-      tokenizer_cache.refuse_to_replace_model(model_file, [output], overwrite=overwrite)
-      tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
-                                    user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
-      atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
-  else:
-    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
-                           "--vocab-size N (to train a model first)")
-  encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
-  if not encoder.markers_are_symbols:
-    _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
-                 tokenizer.model_file)
+  if skip_bad_lines:
+    ident["skip_bad_lines"] = True
+  tokenizer = _chat_tokenizer(
+      lambda: conversations(chat.Skipped() if skip_bad_lines else None), output, given=given,
+      vocab_size=vocab_size, ident=ident, overwrite=overwrite)
+  encoder = _chat_encoder(tokenizer, train_on=train_on, spec=spec)
+  own = isinstance(encoder, hf_chat.HfChatTemplate)
+  if own:
+    ident["template"] = encoder.describe()
   key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
   finished = encode.finished_dataset(output, key, overwrite=overwrite)
-  if finished is not None:
-    keep_tokenizer(tokenizer, output)
-    return encode.summarize(output, finished, resumed=len(finished["shards"]), bad_lines=0,
-                            seconds=0.0, text_bytes=0)
-  if overwrite:  # `write_chat_dataset` would return a finished dataset with the same key as is.
-    (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
-  start = time.perf_counter()
-  manifest = chat.write_chat_dataset(
-      conversations(), output, encoder=encoder, shard_tokens=shard_tokens, resume_key=key,
-      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
+  if finished is None:
+    if overwrite:  # `write_chat_dataset` would return a finished dataset with the same key as is.
+      (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
+    start = time.perf_counter()
+    skipped = chat.Skipped() if skip_bad_lines else None
+    finished = chat.write_chat_dataset(
+        conversations(skipped), output, encoder=encoder, shard_tokens=shard_tokens,
+        resume_key=key, skipped=skipped,
+        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
+    if skipped is not None and skipped.count:
+      _LOG.warning("--skip-bad-lines: %d conversation(s) skipped; the first: %s", skipped.count,
+                   skipped.first)
+    seconds, text_bytes, resumed = (time.perf_counter() - start,
+                                    sum(p.stat().st_size for p in files), 0)
+  else:
+    seconds, text_bytes, resumed = 0.0, 0, len(finished["shards"])
   keep_tokenizer(tokenizer, output)
-  return encode.summarize(output, manifest, resumed=0, bad_lines=0,
-                  seconds=time.perf_counter() - start,
-                  text_bytes=sum(p.stat().st_size for p in files))
+  if own:
+    encoder.keep_files(output)
+  return _chat_summary(output, finished, resumed=resumed, seconds=seconds, text_bytes=text_bytes)

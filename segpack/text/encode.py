@@ -60,6 +60,7 @@ class Summary:
   max_length: int
   seconds: float
   text_bytes: int
+  trained_by_role: dict[str, int] | None = None  # chat: trained tokens of each role
 
   def table(self) -> str:
     rows = [
@@ -77,6 +78,9 @@ class Summary:
             f" ({self.text_bytes / 1e6 / self.seconds:.1f} MB/s of text tokenized)"
             if self.seconds > 0 and self.text_bytes else "")),
     ]
+    if self.trained_by_role is not None:
+      rows.insert(-1, ("trained tokens by role", ", ".join(
+          f"{role} {n:,}" for role, n in self.trained_by_role.items()) or "none"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
