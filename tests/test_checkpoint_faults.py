@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from test_checkpoint_integrity import REPO, _copy, _restore, trained  # noqa: F401 (a fixture)
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
-from train import sample as sample_lib
+from train import saved_run
 from train import train as train_lib
 
 # What orbax 0.12 raised on a full tmpfs (its tensorstore array writes), path shortened.
@@ -398,7 +398,7 @@ def test_odd_entries_do_not_stop_the_run_or_its_reruns(trained, tmp_path, case):
   trainer saves 6 and 8 (names some entries took), and a rerun chooses 8."""
   workdir = _copy(trained["workdir"], tmp_path)
   check = ODD[case](workdir)  # None, or what must hold after the rerun
-  assert sample_lib.load_run(str(workdir))[2] == 4  # reads its parameters among the entries
+  assert saved_run.load_run(str(workdir))[2] == 4  # reads its parameters among the entries
   restored, warnings = _restore(workdir, trained["abstract"], trained["config_dict"])
   assert restored.step == 4, warnings
   state, data_state = trained["intact"][4]
@@ -411,7 +411,7 @@ def test_odd_entries_do_not_stop_the_run_or_its_reruns(trained, tmp_path, case):
     checkpointer.close()
   restored, warnings = _restore(workdir, trained["abstract"], trained["config_dict"])
   assert restored.step == 8 and all(": skipped " in w for w in warnings), warnings
-  assert sample_lib.choose_checkpoint(str(workdir)).step == 8
+  assert saved_run.choose_checkpoint(str(workdir)).step == 8
   if (workdir / "elsewhere").exists():  # what a link pointed to is never deleted
     assert (workdir / "elsewhere" / digest_lib.DIGEST_FILE).exists()
   assert check is None or check()
@@ -523,7 +523,7 @@ def test_property_random_odd_entries_around_one_intact_step(trained, tmp_path, e
   made = [(kind, step) for kind, step in entries if step != 2 and _make(cp, kind, step, name)]
   if damaged_root_is_a_file:
     (workdir / "damaged_checkpoints").write_text("")
-  assert sample_lib.choose_checkpoint(str(workdir)).step == 2
+  assert saved_run.choose_checkpoint(str(workdir)).step == 2
   checkpointer = ckpt_lib.Checkpointer(cp, every=1, max_to_keep=1)
   state, data_state = trained["intact"][2]
   nxt = max([3] + [step for kind, step in made if kind not in ("zero_padded", "other_name",
@@ -534,7 +534,7 @@ def test_property_random_odd_entries_around_one_intact_step(trained, tmp_path, e
       assert checkpointer.maybe_save(step, state, data_state, trained["config_dict"])
   finally:
     checkpointer.close()
-  assert sample_lib.choose_checkpoint(str(workdir)).step == nxt + 1
+  assert saved_run.choose_checkpoint(str(workdir)).step == nxt + 1
   restored, _ = _restore(workdir, trained["abstract"], trained["config_dict"])
   assert restored.step == nxt + 1 and restored.data_state == data_state
   for kind, step in made:  # what a link pointed to is never deleted

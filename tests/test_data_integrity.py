@@ -19,7 +19,8 @@ from segpack.shards import format as format_lib
 from segpack.text import dataset as dataset_lib
 from segpack.text import spm
 from configs import packed
-from train import sample as sample_lib
+from train import saved_run
+from train import run_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,7 +205,7 @@ def test_a_damaged_tokenizer_model_beside_a_dataset_is_refused_by_the_sampler(tm
   config = packed.get_config("smoke")
   with config.unlocked():
     config.data.train = str(tmp_path / "data")
-  assert sample_lib.tokenizer_for_run(config).fingerprint == tok.fingerprint
+  assert run_tokenizer.tokenizer_for_run(config).fingerprint == tok.fingerprint
   intact = model_file.read_bytes()
   for pos in range(len(intact) // 2, len(intact)):  # the first one-bit change that still loads
     data = bytearray(intact)
@@ -215,5 +216,5 @@ def test_a_damaged_tokenizer_model_beside_a_dataset_is_refused_by_the_sampler(tm
       break
     except ValueError:
       continue
-  with pytest.raises(sample_lib.SampleError, match=f"{model_file} is not the one"):
-    sample_lib.tokenizer_for_run(config)
+  with pytest.raises(saved_run.SampleError, match=f"{model_file} is not the one"):
+    run_tokenizer.tokenizer_for_run(config)

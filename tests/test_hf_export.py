@@ -38,7 +38,8 @@ from train import hf_config  # noqa: E402
 from train import hf_export  # noqa: E402
 from train import hf_export_tokenizer  # noqa: E402
 from train import hf_weights  # noqa: E402
-from train import sample as sample_lib  # noqa: E402
+from train import run_tokenizer  # noqa: E402
+from train import saved_run  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ def _tensors(directory):
 def test_transformers_loads_the_export_with_the_checkpoints_logits(runs, name):
   run = runs(name)
   model = _loaded(run.out)
-  config, decoder, step = sample_lib.load_run(run.workdir)
+  config, decoder, step = saved_run.load_run(run.workdir)
   assert step == 3 and run.result.step == 3
   docs = hf_models.documents(3, lengths=[200, 90, 40], seed=5)  # 330 tokens, past 64 positions
   source = _loaded(run.source)
@@ -206,7 +207,7 @@ def test_config_json_keeps_the_rope_scaling_special_ids_and_tying(runs):
   assert (hf_models.read_json(f"{run.out}/generation_config.json")
           == hf_models.read_json(f"{run.source}/generation_config.json"))
   # Round trip: config.json read back gives the run's model keys.
-  config, _ = sample_lib.run_config(run.workdir)
+  config, _ = saved_run.run_config(run.workdir)
   arch = hf_config.architecture(cfg, where="exported config.json")
   assert {k: arch[k] for k in hf_config.ARCH_KEYS} == {
       k: config.model[k] for k in hf_config.ARCH_KEYS}
@@ -234,7 +235,7 @@ def test_bfloat16_parameters_are_written_as_bfloat16(runs):
   import torch
   from safetensors import safe_open
   run = runs("bfloat16")
-  config, decoder, _ = sample_lib.load_run(run.workdir)
+  config, decoder, _ = saved_run.load_run(run.workdir)
   assert config.model.param_dtype == "bfloat16"  # adopted from the source's dtype
   cfg = hf_models.read_json(f"{run.out}/config.json")
   assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is True
@@ -270,7 +271,7 @@ def test_chat_template_renders_the_ids_segpack_trained_on(runs, datasets):
       assert ids[:len(prompt)] == prompt and prompt[-1] == tok.convert_tokens_to_ids(
           "<|assistant|>")
   # The documents of the run's first batch are rendered conversations followed by EOS.
-  config, _ = sample_lib.run_config(run.workdir)
+  config, _ = saved_run.run_config(run.workdir)
   data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=8,
                             process_index=0, process_count=1)
   batch = next(data.train_iterator(read_options=grain.ReadOptions(num_threads=1)))
@@ -294,7 +295,7 @@ def test_builtin_chat_template_equals_the_chat_encoder(tmp_path):
   assert "chat_template.jinja" in names and ids == dict(bos_token_id=2, eos_token_id=3,
                                                         pad_token_id=0)
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-  encoder = chat.ChatEncoder(sample_lib.tokenizer_for_run(config))
+  encoder = chat.ChatEncoder(run_tokenizer.tokenizer_for_run(config))
   assert encoder.markers_are_symbols
   conversations = chat_corpus.builtin_conversations(split="eval", size="small")
   for _, conversation in zip(range(8), conversations):
@@ -322,14 +323,14 @@ def test_a_model_trained_from_scratch_exports_as_a_llama(scratch):
   assert cfg["rope_scaling"] is None and cfg["rope_parameters"] == dict(rope_type="default",
                                                                         rope_theta=10_000.0)
   assert cfg["max_position_embeddings"] == 128 and cfg["vocab_size"] == 2048
-  config, decoder, _ = sample_lib.load_run(scratch.workdir)
+  config, decoder, _ = saved_run.load_run(scratch.workdir)
   arch = hf_config.architecture(cfg, where="exported config.json")
   for key in hf_config.ARCH_KEYS:
     want = {"vocab_size": 2048, "max_position_embeddings": 128}.get(key, config.model[key])
     assert arch[key] == want, key
   model = _loaded(scratch.out)
   built = corpus.ensure_builtin(size="small")
-  tok = sample_lib.tokenizer_for_run(config)
+  tok = run_tokenizer.tokenizer_for_run(config)
   texts = [text for _, text in corpus.builtin_documents(split="eval", size="small")][:4]
   for text in texts[:3]:
     doc = [tok.bos_id] + tok.encode(text[:3000]).tolist()[:127]  # >= 300 tokens over the three

@@ -172,6 +172,6 @@ def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_d
   from train import sample as sample_lib
   config = _config(model_dir, text_data / "data")
   train_lib.train_and_evaluate(config, tmp_path / "run")
-  texts = sample_lib.sample(str(tmp_path / "run"), prompt="w1 w2 w3", max_new_tokens=4,
-                            num_samples=1)
-  assert len(texts) == 1 and texts[0].startswith("w1 w2 w3")
+  answers = sample_lib.sample(str(tmp_path / "run"), prompts=["w1 w2 w3"], max_new_tokens=4,
+                              num_samples=1)
+  assert len(answers) == 1 and answers[0].text.startswith("w1 w2 w3")

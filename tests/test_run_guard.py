@@ -191,3 +191,50 @@ def test_a_mixtures_headline_eval_loss_mixes_every_source(tmp_path):
     assert abs(r["eval_loss"] - r["eval_loss/a"]) > 1e-3
     assert r["eval_tokens"] == r["eval_tokens/a"] + r["eval_tokens/b"]
   assert " | a " in out and " | b " in out  # the console line shows each source's loss
+  # train.sample reads a mixture run (its datasets name no tokenizer file: ids in and out).
+  proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={tmp_path / 'run'}",
+                         "--prompt_ids=16,17,18", "--prompt_ids=200,201", "--max_new_tokens=3"],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  answers = [line for line in proc.stdout.splitlines() if " | " in line]
+  assert [a.split(" | ")[0] for a in answers] == ["16,17,18", "200,201"]
+  assert all(len(a.split(" | ")[1].split(",")) == 3 for a in answers)
+
+
+_HOLDER = """
+import sys, time
+from train import run_guard
+try:
+  with run_guard.workdir_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+except run_guard.WorkdirBusyError as e:
+  print("busy", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_property_racing_runs_on_one_workdir_one_holds_the_rest_are_refused(tmp_path, seed):
+  """2 to 6 processes (seeded: how many, their start delays, which one is killed) race for one
+  workdir's lock: exactly one holds it at a time, every other is refused naming a holder's pid,
+  and once the holders are gone (one SIGKILLed) a new run takes the lock at once."""
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(2, 7))
+  procs = []
+  for _ in range(n):
+    time.sleep(float(rng.uniform(0, 0.05)))
+    procs.append(subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path), "3"], cwd=REPO,
+                                  env=_env(), stdout=subprocess.PIPE, text=True))
+  victim = procs[int(rng.integers(0, n))]
+  time.sleep(1.5)  # every process has tried the lock by now
+  victim.kill()
+  outs = [p.communicate(timeout=60)[0] for p in procs]
+  held = [p for p, out in zip(procs, outs) if out.startswith("held")]
+  busy = [out for out in outs if out.startswith("busy")]
+  assert len(held) == 1 and len(busy) + len(held) + (victim not in held and not outs[
+      procs.index(victim)]) == n, outs
+  for out in busy:
+    assert f"pid {held[0].pid}" in out and "is in use by another train.main run" in out
+  fresh = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path), "0"], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=60)
+  assert fresh.stdout.startswith("held"), fresh.stdout + fresh.stderr

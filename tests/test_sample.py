@@ -17,11 +17,17 @@ import pytest
 from flax import nnx
 
 from configs import packed
+from segpack.cli import main as cli_main
+from segpack.shards import staging
 from segpack.text import spm
 from test_train import _synthetic
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
+from train import decode as decode_lib
+from train import decode_reference as reference
+from train import run_tokenizer
 from train import sample as sample_lib
+from train import saved_run
 from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +48,7 @@ def synthetic_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(synthetic_run):
-  return sample_lib.load_run(synthetic_run)
+  return saved_run.load_run(synthetic_run)
 
 
 @nnx.jit
@@ -70,73 +76,126 @@ def test_load_run_reads_the_config_step_and_vocabulary(loaded):
   assert model.cfg.attention_implementation == "xla"
 
 
-def test_padded_row_and_buckets():
-  assert [sample_lib.bucket_length(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
-  assert sample_lib.bucket_length(40, max_len=48) == 48
-  row = sample_lib.padded_row([7, 8, 9], length=5)
-  np.testing.assert_array_equal(row["input_ids"], [[7, 8, 9, 0, 0]])
-  np.testing.assert_array_equal(row["segment_ids"], [[1, 1, 1, 0, 0]])
-  np.testing.assert_array_equal(row["segment_positions"], [[0, 1, 2, 0, 0]])
+def test_layout_packs_longest_first_into_the_emptiest_row():
+  layout = decode_lib.layout_prompts([[1] * 3, [2] * 9, [3] * 2, [4] * 5], rows=2)
+  # 9 -> row 0; 5 -> row 1; 3 -> row 1 (5 < 9); 2 -> row 1 (8 < 9); lanes in prompt order.
+  np.testing.assert_array_equal(layout.prompt_BxN, [[1, -1, -1], [0, 2, 3]])
+  np.testing.assert_array_equal(layout.length_BxN, [[9, 0, 0], [3, 2, 5]])
+  np.testing.assert_array_equal(layout.last_slot_BxN, [[8, 0, 0], [2, 4, 9]])
+  assert layout.input_ids_BxP.shape == (2, 16)  # 10 tokens in row 1, bucketed to 16
+  np.testing.assert_array_equal(layout.segment_ids_BxP[1, :11], [1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 0])
+  np.testing.assert_array_equal(layout.segment_positions_BxP[1, :10],
+                                [0, 1, 2, 0, 1, 0, 1, 2, 3, 4])
+  assert [decode_lib.bucket_length(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
 
 
 @pytest.mark.parametrize("length", [1, 5, 16, 17, 40])
-def test_decoding_logits_equal_the_training_forward_pass(loaded, length):
-  """The padded, jitted logits at the last token equal the unpadded training call's."""
-  config, model, _ = loaded
+def test_reference_logits_equal_the_training_forward_pass(loaded, length):
+  """The oracle's padded, jitted logits at the last token equal the unpadded training call's."""
+  _, model, _ = loaded
   tokens = [1] + list(np.random.default_rng(length).integers(3, 97, size=length - 1))
-  got_V = sample_lib.last_logits(model, tokens, max_len=config.packing.seq_len)
+  got_V = reference.last_logits(model, tokens)
   np.testing.assert_allclose(np.asarray(got_V), _training_logits(model, tokens)[-1],
                              rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_decoding_is_the_argmax_of_the_training_logits(loaded):
-  config, model, _ = loaded
-  prompt = [5, 6, 7]
-  new = sample_lib.generate(model, prompt, max_new_tokens=8, top_k=0, bos_id=1, eos_id=None,
-                            max_len=config.packing.seq_len)
-  tokens, want = [1] + prompt, []
-  for _ in range(8):  # an independent loop on the growing unpadded row
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [[1] + [int(t) for t in rng.integers(3, 97, size=n - 1)] for n in lengths]
+
+
+def test_greedy_kv_cache_decoding_is_the_argmax_of_the_training_logits(loaded):
+  """An independent loop on the growing unpadded row, one training forward per token."""
+  _, model, _ = loaded
+  prompt = [1, 5, 6, 7]
+  (got,) = decode_lib.decode(model, [prompt], max_new_tokens=8)
+  tokens, want = list(prompt), []
+  for _ in range(8):
     token = int(np.argmax(_training_logits(model, tokens)[-1]))
     tokens.append(token)
     want.append(token)
-  assert new == want
-  assert sample_lib.generate(model, prompt, max_new_tokens=8, top_k=40, temperature=0.0,
-                             bos_id=1) == want
+  assert got == want
 
 
-def test_top_k_draws_among_the_k_most_likely_and_repeats_with_the_seed(loaded):
+@pytest.mark.parametrize("rows", [None, 1, 2])
+def test_kv_cache_decoding_equals_the_full_forward_oracle(loaded, rows):
+  """Five prompts of different lengths, one per row, all in one packed row, or two rows: every
+  answer equals the full-forward decoder's on that prompt alone, token for token."""
   _, model, _ = loaded
-  prompt, k = [5, 6, 7], 4
-  runs = [sample_lib.generate(model, prompt, max_new_tokens=6, top_k=k, seed=s, bos_id=1)
-          for s in (0, 0, 1)]
-  assert runs[0] == runs[1] and len(runs[0]) == 6
-  for new in runs:
-    tokens = [1] + prompt
-    for token in new:
-      top = np.argsort(_training_logits(model, tokens)[-1])[-k:]
-      assert token in top
-      tokens.append(token)
-  assert runs[0] != runs[2]  # seeds 0 and 1 draw differently (holds for this run)
+  prompts = _prompts([4, 1, 13, 7, 30])
+  got = decode_lib.decode(model, prompts, max_new_tokens=12, rows=rows)
+  want = [reference.generate(model, p, max_new_tokens=12) for p in prompts]
+  assert got == want and all(len(g) == 12 for g in got)
 
 
-def test_generation_stops_at_eos_and_at_the_row_length(loaded):
+def test_drawn_tokens_do_not_depend_on_the_layout(loaded):
+  """Temperature, top-k and top-p: a prompt draws the same tokens alone (the oracle), packed with
+  others, or in its own row; another seed draws others."""
   _, model, _ = loaded
-  greedy = sample_lib.generate(model, [5, 6, 7], max_new_tokens=8, bos_id=1)
-  stopped = sample_lib.generate(model, [5, 6, 7], max_new_tokens=8, bos_id=1,
-                                eos_id=greedy[2])
-  assert stopped == greedy[:greedy.index(greedy[2]) + 1]
-  assert len(sample_lib.generate(model, [5, 6, 7], max_new_tokens=50, bos_id=1,
-                                 max_len=10)) == 6  # BOS + 3 + 6 = 10 slots
+  prompts = _prompts([3, 9, 5, 17], seed=1)
+  sampling = decode_lib.Sampling(temperature=1.3, top_k=12, top_p=0.9)
+  packed_rows = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=7,
+                                  rows=1)
+  own_rows = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=7)
+  want = [reference.generate(model, p, max_new_tokens=10, sampling=sampling, seed=7,
+                             prompt_index=i) for i, p in enumerate(prompts)]
+  assert packed_rows == own_rows == want
+  other = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=8)
+  assert other != want
 
 
-def test_generate_refuses_bad_prompts(loaded):
+def test_top_k_and_top_p_draw_only_among_the_allowed_tokens(loaded):
+  """Every drawn token is among the k most likely (top-k) or in the smallest set whose
+  probability reaches p (top-p) of the training logits at its step."""
   _, model, _ = loaded
-  with pytest.raises(sample_lib.SampleError, match=r"prompt_ids must hold .* got \[\]"):
-    sample_lib.generate(model, [], max_new_tokens=4, bos_id=1)
-  with pytest.raises(sample_lib.SampleError, match=r"\[0, 97\), got \[97\]"):
-    sample_lib.generate(model, [5, 97], max_new_tokens=4, bos_id=1)
-  with pytest.raises(sample_lib.SampleError, match="top_k must be an int >= 0, got -1"):
-    sample_lib.generate(model, [5], max_new_tokens=4, top_k=-1, bos_id=1)
+  prompt = [1, 5, 6, 7]
+  for sampling in (decode_lib.Sampling(temperature=1.0, top_k=3),
+                   decode_lib.Sampling(temperature=2.0, top_p=0.5)):
+    for seed in range(3):
+      (new,) = decode_lib.decode(model, [prompt], max_new_tokens=6, sampling=sampling, seed=seed)
+      tokens = list(prompt)
+      for token in new:
+        logits = _training_logits(model, tokens)[-1] / sampling.temperature
+        order = np.argsort(-logits)
+        if sampling.top_k:
+          allowed = order[:sampling.top_k]
+        else:
+          probs = np.exp(logits[order] - logits.max())
+          probs /= probs.sum()
+          allowed = order[:int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1]
+        assert token in allowed, (sampling, seed, tokens)
+        tokens.append(token)
+
+
+def test_decoding_stops_at_a_stop_id_and_at_the_row_length(loaded):
+  _, model, _ = loaded
+  prompts = _prompts([4, 4, 9], seed=2)
+  greedy = decode_lib.decode(model, prompts, max_new_tokens=8)
+  stop = greedy[0][2]
+  stopped = decode_lib.decode(model, prompts, max_new_tokens=8, stop_ids=[stop], rows=1)
+  for got, full in zip(stopped, greedy):
+    assert got == (full[:full.index(stop) + 1] if stop in full else full)
+  capped = decode_lib.decode(model, prompts, max_new_tokens=50, max_len=12)
+  assert [len(c) for c in capped] == [8, 8, 3]  # prompt and new tokens fill 12 positions
+  assert capped[2] == greedy[2][:3]
+
+
+def test_bad_prompts_and_settings_are_refused(loaded):
+  _, model, _ = loaded
+  with pytest.raises(decode_lib.DecodeError, match="prompt 1 holds no token"):
+    decode_lib.decode(model, [[5], []], max_new_tokens=4)
+  with pytest.raises(decode_lib.DecodeError, match=r"prompt 0: .*\[0, 97\), got \[97\]"):
+    decode_lib.decode(model, [[5, 97]], max_new_tokens=4)
+  with pytest.raises(decode_lib.DecodeError, match="no room for a new one"):
+    decode_lib.decode(model, [[5] * 12], max_new_tokens=4, max_len=12)
+  with pytest.raises(decode_lib.DecodeError,
+                     match=r"rows must be an int in \[1, 1\] \(the number of prompts\), got 2"):
+    decode_lib.decode(model, [[5]], max_new_tokens=4, rows=2)
+  for bad, match in ((dict(top_k=-1), "top_k must be an int >= 0, got -1"),
+                     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+                     (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0")):
+    with pytest.raises(decode_lib.DecodeError, match=match):
+      decode_lib.Sampling(**bad)
 
 
 def _flat(tree):
@@ -176,12 +235,45 @@ def test_tokenizer_of_a_tokenized_dataset(tmp_path):
   config = packed.get_config("smoke")
   with config.unlocked():
     config.data.train = str(tmp_path / "data")
-  got = sample_lib.tokenizer_for_run(config)
+  got = run_tokenizer.tokenizer_for_run(config)
   assert got.fingerprint == tok.fingerprint and got.vocab_size == 320
   (tmp_path / "data" / "manifest.json").write_text(json.dumps(
       {"metadata": {"tokenizer": {"type": "bpe?", "model_file": "x"}}}))
-  with pytest.raises(sample_lib.SampleError, match=r"data.train=.* type 'bpe\?'"):
-    sample_lib.tokenizer_for_run(config)
+  with pytest.raises(saved_run.SampleError, match=r"data.train=.* type 'bpe\?'"):
+    run_tokenizer.tokenizer_for_run(config)
+
+
+def _tokenized(tmp_path, name, model):
+  (tmp_path / f"{name}.txt").write_text("\n\n".join(f"def g{i}(x):\n    return x + {i}"
+                                                    for i in range(50)), encoding="utf-8")
+  out = tmp_path / name
+  assert cli_main.main(["tokenize", "--input", str(tmp_path / f"{name}.txt"), "--spm-model",
+                        str(model), "--output", str(out)]) == 0
+  return out
+
+
+def test_the_tokenizer_of_a_mixture_and_of_a_url_run(tmp_path, monkeypatch):
+  """A mixture's sources (their copies of one tokenizer), a URL's staged copy, and a mixture of
+  two tokenizers refused by name."""
+  texts = [f"def f{i}(x, y{i % 7}):\n    return x * {i} + y{i % 7}\n" for i in range(2000)]
+  tok = spm.train_spm(texts, tmp_path / "m1" / "spm.model", vocab_size=300)
+  other = spm.train_spm(texts[::-1], tmp_path / "m2" / "spm.model", vocab_size=310)
+  a, b = _tokenized(tmp_path, "a", tok.model_file), _tokenized(tmp_path, "b", tok.model_file)
+  c = _tokenized(tmp_path, "c", other.model_file)
+  config = packed.get_config("smoke")
+  with config.unlocked():
+    config.data.train = f"x={a}:0.6,y={b}:0.4"
+  assert run_tokenizer.tokenizer_for_run(config).fingerprint == tok.fingerprint
+  config.data.train = f"x={a},z={c}"
+  with pytest.raises(saved_run.SampleError, match="tokenized with different tokenizers"):
+    run_tokenizer.tokenizer_for_run(config)
+  monkeypatch.setenv("SEGPACK_CACHE", str(tmp_path / "cache"))
+  url = "s3://bucket/datasets/c"
+  shutil.copytree(c, staging.staged_dir(url=url))  # what the trainer's staging left
+  config.data.train = url
+  assert run_tokenizer.tokenizer_for_run(config).fingerprint == other.fingerprint
+  config.data.train = f"p={url}:1,q={c}:1"
+  assert run_tokenizer.dataset_dirs(config) == [str(staging.staged_dir(url=url)), str(c)]
 
 
 def _listing(root):
@@ -194,7 +286,7 @@ def test_cli_prints_ids_of_a_synthetic_run(synthetic_run):
   assert proc.returncode == 0, proc.stderr
   assert _listing(synthetic_run) == before  # sampling writes nothing into the run
   header, line = proc.stdout.strip().splitlines()
-  assert header == f"=== sample 1/1 (greedy) from step {STEPS} ==="
+  assert header == f"=== prompt 1, sample 1/1 (greedy) from step {STEPS} ==="
   prompt, new = line.split(" | ")
   assert prompt == "5,6,7" and len(new.split(",")) == 5
   assert all(0 <= int(i) < 97 for i in new.split(","))
@@ -219,8 +311,10 @@ def test_cli_refuses_a_workdir_without_checkpoints(tmp_path, make_checkpoints_di
 
 
 def test_an_empty_prompt_is_refused(synthetic_run):
-  with pytest.raises(sample_lib.SampleError, match="--prompt_ids holds no token id, got ''"):
-    sample_lib.sample(synthetic_run, prompt_ids="")
+  with pytest.raises(saved_run.SampleError, match="--prompt_ids holds no token id, got ''"):
+    sample_lib.sample(synthetic_run, prompt_ids=[""])
+  with pytest.raises(saved_run.SampleError, match="give --prompt .* one of the two"):
+    sample_lib.sample(synthetic_run)
 
 
 @pytest.mark.slow
@@ -234,11 +328,11 @@ def test_cli_samples_text_from_a_builtin_smoke_run(tmp_path):
   proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=6")
   assert proc.returncode == 0, proc.stderr
   header, *text = proc.stdout.splitlines()
-  assert header.startswith("=== sample 1/1 (greedy)") and "\n".join(text).startswith("def ")
+  assert header.startswith("=== prompt 1, sample 1/1 (greedy)") and "\n".join(text).startswith("def ")
   proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=4", "--top_k=8",
                   "--num_samples=2")
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.count("=== sample ") == 2 and "top_k=8" in proc.stdout
+  assert proc.stdout.count("=== prompt 1, sample ") == 2 and "top_k=8" in proc.stdout
 
 
 def _snapshot(root):
@@ -278,16 +372,16 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(synthetic_run,
   flipped = _copy_run(synthetic_run, damaged, flip=4)
   _copy_run(synthetic_run, older, drop=4)
   before = _snapshot(damaged)
-  chosen = sample_lib.choose_checkpoint(str(damaged))
+  chosen = saved_run.choose_checkpoint(str(damaged))
   assert chosen.step == 2 and f"{damaged}/checkpoints/4: {flipped}" in chosen.skipped
-  _, model, step = sample_lib.load_run(str(damaged))
-  _, want, want_step = sample_lib.load_run(str(older))
+  _, model, step = saved_run.load_run(str(damaged))
+  _, want, want_step = saved_run.load_run(str(older))
   assert step == want_step == 2
   got_params, want_params = (_flat(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
                              for m in (model, want))
   for key, value in want_params.items():
     np.testing.assert_array_equal(got_params[key], value, err_msg=str(key))
-  newest = _flat(nnx.to_pure_dict(nnx.state(sample_lib.load_run(synthetic_run)[1], nnx.Param)))
+  newest = _flat(nnx.to_pure_dict(nnx.state(saved_run.load_run(synthetic_run)[1], nnx.Param)))
   assert any(np.abs(newest[k] - v).max() > 0 for k, v in want_params.items())  # 4 is not 2
 
   proc = _run_cli(f"--workdir={damaged}", "--prompt_ids=5,6,7", "--max_new_tokens=6")
@@ -297,8 +391,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(synthetic_run,
   assert f"{damaged}/checkpoints/4: {flipped} differs from its sha256" in warnings[0]
   assert warnings[0].endswith(f"sampling from the newest intact one, {damaged}/checkpoints/2")
   header, line = proc.stdout.strip().splitlines()
-  assert header == "=== sample 1/1 (greedy) from step 2 ==="
-  assert line == sample_lib.sample(str(older), prompt_ids="5,6,7", max_new_tokens=6)[0]
+  assert header == "=== prompt 1, sample 1/1 (greedy) from step 2 ==="
+  assert line == sample_lib.sample(str(older), prompt_ids=["5,6,7"], max_new_tokens=6)[0].text
   assert _snapshot(damaged) == before  # nothing moved, deleted or written
 
 
@@ -313,8 +407,8 @@ def test_a_lone_damaged_checkpoint_is_refused_in_one_line(synthetic_run, tmp_pat
                              f"checkpoint ({tmp_path}/checkpoints/4: {flipped} differs from its "
                              "sha256 digest)")
   assert _snapshot(tmp_path) == before
-  with pytest.raises(sample_lib.SampleError, match="holds no intact checkpoint"):
-    sample_lib.load_run(str(tmp_path))
+  with pytest.raises(saved_run.SampleError, match="holds no intact checkpoint"):
+    saved_run.load_run(str(tmp_path))
 
 
 def test_unreadable_or_missing_checkpoints_are_sample_errors(synthetic_run, tmp_path):
@@ -322,14 +416,14 @@ def test_unreadable_or_missing_checkpoints_are_sample_errors(synthetic_run, tmp_
   whose `meta` item orbax cannot parse: one SampleError naming the path, not a traceback."""
   (tmp_path / "file_run").mkdir()
   (tmp_path / "file_run" / "checkpoints").write_text("not a directory")
-  with pytest.raises(sample_lib.SampleError, match="checkpoints is not a directory"):
-    sample_lib.choose_checkpoint(str(tmp_path / "file_run"))
+  with pytest.raises(saved_run.SampleError, match="checkpoints is not a directory"):
+    saved_run.choose_checkpoint(str(tmp_path / "file_run"))
   run = tmp_path / "bad_meta"
   run.mkdir()
   _copy_run(synthetic_run, run, drop=2)
   step_dir = run / "checkpoints" / "4"
   (step_dir / "meta" / "metadata").write_text('{"config": {')
   digest_lib.write(str(step_dir), 4)  # the digest now matches the unparsable file
-  assert sample_lib.choose_checkpoint(str(run)).step == 4
-  with pytest.raises(sample_lib.SampleError, match=f"cannot read {step_dir}: "):
-    sample_lib.run_config(str(run))
+  assert saved_run.choose_checkpoint(str(run)).step == 4
+  with pytest.raises(saved_run.SampleError, match=f"cannot read {step_dir}: "):
+    saved_run.run_config(str(run))

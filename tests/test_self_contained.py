@@ -7,7 +7,7 @@ import pytest
 
 import small_corpus
 from segpack.cli import tokenize as tokenize_cli
-from train import sample as sample_lib
+from train import run_tokenizer
 
 
 def test_spm_model_is_copied_and_the_dataset_survives_its_removal(tmp_path_factory, tmp_path):
@@ -21,7 +21,7 @@ def test_spm_model_is_copied_and_the_dataset_survives_its_removal(tmp_path_facto
                             str(tmp_path / "ds"), "--no-progress"]) == 0
   shutil.rmtree(own.parent)  # the model the dataset was made with is gone
   assert (tmp_path / "ds" / "my.model").is_file()
-  tokenizer = sample_lib._dataset_tokenizer(str(tmp_path / "ds"))  # the manifest's own check
+  tokenizer = run_tokenizer._dataset_tokenizer(str(tmp_path / "ds"))  # the manifest's own check
   assert tokenizer.encode("def f():") is not None
   # A rerun over the finished dataset (with the model back) keeps the copy as it is.
   before = (tmp_path / "ds" / "my.model").stat().st_mtime_ns
@@ -42,5 +42,5 @@ def test_hf_tokenizer_and_its_config_are_copied(tmp_path):
   shutil.rmtree(tok_dir)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     assert (tmp_path / "ds" / name).is_file()
-  tokenizer = sample_lib._dataset_tokenizer(str(tmp_path / "ds"))  # fingerprint checked there
+  tokenizer = run_tokenizer._dataset_tokenizer(str(tmp_path / "ds"))  # fingerprint checked there
   assert tokenizer.bos_id == 1 and tokenizer.eos_id == 2

@@ -8,6 +8,8 @@ counts of the datasets are the lengths the test wrote.
 """
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -173,3 +175,65 @@ def test_the_trainer_and_stats_read_every_spelling_alike(root, text, capsys):
   rc, out, _ = stats(["--data", text, "--json", "--seq-len", "64"], capsys)
   cli = "error" if rc else "mixture" if "sources" in json.loads(out) else "one"
   assert trainer == cli
+
+
+# Property: whatever paths exist and however entries are spelled, a data argument is read one way
+# or refused; never silently another way. Paths are built from segments holding the characters
+# the rule reads ('=', ':', ','), so spellings collide often.
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from segpack.data.mixture import parse_data  # noqa: E402
+from segpack.data.options import PipelineConfigError  # noqa: E402
+
+_SEGMENTS = ["a", "b", "a:2", "b:v2", "n=a", "a,b", "c:0.5", "d:1e308"]
+_PATH = st.lists(st.sampled_from(_SEGMENTS), min_size=1, max_size=2).map(lambda p: "D/" + "/".join(p))
+_ENTRY = st.tuples(st.sampled_from(["", "web=", "n="]), _PATH,
+                   st.sampled_from(["", ":2", ":0.5", ":v2", ":0", ":1e308"]))
+
+
+def _norm(path):
+  return os.path.normpath(path.strip())
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(existing=st.sets(_PATH, max_size=6), entries=st.lists(_ENTRY, min_size=1, max_size=3))
+def test_property_a_data_argument_reads_one_way_or_is_refused(existing, entries):
+  fs = {_norm(p) for p in existing}
+  exists = lambda p: _norm(p) in fs  # noqa: E731
+  text = ",".join("".join(e) for e in entries)
+  try:
+    got = parse_data(text, exists=exists)
+  except PipelineConfigError as e:
+    message = str(e)
+    if " ways: " in message:  # refused as ambiguous: each suggested spelling reads one way
+      suggested = re.findall(r"'([^']*)'", message.rsplit("; write ", 1)[1])
+      assert len(suggested) >= 2, message
+      readings = []
+      for spelling in suggested:
+        try:
+          readings.append(parse_data(spelling, exists=exists))
+        except PipelineConfigError:  # a weight the suggestion keeps may be refused on its own
+          readings.append("refused")
+      assert len({repr(r) for r in readings}) == len(readings), (message, readings)
+    return
+  if exists(text):  # an existing path is a path, read as one dataset
+    assert got is None, (text, got)
+    return
+  if got is None:  # one entry without a name or weight: that path, existing or not
+    assert len(entries) == 1
+    return
+  weights = [m.weight for m in got.sources]
+  assert all(0 < w < float("inf") for w in weights)
+  spelled = [re.search(r":[^/:]+$", "".join(e)) for e in entries]  # a weight's spelling
+  assert len(set(weights)) == 1 or all(spelled)  # all weights or none
+  if any("," in "".join(e) for e in entries):
+    return  # a ',' inside a path: entries and sources need not pair up
+  assert len(got.sources) == len(entries)
+  for m, entry in zip(got.sources, entries):
+    whole = "".join(entry)
+    # A naive oracle of the readings: the whole text, after the first '=', before the last ':'.
+    after_name = whole.partition("=")[2] or whole
+    paths = {whole, after_name, whole.rpartition(":")[0], after_name.rpartition(":")[0]}
+    if any(p and exists(p) for p in paths):  # some reading names a dataset: that one is read
+      assert exists(m.source), (text, m)

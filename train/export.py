@@ -14,7 +14,7 @@ default) with the run's tokenizer (`train.hf_export` converts segpack's Sentence
 
 Algorithm:
   1. The checkpoint: the newest one of `WORKDIR/checkpoints` matching its digest, and the config
-     that wrote it (`train.sample.choose_checkpoint`, `run_config`).
+     that wrote it (`train.saved_run.choose_checkpoint`, `run_config`).
   2. The output: its parent must be a writable directory; `.NAME.export-lock` beside it is locked
      (`segpack.files.file_lock`, so two exports never write one directory); an existing non-empty
      `--output` is refused unless `--overwrite`; leftovers of a killed export are removed.
@@ -60,7 +60,7 @@ from segpack.cli import errors
 from train import hf_export
 from train import hf_weights
 from train import model as model_lib
-from train import sample as sample_lib
+from train import saved_run
 from train import sharding as sharding_lib
 from train.hf_export import ExportError
 
@@ -146,12 +146,12 @@ def _publish(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _checkpoint_and_config(workdir: str) -> tuple[sample_lib.Checkpoint, Any, int]:
+def _checkpoint_and_config(workdir: str) -> tuple[saved_run.Checkpoint, Any, int]:
   """Step 1 (a missing or damaged checkpoint is an ExportError naming `--workdir`)."""
   try:
-    checkpoint = sample_lib.choose_checkpoint(workdir)
-    config, step = sample_lib.run_config(workdir, checkpoint=checkpoint)
-  except sample_lib.SampleError as e:
+    checkpoint = saved_run.choose_checkpoint(workdir)
+    config, step = saved_run.run_config(workdir, checkpoint=checkpoint)
+  except saved_run.SampleError as e:
     raise ExportError(str(e).replace("nothing to sample from", "nothing to export")) from e
   return checkpoint, config, step
 
@@ -231,17 +231,17 @@ def _make_staging(staging: Path, output: str) -> None:
 def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   """Step 3: `({parameter path: array split over all devices}, vocabulary)` of the checkpoint.
 
-  The checkpoint is read as `train.sample.load_run` reads it (its `_restore`, the vocabulary of
+  The checkpoint is read as `train.saved_run.load_run` reads it (its `_restore`, the vocabulary of
   the saved embedding, the model built with XLA attention), but onto a mesh of every device with
   the parameters split over it (`fsdp`) instead of onto one device.
   """
   # pylint: disable=protected-access
   where = f"{checkpoint.directory}/{checkpoint.step}"
   try:
-    vocab = sample_lib.saved_vocab_size(
-        sample_lib.restore_item(checkpoint, "item_metadata")["state"], where=where)
+    vocab = saved_run.saved_vocab_size(
+        saved_run.restore_item(checkpoint, "item_metadata")["state"], where=where)
     abstract = nnx.eval_shape(lambda: model_lib.build(
-        sample_lib.sampling_config(config), config.train.seed, vocab_size=vocab))
+        saved_run.sampling_config(config), config.train.seed, vocab_size=vocab))
     _, abstract_params = nnx.split(abstract)
     mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
     shardings = sharding_lib.param_shardings(abstract_params, mesh)
@@ -249,10 +249,10 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
         shardings)}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-    restored = sample_lib.restore_item(checkpoint, "restore", args=ocp.args.Composite(
+    restored = saved_run.restore_item(checkpoint, "restore", args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                      partial_restore=True)))
-  except sample_lib.SampleError as e:
+  except saved_run.SampleError as e:
     raise ExportError(str(e)) from e
   flat = {}
   jax.tree_util.tree_map_with_path(

@@ -18,7 +18,8 @@ Algorithm of `write_tokenizer`:
   2. Else the run's SentencePiece model: `tokenizer.model`, the converted `tokenizer.json`,
      `tokenizer_config.json`; the ids are the SentencePiece model's.
   3. The chat template the data was rendered with (`run_chat_template`), when the data is chat:
-     into `tokenizer_config.json` and `chat_template.jinja`.
+     into `tokenizer_config.json` and `chat_template.jinja`; data rendered with the tokenizer's
+     own template (`segpack.text.hf_chat`) keeps that template's files as they are.
 
 Chat template: `chat_template_jinja` renders a conversation exactly as
 `segpack.text.chat.ChatTemplate.render` does, after the BOS the pipeline puts first.
@@ -45,13 +46,17 @@ from segpack.data.mixture import Mixture
 from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import hf as hf_tokenizer
+from segpack.text import hf_chat
 from segpack.text import spm
 from segpack.text import spm_proto
 from train import data as data_lib
 from train import hf_init
-from train import sample as sample_lib
+from train import saved_run
+from train import run_tokenizer
 
 _LOG = logging.getLogger(__name__)
+# `run_chat_template`'s name of a dataset rendered with the tokenizer's own chat template.
+_OWN_TEMPLATE = "the tokenizer's own chat template"
 # Texts on which a converted SentencePiece tokenizer must give SentencePiece's own ids.
 PROBE_TEXTS = ("Hello world", " leading space", "two  spaces and\ta tab", "line\nbreak\n\n  x",
                "trailing ", "def f(x):\n    return x + 1\n", "ｆｕｌｌｗｉｄｔｈ ﬁ ①",
@@ -188,12 +193,15 @@ def run_chat_template(config: Any) -> Any:
     except shards.ShardFormatError as e:
       raise ExportError(f"data.train={train!r}: {e}") from e
     recorded = (manifest.get("metadata") or {}).get("chat") or {}
-    if recorded.get("template"):
+    if recorded.get("renderer") == "hf":  # the tokenizer's own template: its files are kept
+      templates.add(_OWN_TEMPLATE)
+    elif recorded.get("template"):
       templates.add(chat.ChatTemplate(**recorded["template"]))
   if len(templates) > 1:
     raise ExportError(f"data.train={train!r}: its chat sources were rendered with different "
                       f"templates ({sorted(map(repr, templates))}); a model has one")
-  return templates.pop() if templates else None
+  found = templates.pop() if templates else None
+  return None if found == _OWN_TEMPLATE else found
 
 
 def _special_ids(source: Path) -> dict[str, Any]:
@@ -239,7 +247,7 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
   """The tokenizer files and the special ids config.json gets.
 
   An imported model's files come from `source` (`WORKDIR/hf_source`) and its ids from its
-  config.json / generation_config.json; otherwise the run's tokenizer (`train.sample.
+  config.json / generation_config.json; otherwise the run's tokenizer (`train.run_tokenizer.
   tokenizer_for_run`): a SentencePiece model converted (`spm_tokenizer`), a Hugging
   Face tokenizer.json copied, or none for synthetic data (its ids only).
   """
@@ -250,13 +258,15 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
              if n not in ("config.json", "generation_config.json") and (source / n).is_file()]
     return _copy_tokenizer(directory, names, jinja), _special_ids(source)
   try:
-    tokenizer = sample_lib.tokenizer_for_run(config)
-  except sample_lib.NoTokenizerError:
+    tokenizer = run_tokenizer.tokenizer_for_run(config)
+  except saved_run.NoTokenizerError as e:
+    if config.data.get("train"):  # a dataset whose manifest names no tokenizer file
+      raise ExportError(str(e).split(": give the prompt")[0]) from e
     _LOG.warning("data.source=%r has no tokenizer: no tokenizer files are written",
                  config.data.source)
     return [], dict(bos_token_id=data_lib.SYNTHETIC_BOS, eos_token_id=data_lib.SYNTHETIC_EOS,
                     pad_token_id=0)
-  except sample_lib.SampleError as e:
+  except saved_run.SampleError as e:
     raise ExportError(str(e)) from e
   ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
   ids = {k: int(v) for k, v in ids.items() if v is not None and v >= 0}
@@ -265,6 +275,9 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
   if isinstance(tokenizer, hf_tokenizer.HfTokenizer):
     names = [(tokenizer.model_file, hf_tokenizer.TOKENIZER_NAME)] + (
         [(tokenizer.config_file, hf_tokenizer.CONFIG_NAME)] if tokenizer.config_file else [])
+    here = tokenizer.model_file.parent  # data rendered with its own template keeps those files
+    names += [(here / n, n) for n in hf_chat.COPY_NAMES if (here / n).is_file()
+              and n not in (hf_tokenizer.TOKENIZER_NAME, hf_tokenizer.CONFIG_NAME)]
     return _copy_tokenizer(directory, names, jinja), ids
   if not isinstance(tokenizer, spm.SpmTokenizer):
     raise ExportError(f"the run's tokenizer {tokenizer!r} is not one export writes")

@@ -255,6 +255,11 @@ class Decoder(nnx.Module):
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
       x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
+    return self.head(x_BxSxE)
+
+  def head(self, x_BxSxE: jax.Array) -> jax.Array:
+    """The last block's output to float32 logits `[B, S, V]`: final RMSNorm, then the output
+    projection (the embedding's transpose when tied)."""
     x_BxSxE = self.final_norm(x_BxSxE)
     if self.cfg.tie_embeddings:
       logits_BxSxV = self.embed.attend(x_BxSxE)

@@ -1,0 +1,87 @@
+"""The full-forward decoder: the oracle of `train.decode` and the baseline of its benchmark.
+
+Every new token recomputes the whole forward pass over the prompt and the tokens so far, as the
+trainer computes it (`Decoder.__call__`, segment attention on one document), with no cache. The
+row is `prompt + new tokens` as segment 1 at positions `0..n-1`, padded with segment 0 to a power
+of two (`train.decode.bucket_length`) so that `jax.jit` compiles once per length bucket; the model
+is causal and segment-masked, so the padding changes no logit of the document. Tokens are chosen
+by `train.decode.choose` with the same per-prompt keys, so both decoders draw the same tokens
+from the same logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from train import decode as decode_lib
+from train import model as model_lib
+
+
+def padded_row(tokens: Sequence[int], *, length: int) -> dict[str, np.ndarray]:
+  """`tokens` as the one document of a `[1, length]` row: `input_ids`, `segment_ids` (1, then 0
+  on the padding) and `segment_positions` (0..n-1, then 0)."""
+  n = len(tokens)
+  if n > length:
+    raise ValueError(f"padded_row: {n} tokens do not fit in length={length}")
+  input_ids_1xS = np.zeros((1, length), np.int32)
+  input_ids_1xS[0, :n] = tokens
+  segment_ids_1xS = (np.arange(length) < n).astype(np.int32)[None]
+  segment_positions_1xS = np.where(segment_ids_1xS[0] > 0, np.arange(length), 0)[None]
+  return dict(input_ids=input_ids_1xS, segment_ids=segment_ids_1xS,
+              segment_positions=segment_positions_1xS.astype(np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_at(graphdef: Any, params: Any, row: dict[str, jax.Array],
+               index: jax.Array) -> jax.Array:
+  """The logits `[V]` at slot `index` of a `[1, S]` row (the training forward pass)."""
+  model = nnx.merge(graphdef, params)
+  logits_1xSxV = model(row["input_ids"], segment_ids=row["segment_ids"],
+                       segment_positions=row["segment_positions"])
+  return logits_1xSxV[0, index]
+
+
+def last_logits(model: model_lib.Decoder, tokens: Sequence[int]) -> jax.Array:
+  """The logits `[V]` after the last of `tokens` (one document, padded to a bucket)."""
+  graphdef, params = nnx.split(model)
+  row = padded_row(tokens, length=decode_lib.bucket_length(len(tokens)))
+  return _logits_at(graphdef, params, row, jnp.int32(len(tokens) - 1))
+
+
+def generate(model: model_lib.Decoder, prompt: Sequence[int], *, max_new_tokens: int,
+             sampling: decode_lib.Sampling = decode_lib.GREEDY, seed: int = 0,
+             prompt_index: int = 0, stop_ids: Sequence[int] = (),
+             max_len: int | None = None) -> list[int]:
+  """Continues one prompt, one full forward pass per new token.
+
+  Args:
+    model: the decoder.
+    prompt: token ids (BOS included if the run's documents began with one).
+    max_new_tokens: the most tokens to add.
+    sampling: as `train.decode.decode`.
+    seed: as `train.decode.decode`.
+    prompt_index: the prompt's index in a `decode` call (its draws' key).
+    stop_ids: stop after one of these.
+    max_len: prompt and new tokens never exceed it.
+
+  Returns:
+    The new tokens, ending with the stop id when one was drawn.
+  """
+  (tokens,) = decode_lib.check_prompts([prompt], vocab_size=model.cfg.vocab_size,
+                                       max_new_tokens=max_new_tokens, max_len=max_len)
+  key, new = decode_lib.lane_key(seed, prompt_index), []
+  while len(new) < max_new_tokens and (max_len is None or len(tokens) < max_len):
+    token = int(decode_lib.choose(last_logits(model, tokens), jax.random.fold_in(key, len(new)),
+                                  sampling))
+    tokens.append(token)
+    new.append(token)
+    if token in stop_ids:
+      break
+  return new

@@ -1,0 +1,135 @@
+"""The tokenizer (and chat renderer) of a run, found from its saved config.
+
+`data.train` may be one dataset, a mixture (`name=path:weight,...`, the rule of
+`segpack.data.mixture.parse_data`) or a URL (read from its staged local copy, as the trainer
+read it); the tokenizer is the copy inside the dataset that its manifest names, checked against
+the manifest's fingerprint. The built-in corpora's tokenizers come from the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from segpack import remote_files
+from segpack import shards
+from segpack.data.mixture import parse_data
+from segpack.data.options import PipelineConfigError
+from segpack.shards import staging
+from segpack.shards.format import read_manifest
+from segpack.text import chat_corpus
+from segpack.text import corpus
+from segpack.text import tokenizer_spec
+from train import data as data_lib
+from train.saved_run import NoTokenizerError, SampleError
+
+# `metadata.tokenizer.type` of a `segpack tokenize` manifest -> the kind of a tokenizer spec.
+MANIFEST_TOKENIZER_KINDS = {"sentencepiece": "spm", "hf": "hf"}
+
+
+def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
+  """The tokenizer recorded in a `segpack tokenize` dataset's manifest (`metadata.tokenizer`)."""
+  path = os.path.join(dataset_dir, shards.MANIFEST_NAME)
+  try:
+    described = read_manifest(path).get("metadata", {}).get("tokenizer") or {}
+  except (OSError, ValueError, AttributeError) as e:
+    raise SampleError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
+  kind = MANIFEST_TOKENIZER_KINDS.get(described.get("type"))
+  if kind is None or not described.get("model_file"):
+    raise NoTokenizerError(
+        f"data.train={dataset_dir!r}: {path} names no tokenizer this can load (metadata."
+        f"tokenizer type {described.get('type')!r}, model_file {described.get('model_file')!r};"
+        f" types: {sorted(MANIFEST_TOKENIZER_KINDS)}): give the prompt as token ids, "
+        f"--prompt_ids=5,6,7")
+  model_file = os.path.abspath(os.path.join(dataset_dir, described["model_file"]))
+  try:
+    tokenizer = tokenizer_spec.from_spec(f"{kind}:{model_file}")
+  except (OSError, ValueError, ImportError) as e:
+    raise SampleError(f"data.train={dataset_dir!r}: its tokenizer {model_file}: {e}") from e
+  want = described.get("fingerprint")
+  if want is not None and tokenizer.fingerprint != want:
+    raise SampleError(
+        f"data.train={dataset_dir!r}: its tokenizer {model_file} is not the one the dataset was "
+        f"tokenized with (fingerprint {tokenizer.fingerprint}, {path} says {want}): damaged or "
+        f"replaced")
+  return tokenizer
+
+
+def _local_copy(path: str, *, cache_dir: str | None) -> str:
+  """`path`, or for a URL the local copy the trainer read (staged now if it is gone)."""
+  if not remote_files.is_url(path):
+    return path
+  folder = staging.staged_dir(url=path, cache_dir=cache_dir)
+  if (folder / shards.MANIFEST_NAME).is_file():
+    return str(folder)
+  try:
+    return str(staging.stage_dataset(url=path, cache_dir=cache_dir, progress=False).path)
+  except (OSError, shards.ShardFormatError) as e:
+    raise SampleError(f"data.train={path!r}: cannot stage the run's dataset to read its "
+                      f"tokenizer: {e}") from e
+
+
+def dataset_dirs(config: ml_collections.ConfigDict) -> list[str]:
+  """The local directories of `data.train`: one dataset, every source of a mixture (the rule of
+  `segpack.data.mixture.parse_data`), URLs as their staged copies; [] without `data.train`."""
+  spec = config.data.get("train")  # absent from older configs
+  if not spec:
+    return []
+  try:
+    mixture = parse_data(str(spec))
+  except PipelineConfigError as e:
+    raise SampleError(f"data.train={spec!r}: {e}") from e
+  paths = [str(spec)] if mixture is None else [str(m.source) for m in mixture.sources]
+  return [_local_copy(p, cache_dir=None) for p in paths]
+
+
+def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Tokenizer:
+  """The tokenizer of the run that `config` describes (the built-in corpora's are cached).
+
+  Datasets in `data.train` (written by `segpack tokenize`) take precedence over `data.source`:
+  each one's manifest names its tokenizer copy; the sources of a mixture must agree.
+
+  Raises:
+    NoTokenizerError: `data.source="synthetic"` (random ids, no text).
+    SampleError: a dataset's manifest names no loadable tokenizer, or a mixture's sources were
+      tokenized differently.
+  """
+  dirs = dataset_dirs(config)
+  if dirs:
+    tokenizers = [_dataset_tokenizer(d) for d in dirs]
+    differ = {t.fingerprint for t in tokenizers}
+    if len(differ) > 1:
+      raise SampleError(f"data.train={config.data.train!r}: the sources were tokenized with "
+                        f"different tokenizers ({sorted(differ)}); which one the model reads "
+                        f"is unknown")
+    return tokenizers[0]
+  source, size, cache_dir = config.data.source, config.data.size, config.data.cache_dir
+  if source == "builtin":
+    return tokenizer_spec.from_spec(
+        "spm:" + str(corpus.ensure_builtin(size=size, cache_dir=cache_dir).spm_model))
+  if source == "builtin_chat":
+    return chat_corpus.chat_tokenizer(size=size, cache_dir=cache_dir)
+  if source == "synthetic":
+    raise NoTokenizerError(
+        f"data.source={source!r} has no tokenizer: give the prompt as token ids, "
+        f"--prompt_ids=5,6,7")
+  raise SampleError(f"data.source={source!r} is not a source this can sample from")
+
+
+def special_ids(config: ml_collections.ConfigDict,
+                tokenizer: tokenizer_spec.Tokenizer | None) -> tuple[int | None, int | None]:
+  """`(bos_id, eos_id)` as the run's documents carried them (None where `data.add_bos` /
+  `data.add_eos` is off or the tokenizer has none)."""
+  dirs = dataset_dirs(config)
+  if tokenizer is None and dirs:  # a dataset without a tokenizer file: its manifest's ids
+    described = read_manifest(os.path.join(dirs[0], shards.MANIFEST_NAME)).get("metadata", {})
+    bos, eos = (described.get("tokenizer") or {}).get("bos_id"), (
+        described.get("tokenizer") or {}).get("eos_id")
+  elif tokenizer is None:
+    bos, eos = data_lib.SYNTHETIC_BOS, data_lib.SYNTHETIC_EOS
+  else:
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+  bos = bos if config.data.add_bos and bos is not None and bos >= 0 else None
+  eos = eos if config.data.add_eos and eos is not None and eos >= 0 else None
+  return bos, eos

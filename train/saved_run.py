@@ -1,0 +1,135 @@
+"""A run directory as the tools that read it see it: its newest intact checkpoint, the config
+that wrote it, and its model with the saved parameters (`train.sample`, `train.export`).
+
+The checkpoint chosen is the one the trainer would resume from (`checkpoint_digest.scan` and
+`problem`, newest first); nothing in the workdir is moved or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+
+from train import checkpoint_digest as digest_lib
+from train import model as model_lib
+
+
+class SampleError(ValueError):
+  """A workdir, run or prompt that cannot be sampled from (printed as one line, exit code 2)."""
+
+
+class NoTokenizerError(SampleError):
+  """The run's data has no tokenizer (`data.source="synthetic"`): prompts must be token ids."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """`directory/step`, the checkpoint to sample from (`choose_checkpoint`); `skipped`: one line
+  naming the damaged newer ones passed over and the first bad file of each (None: none was)."""
+  directory: str
+  step: int
+  skipped: str | None = None
+
+
+def choose_checkpoint(workdir: str) -> Checkpoint:
+  """The newest checkpoint of `WORKDIR/checkpoints` that matches its digest: the one the trainer
+  would resume from (`checkpoint_digest.scan`, `problem`, newest first); moves nothing. Warns
+  naming the damaged newer ones passed over (first bad file) and any entry that is no step.
+
+  Raises:
+    SampleError: `workdir` has no checkpoint, or none matches its digest (naming each one's
+      problem).
+  """
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  steps = (listing := digest_lib.scan(directory)).steps  # none when not a directory
+  if not steps:
+    why = ("has no step directory" if os.path.isdir(directory) else "is not a directory"
+           if os.path.lexists(directory) else "does not exist")
+    raise SampleError(f"--workdir {workdir!r} holds no checkpoint ({directory} {why})")
+  damaged = []
+  for step in steps:
+    bad = digest_lib.problem(os.path.join(directory, str(step)), step)
+    if bad is None:
+      logging.log_if(logging.WARNING, "%s", listing.other, listing.skipped_line())
+      skipped = (f"damaged checkpoint skipped: {'; '.join(damaged)}; sampling from the newest "
+                 f"intact one, {directory}/{step}") if damaged else None
+      logging.log_if(logging.WARNING, "%s", bool(damaged), skipped)
+      return Checkpoint(directory=directory, step=step, skipped=skipped)
+    damaged.append(f"{directory}/{step}: {' '.join(bad.split())}")
+  raise SampleError(f"--workdir {workdir!r} holds no intact checkpoint ({'; '.join(damaged)}); "
+                    "nothing to sample from")
+
+
+def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
+  """`CheckpointManager.<method>(step, **kwargs)` of a manager that only reads; orbax's errors
+  (a checkpoint that matches its digest but that it cannot read) become a SampleError."""
+  with ocp.CheckpointManager(
+      checkpoint.directory, options=ocp.CheckpointManagerOptions(create=False),
+      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler()}) as manager:
+    try:
+      return getattr(manager, method)(checkpoint.step, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise SampleError(f"cannot read {checkpoint.directory}/{checkpoint.step}: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+
+
+def run_config(workdir: str, *,
+               checkpoint: Checkpoint | None = None) -> tuple[ml_collections.ConfigDict, int]:
+  """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
+  step. Raises SampleError when `workdir` has no intact checkpoint."""
+  checkpoint = checkpoint or choose_checkpoint(workdir)
+  meta = restore_item(checkpoint, "restore",
+                  args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  return ml_collections.ConfigDict(meta["config"]), checkpoint.step
+
+
+def sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of `config` whose attention runs on XLA (no kernel settings, no mesh)."""
+  copy = ml_collections.ConfigDict(config.to_dict())
+  copy.attention.implementation = "xla"
+  copy.attention.interpret = False
+  return copy
+
+
+def saved_vocab_size(state_metadata: Any, *, where: str) -> int:
+  """Rows of the checkpoint's embedding table: the vocabulary the run trained with."""
+  node = state_metadata["params"]["embed"]["embedding"]
+  if isinstance(node, dict) or hasattr(node, "keys"):
+    node = node["value"]
+  if len(getattr(node, "shape", ())) != 2:
+    raise SampleError(f"{where}: params.embed.embedding has no [V, E] shape: {node!r}")
+  return int(node.shape[0])
+
+
+def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
+             ) -> tuple[ml_collections.ConfigDict, model_lib.Decoder, int]:
+  """The run's config, its model with the checkpoint's parameters, and that step.
+
+  The model is `train.model.build` of the saved config with `attention.implementation="xla"`
+  and the vocabulary size of the saved embedding table (the trainer's, whatever
+  `model.vocab_size` says); only the parameters are read, onto the first device. `checkpoint`
+  is as in `sample`; raises SampleError when `workdir` has no intact checkpoint.
+  """
+  checkpoint = checkpoint or choose_checkpoint(workdir)
+  config, step = run_config(workdir, checkpoint=checkpoint)
+  vocab = saved_vocab_size(restore_item(checkpoint, "item_metadata")["state"],
+                            where=f"{checkpoint.directory}/{step}")
+  abstract = nnx.eval_shape(lambda: model_lib.build(
+      sampling_config(config), config.train.seed, vocab_size=vocab))
+  graphdef, abstract_params = nnx.split(abstract)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"params": jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
+  restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
+  restored = restore_item(checkpoint, "restore", args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                   partial_restore=True)))
+  return config, nnx.merge(graphdef, restored["state"]["params"]), step
