@@ -175,3 +175,58 @@ def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_d
   answers = sample_lib.sample(str(tmp_path / "run"), prompts=["w1 w2 w3"], max_new_tokens=4,
                               num_samples=1)
   assert len(answers) == 1 and answers[0].text.startswith("w1 w2 w3")
+
+
+# A template of the model's own, unlike segpack's (BOS from the template, no newlines, the
+# end-of-turn token after every message): what a pretrained chat model brings.
+OWN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }} "
+                "{{ m['content'] }} <|end|> {% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+@pytest.mark.slow
+def test_a_chat_model_with_its_own_template_fine_tunes_samples_and_exports(tmp_path):
+  """A new user's walk with a chat model: tokenize with its template, fine-tune, `train.sample
+  --chat`, export. Oracles: the prompt is transformers' `apply_chat_template(...,
+  add_generation_prompt=True)` of the source tokenizer, and the answer `train.sample` prints is
+  transformers' greedy `generate` on the exported model, cut at the end of turn."""
+  import torch
+  import transformers
+  model = str(tmp_path / "chat-model")
+  hf_models.make_model(model, "llama", kv_heads=2)
+  hf_models.make_tokenizer(model)
+  tok = transformers.AutoTokenizer.from_pretrained(model)
+  tok.chat_template = OWN_TEMPLATE
+  tok.save_pretrained(model)
+  hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 60, seed=2)
+  run_cli("segpack", "tokenize", "--input", str(tmp_path / "chat.jsonl"), "--tokenizer",
+          f"hf:{model}", "--output", str(tmp_path / "data"))
+  manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+  assert manifest["metadata"]["chat"]["renderer"] == "hf"
+  run_cli("train.main", "--config=configs/sft.py", f"--config.model.init_from={model}",
+          f"--config.data.train={tmp_path / 'data'}", f"--workdir={tmp_path / 'run'}",
+          "--config.train.num_steps=2", "--config.train.eval_every=0",
+          "--config.train.batch_size=8", "--config.train.checkpoint_every=2",
+          "--config.attention.self_check=False")
+  question = "w5 w6 w7"
+  out = run_cli("train.sample", f"--workdir={tmp_path / 'run'}", "--chat",
+                f"--prompt={question}", "--max_new_tokens=12")
+  printed = out.stdout.splitlines()[1:]
+  run_cli("train.export", "--workdir", str(tmp_path / "run"), "--output", str(tmp_path / "out"))
+  exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+  prompt = exported.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, tokenize=True)
+  prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+  source = tok.apply_chat_template([{"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=True)
+  assert prompt == list(source["input_ids"] if hasattr(source, "keys") else source)
+  lm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                         dtype=torch.float32)
+  stops = [exported.eos_token_id, exported.convert_tokens_to_ids("<|end|>")]
+  with torch.no_grad():
+    new = lm.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                      eos_token_id=stops, pad_token_id=0, top_k=None, top_p=None,
+                      temperature=None)[0, len(prompt):].tolist()
+  if new and new[-1] in stops:
+    new = new[:-1]
+  assert len(new) >= 3 and printed == exported.decode(new).splitlines(), (new, printed)
