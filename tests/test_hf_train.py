@@ -5,6 +5,7 @@ to end (a tiny model and tokenizer made here with transformers; nothing is downl
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
@@ -135,6 +136,7 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
               if c.strip() and not c.startswith("#")]
   assert commands[0].startswith("python -m segpack tokenize") and "hf:" in commands[0]
   assert commands[1].startswith("python -m train.main --config=configs/sft.py")
+  assert commands[2].startswith("python -m train.sample") and "--chat" in commands[2]
   hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 80, seed=1)
   subs = {"MODEL_DIR": model_dir, "chat.jsonl": str(tmp_path / "chat.jsonl"),
           "data/chat": str(tmp_path / "data" / "chat"), "runs/sft_hf": str(tmp_path / "run"),
@@ -142,7 +144,7 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
   for command in commands:
     for a, b in subs.items():
       command = command.replace(a, b)
-    args = command.split()[2:]
+    args = shlex.split(command)[2:]
     if args[0] == "train.main":
       args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
                "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
