@@ -12,6 +12,8 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
+from segpack.errors import UserError
+
 
 def model_group() -> ml_collections.ConfigDict:
   """The `model` group: the decoder's architecture (or `init_from`, a Hugging Face model whose
@@ -244,7 +246,7 @@ def long(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 VARIANTS = {"smoke": smoke, "gpu": gpu, "long": long}
 
 
-class UnknownVariantError(ValueError):
+class UnknownVariantError(UserError, ValueError):
   """`--config=FILE:VARIANT` names no variant of `VARIANTS`."""
 
 

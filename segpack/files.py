@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from segpack.errors import UserError
+
 __all__ = ["LockHeldError", "atomic_write_bytes", "atomic_write_json", "file_lock", "fsync_dir",
            "sha256_file"]
 
@@ -69,7 +71,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
   return digest.hexdigest()
 
 
-class LockHeldError(OSError):
+class LockHeldError(UserError, OSError):
   """`file_lock(path, wait=False)`: another process holds the lock; `owner` is what it wrote
   into the lock file (pid, host, start time), or a note that it wrote nothing readable."""
 

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from segpack.errors import UserError
 
-class InteropError(ValueError):
+
+class InteropError(UserError, ValueError):
   """Invalid input to an interop function (the message names the argument and the value)."""
 
 

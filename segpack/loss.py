@@ -29,6 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from segpack.errors import ArgumentError
+
 IGNORE_INDEX = -100
 WEIGHTINGS = ("token", "sequence")
 
@@ -46,15 +48,15 @@ def count_trained_tokens(labels_BxS: jax.Array, *, ignore_index: int = IGNORE_IN
 def check_weighting(weighting: str, *, name: str = "weighting") -> str:
   """Returns `weighting` if it is one of `WEIGHTINGS`, else raises a ValueError naming `name`."""
   if weighting not in WEIGHTINGS:
-    raise ValueError(f"{name} must be one of {list(WEIGHTINGS)}, got {weighting!r}")
+    raise ArgumentError(f"{name} must be one of {list(WEIGHTINGS)}, got {weighting!r}")
   return weighting
 
 
 def _check_segments(labels_BxS: jax.Array, segment_ids_BxS: jax.Array | None, fn: str) -> None:
   if segment_ids_BxS is None:
-    raise ValueError(f"{fn}: weighting='sequence' needs segment_ids_BxS (got None)")
+    raise ArgumentError(f"{fn}: weighting='sequence' needs segment_ids_BxS (got None)")
   if labels_BxS.ndim != 2 or segment_ids_BxS.shape != labels_BxS.shape:
-    raise ValueError(
+    raise ArgumentError(
         f"{fn}: segment_ids_BxS shape {tuple(segment_ids_BxS.shape)} must equal labels shape "
         f"{tuple(labels_BxS.shape)}, and both must be [B, S]")
 
@@ -129,7 +131,7 @@ def _token_losses(logits_BxSxV: jax.Array, labels_BxS: jax.Array, ignore_index: 
                   fn: str) -> tuple[jax.Array, jax.Array]:
   """`(token cross-entropy, trained mask)`, `[B, S]` each; 0 loss where the label is ignored."""
   if logits_BxSxV.shape[:-1] != labels_BxS.shape:
-    raise ValueError(
+    raise ArgumentError(
         f"{fn}: logits shape {tuple(logits_BxSxV.shape)} must be labels shape "
         f"{tuple(labels_BxS.shape)} + (vocab,)")
   logits = logits_BxSxV.astype(jnp.float32)

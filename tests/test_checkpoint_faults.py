@@ -41,6 +41,7 @@ from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train import saved_run
 from train import train as train_lib
+from segpack.errors import UserError
 
 # What orbax 0.12 raised on a full tmpfs (its tensorstore array writes), path shortened.
 ORBAX_FULL = ValueError(
@@ -116,7 +117,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(trained
   checkpointer = ckpt_lib.Checkpointer(directory, every=2, max_to_keep=3)
   assert checkpointer.restore_or_none(trained["abstract"], trained["config_dict"]).step == 4
   monkeypatch.setattr(ocp.CheckpointManager, "save", _failing_save(error))
-  with pytest.raises(train_lib.USER_ERRORS) as e:
+  with pytest.raises(UserError) as e:
     checkpointer.maybe_save(6, state, data_state, trained["config_dict"])
   message = str(e.value)
   assert isinstance(e.value, ckpt_lib.CheckpointWriteError) and "\n" not in message
@@ -292,7 +293,7 @@ def test_an_unwritable_checkpoints_directory_is_refused_before_the_first_step(
   (workdir / "checkpoints").mkdir(parents=True)
   why = UNWRITABLE[case](workdir, mount, monkeypatch)
   try:
-    with pytest.raises(train_lib.USER_ERRORS) as e:
+    with pytest.raises(UserError) as e:
       train_lib.train_and_evaluate(trained["config"], str(workdir))
   finally:
     if case == "chmod_555":

@@ -18,6 +18,7 @@ from test_train import _synthetic
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train import train as train_lib
+from segpack.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.max_checkpoints": 3,
@@ -137,7 +138,7 @@ def test_damaged_only_checkpoint_is_refused_in_one_line_naming_the_file(trained,
   with pytest.raises(ckpt_lib.DamagedCheckpointError) as e:
     train_lib.train_and_evaluate(trained["config"], str(workdir))
   message = str(e.value)
-  assert "\n" not in message and isinstance(e.value, train_lib.USER_ERRORS)
+  assert "\n" not in message and isinstance(e.value, UserError)
   assert message.startswith(f"no intact checkpoint in {workdir / 'checkpoints'} (4: {path}")
   assert (workdir / "checkpoints" / "4").exists()  # nothing moved when nothing is intact
   assert not (workdir / "metrics.jsonl").exists()  # no fresh start

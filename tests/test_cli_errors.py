@@ -1,6 +1,11 @@
 """Every command ends a user error with one line naming the argument and its value (exit status
 2) and an internal error with its traceback and a line asking to report it (exit status 1), through
-one shared wrapper (`segpack.cli.errors.command`)."""
+one shared wrapper (`segpack.errors.command`)."""
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +14,7 @@ from segpack.bench import attention as bench_attention
 from segpack.bench import gpu_report as bench_gpu_report
 from segpack.bench import packing as bench_packing
 from segpack.bench import verify as bench_verify
-from segpack.cli import errors
+from segpack import errors
 from segpack.cli import main as cli_main
 from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
@@ -100,6 +105,55 @@ def test_user_errors_are_the_projects_own_classes_and_os_errors():
   assert not errors.is_user_error(ValueError("x"))
   assert not errors.is_user_error(TypeError("x"))
   assert not errors.is_user_error(KeyError("x"))
+
+
+# Exceptions of the project that are not a user's mistake: a leak the attention self-check
+# found (a bug), a run stopped by a signal (not an error), a reader's private signal.
+NOT_USER_ERRORS = {"AttentionLeakError", "RunStopped", "_CorruptStream"}
+
+
+_SCAN = """
+import importlib, json, os, pkgutil, sys
+from segpack import errors
+found = {}
+for package in ("segpack", "train", "configs"):
+  for info in pkgutil.walk_packages([os.path.join(sys.argv[1], package)], prefix=package + "."):
+    if info.name.endswith("__main__") or info.name == "train.main":
+      continue  # running them parses flags
+    module = importlib.import_module(info.name)
+    for name, value in vars(module).items():
+      if (isinstance(value, type) and issubclass(value, BaseException)
+          and value.__module__ == module.__name__):
+        found[f"{module.__name__}.{name}"] = issubclass(value, errors.UserError)
+print(json.dumps(found))
+"""
+
+
+def test_every_project_error_class_derives_from_user_error():
+  """One base, no hand list: each exception class the project defines is a `UserError` (or one
+  of the few that are not a user's mistake). Scanned in a child process: importing every module
+  here would change the logging of the tests that follow."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _SCAN, repo], cwd=repo, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  found = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(found) > 30, sorted(found)
+  bad = sorted(n for n, user in found.items()
+               if not user and n.rpartition(".")[2] not in NOT_USER_ERRORS)
+  assert not bad, bad
+  assert {n.rpartition(".")[2] for n in found} >= NOT_USER_ERRORS  # the list is not stale
+
+
+def test_a_bare_value_error_from_project_code_is_a_bug_not_a_user_error():
+  """No frame inspection: where a ValueError was raised says nothing; its class does."""
+  try:
+    raise ValueError("raised by the project's own code")
+  except ValueError as e:
+    assert not errors.is_user_error(e)
+  assert errors.is_user_error(errors.ArgumentError("x"))
+  assert isinstance(errors.ArgumentError("x"), ValueError)
+  assert isinstance(errors.ArgumentTypeError("x"), TypeError)
 
 
 def test_tokenize_and_stats_tell_a_library_bug_from_a_projects_own_check(monkeypatch, tmp_path,

@@ -7,7 +7,7 @@ cache after `pack_dataset` cached its plan. After each corruption the readers ru
 `ShardSource` + `pack_dataset` (every row of one epoch), and for (a) also `segpack stats --json`.
 Each reader must end in one of:
 
-- `refused`: an error of the project's own (`segpack.cli.errors.is_user_error`) naming the
+- `refused`: an error of the project's own (`segpack.errors.is_user_error`) naming the
   damaged file (for the manifest: an error about the manifest, also one naming the shard file
   whose recorded size or checksum no longer matches);
 - `recomputed`: a warning naming the plan cache directory, and the intact result (plan cache);
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from segpack import shards
-from segpack.cli import errors
+from segpack import errors
 from segpack.cli import main as cli_main
 from segpack.data.packed import pack_dataset
 from segpack.text import dataset as dataset_lib

@@ -34,11 +34,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import packed as packed_config
 from segpack import shards
-from segpack.cli import errors
+from segpack import errors
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.text import corpus
-from train import data as data_lib
 from train import model as model_lib
 from train import sft_bench
 from train import sharding as sharding_lib

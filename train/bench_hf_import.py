@@ -66,7 +66,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from configs import packed
-from segpack.cli import errors
+from segpack import errors
 from train import hf_config
 from train import hf_weights
 from train import model as model_lib

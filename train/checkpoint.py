@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
 from train.checkpoint_digest import CheckpointWriteError, DamagedCheckpointError
 
@@ -51,7 +52,7 @@ DATA_FORMAT = 2
 # `loss.weighting` is deliberately not resumable: it changes the objective being optimised.
 
 
-class IncompatibleCheckpointError(ValueError):
+class IncompatibleCheckpointError(UserError, ValueError):
   """The checkpoint in the workdir was written by a config that differs in a way that matters."""
 
 
@@ -82,13 +83,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *,
   return lines
 
 
-class DataStateError(ValueError):
+class DataStateError(UserError, ValueError):
   """The checkpoint's data position cannot be restored (or the processes disagree on it)."""
-
-
-# What a checkpoint can get wrong: `train.USER_ERRORS` holds these (one line, exit code 2).
-ERRORS = (IncompatibleCheckpointError, DataStateError, DamagedCheckpointError,
-          CheckpointWriteError)
 
 
 @dataclasses.dataclass

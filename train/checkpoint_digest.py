@@ -37,6 +37,8 @@ import stat
 import tempfile
 from typing import Any
 
+from segpack.errors import UserError
+
 DIGEST_FILE = "digest.json"
 DIGEST_FORMAT = 1
 _CHUNK = 1 << 20
@@ -47,11 +49,11 @@ UNFINISHED_NAME = re.compile(r"[0-9]+\.orbax-checkpoint-tmp(-[0-9]+)?")
 MAX_STEP = 2**31 - 1  # the trainer counts steps in an int32
 
 
-class DamagedCheckpointError(ValueError):
+class DamagedCheckpointError(UserError, ValueError):
   """No checkpoint in the workdir is intact (or the checkpoints path is not a directory)."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(UserError, RuntimeError):
   """The checkpoints directory cannot be written: at the start (read-only, no permission, full)
   or during a save (the disk filled up); the message names it and its free space."""
 

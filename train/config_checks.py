@@ -25,6 +25,7 @@ from segpack import loss as loss_lib
 from segpack import packing
 from segpack.data.context import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
+from segpack.errors import UserError
 from segpack.text import chat
 from segpack.text import corpus
 from train import hf_config
@@ -129,7 +130,7 @@ NUMERIC: dict[str, Rule] = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   """A trainer config key holds a value outside its choices or its numeric rule."""
 
 

@@ -40,6 +40,7 @@ from segpack.data.mixture import Mixture, parse_data
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches
+from segpack.errors import UserError
 from segpack.packing.minibatch_planner import RowsPerBatchError
 from segpack.text import chat_corpus
 from segpack.text import corpus
@@ -51,7 +52,7 @@ SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 _LOG = logging.getLogger(__name__)
 
 
-class DataConfigError(ValueError):
+class DataConfigError(UserError, ValueError):
   """The `data` / `packing` config groups describe no usable data."""
 
 

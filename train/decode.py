@@ -40,13 +40,14 @@ import numpy as np
 from flax import nnx
 
 from segpack.attention import xla as attention_xla
+from segpack.errors import UserError
 from train import model as model_lib
 from train import rope as rope_lib
 
 MIN_BUCKET = 16  # the shortest padded prompt part
 
 
-class DecodeError(ValueError):
+class DecodeError(UserError, ValueError):
   """Prompts or settings that cannot be decoded (printed as one line by `train.sample`)."""
 
 

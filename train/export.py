@@ -56,7 +56,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from segpack import files
-from segpack.cli import errors
+from segpack import errors
 from train import hf_export
 from train import hf_weights
 from train import model as model_lib

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from segpack import mesh as mesh_lib
 from segpack.attention import blocks
+from segpack.errors import ArgumentError
 
 # Dense (no sparsity) bfloat16 tensor-core peak per device, by substring of `device_kind`; the
 # first match wins. NVL parts run at lower clocks: unknown here, so no MFU (set train.peak_flops).
@@ -111,7 +112,7 @@ def peak_flops(override: float | None, *, devices: Sequence[Any],
   """
   if override is not None:
     if not override > 0:
-      raise ValueError(f"train.peak_flops must be positive FLOP/s per device, got {override!r}")
+      raise ArgumentError(f"train.peak_flops must be positive FLOP/s per device, got {override!r}")
     return float(override) * len(devices)
   peaks = [device_peak_flops(d.device_kind, compute_dtype=compute_dtype) for d in devices]
   if not peaks or any(p is None for p in peaks):

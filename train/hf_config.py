@@ -33,6 +33,8 @@ import json
 import os
 from typing import Any
 
+from segpack.errors import UserError
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 CONFIG_NAME = "config.json"
 # Families refused by name, with the reason (what segpack's decoder does not compute).
@@ -54,7 +56,7 @@ SCALING_KEYS = ("type", "factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")
 
 
-class HfModelError(ValueError):
+class HfModelError(UserError, ValueError):
   """A Hugging Face model directory segpack cannot load exactly (printed as one line, rc 2)."""
 
 

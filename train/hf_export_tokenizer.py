@@ -43,6 +43,7 @@ import sentencepiece
 from segpack import files
 from segpack import shards
 from segpack.data.mixture import Mixture
+from segpack.errors import UserError
 from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import hf as hf_tokenizer
@@ -63,7 +64,7 @@ PROBE_TEXTS = ("Hello world", " leading space", "two  spaces and\ta tab", "line\
                "e\u0301 é", "unicode ✓ 𝔘 日本語", "<0x41> literal byte piece")
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
   """A run or an output directory that cannot be exported (printed as one line, exit code 2)."""
 
 

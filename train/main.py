@@ -6,7 +6,7 @@ resume across>]`, `default_workdir`). Multi-host: pass `--distributed` on
 every host (`jax.distributed.initialize()` then finds the cluster from the environment).
 
 Every mistake of the command line or the config (a missing config file, an unknown `:variant`, a
-bad override, `train.USER_ERRORS` from the run) is printed as one line, `train.main: <message>`,
+bad override, a `segpack.errors.UserError` from the run) is printed as one line, `train.main: <message>`,
 with exit code 2.
 """
 
@@ -20,6 +20,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from segpack import errors
 from train import checkpoint as ckpt_lib
 from train import hf_config
 from train import run_guard
@@ -111,7 +112,7 @@ def main(argv):
     explicit = set(overrides)
     hf_config.adopt(_CONFIG.value, explicit=explicit)  # model.init_from: config.json decides
     train.train_and_evaluate(_CONFIG.value, workdir)
-  except train.USER_ERRORS as e:
+  except errors.UserError as e:
     _fail(str(e))
   except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
     print(f"train.main: {e}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from segpack import attention as attention_lib
 from segpack import mesh as mesh_lib
+from segpack.errors import ArgumentError, UserError
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from train import rope as rope_lib
 from train import sharding as sharding_lib
@@ -33,7 +34,7 @@ from train.rope import ROPE_SCALINGS, RopeConfigError, RopeScaling
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
   """The model hyper-parameters are inconsistent."""
 
 
@@ -278,7 +279,7 @@ class Decoder(nnx.Module):
                  segment_positions=segment_positions, slot_index=slot_index)
     shapes = {name: tuple(x.shape) for name, x in named.items() if x is not None}
     if len(set(shapes.values())) > 1:
-      raise ValueError(
+      raise ArgumentError(
           "Decoder: " + ", ".join(f"{name} {shape}" for name, shape in shapes.items())
           + " must have one [B, S] shape")
     return self.from_embeddings(self.embed_tokens(input_ids), segment_ids=segment_ids,

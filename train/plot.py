@@ -12,7 +12,7 @@ import os
 import pathlib
 import sys
 
-from segpack.cli import errors
+from segpack import errors
 from segpack.files import atomic_write_bytes
 from train import metrics as metrics_lib
 

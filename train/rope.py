@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from segpack.errors import UserError
 
-class RopeConfigError(ValueError):
+
+class RopeConfigError(UserError, ValueError):
   """A rotary scaling with an unknown kind or inconsistent factors."""
 
 

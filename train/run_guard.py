@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import signal
 import threading
 import time
@@ -34,16 +33,17 @@ import numpy as np
 
 from segpack import files
 from segpack.data.mixture import parse_data
+from segpack.errors import UserError
 
 LOCK_NAME = ".segpack-train.lock"
 RECORD_NAME = "run.json"
 
 
-class WorkdirBusyError(OSError):
+class WorkdirBusyError(UserError, OSError):
   """Another run holds the workdir (printed as one line, exit code 2)."""
 
 
-class DataChangedError(ValueError):
+class DataChangedError(UserError, ValueError):
   """A resumed run's data is not the data it started with (one line, exit code 2)."""
 
 
@@ -164,7 +164,7 @@ class StopSignals:
                       signum=int(self.requested))
 
 
-class NonFiniteError(ArithmeticError):
+class NonFiniteError(UserError, ArithmeticError):
   """A step's loss, gradient norm or update is not finite; the run stops without saving it."""
 
 

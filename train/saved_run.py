@@ -17,11 +17,12 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
 
 
-class SampleError(ValueError):
+class SampleError(UserError, ValueError):
   """A workdir, run or prompt that cannot be sampled from (printed as one line, exit code 2)."""
 
 

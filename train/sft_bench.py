@@ -37,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from segpack.cli import errors
+from segpack import errors
 from segpack.text import chat_corpus
 from segpack import loss as loss_lib
 from segpack.data.minibatch_dataset import pack_minibatches

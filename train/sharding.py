@@ -20,12 +20,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from segpack.errors import UserError
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, DATA_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
 
 AXES = MESH_AXES  # the mesh's axes, in order (names shared with `segment_attention`'s defaults)
 
 
-class MeshConfigError(ValueError):
+class MeshConfigError(UserError, ValueError):
   """The mesh shape does not fit the devices, or the batch does not fit the mesh."""
 
 

@@ -31,13 +31,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
-from segpack.data.options import PipelineConfigError
-from segpack.shards import ShardFormatError
+from segpack.errors import UserError
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
-from train import hf_config
 from train import hf_init
 from train import metrics as metrics_lib
 from train import model as model_lib
@@ -45,7 +43,7 @@ from train import run_guard
 from train import sharding as sharding_lib
 
 
-class WorkdirError(OSError):
+class WorkdirError(UserError, OSError):
   """The workdir cannot be created or written."""
 
 
@@ -193,18 +191,9 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
 
-class AttentionConfigError(ValueError):
+class AttentionConfigError(UserError, ValueError):
   """The `attention` config group asks for a backend this platform cannot run, or gives a backend
   a setting it does not use."""
-
-
-# What a config, a workdir or a checkpoint can get wrong: `python -m train.main` prints these as
-# one line naming the key or file (exit code 2) instead of a traceback.
-USER_ERRORS = (config_checks.ConfigError, data_lib.DataConfigError, model_lib.ModelConfigError,
-               sharding_lib.MeshConfigError, AttentionConfigError, WorkdirError,
-               *ckpt_lib.ERRORS, hf_config.HfModelError, run_guard.WorkdirBusyError,
-               run_guard.DataChangedError,
-               PipelineConfigError, ShardFormatError, run_guard.NonFiniteError)
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> None:

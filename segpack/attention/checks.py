@@ -13,14 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from segpack.errors import UserError
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-class AttentionInputError(ValueError):
+class AttentionInputError(UserError, ValueError):
   """A `segment_attention` argument has a bad shape or value."""
 
 
-class AttentionTypeError(TypeError):
+class AttentionTypeError(UserError, TypeError):
   """A `segment_attention` argument has a bad dtype."""
 
 

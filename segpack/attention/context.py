@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from segpack.attention.checks import AttentionInputError
 from segpack.attention.sharded import AxisNames, axis_size, check_divisible, run_shard_map
+from segpack.errors import ArgumentError
 from segpack.mesh import BATCH_AXES, TENSOR_AXIS
 
 # Bytes of one segment id and of one slot index as they travel (int32).
@@ -150,9 +151,9 @@ def context_comm_bytes(*, seq_len: int, kv_heads: int, head_dim: int, dtype_byte
                context_size=context_size, batch=batch)
   for name, value in sizes.items():
     if not isinstance(value, int) or value < 1:
-      raise ValueError(f"context_comm_bytes: `{name}` must be a positive int, got {value!r}")
+      raise ArgumentError(f"context_comm_bytes: `{name}` must be a positive int, got {value!r}")
   if seq_len % context_size:
-    raise ValueError(f"context_comm_bytes: `seq_len`={seq_len} is not divisible by "
+    raise ArgumentError(f"context_comm_bytes: `seq_len`={seq_len} is not divisible by "
                      f"`context_size`={context_size}")
   moved = batch * seq_len * (context_size - 1) // context_size  # slots received per device
   kv = 2 * moved * kv_heads * head_dim * dtype_bytes

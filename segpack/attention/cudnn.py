@@ -53,6 +53,7 @@ import numpy as np
 from segpack.attention import blocks
 from segpack.attention.checks import AttentionInputError
 from segpack.attention.resources import next_pow2
+from segpack.errors import UserError
 
 _LOG = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ BACKWARD_WARNING = (
     "relying on it.")
 
 
-class CudnnUnavailableError(RuntimeError):
+class CudnnUnavailableError(UserError, RuntimeError):
   """cuDNN fused attention cannot run here (no CUDA GPU / cuDNN, or an unsupported GPU)."""
 
 

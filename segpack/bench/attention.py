@@ -40,7 +40,7 @@ from segpack.attention import blocks
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
 from segpack.bench import attention_context
-from segpack.cli import errors
+from segpack import errors
 from segpack.files import atomic_write_bytes
 
 NOT_MEASURED = "not measured"

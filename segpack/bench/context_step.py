@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from segpack.attention import segment_attention
 from segpack.data import context
+from segpack.errors import ArgumentError
 from segpack.mesh import CONTEXT_AXIS
 
 NOT_MEASURED = "not yet measured"
@@ -54,7 +55,7 @@ def context_mesh(context_size: int, *, context_axis: str = CONTEXT_AXIS,
   """
   devices = list(jax.devices() if devices is None else devices)
   if context_size < 1 or len(devices) < context_size:
-    raise ValueError(f"context_mesh: context_size={context_size} needs that many devices, "
+    raise ArgumentError(f"context_mesh: context_size={context_size} needs that many devices, "
                      f"{len(devices)} given")
   return Mesh(np.asarray(devices[:context_size]), (context_axis,),
               axis_types=(jax.sharding.AxisType.Auto,))
@@ -133,9 +134,9 @@ def time_orders(*, mesh: Mesh, segment_ids_BxS: np.ndarray, heads: int, kv_heads
   cp = int(mesh.shape[context_axis])
   reason = skip_reason(cp) if platform_check else None
   if reason:
-    raise ValueError(f"time_orders: context-parallel step times {reason}")
+    raise ArgumentError(f"time_orders: context-parallel step times {reason}")
   if not balances or balances[0] != "none" or repeats < 1 or warmup < 1:
-    raise ValueError(f"time_orders: balances must start with 'none' and repeats, warmup be "
+    raise ArgumentError(f"time_orders: balances must start with 'none' and repeats, warmup be "
                      f">= 1; got balances={tuple(balances)!r}, repeats={repeats}, "
                      f"warmup={warmup}")
   seg = np.asarray(segment_ids_BxS, np.int32)

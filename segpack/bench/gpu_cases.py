@@ -18,6 +18,7 @@ import numpy as np
 
 from segpack.attention.resources import next_pow2
 from segpack.bench.attention import packed_rows
+from segpack.errors import ArgumentError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -122,7 +123,7 @@ def edge_rows(seq_len: int) -> tuple[np.ndarray, tuple[str, ...]]:
   padding. `seq_len` >= 64.
   """
   if seq_len < 64:
-    raise ValueError(f"edge_rows: seq_len must be >= 64, got {seq_len}")
+    raise ArgumentError(f"edge_rows: seq_len must be >= 64, got {seq_len}")
   rows = np.zeros((3, seq_len), np.int32)
   rows[0] = 1
   tail, gap = max(1, seq_len // 10), 5

@@ -66,6 +66,7 @@ import numpy as np
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.cudnn import CudnnUnavailableError
 from segpack.bench.gpu_cases import DTYPES, Case, GridPoint
+from segpack.errors import ArgumentError
 
 TENSORS = ("out", "dq", "dk", "dv")
 ERROR_FACTOR = 1.5
@@ -339,7 +340,7 @@ def check_backend(*, implementation: str, case: Case, dtype: str, causal: bool,
   t0 = time.perf_counter()
   if yardstick is not None and (yardstick.case, yardstick.dtype, yardstick.causal) != (
       case, dtype, causal):
-    raise ValueError(f"check_backend: `yardstick` is for dtype={yardstick.dtype!r}, causal="
+    raise ArgumentError(f"check_backend: `yardstick` is for dtype={yardstick.dtype!r}, causal="
                      f"{yardstick.causal}, another case; the check is for dtype={dtype!r}, "
                      f"causal={causal}")
   rec = _record(implementation, case, dtype=dtype, causal=causal)

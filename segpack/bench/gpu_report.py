@@ -52,7 +52,7 @@ from segpack.bench import context_step
 from segpack.bench import gpu_cases
 from segpack.bench import gpu_checks
 from segpack.bench import gpu_memory
-from segpack.cli import errors
+from segpack import errors
 from segpack.files import atomic_write_bytes
 
 CP_SEQ_LEN = 32768

@@ -47,7 +47,7 @@ import sys
 from typing import Any, Sequence
 
 from segpack import packing
-from segpack.cli import errors
+from segpack import errors
 from segpack.bench.packing_mixture import bench_mixture, mixture_notes
 from segpack.bench.packing_sections import (bench_balance, bench_builtin, bench_grain,
                                             bench_load, bench_plan, bench_repack, bench_scale,

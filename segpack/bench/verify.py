@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from segpack.cli import errors
+from segpack import errors
 from segpack.shards import ShardSource, ShardWriter
 
 VOCAB = 32000

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from segpack.bench import attention as bench_attention
 from segpack.bench import gpu_report as bench_gpu_report
 from segpack.bench import packing as bench_packing
-from segpack.cli import errors
+from segpack import errors
 from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
 
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 @errors.command("segpack")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs `segpack COMMAND ...`; returns the subcommand's exit status (each subcommand ends its
-  errors as `segpack.cli.errors` says)."""
+  errors as `segpack.errors` says)."""
   # The subcommand's own flags are left unparsed here and handed to its `main`, which checks them.
   args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
   if args.command == "bench":

@@ -27,9 +27,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack import packing
-from segpack.cli import errors
+from segpack import errors
 from segpack.data import mixture as mixture_lib
 from segpack.data.options import PipelineConfigError
+from segpack.errors import UserError
 from segpack.shards import ShardSource
 from segpack.text import corpus
 
@@ -37,7 +38,7 @@ COMPARE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 BUILTIN_SPELLINGS = ("builtin", "builtin:full", "builtin:small")
 
 
-class DataArgumentError(ValueError):
+class DataArgumentError(UserError, ValueError):
   """`--data` names nothing this CLI can read; the message echoes the value."""
 
 

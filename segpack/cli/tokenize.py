@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from segpack.cli import errors
+from segpack import errors
 from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
 from segpack.text.beam_remote import tokenize_remote
 from segpack.text.dataset import tokenize_files

@@ -21,12 +21,13 @@ import dataclasses
 import numpy as np
 
 from segpack.data.options import PipelineConfigError
+from segpack.errors import UserError
 from segpack.packing.plan_format import Plan
 
 __all__ = ["BalanceOptions", "assign_rows", "row_attention_cost"]
 
 
-class BalanceError(ValueError):
+class BalanceError(UserError, ValueError):
   """A balancing argument is invalid; the message names it and echoes the value."""
 
 

@@ -50,6 +50,8 @@ from typing import Mapping
 
 import numpy as np
 
+from segpack.errors import UserError
+
 __all__ = ["CONTEXT_BALANCES", "ContextOrderError", "context_order", "device_costs",
            "query_costs", "reorder"]
 
@@ -57,7 +59,7 @@ CONTEXT_BALANCES = ("none", "zigzag", "documents")
 SLOT_INDEX = "slot_index"
 
 
-class ContextOrderError(ValueError):
+class ContextOrderError(UserError, ValueError):
   """A context-order argument is invalid; the message names it and echoes the value."""
 
 

@@ -14,9 +14,10 @@ import jax
 import numpy as np
 
 from segpack import packing
+from segpack.errors import UserError
 
 
-class PipelineConfigError(ValueError):
+class PipelineConfigError(UserError, ValueError):
   """An argument of `pack_dataset` is invalid (the message names it and echoes the value)."""
 
 

@@ -22,11 +22,12 @@ from segpack.data import balance as balance_lib
 from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
 from segpack.data.packed import PackedDataset
+from segpack.errors import UserError
 
 __all__ = ["StreamBatches", "StreamIterator", "StreamPosition", "StreamStateError"]
 
 
-class StreamStateError(ValueError):
+class StreamStateError(UserError, ValueError):
   """A stream state cannot be restored here; the message names the field and its value."""
 
 

@@ -7,10 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from segpack.errors import UserError
+
 LONG_DOCS = ("split", "truncate")
 
 
-class PackingArgumentError(ValueError):
+class PackingArgumentError(UserError, ValueError):
   """A packing argument is invalid; the message names the argument and echoes its value."""
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from segpack import files
+from segpack.errors import UserError
 
 FORMAT_VERSION = 1
 _ARRAYS = ("row_splits", "doc", "start", "length")
@@ -22,7 +23,7 @@ CHECKSUMS = "sha256.json"
 _BLOCK = 1 << 22
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
   """A plan on disk or in memory is malformed; the message names the file or field."""
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from segpack.errors import ArgumentError, ArgumentTypeError, UserError
+
 FORMAT_NAME = "segpack-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -38,16 +40,16 @@ HASH_BLOCK = 1 << 24
 MAX_MANIFEST_BYTES = 64 << 20
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(UserError, ValueError):
   """A dataset directory, manifest or shard file is missing, malformed or inconsistent."""
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
   """The token dtype of a vocabulary: little-endian uint16 when ids fit, else uint32."""
   if not isinstance(vocab_size, (int, np.integer)) or isinstance(vocab_size, bool):
-    raise TypeError(f"vocab_size must be an int, got {vocab_size!r}")
+    raise ArgumentTypeError(f"vocab_size must be an int, got {vocab_size!r}")
   if not 1 <= vocab_size <= 2**32:
-    raise ValueError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
+    raise ArgumentError(f"vocab_size must be in [1, 2**32], got {vocab_size}")
   return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 

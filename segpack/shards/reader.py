@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from segpack.errors import ArgumentError
 from segpack.shards.format import ShardFormatError
 
 
@@ -72,7 +73,7 @@ class ShardTokenReader:
     np.cumsum(counts, out=self._doc_starts[1:])
     lengths = np.asarray(source.lengths, dtype=np.int64)
     if lengths.shape[0] != self._doc_starts[-1]:
-      raise ValueError(f"{self._path}: manifest lists {self._doc_starts[-1]} documents but the "
+      raise ArgumentError(f"{self._path}: manifest lists {self._doc_starts[-1]} documents but the "
                        f"source has {lengths.shape[0]} lengths")
     token_start = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=token_start[1:])

@@ -14,6 +14,7 @@ import numpy as np
 
 from segpack import files
 from segpack import remote_files
+from segpack.errors import ArgumentError, ArgumentTypeError
 from segpack.shards import staging
 from segpack.shards import verified
 from segpack.shards.format import (
@@ -59,7 +60,7 @@ class ShardSource:
       ShardFormatError: naming the file and the offending value.
     """
     if verify not in VERIFY_MODES:
-      raise ValueError(f"ShardSource({str(path)!r}): verify must be one of {VERIFY_MODES}, got "
+      raise ArgumentError(f"ShardSource({str(path)!r}): verify must be one of {VERIFY_MODES}, got "
                        f"{verify!r}")
     if remote_files.is_url(path):
       path = staging.stage_dataset(url=os.fspath(path)).path
@@ -176,7 +177,7 @@ class ShardSource:
     try:
       i = operator.index(index)
     except TypeError:
-      raise TypeError(
+      raise ArgumentTypeError(
           f"ShardSource({str(self.path)!r}): index must be an integer, got {index!r}") from None
     n = len(self)
     if i < 0:

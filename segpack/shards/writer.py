@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from segpack import files
+from segpack.errors import ArgumentError, ArgumentTypeError
 from segpack.shards.format import (
     FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, OFFSET_DTYPE, OWNED_FILE, dtype_for_vocab,
     mask_name, metadata_sha256, shard_names)
@@ -68,9 +69,9 @@ class ShardWriter:
         stored in `shard-NNNNN.mask` files.
     """
     if not isinstance(shard_tokens, (int, np.integer)) or shard_tokens < 1:
-      raise ValueError(f"ShardWriter: shard_tokens must be a positive int, got {shard_tokens!r}")
+      raise ArgumentError(f"ShardWriter: shard_tokens must be a positive int, got {shard_tokens!r}")
     if not isinstance(tokenizer_fingerprint, str):
-      raise TypeError(
+      raise ArgumentTypeError(
           f"ShardWriter: tokenizer_fingerprint must be a str, got {tokenizer_fingerprint!r}")
     self.path = Path(path)
     self.vocab_size = int(vocab_size)
@@ -168,7 +169,7 @@ class ShardWriter:
     mask = self._check_mask(doc_tokens, loss_mask)
     doc = np.asarray(doc_tokens)
     if doc.ndim != 1 or not (doc.dtype.kind in "iu" or doc.size == 0):
-      raise TypeError(
+      raise ArgumentTypeError(
           f"ShardWriter({str(self.path)!r}): document {self.inputs} must be a 1-D integer array, "
           f"got dtype {doc.dtype} shape {doc.shape}")
     self.inputs += 1
@@ -179,7 +180,7 @@ class ShardWriter:
     lo, hi = int(doc.min()), int(doc.max())
     if lo < 0 or hi >= self.vocab_size:
       self.inputs -= 1
-      raise ValueError(
+      raise ArgumentError(
           f"ShardWriter({str(self.path)!r}): document {self.inputs} has token id "
           f"{lo if lo < 0 else hi} outside [0, vocab_size={self.vocab_size})")
     if self._open_shard is None:
@@ -206,18 +207,18 @@ class ShardWriter:
     where = f"ShardWriter({str(self.path)!r}): document {self.inputs}"
     if not self.loss_mask:
       if loss_mask is not None:
-        raise ValueError(f"{where}: got a loss_mask but the writer was opened with "
+        raise ArgumentError(f"{where}: got a loss_mask but the writer was opened with "
                          f"loss_mask=False")
       return None
     if loss_mask is None:
-      raise ValueError(f"{where}: the writer was opened with loss_mask=True; pass loss_mask=...")
+      raise ArgumentError(f"{where}: the writer was opened with loss_mask=True; pass loss_mask=...")
     mask = np.asarray(loss_mask)
     size = np.shape(doc_tokens)
     if mask.shape != size:
-      raise ValueError(f"{where}: loss_mask has shape {mask.shape}, the tokens {size}")
+      raise ArgumentError(f"{where}: loss_mask has shape {mask.shape}, the tokens {size}")
     if mask.size and not np.isin(mask, (0, 1)).all():
       bad = mask.reshape(-1)[~np.isin(mask.reshape(-1), (0, 1))][0].item()
-      raise ValueError(f"{where}: loss_mask values must be 0 or 1, got {bad!r}")
+      raise ArgumentError(f"{where}: loss_mask values must be 0 or 1, got {bad!r}")
     return mask.astype(np.uint8)
 
   def _finish_shard(self) -> None:

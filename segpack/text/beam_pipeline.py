@@ -53,6 +53,7 @@ import numpy as np
 
 from segpack import remote_files
 from segpack import shards as shards_lib
+from segpack.errors import ArgumentError
 from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE, metadata_sha256
 from segpack.text import beam_driver
 from segpack.text import corpus
@@ -89,7 +90,7 @@ def _tokenizer(spec: str, fingerprint: str) -> tokenizer_spec.Tokenizer:
   if tok is None:  # A tokenizer file named by URL is copied to this machine first.
     tok = _TOKENIZERS[spec] = tokenizer_spec.from_spec(remote_inputs.local_tokenizer_spec(spec))
   if tok.fingerprint != fingerprint:
-    raise ValueError(f"tokenizer {spec!r} on this worker has fingerprint {tok.fingerprint}, the "
+    raise ArgumentError(f"tokenizer {spec!r} on this worker has fingerprint {tok.fingerprint}, the "
                      f"driver's has {fingerprint}: every worker must see the same file")
   return tok
 
@@ -125,7 +126,7 @@ def _shard_record(output: str, stem: str, docs: list[np.ndarray], dtype: np.dtyp
   its manifest entry."""
   token_ids = np.concatenate(docs)
   if int(token_ids.max()) >= vocab_size:
-    raise ValueError(f"{remote_files.join(output, stem)}: token id {int(token_ids.max())} >= "
+    raise ArgumentError(f"{remote_files.join(output, stem)}: token id {int(token_ids.max())} >= "
                      f"vocab_size {vocab_size}")
   tokens = token_ids.astype(dtype, copy=False).tobytes()
   ends = np.cumsum([d.size for d in docs])
@@ -288,7 +289,7 @@ def write_dataset_beam(
     (manifest, shards kept from an earlier run, UTF-8 bytes tokenized, bad lines skipped).
   """
   if (files_in is None) == (documents is None):
-    raise ValueError("write_dataset_beam: pass exactly one of files_in and documents")
+    raise ArgumentError("write_dataset_beam: pass exactly one of files_in and documents")
   if not isinstance(unit_records, int) or unit_records < 1:
     raise InputFormatError(f"--unit-records must be a positive int, got {unit_records!r}")
   beam = beam_driver.import_beam()

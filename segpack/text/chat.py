@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from segpack import shards
+from segpack.errors import ArgumentError, UserError
 
 __all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
            "Skipped", "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
@@ -29,7 +30,7 @@ ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(UserError, ValueError):
   """A conversation is malformed; the message names the file:line (or index), message and field."""
 
 
@@ -86,11 +87,11 @@ class ChatTemplate:
   def __post_init__(self):
     markers = self.markers
     if any(not isinstance(m, str) or not m for m in markers) or len(set(markers)) != 4:
-      raise ValueError(f"ChatTemplate: system, user, assistant and end_of_turn must be distinct "
+      raise ArgumentError(f"ChatTemplate: system, user, assistant and end_of_turn must be distinct "
                        f"non-empty strings, got {markers!r}")
     for name in ("after_marker", "after_turn"):
       if not isinstance(getattr(self, name), str):
-        raise ValueError(f"ChatTemplate: {name} must be a str, got {getattr(self, name)!r}")
+        raise ArgumentError(f"ChatTemplate: {name} must be a str, got {getattr(self, name)!r}")
 
   @property
   def markers(self) -> tuple[str, str, str, str]:
@@ -116,7 +117,7 @@ DEFAULT_TEMPLATE = ChatTemplate()
 
 def _check_train_on(train_on: str) -> None:
   if train_on not in TRAIN_ON:
-    raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
+    raise ArgumentError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
 
 
 def validate_messages(messages: Any, *, where: str, template: ChatTemplate = DEFAULT_TEMPLATE,
@@ -210,7 +211,7 @@ class ChatEncoder:
       if i is None:
         self.markers_are_symbols = False
         if strict_markers:
-          raise ValueError(f"ChatEncoder: marker {marker!r} is not a special symbol of "
+          raise ArgumentError(f"ChatEncoder: marker {marker!r} is not a special symbol of "
                            f"{tokenizer!r}; train the model with user_defined_symbols="
                            f"{list(template.markers)!r} or pass strict_markers=False")
         ids = np.asarray(tokenizer.encode(marker), dtype=np.int64)

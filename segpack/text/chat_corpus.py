@@ -21,6 +21,7 @@ from typing import Any
 
 from segpack import files
 from segpack import shards
+from segpack.errors import ArgumentError
 from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import corpus
@@ -177,7 +178,7 @@ def chat_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = None
 
 def _root(size: str, cache_dir: str | os.PathLike[str] | None) -> Path:
   if size not in corpus.SIZES:
-    raise ValueError(f"ensure_builtin_chat: size must be one of {sorted(corpus.SIZES)}, got "
+    raise ArgumentError(f"ensure_builtin_chat: size must be one of {sorted(corpus.SIZES)}, got "
                      f"{size!r}")
   return spm.cache_root(cache_dir) / f"builtin-chat-{size}-{_cache_key(size)}"
 

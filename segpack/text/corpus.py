@@ -45,6 +45,7 @@ from pydoc_data import topics as pydoc_topics
 
 from segpack import files
 from segpack import shards as shards_lib
+from segpack.errors import ArgumentError
 from segpack.text import encode
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
@@ -192,9 +193,9 @@ def builtin_documents(*, split: str, size: str = "full") -> Iterator[tuple[str, 
     ValueError: for an unknown `split` or `size`.
   """
   if split not in _SPLITS:
-    raise ValueError(f"builtin_documents: split must be one of {_SPLITS}, got {split!r}")
+    raise ArgumentError(f"builtin_documents: split must be one of {_SPLITS}, got {split!r}")
   if size not in SIZES:
-    raise ValueError(f"builtin_documents: size must be one of {sorted(SIZES)}, got {size!r}")
+    raise ArgumentError(f"builtin_documents: size must be one of {sorted(SIZES)}, got {size!r}")
   want_eval = split == "eval"
   topics = _topics()
   for key in sorted(topics):

@@ -41,6 +41,7 @@ import numpy as np
 
 from segpack import files
 from segpack import shards
+from segpack.errors import ArgumentError
 
 __all__ = ["CONFIG_NAME", "TOKENIZER_NAME", "HfTokenizer"]
 
@@ -66,7 +67,7 @@ def _token_content(value: Any, where: str) -> str | None:
   if isinstance(value, dict):
     value = value.get("content")
   if not isinstance(value, str) or not value:
-    raise ValueError(f"{where}: expected a token string or an object with a \"content\" string, "
+    raise ArgumentError(f"{where}: expected a token string or an object with a \"content\" string, "
                      f"got {value!r:.100}")
   return value
 
@@ -130,15 +131,15 @@ class HfTokenizer:
     try:
       spec = json.loads(raw.decode("utf-8"))
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors.
-      raise ValueError(f"{self.model_file}: not a Hugging Face tokenizer.json (not JSON: {e})")
+      raise ArgumentError(f"{self.model_file}: not a Hugging Face tokenizer.json (not JSON: {e})")
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-      raise ValueError(f"{self.model_file}: not a Hugging Face tokenizer.json (no \"model\" "
+      raise ArgumentError(f"{self.model_file}: not a Hugging Face tokenizer.json (no \"model\" "
                        f"object)")
     lib = _tokenizers_module()
     try:
       self._tok = lib.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # The library raises plain Exception for a malformed file.
-      raise ValueError(f"{self.model_file}: not a Hugging Face tokenizer.json ({e})") from e
+      raise ArgumentError(f"{self.model_file}: not a Hugging Face tokenizer.json ({e})") from e
     self._tok.no_truncation()
     self._tok.no_padding()
     self._tok.encode_special_tokens = True
@@ -168,14 +169,14 @@ class HfTokenizer:
       try:
         config = json.loads(self.config_file.read_text("utf-8"))
       except ValueError as e:
-        raise ValueError(f"{self.config_file}: not valid JSON ({e})") from e
+        raise ArgumentError(f"{self.config_file}: not valid JSON ({e})") from e
       if not isinstance(config, dict):
-        raise ValueError(f"{self.config_file}: expected a JSON object, got {config!r:.100}")
+        raise ArgumentError(f"{self.config_file}: expected a JSON object, got {config!r:.100}")
       for name in _NAMES:
         key = f"{name}_token"
         tokens[name] = _token_content(config.get(key), f"{self.config_file}: {key}")
         if tokens[name] is not None and self._tok.token_to_id(tokens[name]) is None:
-          raise ValueError(f"{self.config_file}: {key} {tokens[name]!r} is not in the vocabulary "
+          raise ArgumentError(f"{self.config_file}: {key} {tokens[name]!r} is not in the vocabulary "
                            f"of {self.model_file}")
     post = _post_processor_tokens(spec.get("post_processor"))
     model = spec["model"]

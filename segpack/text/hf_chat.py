@@ -27,6 +27,7 @@ import numpy as np
 
 from segpack import files
 from segpack import shards
+from segpack.errors import ArgumentError, UserError
 from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import chat_layout
@@ -46,7 +47,7 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _KINDS = {"sentencepiece": "spm", "hf": "hf"}
 
 
-class DatasetRendererError(ValueError):
+class DatasetRendererError(UserError, ValueError):
   """A chat dataset's renderer cannot be loaded: its manifest or a file copy is missing or
   damaged (the message names the file)."""
 
@@ -95,7 +96,7 @@ def validate_hf_messages(messages: Any, *, where: str, train_on: str = "assistan
     ChatFormatError: naming `where`, the message index, its role and the field.
   """
   if train_on not in chat.TRAIN_ON:
-    raise ValueError(f"train_on must be one of {chat.TRAIN_ON}, got {train_on!r}")
+    raise ArgumentError(f"train_on must be one of {chat.TRAIN_ON}, got {train_on!r}")
   if not isinstance(messages, list) or not messages:
     raise ChatFormatError(f"{where}: messages must be a non-empty list, got {messages!r:.80}")
   for k, message in enumerate(messages):
@@ -168,18 +169,18 @@ class HfChatTemplate:
       ImportError: transformers is not installed (naming the extra).
     """
     if train_on not in chat.TRAIN_ON:
-      raise ValueError(f"train_on must be one of {chat.TRAIN_ON}, got {train_on!r}")
+      raise ArgumentError(f"train_on must be one of {chat.TRAIN_ON}, got {train_on!r}")
     self.directory = Path(directory)
     source = template_file(self.directory)
     if source is None:
-      raise ValueError(f"{self.directory}: no chat template (chat_template.jinja, or "
+      raise ArgumentError(f"{self.directory}: no chat template (chat_template.jinja, or "
                        f"chat_template in {hf.CONFIG_NAME})")
     transformers, self._utils = _transformers()
     try:
       self._hf = transformers.AutoTokenizer.from_pretrained(str(self.directory),
                                                             local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"{self.directory}: transformers cannot load the tokenizer: "
+      raise ArgumentError(f"{self.directory}: transformers cannot load the tokenizer: "
                        f"{' '.join(str(e).split())}") from e
     self.tokenizer = hf.HfTokenizer(self.directory)
     self.train_on = train_on

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from segpack.errors import UserError
+
 __all__ = ["InputFormatError", "ReadCounters"]
 
 
-class InputFormatError(ValueError):
+class InputFormatError(UserError, ValueError):
   """An input file, record or argument is unusable; the message names it and the value."""
 
 

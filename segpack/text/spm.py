@@ -37,6 +37,7 @@ import sentencepiece
 
 from segpack import files
 from segpack import shards
+from segpack.errors import ArgumentError
 from segpack.text import spm_proto
 
 _LOG = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class SpmTokenizer:
     try:
       self._sp = sentencepiece.SentencePieceProcessor(model_file=str(self.model_file))
     except (RuntimeError, OSError) as e:
-      raise ValueError(f"{self.model_file}: not a SentencePiece model ({e})") from e
+      raise ArgumentError(f"{self.model_file}: not a SentencePiece model ({e})") from e
     self.fingerprint = "sha256:" + files.sha256_file(self.model_file)
     # `segpack.text.tokenizer_spec.from_spec(spec)` rebuilds this tokenizer (worker processes).
     self.spec = "spm:" + str(self.model_file.resolve())
@@ -171,18 +172,18 @@ def train_spm(
     The trained tokenizer.
   """
   if not isinstance(vocab_size, int) or vocab_size < 300:
-    raise ValueError(f"train_spm: vocab_size must be an int >= 300 (4 reserved ids + 256 byte "
+    raise ArgumentError(f"train_spm: vocab_size must be an int >= 300 (4 reserved ids + 256 byte "
                      f"pieces + some), got {vocab_size!r}")
   symbols = list(user_defined_symbols)
   if any(not isinstance(x, str) or not x for x in symbols) or len(set(symbols)) != len(symbols):
-    raise ValueError(f"train_spm: user_defined_symbols must be distinct non-empty strings, got "
+    raise ArgumentError(f"train_spm: user_defined_symbols must be distinct non-empty strings, got "
                      f"{symbols!r}")
   model_file = Path(model_file)
   model_file.parent.mkdir(parents=True, exist_ok=True)
   sentences = _training_sentences(texts, max_sentences)
   first = next(sentences, None)
   if first is None:
-    raise ValueError(f"train_spm: no non-blank text to train {model_file} on")
+    raise ArgumentError(f"train_spm: no non-blank text to train {model_file} on")
   model = io.BytesIO()
   raised: list[BaseException] = []
   started = time.perf_counter()
@@ -204,12 +205,12 @@ def train_spm(
   if failure is not None:
     needed = _REQUIRED_PIECES.search(str(failure))
     if needed:
-      raise ValueError(
+      raise ArgumentError(
           f"train_spm: vocab_size={vocab_size} is smaller than the {needed.group(2)} pieces the "
           f"text of {model_file} needs (4 reserved ids, 256 byte pieces, the user-defined "
           "symbols and one piece per character of 99.95% of the text): pass a vocab_size "
           f"(--vocab-size) of at least {needed.group(2)}") from failure
-    raise ValueError(f"train_spm: SentencePiece could not train {model_file}: {failure}"
+    raise ArgumentError(f"train_spm: SentencePiece could not train {model_file}: {failure}"
                      ) from failure
   files.atomic_write_bytes(model_file, model.getvalue())
   tokenizer = SpmTokenizer(model_file)

@@ -11,13 +11,15 @@ needs < 7). The model file's layout is small and stable, so it is read here with
 
 from __future__ import annotations
 
+from segpack.errors import UserError
+
 __all__ = ["ModelFormatError", "USER_DEFINED", "pieces", "user_defined_pieces"]
 
 NORMAL, USER_DEFINED = 1, 4
 _VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
 
 
-class ModelFormatError(ValueError):
+class ModelFormatError(UserError, ValueError):
   """The bytes are not a SentencePiece model (truncated or another file)."""
 
 

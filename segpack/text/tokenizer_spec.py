@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from segpack.errors import ArgumentError, ArgumentTypeError
 from segpack.text import hf as hf_lib
 from segpack.text import spm as spm_lib
 
@@ -64,10 +65,10 @@ class Tokenizer(Protocol):
 def split_spec(spec: str) -> tuple[str, str]:
   """`(kind, path)` of a spec; raises ValueError naming it when the kind is unknown."""
   if not isinstance(spec, str):
-    raise TypeError(f"tokenizer spec must be a str such as 'hf:PATH', got {spec!r}")
+    raise ArgumentTypeError(f"tokenizer spec must be a str such as 'hf:PATH', got {spec!r}")
   kind, sep, path = spec.partition(":")
   if not sep or kind not in KINDS or not path:
-    raise ValueError(f"tokenizer spec {spec!r}: expected 'spm:PATH' (SentencePiece model) or "
+    raise ArgumentError(f"tokenizer spec {spec!r}: expected 'spm:PATH' (SentencePiece model) or "
                      f"'hf:PATH' (Hugging Face tokenizer.json)")
   return kind, path
 

@@ -1,15 +1,18 @@
-"""How every command ends on an error: `command(prog)` wraps a command-line `main`.
+"""The project's one error base, and how every command ends on an error.
 
-- A user error (a bad flag value, a missing or unreadable file, a damaged dataset) ends with one
-  line on stderr, `PROG: error: MESSAGE`, and exit status 2. User errors are `OSError` (the
-  operating system names the file), the `ValueError` and `TypeError` subclasses that segpack
-  and its trainer raise on purpose for bad input (`InputFormatError`, `ShardFormatError`,
-  `DataArgumentError`, `ConfigError`, ...), which name the flag, file or key and echo the value,
-  and a bare `ValueError` raised by a `raise` statement in segpack's or the trainer's own code.
+`UserError` is the base of every error that reports a mistake in the user's input (a flag, a
+config key, a file, a dataset, a checkpoint): its message names the argument, file or key and
+echoes the value. Each project error class derives from it and from the builtin it refines
+(`ValueError`, `TypeError`, `OSError`), so `except ValueError` keeps working; a bare argument
+check raises `ArgumentError` / `ArgumentTypeError`. Everything else is a bug.
+
+`command(prog)` wraps a command-line `main`:
+
+- A `UserError`, or an `OSError` (the operating system names the file), ends with one line on
+  stderr, `PROG: error: MESSAGE`, and exit status 2.
 - Ctrl-C ends with one line and exit status 130.
 - Anything else is a bug: its traceback is printed, then one line asking to report it, and the
-  exit status is 1. A bare `ValueError` raised deep inside NumPy or JAX is such an internal error,
-  not a user error.
+  exit status is 1 (a `ValueError` raised inside NumPy or JAX included).
 - argparse's own errors (an unknown flag, a value of the wrong type) keep argparse's usage line
   and one error line, exit status 2 (`SystemExit` passes through).
 
@@ -29,47 +32,30 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-__all__ = ["UsageError", "at_least", "command", "directory", "is_user_error", "one_line"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "UsageError", "UserError", "at_least", "command",
+           "directory", "is_user_error", "one_line"]
 
-_PROJECT_PACKAGES = ("segpack", "train")
+class UserError(Exception):
+  """A mistake in the user's input; the message names the argument, file or key and echoes the
+  value. Commands print it as one line with exit status 2 (`command`)."""
 
 
-class UsageError(ValueError):
+class ArgumentError(UserError, ValueError):
+  """An argument's value is unusable (a bare argument check of the project's code)."""
+
+
+class ArgumentTypeError(UserError, TypeError):
+  """An argument has the wrong type."""
+
+
+class UsageError(ArgumentError):
   """A command-line argument is unusable; the message names the argument and echoes its value."""
 
 
-# The directories of the project's packages: a bare ValueError raised by a statement in them is
-# raised on purpose (its message names the argument and value).
-_PROJECT_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), name) + os.sep for name in _PROJECT_PACKAGES)
-
-
-def _raised_by_project(error: BaseException) -> bool:
-  """Whether the innermost frame of `error`'s traceback is project code (a `raise` of segpack or
-  the trainer), not NumPy, JAX or another library."""
-  tb = error.__traceback__
-  if tb is None:
-    return False
-  while tb.tb_next is not None:
-    tb = tb.tb_next
-  return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PROJECT_DIRS)
-
-
 def is_user_error(error: BaseException) -> bool:
-  """Whether `error` reports bad input (see the module docstring) rather than a bug.
-
-  User errors: `OSError`; the project's own `ValueError`/`TypeError` subclasses; a bare
-  `ValueError` raised by a `raise` statement of the project's code (its argument checks). A bare
-  `ValueError` or `TypeError` raised inside a library (NumPy, JAX, ...) is a bug.
-  """
-  if isinstance(error, OSError):
-    return True
-  if not isinstance(error, (ValueError, TypeError)):
-    return False
-  if any(cls.__module__.partition(".")[0] in _PROJECT_PACKAGES
-         for cls in type(error).__mro__ if cls not in (ValueError, TypeError)):
-    return True
-  return type(error) is ValueError and _raised_by_project(error)
+  """Whether `error` reports bad input rather than a bug: a `UserError`, or an `OSError` (the
+  operating system names the file)."""
+  return isinstance(error, (UserError, OSError))
 
 
 def one_line(error: BaseException) -> str:
