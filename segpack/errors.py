@@ -32,8 +32,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-__all__ = ["ArgumentError", "ArgumentTypeError", "UsageError", "UserError", "at_least", "command",
-           "directory", "is_user_error", "one_line"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "PipelineConfigError", "UsageError", "UserError",
+           "at_least", "command", "directory", "is_user_error", "one_line"]
 
 class UserError(Exception):
   """A mistake in the user's input; the message names the argument, file or key and echoes the
@@ -46,6 +46,11 @@ class ArgumentError(UserError, ValueError):
 
 class ArgumentTypeError(UserError, TypeError):
   """An argument has the wrong type."""
+
+
+class PipelineConfigError(UserError, ValueError):
+  """An argument of the data pipeline (`pack_dataset`, `pack_minibatches`, their planners) is
+  invalid; the message names it and echoes the value (re-exported by `segpack.data.options`)."""
 
 
 class UsageError(ArgumentError):

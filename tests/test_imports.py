@@ -9,6 +9,10 @@ Rules of the imports (issue 10):
   `segpack.attention.pallas`, `from segpack.attention.checks import X` to
   `segpack.attention.checks` (a package's `__init__` running first is not counted).
 
+Floors (`FLOORS`, lowest first; docs/architecture.md, "Floors"): a module imports modules of its
+own floor or of a lower one, never of a higher one. The library (segpack/) never imports the
+trainer (train/), which sits on the top floor with configs/.
+
 Rules of size, for segpack/, train/ and configs/:
 - A module holds at most 450 lines (`MAX_MODULE_LINES`).
 - A function or method holds at most 80 lines of code (`MAX_FUNCTION_LINES`): the lines of its
@@ -38,6 +42,18 @@ REASON = re.compile(r"#\s*optional:\s*\S")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 MAX_PACK_DATASET_PARAMETERS = 12
+# The floors of the house, lowest first: a module's floor is that of its longest prefix here.
+FLOORS = (
+    ("segpack.errors",),
+    ("segpack.files", "segpack.mesh", "segpack.loss", "segpack.interop"),
+    ("segpack.remote_files",),
+    ("segpack.shards", "segpack.attention"),
+    ("segpack.packing", "segpack.text"),
+    ("segpack.data", "segpack"),
+    ("segpack.bench",),
+    ("segpack.cli", "segpack.__main__"),
+    ("train", "configs"),
+)
 
 
 def module_files(packages: tuple[str, ...] = PACKAGES) -> dict[str, pathlib.Path]:
@@ -100,8 +116,8 @@ def module_imports(source: str, module: str, *, is_package: bool,
   return out
 
 
-def import_graph() -> dict[str, set[str]]:
-  files = module_files()
+def import_graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+  files = module_files(packages)
   known = set(files)
   return {name: module_imports(path.read_text(), name, is_package=path.name == "__init__.py",
                                known=known)
@@ -302,3 +318,63 @@ def test_pack_dataset_takes_few_parameters_and_no_kwargs():
       f"{path.relative_to(REPO)}: pack_dataset takes {count} parameters"
       f"{' and **kwargs' if kwargs else ''}; at most {MAX_PACK_DATASET_PARAMETERS} and no "
       f"**kwargs (group related options into an options object)")
+
+
+def floor_of(module: str) -> int:
+  """The floor of `module`: that of the longest prefix of its name in `FLOORS`."""
+  best, floor = -1, None
+  for level, prefixes in enumerate(FLOORS):
+    for prefix in prefixes:
+      if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+        best, floor = len(prefix), level
+  if floor is None:
+    raise AssertionError(f"{module} is on no floor of FLOORS")
+  return floor
+
+
+def test_floor_of_takes_the_longest_prefix():
+  assert floor_of("segpack.errors") == 0 and floor_of("segpack.data.packed") == 5
+  assert floor_of("segpack") == 5 and floor_of("train.model") == 8
+  assert floor_of("segpack.packing.permutation") == 4
+
+
+def test_no_module_imports_a_higher_floor():
+  """Every import goes down the floors (or stays on one), e.g. `segpack.packing` never imports
+  `segpack.data`, `segpack.bench` never imports `segpack.cli`."""
+  graph = import_graph(packages=SIZED_PACKAGES)
+  up = sorted(f"{a} (floor {floor_of(a)}) -> {b} (floor {floor_of(b)})"
+              for a, targets in graph.items() for b in targets if floor_of(b) > floor_of(a))
+  assert not up, "imports up a floor:\n" + "\n".join(up)
+
+
+def test_the_floor_check_sees_an_upward_import():
+  """The negative control: an import of the data floor from the packing floor is one."""
+  graph = {"segpack.packing.planner": {"segpack.data.options"}}
+  assert [b for a, bs in graph.items() for b in bs if floor_of(b) > floor_of(a)]
+
+
+def architecture_listing() -> set[str]:
+  """The module paths the Layout block of docs/architecture.md lists (indentation = folder)."""
+  text = (REPO / "docs" / "architecture.md").read_text()
+  block = text.split("## Layout", 1)[1].split("```", 2)[1]
+  listed, folders = set(), []
+  for line in block.splitlines():
+    match = re.match(r"^( *)(\S+)", line)
+    if not match or not match.group(2).endswith(("/", ".py")):
+      continue
+    folders = folders[:len(match.group(1)) // 2]
+    if match.group(2).endswith("/"):
+      folders.append(match.group(2).rstrip("/"))
+    else:
+      listed.add("/".join(folders + [match.group(2)]))
+  return listed
+
+
+def test_docs_architecture_has_a_line_for_every_module_and_none_stale():
+  listed = architecture_listing()
+  actual = {str(p.relative_to(REPO)) for package in SIZED_PACKAGES
+            for p in (REPO / package).rglob("*.py")}
+  missing = sorted(p for p in actual - listed if not p.endswith("__init__.py"))
+  assert not missing, f"modules without a line in docs/architecture.md: {missing}"
+  assert not listed - actual, f"stale lines: {sorted(listed - actual)}"
+  assert "segpack/errors.py" in listed and "train/decode.py" in listed  # the parser reads it

@@ -1,4 +1,4 @@
-"""Tests for segpack.data.permutation: the one epoch permutation, the order unpacked random
+"""Tests for segpack.packing.permutation: the one epoch permutation, the order unpacked random
 sampling draws, used for the rows of `pack_dataset` and the examples of minibatch packing."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 import segpack
 from segpack.data.options import SpecialTokens
-from segpack.data.permutation import epoch_permutation
+from segpack.packing.permutation import epoch_permutation
 from segpack.packing.minibatch_planner import MinibatchPlanner
 
 

@@ -124,7 +124,7 @@ def test_default_path_unchanged():
   n = ds.rows_per_epoch
   for epoch in range(2):
     rows = _pieces(_epoch_rows(ds, epoch))
-    order = segpack.data.permutation.epoch_permutation(plan.num_rows, seed=5, epoch=epoch)
+    order = segpack.packing.permutation.epoch_permutation(plan.num_rows, seed=5, epoch=epoch)
     want = [plan.doc[plan.row_splits[r]:plan.row_splits[r + 1]].tolist() for r in order]
     assert rows == want[:n]
 

@@ -155,7 +155,7 @@ def test_metrics_also_go_to_tensorboard(tmp_path):
 
 
 def test_documented_commands_in_sequence_never_share_a_workdir():
-  from train import main as main_lib
+  from train import launch as main_lib
   plain = main_lib.default_workdir("configs/packed.py")
   mine = main_lib.default_workdir("configs/packed.py", {"data.train": "data/mine"})
   other = main_lib.default_workdir("configs/packed.py", {"data.train": "data/other"})

@@ -229,7 +229,7 @@ def test_resume_with_incompatible_config_says_what_differs(tmp_path):
 
 
 def test_cli_refuses_a_config_typo_and_names_the_default_workdir():
-  from train import main as main_lib  # pylint: disable=g-import-not-at-top
+  from train import launch as main_lib  # pylint: disable=g-import-not-at-top
   assert main_lib.default_workdir("configs/packed.py:smoke") == os.path.join("runs", "packed_smoke")
   assert main_lib.default_workdir("configs/padded.py") == os.path.join("runs", "padded")
   proc = subprocess.run(

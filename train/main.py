@@ -2,29 +2,18 @@ r"""Trains a decoder LM on packed rows: `python -m train.main --config=configs/p
 
 Flags: `--config` (a config file, `:smoke` for a run of seconds, `--config.a.b=v` overrides) and
 `--workdir` (default `./runs/<config file name>[_<arg>][-<hash of the overrides a run cannot
-resume across>]`, `default_workdir`). Multi-host: pass `--distributed` on
+resume across>]`, `train.launch.default_workdir`). Multi-host: pass `--distributed` on
 every host (`jax.distributed.initialize()` then finds the cluster from the environment).
 
 Every mistake of the command line or the config (a missing config file, an unknown `:variant`, a
-bad override, a `segpack.errors.UserError` from the run) is printed as one line, `train.main: <message>`,
-with exit code 2.
+bad override, a `segpack.errors.UserError` from the run) is printed as one line,
+`train.main: <message>`, with exit code 2 (`train.launch`).
 """
 
-import hashlib
-import json
-import os
-import sys
-from typing import Any
-
-import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from segpack import errors
-from train import checkpoint as ckpt_lib
-from train import hf_config
-from train import run_guard
-from train import train
+from train import launch
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Trainer config file.",
                                           lock_config=True)
@@ -32,97 +21,15 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default ./runs/<
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize().")
 
 
-def default_workdir(config_path: str, overrides: dict[str, Any] | None = None) -> str:
-  """`configs/packed.py:smoke` -> `./runs/packed_smoke`; with `--config.*` overrides that a run
-  cannot resume across (any key outside `train.checkpoint.RESUMABLE_CHANGES`), a suffix of
-  their hash, so that two documented commands never share a workdir by accident:
-  `--config.data.train=data/mine` -> `./runs/packed-5dd894db`."""
-  path, _, arg = config_path.partition(":")
-  name = os.path.splitext(os.path.basename(path))[0]
-  name = f"{name}_{arg}" if arg else name
-  kept = {k: v for k, v in (overrides or {}).items() if k not in ckpt_lib.RESUMABLE_CHANGES}
-  if kept:
-    digest = hashlib.sha256(json.dumps(sorted(kept.items()), default=str).encode()).hexdigest()
-    name = f"{name}-{digest[:8]}"
-  return os.path.join("runs", name)
-
-
-def _fail(message: str) -> None:
-  print(f"train.main: {message}", file=sys.stderr)
-  sys.exit(2)
-
-
-def _config_argument(argv: list[str]) -> str | None:
-  """The value of `--config` in `argv` (`--config=X` or `--config X`), None if absent."""
-  for i, arg in enumerate(argv[1:], start=1):
-    for prefix in ("--config=", "-config="):
-      if arg.startswith(prefix):
-        return arg[len(prefix):]
-    if arg in ("--config", "-config") and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
-
-
-def _root_cause(error: BaseException) -> BaseException:
-  """The first exception of `error`'s chain (`__cause__`, else `__context__`)."""
-  while (error.__cause__ or error.__context__) is not None:
-    error = error.__cause__ or error.__context__
-  return error
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, every error one line with exit code 2: a missing config file, a
-  `get_config` that refuses its argument (`configs/packed.py`'s `UnknownVariantError`: the
-  message of its first exception), an unknown flag or config key, a bad override value.
-
-  Args:
-    argv: the command line, program name first.
-
-  Returns:
-    The arguments absl leaves unparsed (program name first), for `main`.
-  """
-  config_arg = _config_argument(argv)
-  if config_arg is not None:
-    path = config_arg.partition(":")[0]
-    if not os.path.isfile(path):
-      _fail(f"--config={config_arg}: no config file {path!r} (from {os.getcwd()!r})")
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    if config_arg is not None and str(e).startswith("flag --config="):  # get_config raised
-      _fail(f"--config={config_arg}: {_root_cause(e)}")
-    _fail(str(e).strip().splitlines()[0])
-  except AttributeError as e:  # a --config.a.b override naming no key of the locked config
-    detail = e.args[0] if e.args else e
-    detail = detail.args[0] if isinstance(detail, KeyError) and detail.args else detail
-    _fail(f"a --config.* override names no config key: {' '.join(str(detail).split())}")
-  return argv
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
-  overrides = config_flags.get_override_values(flags.FLAGS["config"])
-  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].config_filename, overrides)
-  try:
-    explicit = set(overrides)
-    hf_config.adopt(_CONFIG.value, explicit=explicit)  # model.init_from: config.json decides
-    train.train_and_evaluate(_CONFIG.value, workdir)
-  except errors.UserError as e:
-    _fail(str(e))
-  except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
-    print(f"train.main: {e}", file=sys.stderr, flush=True)
-    sys.exit(128 + e.signum)
-  except KeyboardInterrupt:  # a second Ctrl-C: stop at once, the newest checkpoint stays
-    print("train.main: interrupted; resume from the newest checkpoint with the same command",
-          file=sys.stderr, flush=True)
-    sys.exit(130)
+  launch.run(_CONFIG.value, workdir=_WORKDIR.value,
+             config_filename=flags.FLAGS["config"].config_filename,
+             overrides=config_flags.get_override_values(flags.FLAGS["config"]),
+             distributed=_DISTRIBUTED.value)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=launch.parse_flags)

@@ -25,7 +25,7 @@ import numpy as np
 from segpack import packing
 from segpack.data import balance as balance_lib
 from segpack.data.options import SpecialTokens
-from segpack.data.permutation import epoch_permutation
+from segpack.packing.permutation import epoch_permutation
 from segpack.data.packed import pack_dataset
 from segpack.shards import ShardSource, ShardWriter
 from segpack.text import corpus

@@ -14,11 +14,9 @@ import jax
 import numpy as np
 
 from segpack import packing
-from segpack.errors import UserError
+from segpack.errors import PipelineConfigError
 
-
-class PipelineConfigError(UserError, ValueError):
-  """An argument of `pack_dataset` is invalid (the message names it and echoes the value)."""
+__all__ = ["PipelineConfigError"]  # defined with the error base, where packing can raise it too
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
-from segpack.data.permutation import epoch_permutation
+from segpack.packing.permutation import epoch_permutation
 
 REPACK_MODES = ("none", "epoch")
 

@@ -10,11 +10,11 @@ import dataclasses
 
 import numpy as np
 
-from segpack.data.options import PipelineConfigError
-from segpack.data.permutation import epoch_permutation
+from segpack.errors import PipelineConfigError
 from segpack.packing.chunking import chunk_counts, chunk_spans
 from segpack.packing.ffd import first_fit_decreasing
 from segpack.packing.first_fit import FirstFitTree
+from segpack.packing.permutation import epoch_permutation
 from segpack.packing.plan_format import Plan
 from segpack.packing.planner import plan as plan_rows
 

@@ -1,0 +1,118 @@
+"""What `python -m train.main` does around `train.train_and_evaluate`: flags parsed with every
+mistake one line (exit code 2), the default workdir, a Hugging Face config adopted, and how a run
+ends (a `segpack.errors.UserError` in one line, exit 2; a signal after its checkpoint, 128 + the
+signal; a second Ctrl-C at once, 130).
+"""
+
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+import ml_collections
+from absl import flags, logging
+
+from segpack import errors
+from train import checkpoint as ckpt_lib
+from train import hf_config
+from train import run_guard
+from train import train
+
+
+def default_workdir(config_path: str, overrides: dict[str, Any] | None = None) -> str:
+  """`configs/packed.py:smoke` -> `./runs/packed_smoke`; with `--config.*` overrides that a run
+  cannot resume across (any key outside `train.checkpoint.RESUMABLE_CHANGES`), a suffix of
+  their hash, so that two documented commands never share a workdir by accident:
+  `--config.data.train=data/mine` -> `./runs/packed-5dd894db`."""
+  path, _, arg = config_path.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  name = f"{name}_{arg}" if arg else name
+  kept = {k: v for k, v in (overrides or {}).items() if k not in ckpt_lib.RESUMABLE_CHANGES}
+  if kept:
+    digest = hashlib.sha256(json.dumps(sorted(kept.items()), default=str).encode()).hexdigest()
+    name = f"{name}-{digest[:8]}"
+  return os.path.join("runs", name)
+
+
+def _fail(message: str) -> None:
+  print(f"train.main: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_argument(argv: list[str]) -> str | None:
+  """The value of `--config` in `argv` (`--config=X` or `--config X`), None if absent."""
+  for i, arg in enumerate(argv[1:], start=1):
+    for prefix in ("--config=", "-config="):
+      if arg.startswith(prefix):
+        return arg[len(prefix):]
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The first exception of `error`'s chain (`__cause__`, else `__context__`)."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  return error
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, every error one line with exit code 2: a missing config file, a
+  `get_config` that refuses its argument (`configs/packed.py`'s `UnknownVariantError`: the
+  message of its first exception), an unknown flag or config key, a bad override value.
+
+  Args:
+    argv: the command line, program name first.
+
+  Returns:
+    The arguments absl leaves unparsed (program name first), for `main`.
+  """
+  config_arg = _config_argument(argv)
+  if config_arg is not None:
+    path = config_arg.partition(":")[0]
+    if not os.path.isfile(path):
+      _fail(f"--config={config_arg}: no config file {path!r} (from {os.getcwd()!r})")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    if config_arg is not None and str(e).startswith("flag --config="):  # get_config raised
+      _fail(f"--config={config_arg}: {_root_cause(e)}")
+    _fail(str(e).strip().splitlines()[0])
+  except AttributeError as e:  # a --config.a.b override naming no key of the locked config
+    detail = e.args[0] if e.args else e
+    detail = detail.args[0] if isinstance(detail, KeyError) and detail.args else detail
+    _fail(f"a --config.* override names no config key: {' '.join(str(detail).split())}")
+  return argv
+
+
+def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filename: str,
+        overrides: dict[str, Any], distributed: bool) -> None:
+  """Trains `config` in `workdir` (None: `default_workdir`), ending as the module docstring says.
+
+  Args:
+    config: the parsed config.
+    workdir: `--workdir`, or None.
+    config_filename: `--config`'s value (names the default workdir).
+    overrides: the `--config.*` overrides given (`config_flags.get_override_values`).
+    distributed: call `jax.distributed.initialize()` first.
+  """
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
+  if distributed:
+    jax.distributed.initialize()
+  workdir = workdir or default_workdir(config_filename, overrides)
+  try:
+    hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
+    train.train_and_evaluate(config, workdir)
+  except errors.UserError as e:
+    _fail(str(e))
+  except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
+    print(f"train.main: {e}", file=sys.stderr, flush=True)
+    sys.exit(128 + e.signum)
+  except KeyboardInterrupt:  # a second Ctrl-C: stop at once, the newest checkpoint stays
+    print("train.main: interrupted; resume from the newest checkpoint with the same command",
+          file=sys.stderr, flush=True)
+    sys.exit(130)
