@@ -59,6 +59,22 @@ def test_load_errors_name_the_file(tmp_path):
     packing.Plan.load(tmp_path / "plan")
 
 
+def test_a_plan_of_the_old_dtypes_is_refused(tmp_path):
+  """int64 `doc` and int32 `length` (plans of before the compact dtypes) are refused by name,
+  even with matching checksums; the compact plan itself loads."""
+  p = packing.plan(np.arange(1, 50), 16)
+  for name, dtype in (("doc", np.int64), ("length", np.int32)):
+    old = packing.Plan(seq_len=p.seq_len, overlap=p.overlap, extra_tokens=p.extra_tokens,
+                       strategy=p.strategy, stats=p.stats, row_splits=p.row_splits,
+                       **{k: (getattr(p, k).astype(dtype) if k == name else getattr(p, k))
+                          for k in ("doc", "start", "length")})
+    old.save(tmp_path / name)
+    with pytest.raises(packing.PlanError, match=f"{name} is {np.dtype(dtype).name}, expected"):
+      packing.Plan.load(tmp_path / name)
+  p.save(tmp_path / "compact")
+  packing.Plan.load(tmp_path / "compact")
+
+
 def test_plan_docstring_example_and_save_without_overwrite(tmp_path):
   p = packing.plan(np.array([5, 3, 6]), 8)
   assert p.row_splits.tolist() == [0, 1, 3] and p.doc.tolist() == [2, 0, 1]

@@ -62,9 +62,7 @@ class Plan:
     doc: `[num_pieces]` document indices: int32 (int64 from 2**31 documents).
     start: int32 `[num_pieces]` first virtual slot of each piece.
     length: `[num_pieces]` slots of each piece, `1 <= length <= seq_len`: uint16 (int32 for
-      seq_len above 65535). Plans written before these dtypes (int64 `doc`, int32 `length`)
-      load as they are; readers must not assume a dtype (cast before arithmetic that could
-      overflow or go below 0).
+      seq_len above 65535). `load` refuses other dtypes (a plan cache recomputes such a plan).
     stats: plain-JSON statistics (`documents`, `dropped`, `split`, `truncated`, `chunks`,
       `tokens`, `slots`, `lower_bound`, ...).
   """
@@ -194,6 +192,7 @@ class Plan:
     plan = cls(seq_len=int(meta["seq_len"]), overlap=int(meta["overlap"]),
                extra_tokens=int(meta["extra_tokens"]), strategy=str(meta["strategy"]),
                stats=dict(meta.get("stats", {})), **arrays)
+    _check_dtypes(plan, path)
     if plan.num_rows != meta.get("num_rows") or plan.num_pieces != meta.get("num_pieces"):
       raise PlanError(f"{path!r}: arrays hold {plan.num_rows} rows / {plan.num_pieces} pieces "
                       f"but {_META} says {meta.get('num_rows')} / {meta.get('num_pieces')}")
@@ -298,3 +297,18 @@ def _restore_plan(seq_len, overlap, extra_tokens, strategy, stats, row_splits, d
   return Plan(seq_len=seq_len, overlap=overlap, extra_tokens=extra_tokens, strategy=strategy,
               row_splits=_unpickle_array(row_splits), doc=_unpickle_array(doc),
               start=_unpickle_array(start), length=_unpickle_array(length), stats=stats)
+
+
+def _check_dtypes(plan: Plan, path: str) -> None:
+  """Refuses arrays of other dtypes than `Plan` documents (e.g. int64 `doc`, int32 `length` of
+  plans written before those dtypes were fixed)."""
+  want = {"row_splits": (np.int64,), "doc": (np.int32, np.int64), "start": (np.int32,),
+          "length": (np.uint16,) if plan.seq_len <= 65535 else (np.int32,)}
+  if plan.doc.dtype == np.int64 and (plan.doc.size == 0 or int(plan.doc.max()) < 2**31 - 1):
+    want["doc"] = (np.int32,)  # int64 only when the indices need it
+  for name, dtypes in want.items():
+    got = getattr(plan, name).dtype
+    if got not in [np.dtype(d) for d in dtypes]:
+      expected = " or ".join(np.dtype(d).name for d in dtypes)
+      raise PlanError(f"{path!r}: {name} is {got}, expected {expected}: a plan of another "
+                      "format; plan again")

@@ -169,10 +169,9 @@ def load_manifest(root: Path) -> dict[str, Any]:
     total = sum(s[key] for s in shards)
     require(manifest.get(key) == total, path,
              f"{key} is {manifest.get(key)!r} but the shards sum to {total}")
-  if "metadata_sha256" in manifest:  # Written since the field exists; older manifests lack it.
-    want, got = manifest["metadata_sha256"], metadata_sha256(manifest.get("metadata"))
-    require(want == got, path, f"metadata does not match metadata_sha256 (the manifest was "
-             f"damaged or edited): {got} but the manifest says {want!r:.80}")
+  want, got = manifest.get("metadata_sha256"), metadata_sha256(manifest.get("metadata"))
+  require(want == got, path, f"metadata does not match metadata_sha256 (the manifest was "
+           f"damaged or edited): {got} but the manifest says {want!r:.80}")
   return manifest
 
 

@@ -130,7 +130,7 @@ class ShardWriter:
         return records
       if (record.get("resume_key") != self.resume_key or record.get("dtype") != self.dtype.name
           or record.get("index") != len(records) or record.get("tokens") != tokens_name
-          or record.get("offsets") != offsets_name
+          or record.get("offsets") != offsets_name or not isinstance(record.get("max_token"), int)
           or record.get("mask") != (mask_name(len(records)) if self.loss_mask else None)):
         return records
       try:
@@ -287,12 +287,9 @@ class ShardWriter:
     if self._open_shard is not None:
       self._finish_shard()
     self._closed = True
-    keys = ("tokens", "offsets", "num_documents", "num_tokens", "sha256") + (
+    keys = ("tokens", "offsets", "num_documents", "num_tokens", "sha256", "max_token") + (
         ("mask",) if self.loss_mask else ())
     shards = [{k: r[k] for k in keys} for r in self._records]
-    for shard, record in zip(shards, self._records):
-      if record.get("max_token") is not None:  # done-records of older writers lack it
-        shard["max_token"] = record["max_token"]
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
