@@ -50,7 +50,7 @@ def read_state(state: Any) -> tuple[str, "StreamPosition", int]:
     raise StreamStateError(
         f"iterator state {state!r} has no 'version': it is of an older format; this version "
         f"reads version {STATE_VERSION}, {{{', '.join(STATE_KEYS)}}}, only")
-  if state["version"] != STATE_VERSION:
+  if not _is_int(state["version"]) or state["version"] != STATE_VERSION:
     raise StreamStateError(f"iterator state has version={state['version']!r}; this version "
                            f"reads version {STATE_VERSION} only")
   if set(state) != set(STATE_KEYS):
