@@ -16,7 +16,7 @@ _EXPORTS = {
     "pack_minibatches": "segpack.data.minibatch_dataset",
     "PackedDataset": "segpack.data.packed",
     "StreamBatches": "segpack.data.stream",
-    "StreamPosition": "segpack.data.stream",
+    "StreamPosition": "segpack.data.position",
     "BalanceOptions": "segpack.data.balance",
     "Mixture": "segpack.data.mixture",
     "MixtureSource": "segpack.data.mixture",

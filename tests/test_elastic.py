@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 
-import grain
 import numpy as np
 import portpicker
 import pytest
@@ -145,7 +144,8 @@ def test_resume_on_another_process_count_consumes_every_row_once(before, after, 
   steps1 = rows // b1 + 2  # into epoch 1, mid-epoch
   state = run_processes(stream, counter, count=p, batch=b1, steps=steps1,
                         ranks=_ranks(p, b1) if balance else None)
-  assert state == {"epoch": 1, "index": steps1 * b1 - rows, "rows_per_epoch": rows}
+  assert state == {"version": 1, "unit": "rows", "epoch": 1, "index": steps1 * b1 - rows,
+                   "epoch_length": rows}
   assert 0 < state["index"]  # the switch is inside epoch 1
   fresh = make_stream(docs, repack=repack)  # a new run: nothing carried over but the state
   steps2 = -(-(3 * rows - steps1 * b1) // b2)  # through epoch 2
@@ -181,11 +181,12 @@ def test_bad_arguments_and_states_are_refused_by_name():
                   balance=BalanceOptions(num_ranks=3))
   it = StreamBatches(stream, global_batch_size=4, process_index=0, process_count=1).iterator()
   rows = stream.rows_per_epoch
-  with pytest.raises(StreamStateError, match=f"rows_per_epoch={rows + 1}"):
-    it.set_state({"epoch": 0, "index": 0, "rows_per_epoch": rows + 1})
+  state = dict(version=1, unit="rows", epoch=0, index=0)
+  with pytest.raises(StreamStateError, match=f"epoch_length={rows + 1}, but epoch 0 .* {rows}"):
+    it.set_state({**state, "epoch_length": rows + 1})
   with pytest.raises(StreamStateError, match=f"index={rows}"):
-    it.set_state({"epoch": 1, "index": rows, "rows_per_epoch": rows})
-  with pytest.raises(StreamStateError, match="next_index"):
+    it.set_state({**state, "epoch": 1, "index": rows, "epoch_length": rows})
+  with pytest.raises(StreamStateError, match="next_index.*has no 'version'"):
     it.set_state({"next_index": 3})
 
 
@@ -222,32 +223,30 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
 
 
 def test_minibatch_steps_resume_on_another_process_count():
-  """Minibatch packing: step k is the same global minibatch on any process count, so Grain's
-  `{"next_index": k}` saved on 2 processes resumes on 4 with the same rows per step."""
+  """Minibatch packing: step k is the same global minibatch on any process count, so the
+  position in steps saved on 2 processes resumes on 4 with the same rows per step, in order."""
   docs = make_docs(80, seed=5)
 
   def steps(index, count):
     return segpack.pack_minibatches(
         docs, seq_len=SEQ_LEN, examples_per_batch=6, rows_per_batch=8, seed=SEED,
-        special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS),
-        shard_options=grain.sharding.ShardOptions(index, count))
+        special_tokens=segpack.SpecialTokens(bos_id=BOS, eos_id=EOS), process_index=index,
+        process_count=count)
 
   whole = steps(0, 1)
-  two = [iter(steps(p, 2).to_iter_dataset()) for p in range(2)]
+  two = [steps(p, 2).iterator() for p in range(2)]
   for _ in range(3):
     for it in two:
       next(it)
   states = [it.get_state() for it in two]
-  assert states[0] == states[1]
-  four = [iter(steps(p, 4).to_iter_dataset()) for p in range(4)]
+  assert states[0] == states[1] == {"version": 1, "unit": "steps", "epoch": 0, "index": 3,
+                                    "epoch_length": 14}
+  four = [steps(p, 4).iterator() for p in range(4)]
   for it in four:
     it.set_state(states[0])
   for k in range(3, 20):  # into the second epoch
-    got = [next(it) for it in four]
-    keys = sorted(row_key(b["input_ids"][n], b["segment_ids"][n]) for b in got for n in range(2))
-    want = whole[k]
-    assert keys == sorted(row_key(want["input_ids"][n], want["segment_ids"][n])
-                          for n in range(8)), k
+    got = np.concatenate([next(it)["input_ids"] for it in four])
+    np.testing.assert_array_equal(got, whole[k]["input_ids"], err_msg=str(k))
 
 
 def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
@@ -261,8 +260,9 @@ def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
                            r"allow_batch_size_change=True"):
     train_lib.train_and_evaluate(_synthetic(**bigger), str(tmp_path))
   data_item = json.loads((tmp_path / "checkpoints" / "1" / "data" / "metadata").read_text())
-  assert data_item["format"] == 2 and data_item["process_count"] == 1
-  assert data_item["iterator"]["epoch"] == 0 and data_item["iterator"]["index"] == 8
+  assert data_item["format"] == 3 and data_item["process_count"] == 1
+  assert data_item["iterator"] == {"version": 1, "unit": "rows", "epoch": 0, "index": 8,
+                                   "epoch_length": data_item["iterator"]["epoch_length"]}
 
 
 _CHILD = """

@@ -6,7 +6,6 @@ option that is silently dropped fails). A keyword that is not a parameter is a p
 
 import types
 
-import grain
 import numpy as np
 import pytest
 
@@ -30,8 +29,7 @@ def make_docs(n=30, seed=0, max_len=40):
               for _ in range(n))
 
 
-def one_shard():
-  return grain.sharding.ShardOptions(shard_index=0, shard_count=1)
+ONE_PROCESS = dict(process_index=0, process_count=1)
 
 
 def all_elements(ds):
@@ -99,7 +97,7 @@ CASES = {
 def _pack(fn, docs, **kw):
   base = dict(seq_len=16, num_epochs=1, seed=3)
   if fn == "pack_minibatches":
-    return segpack.pack_minibatches(docs, examples_per_batch=4, shard_options=one_shard(),
+    return segpack.pack_minibatches(docs, examples_per_batch=4, **ONE_PROCESS,
                                     **base, **kw)
   return segpack.pack_dataset(docs, **base, **kw)
 
@@ -137,7 +135,8 @@ def test_overlap_repeats_slots_of_the_previous_chunk():
     dict(shard_index=0, shard_count=1), dict(mode="minibatch", examples_per_batch=3)])
 def test_flat_keywords_are_a_type_error(fn, old):
   """The options live in their groups only (`special_tokens`, `long_docs`; processes:
-  `StreamBatches`, or `shard_options` of `pack_minibatches`); minibatches: `pack_minibatches`."""
+  `StreamBatches` and `pack_minibatches`, `process_index` / `process_count`); minibatches:
+  `pack_minibatches`."""
   if fn == "pack_minibatches":
     old = {k: v for k, v in old.items() if k != "examples_per_batch"}
   with pytest.raises(TypeError, match="unexpected keyword argument '(" + "|".join(old) + ")'"):
@@ -173,26 +172,37 @@ def test_unknown_keywords_raise_type_error_naming_them():
 ])
 @pytest.mark.parametrize("fn", ["pack_dataset", "pack_minibatches"])
 def test_group_errors_name_the_field_and_echo_the_value(fn, kw, match):
-  extra = dict(examples_per_batch=2) if fn == "pack_minibatches" else {}
+  extra = dict(examples_per_batch=2, **ONE_PROCESS) if fn == "pack_minibatches" else {}
   with pytest.raises(segpack.PipelineConfigError, match=f"^{fn}: {match}"):
     getattr(segpack, fn)(make_docs(5), seq_len=16, **extra, **kw)
 
 
+@pytest.mark.parametrize("fn", ["StreamBatches", "pack_minibatches"])
 @pytest.mark.parametrize("kw, match", [
-    (dict(shard_options=object()), "shard_options must be a grain.sharding.ShardOptions"),
-    (dict(shard_options=types.SimpleNamespace(shard_index=2, shard_count=2,
-                                              drop_remainder=False)),
-     r"shard_options.shard_index must be an int in \[0, 2\), got 2"),
-    (dict(shard_options=types.SimpleNamespace(shard_index=0, shard_count=0,
-                                              drop_remainder=False)),
-     "shard_options.shard_count must be an int >= 1, got 0"),
-    (dict(shard_options=types.SimpleNamespace(shard_index=0, shard_count=1,
-                                              drop_remainder=None)),
-     "shard_options.drop_remainder must be a bool, got None"),
+    (dict(process_index=2, process_count=2), r"process_index must be an int in \[0, 2\), got 2"),
+    (dict(process_index=-1, process_count=2), r"process_index must be an int in \[0, 2\), got -1"),
+    (dict(process_index=0, process_count=0), "process_count must be an int >= 1, got 0"),
+    (dict(process_index=True, process_count=2), r"process_index must .*got True"),
+    (dict(process_index=0, process_count=2.0), "process_count must be an int >= 1, got 2.0"),
 ])
-def test_shard_option_errors_name_the_field_and_echo_the_value(kw, match):
-  with pytest.raises(segpack.PipelineConfigError, match=f"^pack_minibatches: {match}"):
-    segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2, **kw)
+def test_process_errors_name_the_argument_and_echo_the_value(fn, kw, match):
+  """Both batch streams say "this process of that many" one way, checked by one function."""
+  docs = make_docs(5)
+  with pytest.raises(segpack.PipelineConfigError, match=f"^{fn}: {match}"):
+    if fn == "StreamBatches":
+      segpack.StreamBatches(segpack.pack_dataset(docs, seq_len=16), global_batch_size=4, **kw)
+    else:
+      segpack.pack_minibatches(docs, seq_len=16, examples_per_batch=2, **kw)
+
+
+def test_shard_options_is_refused_naming_its_replacement():
+  """`pack_minibatches(shard_options=...)` was the second spelling of the process split."""
+  with pytest.raises(TypeError, match="shard_options was replaced by process_index= and "
+                                      "process_count="):
+    segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2, **ONE_PROCESS,
+                             shard_options=types.SimpleNamespace(shard_index=0, shard_count=1))
+  with pytest.raises(TypeError, match="process_index"):  # no default: the split is explicit
+    segpack.pack_minibatches(make_docs(5), seq_len=16, examples_per_batch=2)
 
 
 def test_special_tokens_resolve_from_the_source_and_unused_ids_are_minus_one():

@@ -21,7 +21,7 @@ from segpack.data.options import LongDocs, SpecialTokens
 from segpack import shards
 
 BOS, EOS = 1, 2
-ONE = grain.sharding.ShardOptions(shard_index=0, shard_count=1)
+ONE = dict(process_index=0, process_count=1)  # every row of each step, here
 IDS = SpecialTokens(bos_id=BOS, eos_id=EOS)
 STRIDE = 10_000
 
@@ -117,7 +117,7 @@ def test_mask_can_be_ignored_and_sequence_sources_work(tmp_path):
 
 
   listed = MaskedDocs([np.asarray(src[i]) for i in range(len(src))], masks)
-  ds = pack_minibatches(listed, seq_len=16, num_epochs=1, shard_options=ONE,
+  ds = pack_minibatches(listed, seq_len=16, num_epochs=1, **ONE,
                         special_tokens=IDS, examples_per_batch=3)
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
   with pytest.raises(pipeline.PipelineConfigError, match="has no loss mask"):
@@ -129,7 +129,7 @@ def test_minibatch_mode_draws_the_unpacked_minibatches(tmp_path, k, drop):
   src, masks = make_source(tmp_path)
   n, seed, epochs = len(src), 5, 2
   ds = pack_minibatches(src, seq_len=16, examples_per_batch=k, seed=seed, num_epochs=epochs,
-                        drop_remainder=drop, shard_options=ONE)
+                        drop_remainder=drop, **ONE)
   # Unpacked training: the same examples, batched by k, takes this many steps per epoch.
   unpacked = grain.MapDataset.range(n).batch(k, drop_remainder=drop)
   assert len(ds) == epochs * len(unpacked) == epochs * (n // k if drop else math.ceil(n / k))
@@ -144,14 +144,14 @@ def test_minibatch_mode_draws_the_unpacked_minibatches(tmp_path, k, drop):
       step += 1
   # Over one epoch, every trained pair of every conversation, exactly once.
   one = pack_minibatches(src, seq_len=16, examples_per_batch=k, seed=seed, num_epochs=1,
-                         shard_options=ONE)
+                         **ONE)
   if not drop:
     assert row_pairs(_rows_of(one)) == naive_pairs(masks, 16, 0)
 
 
 def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   src, _ = make_source(tmp_path)
-  kw = dict(seq_len=16, examples_per_batch=8, num_epochs=3, shard_options=ONE)
+  kw = dict(seq_len=16, examples_per_batch=8, num_epochs=3, **ONE)
   packed = pack_minibatches(src, strategy="ffd", **kw)
   padded = pack_minibatches(src, strategy="pad", **kw)
   assert len(packed) == len(padded)
@@ -170,14 +170,14 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
                      match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):
     pack_minibatches(src, rows_per_batch=1, **kw)
   # Infinite: a static bound that every batch fits.
-  inf = pack_minibatches(src, seq_len=16, examples_per_batch=8, shard_options=ONE)
+  inf = pack_minibatches(src, seq_len=16, examples_per_batch=8, **ONE)
   assert inf.rows_per_batch >= need and inf[10 * len(packed)]["input_ids"].shape[0] >= need
 
 
 def test_no_conversation_is_split_unless_longer_than_a_row(tmp_path):
   src, masks = make_source(tmp_path)
-  for pack, kw in ((pack_minibatches, dict(examples_per_batch=6, shard_options=ONE)),
-                   (pack_minibatches, dict(tokens_per_batch=96, shard_options=ONE)),
+  for pack, kw in ((pack_minibatches, dict(examples_per_batch=6, **ONE)),
+                   (pack_minibatches, dict(tokens_per_batch=96, **ONE)),
                    (pipeline.pack_dataset, dict(strategy="ffd"))):
     ds = pack(src, seq_len=16, num_epochs=1, **kw)
     segments = collections.Counter()
@@ -197,7 +197,7 @@ def test_token_budget_batches(tmp_path):
   src, masks = make_source(tmp_path)
   seed = 3
   ds = pack_minibatches(src, seq_len=16, tokens_per_batch=96, seed=seed, num_epochs=1,
-                        shard_options=ONE)
+                        **ONE)
   assert ds.rows_per_batch == 6
   perm = np.random.default_rng(np.random.SeedSequence([seed, 0])).permutation(len(src))
   order = []
@@ -215,26 +215,24 @@ def test_token_budget_batches(tmp_path):
   assert order == perm.tolist()
   assert row_pairs(_rows_of(ds)) == naive_pairs(masks, 16, 0)
   with pytest.raises(pipeline.PipelineConfigError, match="tokens_per_batch=8 is less than seq_len"):
-    pack_minibatches(src, seq_len=16, tokens_per_batch=8, num_epochs=1, shard_options=ONE)
+    pack_minibatches(src, seq_len=16, tokens_per_batch=8, num_epochs=1, **ONE)
   with pytest.raises(pipeline.PipelineConfigError, match="document 3 needs 6 rows"):
-    pack_minibatches(src, seq_len=16, tokens_per_batch=32, num_epochs=1, shard_options=ONE,
+    pack_minibatches(src, seq_len=16, tokens_per_batch=32, num_epochs=1, **ONE,
                      shuffle=False)
 
 
 def test_minibatch_processes_split_each_batch(tmp_path):
+  """Process p of 2 holds the contiguous block [p*R/2, (p+1)*R/2) of every step's rows."""
   src, _ = make_source(tmp_path)
   kw = dict(seq_len=16, examples_per_batch=8, num_epochs=1)
-  parts = [pack_minibatches(src, shard_options=grain.sharding.ShardOptions(p, 2), **kw)
-           for p in range(2)]
+  parts = [pack_minibatches(src, process_index=p, process_count=2, **kw) for p in range(2)]
   rows = parts[0].rows_per_batch
   assert rows % 2 == 0 and parts[1].rows_per_batch == rows
-  whole = pack_minibatches(src, shard_options=ONE, rows_per_batch=rows, **kw)
+  whole = pack_minibatches(src, **ONE, rows_per_batch=rows, **kw)
   for i in range(len(whole)):
     a, b = parts[0][i]["input_ids"], parts[1][i]["input_ids"]
     assert a.shape == b.shape == (rows // 2, 16)
-    merged = np.empty((rows, 16), a.dtype)
-    merged[0::2], merged[1::2] = a, b
-    assert (merged == whole[i]["input_ids"]).all()
+    assert (np.concatenate([a, b]) == whole[i]["input_ids"]).all()
 
 
 @pytest.mark.parametrize("kw, error, match", [
@@ -251,14 +249,14 @@ def test_minibatch_processes_split_each_batch(tmp_path):
 def test_minibatch_bad_arguments(tmp_path, kw, error, match):
   src, _ = make_source(tmp_path, num=5)
   with pytest.raises(error, match=match):
-    pack_minibatches(src, seq_len=16, shard_options=ONE, **kw)
+    pack_minibatches(src, seq_len=16, **ONE, **kw)
 
 
 def test_minibatch_dataset_resumes_and_pickles(tmp_path):
   import pickle  # pylint: disable=g-import-not-at-top
 
   src, _ = make_source(tmp_path)
-  ds = pack_minibatches(src, seq_len=16, examples_per_batch=6, shard_options=ONE)  # infinite
+  ds = pack_minibatches(src, seq_len=16, examples_per_batch=6, **ONE)  # infinite
   it = ds.to_iter_dataset().__iter__()
   for _ in range(9):  # into the second epoch (7 batches per epoch)
     next(it)

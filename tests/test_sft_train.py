@@ -2,7 +2,6 @@
 
 import math
 
-import grain
 import numpy as np
 import pytest
 
@@ -67,7 +66,7 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
                                 attention_implementation="xla")
   model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))
   kw = dict(seq_len=256, examples_per_batch=6, seed=1, num_epochs=1,
-            shard_options=grain.sharding.ShardOptions(shard_index=0, shard_count=1))
+            process_index=0, process_count=1)
   padded = pack_minibatches(train_dir, strategy="pad", **kw)
   packed = pack_minibatches(train_dir, strategy="ffd", **kw)
   for step in (0, 1):

@@ -4,10 +4,10 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
   * `state`: parameters, optimizer state and step (`StandardSave`; restored straight into the
     target shardings, so a changed mesh reshards on load);
   * `data`: the position of the training data, one value for all processes (`JsonSave`):
-    `{"format": 2, "iterator": STATE, "process_count": Q}`, where `STATE` is the stream position
-    `{"epoch", "index", "rows_per_epoch"}` (global packing) or Grain's `{"next_index": k}`
-    (minibatch packing); neither depends on the process count, so a run resumes on another one.
-    A data item of another format is refused with a `DataStateError`;
+    `{"format": 3, "iterator": STATE, "process_count": Q}`, `STATE` the iterator state of
+    `segpack.data.position` (`{"version": 1, "unit", "epoch", "index", "epoch_length"}`, in rows
+    or minibatch steps), which does not depend on the process count, so a run resumes on another
+    one. Checked on save and restore (`check_data_item`): another format is a `DataStateError`;
   * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume.
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
 leaves the previous checkpoint as the latest one. Then `digest.json` records the sha256 of every
@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from segpack.data import position as position_lib
 from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
 from train.checkpoint_digest import CheckpointWriteError, DamagedCheckpointError
@@ -48,7 +49,7 @@ RESUMABLE_CHANGES = frozenset({
 # Resumable only when the current config says `train.allow_batch_size_change=True`: the data
 # position is a row of the stream, so the next steps simply take another number of rows.
 BATCH_SIZE_KEY = "train.batch_size"
-DATA_FORMAT = 2
+DATA_FORMAT = 3  # 3: the iterator state is segpack.data.position's version 1
 # `loss.weighting` is deliberately not resumable: it changes the objective being optimised.
 
 
@@ -85,6 +86,26 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *,
 
 class DataStateError(UserError, ValueError):
   """The checkpoint's data position cannot be restored (or the processes disagree on it)."""
+
+
+def check_data_item(item: Any, *, where: str) -> None:
+  """Refuses a data item that is not `{"format": DATA_FORMAT, "iterator": STATE,
+  "process_count": Q}` with a version-1 iterator state (`segpack.data.position.read_state`).
+
+  Raises:
+    DataStateError: one line starting with `where`, naming the field and its value.
+  """
+  got = item.get("format") if isinstance(item, dict) else item
+  if got != DATA_FORMAT:
+    raise DataStateError(f"{where}: its data item has format {got!r}, this version reads "
+                         f"format {DATA_FORMAT} only; start a new --workdir")
+  count = item.get("process_count")
+  if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    raise DataStateError(f"{where}: its data item has process_count={count!r}, not an int >= 1")
+  try:
+    position_lib.read_state(item.get("iterator"))
+  except position_lib.StreamStateError as e:
+    raise DataStateError(f"{where}: {e}; start a new --workdir") from e
 
 
 @dataclasses.dataclass
@@ -253,7 +274,7 @@ class Checkpointer:
       DamagedCheckpointError: checkpoints exist and none matches its digest, or orbax cannot
         read the one that does.
       IncompatibleCheckpointError: the checkpoint's config differs from `config_dict`.
-      DataStateError: its data item is not of format `DATA_FORMAT`.
+      DataStateError: its data item is not of format `DATA_FORMAT` with a version-1 state.
     """
     step = self._choose_step()
     if step is None:
@@ -275,10 +296,7 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     item = restored["data"]
     old_batch = flatten(saved)[BATCH_SIZE_KEY]
-    if item.get("format") != DATA_FORMAT:
-      raise DataStateError(
-          f"cannot resume from {where}: its data item has format {item.get('format')!r}, this "
-          f"version reads format {DATA_FORMAT} only; start a new --workdir")
+    check_data_item(item, where=f"cannot resume from {where}")
     data_state, old_count = item["iterator"], int(item["process_count"])
     changes = []
     if old_count != jax.process_count():
@@ -325,6 +343,7 @@ class Checkpointer:
           f"step {step}: the processes' data positions differ, so no single position can be "
           f"saved: {states}")
     item = {"format": DATA_FORMAT, "iterator": data_state, "process_count": len(states)}
+    check_data_item(item, where=f"step {step}: cannot save")
     self._save(step, ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
         meta=ocp.args.JsonSave({"config": config_dict, "step": step})))

@@ -5,16 +5,18 @@ built-in corpus, the built-in chat corpus (assistant-only loss) or synthetic doc
 The training rows are one global stream (`pack_dataset` on one shard, infinite, reshuffled every
 epoch; `segpack.data.stream`): global batch `k` is the next `batch_size` rows of the stream, and
 process `p` of `Q` takes its contiguous block of `batch_size / Q` of them; the step function
-assembles the global batch with `jax.make_array_from_process_local_data`. The iterator's state is
-a position in the stream, `{"epoch", "index"}`, the same on every process and independent of the
-process count and the batch size, so the checkpoint stores one value and a run resumes on another
-number of processes (docs/training.md, "Resuming on another process count or batch size").
-Held-out rows are one finite pass of the same kind of stream, cut into global batches the same
-way (the last one filled up with padding rows).
+assembles the global batch with `jax.make_array_from_process_local_data`. With
+`packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one minibatch
+of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed into the
+`batch_size` rows of a step (`pack_minibatches`), and process `p` takes its contiguous block of
+those rows by the same rule (`segpack.data.processes`).
 
-With `packing.mode="minibatch"` (chat fine-tuning, docs/sft.md) every training batch is one
-minibatch of `examples_per_batch` conversations, drawn as unpacked sampling draws it and packed
-into the `batch_size` rows of a step (`pack_minibatches`).
+Either way the iterator's state is one position (`segpack.data.position`: `{"version": 1,
+"unit": "rows" | "steps", "epoch", "index", "epoch_length"}`), the same on every process and
+independent of the process count (and, in rows, of the batch size), so the checkpoint stores
+one value and a run resumes on another number of processes (docs/training.md, "Resuming on
+another process count or batch size"). Held-out rows are one finite pass of the row stream, cut
+into global batches the same way (the last one filled up with padding rows).
 
 With `mesh.context > 1` the training and held-out batches come out in context order with a
 `"slot_index"` feature (`train.context`): the order is applied to each batch after the pipeline,
@@ -35,7 +37,7 @@ from segpack import shards
 from segpack.data import sources as sources_lib
 from segpack.data import subset
 from segpack.data.balance import BalanceOptions
-from segpack.data.minibatch_dataset import pack_minibatches
+from segpack.data.minibatch_dataset import MinibatchPackedDataset, pack_minibatches
 from segpack.data.mixture import Mixture, parse_data
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
@@ -139,7 +141,7 @@ class Data:
     source_weights: a mixture's weights (shares of trained tokens), in `source_names` order.
   """
 
-  train: grain.MapDataset
+  train: StreamBatches | MinibatchPackedDataset
   eval: grain.MapDataset | None  # None: no held-out data (data.eval_share=0, no data.eval)
   vocab_size: int
   train_rows_per_epoch: int
@@ -160,15 +162,12 @@ class Data:
   def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
     """An iterator over `train` whose `get_state()` does not depend on the process count.
 
-    Global mode: a `segpack.data.stream.StreamIterator` (state `{"epoch", "index",
-    "rows_per_epoch"}`, also accepted from a run with another batch size). Minibatch mode: Grain's
-    iterator (state `{"next_index": k}`: element `k` is global step `k` on every process count).
-    With `context` active its batches come out in context order (`train.context.OrderedIterator`).
+    A `segpack.data.position.StreamIterator` in both modes: its state is the position of the next
+    batch, in rows of the stream (global mode; also accepted from a run with another batch size)
+    or in minibatch steps. With `context` active its batches come out in context order
+    (`train.context.OrderedIterator`).
     """
-    if isinstance(self.train, StreamBatches):
-      iterator = self.train.iterator(read_options=read_options)
-    else:
-      iterator = self.train.to_iter_dataset(read_options).__iter__()
+    iterator = self.train.iterator(read_options=read_options)
     if self.context.active:
       return context_lib.OrderedIterator(iterator, order=self.context)
     return iterator
@@ -335,9 +334,9 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
       raise DataConfigError(
           f"packing.repack={spec.repack!r} is for packing.mode='global' (minibatch mode packs "
           f"every minibatch afresh already); set packing.repack='none'")
-    shard = grain.sharding.ShardOptions(shard_index=process_index, shard_count=process_count)
     data = _minibatch_data(spec, train_src, eval_rows, eval_batches,
-                           dict(common, shard_options=shard), batch_size=batch_size, vocab=vocab)
+                           dict(common, process_index=process_index, process_count=process_count),
+                           batch_size=batch_size, vocab=vocab)
     data.tokenizer_fingerprint = tokenizer
     return data
   if spec.mode != "global":

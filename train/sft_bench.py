@@ -32,7 +32,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import grain
 import numpy as np
 import optax
 from flax import nnx
@@ -46,7 +45,6 @@ from segpack import shards
 from train import model as model_lib
 
 METHODS = ("padding", "minibatch", "global")
-_ONE_PROCESS = grain.sharding.ShardOptions(shard_index=0, shard_count=1)  # all rows, here
 
 
 class SubsetSource:
@@ -90,7 +88,7 @@ def _batches(method: str, source: Any, *, seq_len: int, k: int, seed: int) -> li
     ds = pack_dataset(source, strategy="ffd", **common)
     batched = ds.batch(k)
     return [batched[i] for i in range(len(batched))]
-  ds = pack_minibatches(source, examples_per_batch=k, shard_options=_ONE_PROCESS,
+  ds = pack_minibatches(source, examples_per_batch=k, process_index=0, process_count=1,
                         strategy="pad" if method == "padding" else "ffd", **common)
   return [ds[i] for i in range(len(ds))]
 

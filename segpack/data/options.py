@@ -1,16 +1,15 @@
 """The options of `pack_dataset` and `pack_minibatches`: their groups, validation and error type.
 
 The groups are small frozen dataclasses, in the style of `grain.sharding.ShardOptions`:
-`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row).
-`pack_minibatches` takes a `grain.sharding.ShardOptions` itself for its process split.
+`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row). Which process
+owns which rows is `segpack.data.processes`' (`process_index` and `process_count`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any
 
-import jax
 import numpy as np
 
 from segpack import packing
@@ -61,14 +60,6 @@ class LongDocs:
   mode: str = "split"
   overlap: int = 0
   min_len: int = 0
-
-
-class ShardOptionsLike(Protocol):
-  """What `shard_options` must have: the fields of `grain.sharding.ShardOptions`."""
-
-  shard_index: int
-  shard_count: int
-  drop_remainder: bool
 
 
 DEFAULT_SPECIAL_TOKENS = SpecialTokens()
@@ -163,29 +154,6 @@ def check_max_segments(fn: str, max_segments_per_row: Any) -> None:
     raise PipelineConfigError(
         f"{fn}: max_segments_per_row must be None or an int >= 1, got "
         f"{max_segments_per_row!r}")
-
-
-def resolve_shard(fn: str, shard_options: ShardOptionsLike | None) -> tuple[int, int]:
-  """(shard_index, shard_count); None: this JAX process of all of them."""
-  if shard_options is None:
-    return jax.process_index(), jax.process_count()
-  try:
-    index, count = shard_options.shard_index, shard_options.shard_count
-    drop = shard_options.drop_remainder
-  except AttributeError as e:
-    raise PipelineConfigError(
-        f"{fn}: shard_options must be a grain.sharding.ShardOptions (shard_index, shard_count, "
-        f"drop_remainder), got {shard_options!r}") from e
-  if not_int(count) or count < 1:
-    raise PipelineConfigError(
-        f"{fn}: shard_options.shard_count must be an int >= 1, got {count!r}")
-  if not_int(index) or not 0 <= index < count:
-    raise PipelineConfigError(
-        f"{fn}: shard_options.shard_index must be an int in [0, {count}), got {index!r}")
-  if _not_bool(drop):
-    raise PipelineConfigError(
-        f"{fn}: shard_options.drop_remainder must be a bool, got {drop!r}")
-  return int(index), int(count)
 
 
 def positive_or_none(fn: str, name: str, value: Any) -> None:

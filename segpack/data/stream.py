@@ -2,83 +2,31 @@
 
 A `pack_dataset` is the *stream*: element `t` is the row at position `t`, epoch `t // R` and
 index `t % R` of that epoch's permutation of the `R` plan rows, the same on every process.
-`StreamBatches` cuts the stream into global batches and hands each process its part;
-`StreamIterator` walks them and checkpoints the position as `{"epoch", "index"}`, so a run
-saved on `P` processes resumes on `Q` (and with another global batch size) at the same row:
-every row of every epoch is consumed exactly once over all processes.
+`StreamBatches` cuts the stream into global batches and hands each process its block of each
+(`segpack.data.processes.process_block`, the rule `pack_minibatches` follows too);
+`StreamIterator` walks them and checkpoints the position in rows
+(`segpack.data.position`: `{"version": 1, "unit": "rows", "epoch", "index", "epoch_length"}`),
+so a run saved on `P` processes resumes on `Q` (and with another global batch size) at the same
+row: every row of every epoch is consumed exactly once over all processes.
 """
 
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import grain
 import numpy as np
 
 from segpack.data import balance as balance_lib
+from segpack.data import processes
 from segpack.data.balance import BalanceOptions
 from segpack.data.options import PipelineConfigError
 from segpack.data.packed import PackedDataset
-from segpack.errors import UserError
+from segpack.data.position import StreamIterator, StreamPosition, StreamStateError
 
 __all__ = ["StreamBatches", "StreamIterator", "StreamPosition", "StreamStateError"]
-
-
-class StreamStateError(UserError, ValueError):
-  """A stream state cannot be restored here; the message names the field and its value."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StreamPosition:
-  """A position in the row stream: row `index` of epoch `epoch`'s permutation.
-
-  Attributes:
-    epoch: the epoch (0, 1, ...).
-    index: the index into the epoch's permutation, `0 <= index < rows_per_epoch`.
-  """
-
-  epoch: int
-  index: int
-
-  def to_state(self, *, rows_per_epoch: int) -> dict[str, int]:
-    """The iterator state: `{"epoch", "index", "rows_per_epoch"}` (the last to check on load)."""
-    return {"epoch": int(self.epoch), "index": int(self.index),
-            "rows_per_epoch": int(rows_per_epoch)}
-
-  @classmethod
-  def from_state(cls, state: dict[str, Any], *, rows_per_epoch: int,
-                 rows_in_epoch: Callable[[int], int] | None = None) -> "StreamPosition":
-    """Reads `to_state`'s dict, refusing a state of another data set (another row count).
-
-    `rows_per_epoch` is epoch 0's rows (every epoch's unless `rows_in_epoch` gives each epoch's,
-    as for a mixture); `index` must lie inside its epoch.
-
-    Raises:
-      StreamStateError: a field is missing or invalid, or `rows_per_epoch` differs.
-    """
-    if not isinstance(state, dict) or not {"epoch", "index"} <= set(state):
-      raise StreamStateError(
-          f"stream state must be a dict with 'epoch' and 'index', got {state!r}")
-    epoch, index = state["epoch"], state["index"]
-    saved_rows = state.get("rows_per_epoch", rows_per_epoch)
-    if saved_rows != rows_per_epoch:
-      raise StreamStateError(
-          f"stream state has rows_per_epoch={saved_rows!r}, but this data set's plan has "
-          f"{rows_per_epoch} rows per epoch: the data or the packing changed since it was saved")
-    if not isinstance(epoch, (int, np.integer)) or not isinstance(index, (int, np.integer)) or (
-        epoch < 0):
-      raise StreamStateError(
-          f"stream state needs integers 0 <= epoch and 0 <= index, got epoch={epoch!r}, "
-          f"index={index!r}")
-    rows = rows_per_epoch if rows_in_epoch is None else rows_in_epoch(int(epoch))
-    if not 0 <= index < rows:
-      raise StreamStateError(
-          f"stream state needs 0 <= index < {rows} (the rows of epoch {epoch}), got "
-          f"index={index!r}")
-    return cls(epoch=int(epoch), index=int(index))
 
 
 def _positive(name: str, value: Any) -> int:
@@ -100,9 +48,10 @@ class StreamBatches(grain.MapDataset):
   2. With `balance=BalanceOptions(num_ranks=N)`, the batch's offsets are reordered by
      `segpack.data.balance.assign_rows` on their rows' attention costs, so that rank `r` (which
      takes the contiguous block `[r*B/N, (r+1)*B/N)`) gets a balanced share.
-  3. Process `p` takes the contiguous block `[p*B/Q, (p+1)*B/Q)` of the batch, the rows that
-     `jax.make_array_from_process_local_data` places on its devices for a batch split over the
-     mesh's `data` x `fsdp` devices in process order.
+  3. Process `p` takes the contiguous block `[p*B/Q, (p+1)*B/Q)` of the batch
+     (`segpack.data.processes.process_block`, the rule of `pack_minibatches` too), the rows
+     that `jax.make_array_from_process_local_data` places on its devices for a batch split over
+     the mesh's `data` x `fsdp` devices in process order.
   4. The rows are built in one vectorized call (`PackedDataset.get_batch`).
 
   Worked example: R = 5, B = 4, Q = 2, start (0, 0), epoch permutations [3, 0, 4, 1, 2] and
@@ -139,11 +88,8 @@ class StreamBatches(grain.MapDataset):
       raise PipelineConfigError(f"StreamBatches: rows must be a PackedDataset, got {rows!r}")
     self._rows = rows
     self._batch = _positive("global_batch_size", global_batch_size)
-    self._count = _positive("process_count", process_count)
-    if not isinstance(process_index, (int, np.integer)) or not 0 <= process_index < self._count:
-      raise PipelineConfigError(
-          f"StreamBatches: process_index must be in [0, {self._count}), got {process_index!r}")
-    self._index = int(process_index)
+    self._index, self._count = processes.check_processes(
+        "StreamBatches", process_index=process_index, process_count=process_count)
     if self._batch % self._count:
       raise PipelineConfigError(
           f"StreamBatches: global_batch_size={self._batch} is not divisible by "
@@ -173,6 +119,15 @@ class StreamBatches(grain.MapDataset):
   def rows_in_epoch(self, epoch: int) -> int:
     """Rows of epoch `epoch` of the stream."""
     return self._rows.rows_in_epoch(epoch)
+
+  @property
+  def unit(self) -> str:
+    """What a position's index counts here: "rows" (of the epoch's permutation)."""
+    return "rows"
+
+  def epoch_length(self, epoch: int) -> int:
+    """Rows of epoch `epoch` (the iterator state's `epoch_length`)."""
+    return self.rows_in_epoch(epoch)
 
   @property
   def global_batch_size(self) -> int:
@@ -215,8 +170,8 @@ class StreamBatches(grain.MapDataset):
 
   def local_offsets(self, k: int) -> np.ndarray:
     """int64 `[B / Q]`: the stream offsets of this process's rows of global batch `k`."""
-    local = self.local_batch_size
-    return self.global_offsets(k)[self._index * local:(self._index + 1) * local]
+    return self.global_offsets(k)[processes.process_block(
+        self._batch, process_index=self._index, process_count=self._count)]
 
   def plan_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
     """`(epoch, plan row)` of each of this process's rows of batch `k` (int64 `[B / Q]` each).
@@ -259,53 +214,7 @@ class StreamBatches(grain.MapDataset):
     return out
 
   def iterator(self, *, read_options: grain.ReadOptions | None = None) -> "StreamIterator":
-    """A `StreamIterator` over these batches (its state is the stream position)."""
+    """A `StreamIterator` over these batches; its state is the position in rows
+    (`segpack.data.position`)."""
     return StreamIterator(self, read_options=read_options)
 
-
-class StreamIterator(grain.DatasetIterator):
-  """Iterates `StreamBatches`; its state is the position of the next batch in the stream.
-
-  `get_state()` is `{"epoch": e, "index": i, "rows_per_epoch": R}`: the next global batch
-  starts at index `i` of epoch `e`'s permutation. It is the same on every process and does not
-  depend on the process count or the batch size, so `set_state` accepts a state saved by a run
-  with another layout: the iterator restarts its batches at that position (the rows before it
-  were consumed, the rows from it on are not). Batches are prefetched by Grain
-  (`read_options`) from the position on.
-  """
-
-  def __init__(self, batches: StreamBatches, *, read_options: grain.ReadOptions | None = None):
-    super().__init__()
-    self._batches = batches
-    self._read_options = read_options
-    self._consumed = 0
-    self._inner = None
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    if self._inner is None:
-      dataset = self._batches.to_iter_dataset(self._read_options or grain.ReadOptions())
-      self._inner = iter(dataset)
-    batch = next(self._inner)
-    self._consumed += 1
-    return batch
-
-  @property
-  def last_plan_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
-    """`StreamBatches.plan_rows` of the batch `next` returned last (None before the first)."""
-    if not self._consumed:
-      return None
-    return self._batches.plan_rows(self._consumed - 1)
-
-  def position(self) -> StreamPosition:
-    """Where the next batch starts."""
-    return self._batches.position(self._consumed)
-
-  def get_state(self) -> dict[str, Any]:
-    return self.position().to_state(rows_per_epoch=self._batches.rows_per_epoch)
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    start = StreamPosition.from_state(state, rows_per_epoch=self._batches.rows_per_epoch,
-                                      rows_in_epoch=self._batches.rows_in_epoch)
-    self._batches = self._batches.starting_at(start)
-    self._consumed = 0
-    self._inner = None
