@@ -15,7 +15,9 @@ import segpack
 from segpack import packing
 from segpack.data.balance import BalanceOptions, assign_rows, row_attention_cost
 from segpack.data.options import PipelineConfigError
+from train import config_checks
 from train import data as data_lib
+import data_configs  # noqa: E402
 
 BOS, EOS = 1, 2
 FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
@@ -247,7 +249,7 @@ def test_trainer_data_balances_each_step_over_the_ranks():
               long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
               synthetic_docs=400, synthetic_mean_len=25, synthetic_vocab=97)
   make = lambda balance: data_lib.make_data(
-      data_lib.DataSpec(**spec, balance=balance), batch_size=16, process_index=0,
+      data_configs.data_config(**spec, balance=balance), batch_size=16, process_index=0,
       process_count=1, num_ranks=8)
   plain, balanced = make("none"), make("attention")
   better = 0
@@ -260,5 +262,6 @@ def test_trainer_data_balances_each_step_over_the_ranks():
     assert worst_b <= worst_a, i  # two rows per rank: largest with smallest is optimal
     better += worst_b < worst_a
   assert better > 0
-  with pytest.raises(data_lib.DataConfigError, match="packing.balance must be"):
-    make("cost")
+  config = data_configs.data_config(**spec, balance="cost")  # checked once, by check_config
+  with pytest.raises(config_checks.ConfigError, match="packing.balance must be"):
+    config_checks.check_config(config)

@@ -16,7 +16,6 @@ from segpack.data.packed import REPACK_MODES
 from segpack.text import chat
 from train import checkpoint as ckpt_lib
 from train import config_checks
-from train import data as data_lib
 from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,9 +41,7 @@ def test_the_chat_keys_are_declared_with_the_packed_defaults():
           p.data.train_on) == ("global", None, None, "assistant")
   assert (s.packing.mode, s.packing.examples_per_batch, s.packing.tokens_per_batch,
           s.data.train_on) == ("minibatch", 16, None, "assistant")
-  spec = data_lib.DataSpec.from_config(p)
-  assert (spec.mode, spec.balance, spec.repack, spec.train_on) == (
-      "global", "none", "none", "assistant")
+  assert (p.packing.balance, p.packing.repack) == ("none", "none")
 
 
 def test_the_choices_are_the_library_tuples():
@@ -80,27 +77,6 @@ def test_the_trainer_checks_before_any_work(tmp_path):
   with pytest.raises(config_checks.ConfigError, match=r"loss.weighting .*'sequence'.*'mean'"):
     train_lib.train_and_evaluate(config, str(workdir))
   assert not workdir.exists()
-
-
-def test_the_data_code_checks_with_the_same_tuples():
-  config = packed.get_config("smoke")
-  config.data.source = "synthetic"
-  config.data.synthetic_docs, config.data.synthetic_mean_len = 40, 20
-  spec = data_lib.DataSpec.from_config(config)
-
-  def make(**kw):
-    return data_lib.make_data(data_lib.DataSpec(**{**spec.__dict__, **kw}), batch_size=8,
-                              process_index=0, process_count=1)
-
-  with pytest.raises(data_lib.DataConfigError,
-                     match=r"packing.balance must be one of \['none', 'attention'\], got 'cost'"):
-    make(balance="cost")
-  with pytest.raises(data_lib.DataConfigError,
-                     match=r"packing.mode must be one of \['global', 'minibatch'\], got 'mini'"):
-    make(mode="mini")
-  with pytest.raises(data_lib.DataConfigError, match=r"data.source must be one of "
-                     r"\['builtin', 'builtin_chat', 'synthetic'\], got 'web'"):
-    make(source="web")
 
 
 def test_cli_override_with_a_bad_choice_is_refused(tmp_path):

@@ -35,6 +35,7 @@ from segpack.text import spm  # noqa: E402
 from segpack.text.chat import ChatFormatError  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import hf_export_tokenizer  # noqa: E402
+import data_configs  # noqa: E402
 
 LLAMA31 = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
@@ -540,7 +541,7 @@ def test_packed_rows_hold_exactly_the_templates_tokens(base_tokenizer, tmp_path,
       seen += 1
   assert seen == len(conversations)
   # The trainer's data path too, with one log line saying so.
-  spec = data_lib.DataSpec(
+  spec = data_configs.data_config(
       source="builtin", size="small", cache_dir=None, seq_len=512, strategy="ffd",
       long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
       synthetic_docs=0, synthetic_mean_len=0, synthetic_vocab=0, train=str(out), eval_share=0)

@@ -272,7 +272,7 @@ def test_chat_template_renders_the_ids_segpack_trained_on(runs, datasets):
           "<|assistant|>")
   # The documents of the run's first batch are rendered conversations followed by EOS.
   config, _ = saved_run.run_config(run.workdir)
-  data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=8,
+  data = data_lib.make_data(config, batch_size=8,
                             process_index=0, process_count=1)
   batch = next(data.train_iterator(read_options=grain.ReadOptions(num_threads=1)))
   known = {tuple(ids + [tok.eos_token_id]) for ids in rendered}

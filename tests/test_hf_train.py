@@ -73,7 +73,7 @@ def test_first_step_loss_equals_transformers_mean_token_loss(model_dir, text_dat
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   loss = next(r["loss"] for r in records if r["kind"] == "train" and r["step"] == 1)
   # The same first batch, rebuilt; the trainer logged its fingerprint.
-  data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=8,
+  data = data_lib.make_data(config, batch_size=8,
                             process_index=0, process_count=1)
   batch = next(data.train_iterator(read_options=grain.ReadOptions(num_threads=1)))
   logged = json.loads(open(tmp_path / "run" / "batches.jsonl").readline())

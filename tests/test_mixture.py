@@ -22,6 +22,7 @@ from segpack.data.stream import StreamBatches
 from train import data as data_lib
 from train import model as model_lib
 from train import train as train_lib
+import data_configs  # noqa: E402
 
 BASE, STRIDE, BOS, EOS = 16, 1 << 12, 1, 2
 SEQ_LEN = 48
@@ -169,7 +170,7 @@ def test_trainer_mixture_keeps_every_source_held_out_apart(tmp_path):
                             metadata={"tokenizer": {"bos_id": BOS, "eos_id": EOS}}) as w:
       for doc in docs:
         w.write(doc)
-  spec = data_lib.DataSpec(
+  spec = data_configs.data_config(
       source="builtin", size="small", cache_dir=None, seq_len=SEQ_LEN, strategy="ffd",
       long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
       synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1, eval_share=0.2,

@@ -21,6 +21,7 @@ from segpack import shards
 from segpack.data import subset
 from segpack.text import dataset as dataset_lib
 from train import data as data_lib
+import data_configs  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE, BOS, EOS = 16, 1, 2
@@ -41,7 +42,7 @@ def spec(**kw):
   base = dict(source="builtin", size="small", cache_dir=None, seq_len=64, strategy="ffd",
               long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
               synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1)
-  return data_lib.DataSpec(**{**base, **kw})
+  return data_configs.data_config(**{**base, **kw})
 
 
 def docs_in(batches):

@@ -24,6 +24,7 @@ from segpack import packing
 from segpack.data.position import STATE_KEYS, StreamIterator, StreamStateError
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
+import data_configs  # noqa: E402
 
 SEQ_LEN, SEED, BOS, EOS = 64, 3, 1, 2
 IDS = segpack.SpecialTokens(bos_id=BOS, eos_id=EOS)
@@ -231,7 +232,7 @@ def test_the_checkpoint_data_item_is_checked_one_way():
 
 
 def _spec(mode):
-  return data_lib.DataSpec(source="synthetic", size="small", cache_dir=None, seq_len=128,
+  return data_configs.data_config(source="synthetic", size="small", cache_dir=None, seq_len=128,
                            strategy="ffd", long_docs="split", max_segments_per_row=None,
                            add_bos=True, add_eos=True, seed=0, synthetic_docs=60,
                            synthetic_mean_len=10, synthetic_vocab=97, mode=mode,

@@ -14,6 +14,7 @@ from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from train import data as data_lib
 from train import model as model_lib
+import data_configs  # noqa: E402
 
 IDS = SpecialTokens(bos_id=1, eos_id=2)
 
@@ -62,7 +63,7 @@ def _spec(**overrides):
             long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
             synthetic_docs=300, synthetic_mean_len=10, synthetic_vocab=97)
   kw.update(overrides)
-  return data_lib.DataSpec(**kw)
+  return data_configs.data_config(**kw)
 
 
 def test_trainer_data_bound_global_mode():

@@ -9,19 +9,20 @@ from configs import sft
 from segpack import shards
 from segpack.data.minibatch_dataset import pack_minibatches
 from train import data as data_lib
+import data_configs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
   config = sft.get_config("smoke")
   cache = str(tmp_path_factory.getbasetemp() / "segpack-chat-cache")
-  return data_lib.DataSpec.from_config(config), config, cache
+  return config, config, cache
 
 
 def test_sft_config_trains_minibatches_of_conversations(spec):
   base, config, cache = spec
-  s = data_lib.DataSpec(**{**base.__dict__, "cache_dir": cache})
-  assert s.source == "builtin_chat" and s.mode == "minibatch" and s.examples_per_batch == 4
+  s = data_configs.data_config(base, **{ "cache_dir": cache})
+  assert (s.data.source, s.packing.mode, s.packing.examples_per_batch) == ("builtin_chat", "minibatch", 4)
   data = data_lib.make_data(s, batch_size=config.train.batch_size, process_index=0,
                             process_count=1)
   from segpack.text import chat_corpus  # pylint: disable=g-import-not-at-top
@@ -40,11 +41,11 @@ def test_sft_config_trains_minibatches_of_conversations(spec):
 
 def test_token_budget_must_match_the_batch(spec):
   base, config, cache = spec
-  s = data_lib.DataSpec(**{**base.__dict__, "cache_dir": cache, "examples_per_batch": None,
+  s = data_configs.data_config(base, **{ "cache_dir": cache, "examples_per_batch": None,
                            "tokens_per_batch": 256 * 4})
   with pytest.raises(data_lib.DataConfigError, match="gives 4 rows .* train.batch_size=8"):
     data_lib.make_data(s, batch_size=8, process_index=0, process_count=1)
-  s = data_lib.DataSpec(**{**base.__dict__, "cache_dir": cache, "examples_per_batch": None,
+  s = data_configs.data_config(base, **{ "cache_dir": cache, "examples_per_batch": None,
                            "tokens_per_batch": 256 * 8})
   data = data_lib.make_data(s, batch_size=8, process_index=0, process_count=1)
   assert np.asarray(data.train[3]["input_ids"]).shape == (8, 256)

@@ -19,6 +19,7 @@ from segpack import shards
 from segpack.cli import main as cli_main
 from segpack.data.mixture import Mixture
 from train import data as data_lib
+import data_configs  # noqa: E402
 
 BOS, EOS = 1, 2
 
@@ -33,7 +34,7 @@ def write(path, lengths, value):
 
 
 def spec(train, **kw):
-  return data_lib.DataSpec(
+  return data_configs.data_config(
       source="builtin", size="small", cache_dir=None, seq_len=32, strategy="ffd",
       long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
       synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1, train=train, **kw)

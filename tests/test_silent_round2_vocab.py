@@ -21,6 +21,7 @@ from segpack.text import corpus
 from train import data as data_lib
 
 import small_corpus
+import data_configs  # noqa: E402
 
 BAD = 65535  # the largest uint16: far past the small corpora's 2048 ids
 
@@ -55,7 +56,7 @@ def spec(**kw):
   base = dict(source="builtin", size="small", cache_dir=None, seq_len=256, strategy="ffd",
               long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
               synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1)
-  return data_lib.DataSpec(**{**base, **kw})
+  return data_configs.data_config(**{**base, **kw})
 
 
 def read_every_row(rows):

@@ -40,7 +40,7 @@ from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import MinibatchPackedDataset, pack_minibatches
 from segpack.data.mixture import Mixture, parse_data
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
-from segpack.data.packed import REPACK_MODES, pack_dataset
+from segpack.data.packed import pack_dataset
 from segpack.data.stream import StreamBatches
 from segpack.errors import UserError
 from segpack.packing.minibatch_planner import RowsPerBatchError
@@ -58,59 +58,17 @@ class DataConfigError(UserError, ValueError):
   """The `data` / `packing` config groups describe no usable data."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DataSpec:
-  """What the trainer needs from the `data` and `packing` config groups (plain typed values)."""
+def context_order(config: Any) -> context_lib.ContextOrder:
+  """The batches' slot order: `mesh.context` devices per row, `packing.context_balance`
+  (`ContextOrder.active` only with more than one)."""
+  return context_lib.ContextOrder(size=config.mesh.context,
+                                  balance=config.packing.context_balance)
 
-  source: str  # "builtin", "builtin_chat" or "synthetic"
-  size: str  # builtin corpus size: "full" or "small"
-  cache_dir: str | None
-  seq_len: int
-  strategy: str
-  long_docs: str
-  max_segments_per_row: int | None
-  add_bos: bool
-  add_eos: bool
-  seed: int
-  synthetic_docs: int
-  synthetic_mean_len: int
-  synthetic_vocab: int
-  mode: str = "global"  # "global" (rows of one plan) or "minibatch" (packed minibatches)
-  examples_per_batch: int | None = None  # minibatch mode: examples per step
-  tokens_per_batch: int | None = None  # minibatch mode: instead, a token budget per step
-  train_on: str = "assistant"  # builtin_chat: which tokens carry loss
-  balance: str = "none"  # "attention": global batches balanced over the data-parallel ranks
-  repack: str = "none"  # "epoch": a fresh plan every epoch (pack_dataset(repack="epoch"))
-  train: str | None = None  # a `segpack tokenize` dataset to train on instead of `source`
-  eval: str | None = None  # its held-out dataset; None: `eval_share` of `train`'s documents
-  eval_share: float = 0.02
-  tokens_per_epoch: int | None = None  # a mixture's tokens per epoch (None: all of them)
-  context_size: int = 1  # `mesh.context`: devices per row; > 1 reorders the batches' slots
-  context_balance: str = "documents"  # `packing.context_balance`: the order (train.context)
 
-  @property
-  def context(self) -> context_lib.ContextOrder:
-    """The slot order of the batches (`ContextOrder.active` only with `context_size > 1`)."""
-    return context_lib.ContextOrder(size=self.context_size, balance=self.context_balance)
-
-  @classmethod
-  def from_config(cls, config: Any) -> "DataSpec":
-    d, p = config.data, config.packing
-    return cls(source=d.source, size=d.size, cache_dir=d.cache_dir, seq_len=p.seq_len,
-               strategy=p.strategy, long_docs=p.long_docs,
-               max_segments_per_row=p.max_segments_per_row, add_bos=d.add_bos,
-               add_eos=d.add_eos, seed=d.seed, synthetic_docs=d.synthetic_docs,
-               synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
-               mode=p.mode, examples_per_batch=p.examples_per_batch,
-               tokens_per_batch=p.tokens_per_batch, train_on=d.train_on, balance=p.balance,
-               repack=p.repack, train=d.train, eval=d.eval, eval_share=d.eval_share,
-               tokens_per_epoch=d.tokens_per_epoch, context_size=config.mesh.context,
-               context_balance=p.context_balance)
-
-  @property
-  def name(self) -> str:
-    """The training data, for the log: the dataset path, or the built-in source's name."""
-    return self.train if self.train is not None else f"{self.source} data"
+def data_name(config: Any) -> str:
+  """The training data, for the log: `data.train`, or the built-in source's name."""
+  train = config.data.train
+  return train if train is not None else f"{config.data.source} data"
 
 
 @dataclasses.dataclass
@@ -187,39 +145,39 @@ def _open_dataset(key: str, path: str) -> shards.ShardSource:
     raise DataConfigError(f"{key}={path!r} could not be opened as a dataset: {e}") from e
 
 
-def _mixture(spec: DataSpec) -> Mixture | None:
+def _mixture(config: Any) -> Mixture | None:
   """`data.train` as a `Mixture`, or None for one dataset (`segpack.data.mixture.parse_data`)."""
   try:
-    mixture = parse_data(spec.train, tokens_per_epoch=spec.tokens_per_epoch)
+    mixture = parse_data(config.data.train, tokens_per_epoch=config.data.tokens_per_epoch)
   except PipelineConfigError as e:
-    raise DataConfigError(f"data.train={spec.train!r}: {e}") from e
+    raise DataConfigError(f"data.train={config.data.train!r}: {e}") from e
   if mixture is None:
-    if spec.tokens_per_epoch is not None:
+    if config.data.tokens_per_epoch is not None:
       raise DataConfigError(
-          f"data.tokens_per_epoch={spec.tokens_per_epoch} is for a mixture data.train "
-          f"('name=path:weight,...'), got the single dataset {spec.train!r}")
+          f"data.tokens_per_epoch={config.data.tokens_per_epoch} is for a mixture data.train "
+          f"('name=path:weight,...'), got the single dataset {config.data.train!r}")
     return None
   return mixture
 
 
-def _mixture_sources(spec: DataSpec,
+def _mixture_sources(config: Any,
                      mixture: Mixture) -> tuple[Any, Any, int, dict[str, int], str]:
   """A mixture `data.train`: each source split by `held_out_split` (or `data.eval`); the
   held-out documents of all sources are evaluated together."""
   opened = [_open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
-  if spec.eval is not None or spec.eval_share == 0:  # data.eval_share=0: no held-out data
-    held_out = None if spec.eval is None else _open_dataset("data.eval", spec.eval)
+  if config.data.eval is not None or config.data.eval_share == 0:  # data.eval_share=0: no held-out data
+    held_out = None if config.data.eval is None else _open_dataset("data.eval", config.data.eval)
     train_parts = opened
   else:
     try:
-      splits = [subset.held_out_split(src, share=spec.eval_share) for src in opened]
+      splits = [subset.held_out_split(src, share=config.data.eval_share) for src in opened]
     except PipelineConfigError as e:
-      raise DataConfigError(f"data.eval_share={spec.eval_share!r} with data.train: {e}") from e
+      raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
     train_parts = [t for t, _ in splits]
     held_out = subset.DocumentSubset(
         opened, ids=np.concatenate([h.parent_ids for _, h in splits]),
         parent_index=np.repeat(np.arange(len(splits)), [len(h) for _, h in splits]),
-        name=f"held_out{spec.eval_share}")
+        name=f"held_out{config.data.eval_share}")
   train = Mixture(sources=tuple(dataclasses.replace(m, source=part)
                                 for m, part in zip(mixture.sources, train_parts)),
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
@@ -229,140 +187,134 @@ def _mixture_sources(spec: DataSpec,
           opened[0].tokenizer_fingerprint)
 
 
-def _dataset_sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int], str]:
+def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
   """`data.train` (and `data.eval`, or its held-out share): ids and vocabulary from the manifest."""
-  mixture = _mixture(spec)
+  mixture = _mixture(config)
   if mixture is not None:
-    return _mixture_sources(spec, mixture)
-  train = _open_dataset("data.train", spec.train)
-  if spec.eval is not None:
-    held_out = _open_dataset("data.eval", spec.eval)
+    return _mixture_sources(config, mixture)
+  train = _open_dataset("data.train", config.data.train)
+  if config.data.eval is not None:
+    held_out = _open_dataset("data.eval", config.data.eval)
     if held_out.tokenizer_fingerprint != train.tokenizer_fingerprint:
       raise DataConfigError(
-          f"data.train={spec.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
-          f"data.eval={spec.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were tokenized "
+          f"data.train={config.data.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
+          f"data.eval={config.data.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were tokenized "
           f"differently; tokenize both with one tokenizer (segpack tokenize --spm-model ...)")
-  elif spec.eval_share == 0:  # train on every document; no evaluation
+  elif config.data.eval_share == 0:  # train on every document; no evaluation
     held_out = None
   else:
     try:
-      train, held_out = subset.held_out_split(train, share=spec.eval_share)
+      train, held_out = subset.held_out_split(train, share=config.data.eval_share)
     except PipelineConfigError as e:
-      raise DataConfigError(f"data.eval_share={spec.eval_share!r} with data.train: {e}") from e
+      raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
   tokenizer = train.manifest.get("metadata", {}).get("tokenizer", {})
   ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
   # BOS/EOS: from the manifest
   return train, held_out, int(train.vocab_size), ids, train.tokenizer_fingerprint
 
 
-def _sources(spec: DataSpec) -> tuple[Any, Any, int, dict[str, int], str | None]:
+def _sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str | None]:
   """`(train, held_out, vocab_size, special ids, tokenizer fingerprint)` of the configured
   data; the fingerprint is a `segpack tokenize` dataset's (None for the built-in sources)."""
-  if spec.train is not None:
-    if spec.source == "synthetic":  # the built-in corpora are defaults that data.train replaces
+  if config.data.train is not None:
+    if config.data.source == "synthetic":  # the built-in corpora are defaults that data.train replaces
       raise DataConfigError(
-          f"data.train={spec.train!r} and data.source={spec.source!r} name two training sets; "
+          f"data.train={config.data.train!r} and data.source={config.data.source!r} name two training sets; "
           f"data.train replaces data.source: leave data.source at its default")
-    return _dataset_sources(spec)
-  if spec.eval is not None:
-    raise DataConfigError(f"data.eval={spec.eval!r} is for data.train; set data.train too")
-  if spec.source == "synthetic":
-    train = synthetic_documents(num_docs=spec.synthetic_docs, mean_len=spec.synthetic_mean_len,
-                                vocab=spec.synthetic_vocab, seed=spec.seed)
-    held_out = synthetic_documents(num_docs=max(spec.synthetic_docs // 20, 8),
-                                   mean_len=spec.synthetic_mean_len, vocab=spec.synthetic_vocab,
-                                   seed=spec.seed + 1)
+    return _dataset_sources(config)
+  if config.data.eval is not None:
+    raise DataConfigError(f"data.eval={config.data.eval!r} is for data.train; set data.train too")
+  if config.data.source == "synthetic":
+    train = synthetic_documents(num_docs=config.data.synthetic_docs, mean_len=config.data.synthetic_mean_len,
+                                vocab=config.data.synthetic_vocab, seed=config.data.seed)
+    held_out = synthetic_documents(num_docs=max(config.data.synthetic_docs // 20, 8),
+                                   mean_len=config.data.synthetic_mean_len, vocab=config.data.synthetic_vocab,
+                                   seed=config.data.seed + 1)
     ids = dict(bos_id=SYNTHETIC_BOS, eos_id=SYNTHETIC_EOS)
-    return train, held_out, spec.synthetic_vocab, ids, None
-  if spec.source == "builtin":
-    built = corpus.ensure_builtin(size=spec.size, cache_dir=spec.cache_dir, progress=True)
+    return train, held_out, config.data.synthetic_vocab, ids, None
+  if config.data.source == "builtin":
+    built = corpus.ensure_builtin(size=config.data.size, cache_dir=config.data.cache_dir, progress=True)
     tok = spm.SpmTokenizer(built.spm_model)
     ids = dict(bos_id=int(tok.bos_id), eos_id=int(tok.eos_id))
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids, None
-  if spec.source == "builtin_chat":
-    built = chat_corpus.ensure_builtin_chat(size=spec.size, train_on=spec.train_on,
-                                            cache_dir=spec.cache_dir)
+  if config.data.source == "builtin_chat":
+    built = chat_corpus.ensure_builtin_chat(size=config.data.size, train_on=config.data.train_on,
+                                            cache_dir=config.data.cache_dir)
     tok = spm.SpmTokenizer(built.spm_model)
     ids = dict(bos_id=tok.bos_id, eos_id=tok.eos_id)
     return str(built.train_dir), str(built.eval_dir), int(built.vocab_size), ids, None
   raise DataConfigError(
-      f"data.source must be one of {list(config_checks.SOURCES)}, got {spec.source!r}")
+      f"data.source must be one of {list(config_checks.SOURCES)}, got {config.data.source!r}")
 
 
-def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
+def make_data(config: Any, *, batch_size: int, process_index: int,
               process_count: int, num_ranks: int = 1) -> Data:
   """Packs the train and held-out splits and batches this process's rows.
 
   Args:
-    spec: data and packing settings.
+    config: the trainer config; its `data`, `packing` and `mesh.context` keys are read here.
     batch_size: rows per step over all processes (divisible by `process_count`).
     process_index: this process (`jax.process_index()`).
     process_count: number of processes (`jax.process_count()`).
     num_ranks: devices that split a global batch (the mesh's `data` x `fsdp`); with
-      `spec.balance == "attention"` the rows of every global batch are dealt to them by
+      `packing.balance == "attention"` the rows of every global batch are dealt to them by
       attention cost (`segpack.data.balance`).
   """
   if batch_size % process_count:
     raise DataConfigError(
         f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
-  if spec.repack not in REPACK_MODES:
-    raise DataConfigError(
-        f"packing.repack must be one of {list(REPACK_MODES)}, got {spec.repack!r}")
-  train_src, eval_src, vocab, ids, tokenizer = _sources(spec)
-  if sources_lib.template_writes_special_tokens(train_src, fn=f"data.train={spec.train!r}"):
+  train_src, eval_src, vocab, ids, tokenizer = _sources(config)
+  if sources_lib.template_writes_special_tokens(train_src, fn=f"data.train={config.data.train!r}"):
     _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
-              "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", spec.name)
+              "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", data_name(config))
   common = dict(
-      seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
-      special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))
+      seq_len=config.packing.seq_len, strategy=config.packing.strategy, long_docs=LongDocs(mode=config.packing.long_docs),
+      special_tokens=SpecialTokens(add_bos=config.data.add_bos, add_eos=config.data.add_eos, **ids))
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)
   eval_rows = None if eval_src is None else pack_dataset(
-      eval_src, shuffle=False, num_epochs=1, max_segments_per_row=spec.max_segments_per_row,
+      eval_src, shuffle=False, num_epochs=1, max_segments_per_row=config.packing.max_segments_per_row,
       **common)
   eval_batches = None if eval_rows is None else StreamBatches(eval_rows, **layout)
-  if spec.mode == "minibatch":
+  if config.packing.mode == "minibatch":
     if isinstance(train_src, Mixture):
       raise DataConfigError(
-          f"data.train={spec.train!r} is a mixture, which packs globally; set "
+          f"data.train={config.data.train!r} is a mixture, which packs globally; set "
           f"packing.mode='global'")
-    if spec.balance != "none":
+    if config.packing.balance != "none":
       raise DataConfigError(
-          f"packing.balance={spec.balance!r} is for packing.mode='global' (minibatch mode keeps "
+          f"packing.balance={config.packing.balance!r} is for packing.mode='global' (minibatch mode keeps "
           f"each step's examples as unpacked sampling draws them); set packing.balance='none'")
-    if spec.repack != "none":
+    if config.packing.repack != "none":
       raise DataConfigError(
-          f"packing.repack={spec.repack!r} is for packing.mode='global' (minibatch mode packs "
+          f"packing.repack={config.packing.repack!r} is for packing.mode='global' (minibatch mode packs "
           f"every minibatch afresh already); set packing.repack='none'")
-    data = _minibatch_data(spec, train_src, eval_rows, eval_batches,
+    data = _minibatch_data(config, train_src, eval_rows, eval_batches,
                            dict(common, process_index=process_index, process_count=process_count),
                            batch_size=batch_size, vocab=vocab)
     data.tokenizer_fingerprint = tokenizer
     return data
-  if spec.mode != "global":
-    raise DataConfigError(
-        f"packing.mode must be one of {list(config_checks.PACKING_MODES)}, got {spec.mode!r}")
-  train_rows = pack_dataset(train_src, seed=spec.seed, shuffle=True, num_epochs=None,
-                            max_segments_per_row=spec.max_segments_per_row, repack=spec.repack,
+  train_rows = pack_dataset(train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
+                            max_segments_per_row=config.packing.max_segments_per_row, repack=config.packing.repack,
                             **common)
-  train = StreamBatches(train_rows, balance=_balance(spec, num_ranks=num_ranks), **layout)
+  train = StreamBatches(train_rows, balance=_balance(config, num_ranks=num_ranks), **layout)
   names = tuple(m.name for m in train_src.sources) if isinstance(train_src, Mixture) else ()
   by_source = {}
   if names and isinstance(eval_src, subset.DocumentSubset) and len(eval_src.parents) > 1:
     for name, part in zip(names, eval_src.by_parent()):
       rows = pack_dataset(part, shuffle=False, num_epochs=1,
-                          max_segments_per_row=spec.max_segments_per_row, **common)
+                          max_segments_per_row=config.packing.max_segments_per_row, **common)
       by_source[name] = StreamBatches(rows, **layout)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
       train_rows_per_epoch=train_rows.rows_per_epoch,
-      description=(f"{spec.name}{f' (mixture: {train_src.shares()})' if names else ''}, "
-                   f"{spec.strategy} packing, seq_len {spec.seq_len}: "
+      description=(f"{data_name(config)}{f' (mixture: {train_src.shares()})' if names else ''}, "
+                   f"{config.packing.strategy} packing, seq_len {config.packing.seq_len}: "
                    f"{train_rows.rows_per_epoch} train rows/epoch, {_eval_rows(eval_rows)}, "
                    f"vocab {vocab}"),
       max_segments_in_row=max(train_rows.max_segments_in_row,
                               eval_rows.max_segments_in_row if eval_rows else 0),
-      source_names=names, eval_by_source=by_source, context=spec.context,
+      source_names=names, eval_by_source=by_source, context=context_order(config),
       source_weights=tuple(float(m.weight) for m in train_src.sources) if names else (),
       tokenizer_fingerprint=tokenizer)
 
@@ -372,28 +324,24 @@ def _eval_rows(eval_rows: Any) -> str:
           else f"{eval_rows.rows_per_epoch} eval rows")
 
 
-def _balance(spec: DataSpec, *, num_ranks: int) -> BalanceOptions | None:
+def _balance(config: Any, *, num_ranks: int) -> BalanceOptions | None:
   """`packing.balance` as `StreamBatches(balance=...)` (None: the stream order)."""
-  if spec.balance == "none":
-    return None
-  config_checks.check_choice("packing.balance", spec.balance, config_checks.BALANCE_MODES,
-                             error=DataConfigError)
-  return BalanceOptions(num_ranks=num_ranks)
+  return None if config.packing.balance == "none" else BalanceOptions(num_ranks=num_ranks)
 
 
-def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches: Any,
+def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: Any,
                     common: dict[str, Any], *, batch_size: int, vocab: int) -> Data:
   """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
-  if spec.tokens_per_batch is not None and spec.tokens_per_batch // spec.seq_len != batch_size:
+  if config.packing.tokens_per_batch is not None and config.packing.tokens_per_batch // config.packing.seq_len != batch_size:
     raise DataConfigError(
-        f"packing.tokens_per_batch={spec.tokens_per_batch} gives "
-        f"{spec.tokens_per_batch // spec.seq_len} rows of seq_len {spec.seq_len} per step, but "
+        f"packing.tokens_per_batch={config.packing.tokens_per_batch} gives "
+        f"{config.packing.tokens_per_batch // config.packing.seq_len} rows of seq_len {config.packing.seq_len} per step, but "
         f"train.batch_size={batch_size}; make them agree")
-  if spec.max_segments_per_row is not None:
+  if config.packing.max_segments_per_row is not None:
     raise DataConfigError("packing.max_segments_per_row is not supported with mode='minibatch'")
   train = pack_minibatches(
-      train_src, seed=spec.seed, shuffle=True, num_epochs=None,
-      examples_per_batch=spec.examples_per_batch, tokens_per_batch=spec.tokens_per_batch,
+      train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
+      examples_per_batch=config.packing.examples_per_batch, tokens_per_batch=config.packing.tokens_per_batch,
       rows_per_batch=batch_size, **common)
   try:
     steps = train.batches_in_epoch(0)
@@ -402,16 +350,16 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
   # Only a document's last chunk can be shorter than a row, so a row holding two or more pieces
   # holds pieces of distinct examples of one minibatch: at most examples_per_batch of them.
   bound = None
-  if spec.examples_per_batch is not None:
-    bound = max(min(int(spec.examples_per_batch), spec.seq_len),
+  if config.packing.examples_per_batch is not None:
+    bound = max(min(int(config.packing.examples_per_batch), config.packing.seq_len),
                 eval_rows.max_segments_in_row if eval_rows else 0)
   return Data(
-      train=train, eval=eval_batches, vocab_size=vocab, context=spec.context,
+      train=train, eval=eval_batches, vocab_size=vocab, context=context_order(config),
       train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
-      description=(f"{spec.name}, minibatch {spec.strategy} packing of "
-                   f"{spec.examples_per_batch or spec.tokens_per_batch} "
-                   f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "
-                   f"{batch_size} rows, seq_len {spec.seq_len}: {steps} steps/epoch, "
+      description=(f"{data_name(config)}, minibatch {config.packing.strategy} packing of "
+                   f"{config.packing.examples_per_batch or config.packing.tokens_per_batch} "
+                   f"{'examples' if config.packing.examples_per_batch else 'tokens'} per step into "
+                   f"{batch_size} rows, seq_len {config.packing.seq_len}: {steps} steps/epoch, "
                    f"{train.padded_slot_fraction(0):.1%} padded slots, "
                    f"{_eval_rows(eval_rows)}, vocab {vocab}"))
 

@@ -248,14 +248,14 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
                                 tensor=config.mesh.tensor, context=config.mesh.context)
   sharding_lib.check_batch(t.batch_size, mesh=mesh, grad_accum_steps=t.grad_accum_steps,
                            process_count=jax.process_count())
-  data = data_lib.make_data(data_lib.DataSpec.from_config(config), batch_size=t.batch_size,
+  data = data_lib.make_data(config, batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
                             num_ranks=sharding_lib.batch_partitions(mesh))
   fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
   run_guard.check_run_record(workdir, fingerprints)  # before a checkpoint can be blamed
   if config.model.init_from is not None:
     hf_init.check_tokenizer(config.model.init_from, data_fingerprint=data.tokenizer_fingerprint,
-                            data_name=data_lib.DataSpec.from_config(config).name)
+                            data_name=data_lib.data_name(config))
   vocab_size = config_checks.check_vocab_size(config, data.vocab_size)
   tx, schedule = make_optimizer(t)
   graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
