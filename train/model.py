@@ -21,11 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from segpack import attention as attention_lib
-from segpack import mesh as mesh_lib
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
+from train import layout as layout_lib
 from train import rope as rope_lib
 from train import sharding as sharding_lib
 from train.rope import ROPE_SCALINGS, RopeConfigError, RopeScaling
@@ -150,18 +149,30 @@ class Attention(nnx.Module):
     attention reads (and what a decoder's KV cache keeps)."""
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
-    q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
-    k_BxSxKxD = self.k(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
-    v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    layout = layout_lib.layout_of(x_BxSxE)
+    heads = self.head_split(layout)
+    q_BxSxHxD = layout_lib.dense(self.q, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_heads, cfg.head_dim)
+    k_BxSxKxD = layout_lib.dense(self.k, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_kv_heads, cfg.head_dim)
+    v_BxSxKxD = layout_lib.dense(self.v, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q_BxSxHxD, k_BxSxKxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxKxD)
     return (rope_lib.apply_rope(q_BxSxHxD, angles_BxSxD2), rope_lib.apply_rope(k_BxSxKxD, angles_BxSxD2),
             v_BxSxKxD)
 
+  def head_split(self, layout: layout_lib.Layout | None) -> str | None:
+    """The mesh axis that splits the heads on an explicit mesh: `tensor` when K (and so H)
+    divides by it, else None (every device computes every head)."""
+    return None if layout is None else layout.split(self.cfg.num_kv_heads)
+
   def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
                segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
+    layout = layout_lib.layout_of(x_BxSxE)
+    heads = self.head_split(layout)
     q_BxSxHxD, k_BxSxKxD, v_BxSxKxD = self.qkv(x_BxSxE, angles_BxSxD2)
     impl, extra = cfg.attention_implementation, {}
     mesh = attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh)
@@ -171,9 +182,13 @@ class Attention(nnx.Module):
       extra["slot_index"] = slot_index_BxS
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS, pallas=cfg.attention_pallas,
-        cudnn_segment_bound=cfg.attention_cudnn_segment_bound, **extra)
-    return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
+        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS if layout is None else heads,
+        pallas=cfg.attention_pallas, cudnn_segment_bound=cfg.attention_cudnn_segment_bound,
+        **extra)
+    if layout is not None:  # as the o projection's row split reads it
+      out_BxSxHxD = layout.put(out_BxSxHxD, layout.rows, layout.slots, heads, None)
+    return layout_lib.dense(self.o, out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim),
+                            layout, split_in=heads)
 
 
 class SwiGLU(nnx.Module):
@@ -186,8 +201,11 @@ class SwiGLU(nnx.Module):
     self.down = _linear(cfg.d_ff, cfg.d_model, cfg, rngs, std=out_std)
 
   def __call__(self, x_BxSxE: jax.Array) -> jax.Array:
-    h_BxSxF = jax.nn.silu(self.gate(x_BxSxE)) * self.up(x_BxSxE)
-    return self.down(h_BxSxF)
+    layout = layout_lib.layout_of(x_BxSxE)
+    ff = None if layout is None else layout.split(self.down.in_features)
+    h_BxSxF = (jax.nn.silu(layout_lib.dense(self.gate, x_BxSxE, layout, split_out=ff))
+               * layout_lib.dense(self.up, x_BxSxE, layout, split_out=ff))
+    return layout_lib.dense(self.down, h_BxSxF, layout, split_in=ff)
 
 
 class Block(nnx.Module):
@@ -236,30 +254,36 @@ class Decoder(nnx.Module):
   def embed_tokens(self, input_ids_BxS: jax.Array) -> jax.Array:
     """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them).
 
-    On a mesh with explicit axes (what `jax.make_mesh` makes by default) the lookup names its
-    output sharding, the ids' own (rows and slots as the batch is split, E whole): JAX refuses
-    a gather whose output sharding it would have to guess."""
-    mesh = mesh_lib.explicit_mesh_of(input_ids_BxS)
-    if mesh is None:
+    On a mesh with explicit axes (what `jax.make_mesh` makes by default) the lookup reads the
+    table gathered whole and names its output sharding, the ids' own (rows and slots as the
+    batch is split, E whole; `train.layout.lookup`): JAX refuses a gather whose output sharding
+    it would have to guess."""
+    layout = layout_lib.layout_of(input_ids_BxS)
+    if layout is None:
       return self.embed(input_ids_BxS)
-    spec = jax.typeof(input_ids_BxS).sharding.spec
-    out_BxSxE = self.embed.embedding[...].at[input_ids_BxS].get(
-        out_sharding=jax.sharding.NamedSharding(mesh, P(*spec, None)))
-    return out_BxSxE.astype(DTYPES[self.cfg.dtype])
+    return layout_lib.lookup(self.embed, input_ids_BxS, layout, DTYPES[self.cfg.dtype])
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
                       segment_positions: jax.Array,
                       slot_index: jax.Array | None = None) -> jax.Array:
-    """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
+    """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`
+    (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole)."""
     angles_BxSxD2 = rope_lib.rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
       x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
     x_BxSxE = self.final_norm(x_BxSxE)
+    layout = layout_lib.layout_of(x_BxSxE)
+    if layout is None:
+      logits_BxSxV = (self.embed.attend(x_BxSxE) if self.cfg.tie_embeddings
+                      else self.lm_head(x_BxSxE))
+      return logits_BxSxV.astype(jnp.float32)
     if self.cfg.tie_embeddings:
-      logits_BxSxV = self.embed.attend(x_BxSxE)
+      logits_BxSxV = layout_lib.attend(self.embed, x_BxSxE, layout)
     else:
-      logits_BxSxV = self.lm_head(x_BxSxE)
+      logits_BxSxV = layout_lib.dense(self.lm_head, x_BxSxE, layout,
+                                      split_out=layout.split(self.cfg.vocab_size))
+    logits_BxSxV = layout.put(logits_BxSxV, layout.rows, layout.slots, None)
     return logits_BxSxV.astype(jnp.float32)
 
   def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
@@ -267,7 +291,9 @@ class Decoder(nnx.Module):
     """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
 
     `slot_index`: for a row in context order (`train.context`), each slot's index in the row
-    before reordering (attention's causal order); None: the slots are in row order.
+    before reordering (attention's causal order); None: the slots are in row order. Inputs
+    typed with no mesh, given to a decoder built with a mesh of explicit axes, are put on it
+    split as the trainer's batches (`train.layout.on_mesh`).
     """
     named = dict(input_ids=input_ids, segment_ids=segment_ids,
                  segment_positions=segment_positions, slot_index=slot_index)
@@ -276,8 +302,8 @@ class Decoder(nnx.Module):
       raise ValueError(
           "Decoder: " + ", ".join(f"{name} {shape}" for name, shape in shapes.items())
           + " must have one [B, S] shape")
-    return self.from_embeddings(self.embed_tokens(input_ids), segment_ids=segment_ids,
-                                segment_positions=segment_positions, slot_index=slot_index)
+    named = {k: layout_lib.on_mesh(self.cfg.attention_mesh, x) for k, x in named.items()}
+    return self.from_embeddings(self.embed_tokens(named.pop("input_ids")), **named)
 
   def batch_logits(self, batch: dict[str, jax.Array]) -> jax.Array:
     """Logits `[B, S, V]` of a trainer batch: its `input_ids`, `segment_ids`,
