@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from test_train import _synthetic
 
 from train import context as context_lib
 from train import data as data_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
-
-from test_train import _synthetic
 
 EXPLICIT = AxisType.Explicit
 NUM_SOURCES = 2  # the "sources" cases' per-source losses: each slot's source is its segment % 2

@@ -35,7 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from segpack import mesh as mesh_lib
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
