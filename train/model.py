@@ -11,6 +11,10 @@ row are split over that axis (the batch arrives in context order with a `slot_in
 `train.context`); every layer but attention works slot by slot, and attention runs under
 `shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
 `slot_index`.
+
+On a mesh of explicit axes (the trainer's) every projection, the embedding lookup and the
+logits name their shardings (`train.layout`): kernels gathered over `fsdp` for the matmul,
+heads, feed-forward and vocabulary split over `tensor` where they divide.
 """
 
 from __future__ import annotations

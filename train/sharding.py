@@ -7,7 +7,8 @@ each device holding S / context consecutive slots of the row in context order,
 matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explicit rules on the
 parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
 shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from
-materialised arrays.
+materialised arrays. The mesh's axes are `Explicit` (sharding in types, `jax.make_mesh`'s
+default); `train.layout` names the shardings of the decoder's ops on it.
 """
 
 from __future__ import annotations
