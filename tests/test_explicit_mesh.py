@@ -28,6 +28,7 @@ from train import context as context_lib
 from train import data as data_lib
 from train import export as export_lib
 from train import hf_config
+from train import layout as layout_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -134,33 +135,69 @@ def test_the_trainers_mesh_has_explicit_axes():
   assert one.axis_types == (EXPLICIT,) * 4 and one.devices.size == 1
 
 
-def test_the_decoder_names_every_split():
+def test_the_decoder_names_every_split_and_computes_what_it_computes_elsewhere():
   """On the 2 x 2 x 2 mesh: activations are split by rows only, q/k/v and the feed-forward
-  hidden by `tensor`, and the logits leave with the vocabulary whole."""
+  hidden by `tensor` (the kernels stay stored over `fsdp`), and the logits leave with the
+  vocabulary whole; they equal the logits without a mesh and on a mesh of `Auto` axes (the
+  plain Flax modules, shardings left to the partitioner)."""
   config = _config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
   mesh = sharding_lib.make_mesh(data=2, fsdp=2, tensor=2)
-  model = model_lib.build(config, 0, vocab_size=128, mesh=mesh)
-  graphdef, params = nnx.split(model)
-  params = jax.device_put(params, sharding_lib.param_shardings(params, mesh))
-  rows = sharding_lib.batch_sharding(mesh)
-  ids = jax.device_put(np.ones((8, 64), np.int32), rows)
+  graphdef, params = nnx.split(model_lib.build(config, 0, vocab_size=128, mesh=mesh))
+  rng = np.random.default_rng(0)
+  seg = np.sort(rng.integers(0, 4, size=(8, 64)), axis=1).astype(np.int32)
+  host = (rng.integers(0, 128, size=(8, 64)).astype(np.int32), seg,
+          np.tile(np.arange(64, dtype=np.int32), (8, 1)))
   seen = {}
 
-  def run(p, ids_BxS):
+  def run(p, ids_BxS, seg_BxS, pos_BxS):
     m = nnx.merge(graphdef, p)
-    x_BxSxE = m.embed_tokens(ids_BxS)
-    seen["x"] = jax.typeof(x_BxSxE).sharding.spec
-    angles = jnp.zeros((8, 64, 4), jnp.float32)
-    seen["q"] = jax.typeof(m.layers[0].attn.qkv(x_BxSxE, angles)[0]).sharding.spec
-    seen["h"] = jax.typeof(m.layers[0].mlp.gate.kernel[...]).sharding.spec
-    return m(ids_BxS, segment_ids=ids_BxS, segment_positions=ids_BxS)
+    if layout_lib.layout_of(ids_BxS) is not None:
+      x_BxSxE = m.embed_tokens(ids_BxS)
+      layout = layout_lib.layout_of(x_BxSxE)
+      seen["x"] = jax.typeof(x_BxSxE).sharding.spec
+      angles = jnp.zeros((8, 64, 4), jnp.float32)
+      seen["q"] = jax.typeof(m.layers[0].attn.qkv(x_BxSxE, angles)[0]).sharding.spec
+      hidden = layout_lib.dense(m.layers[0].mlp.gate, x_BxSxE, layout, split_out="tensor")
+      seen["h"] = jax.typeof(hidden).sharding.spec
+      seen["kernel"] = jax.typeof(m.layers[0].mlp.gate.kernel[...]).sharding.spec
+    return m(ids_BxS, segment_ids=seg_BxS, segment_positions=pos_BxS)
 
-  logits = jax.jit(run)(params, ids)
+  def on(mesh_):
+    placed = jax.device_put(params, sharding_lib.param_shardings(params, mesh_))
+    batch = jax.device_put(host, sharding_lib.batch_sharding(mesh_))
+    return jax.jit(run)(placed, *batch)
+
+  logits = on(mesh)
   batch = (("data", "fsdp"), "context")
-  assert seen["x"] == P(*batch, None)
-  assert seen["q"] == P(*batch, "tensor", None)
-  assert seen["h"] == P("fsdp", "tensor")  # stored split; gathered over fsdp only for the matmul
+  assert seen == dict(x=P(*batch, None), q=P(*batch, "tensor", None), h=P(*batch, "tensor"),
+                      kernel=P("fsdp", "tensor"))
   assert jax.typeof(logits).sharding.spec == P(*batch, None)
+  auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * 4)
+  want = jax.jit(run)(jax.device_get(params), *host)  # one device, no mesh
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(on(auto)), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_a_decoder_placed_on_the_mesh_takes_unplaced_rows():
+  """Parameters placed on the 2 x 2 x 2 mesh (as `hf_weights.load_decoder` places them), a NumPy
+  row that does not split over the rows' 4 devices: eagerly, under `jax.set_mesh`, and with the
+  parameters as `jit` arguments, the logits equal the unplaced model's."""
+  config = _config()
+  mesh = sharding_lib.make_mesh(data=2, fsdp=2, tensor=2)
+  graphdef, params = nnx.split(model_lib.build(config, 0, vocab_size=128, mesh=mesh))
+  rng = np.random.default_rng(1)
+  row = dict(input_ids=rng.integers(0, 128, size=(1, 64)).astype(np.int32),
+             segment_ids=np.repeat(np.arange(1, 5, dtype=np.int32), 16)[None],
+             segment_positions=np.tile(np.arange(16, dtype=np.int32), 4)[None])
+  want = np.asarray(nnx.merge(graphdef, params).batch_logits(row))
+  placed = jax.device_put(params, sharding_lib.param_shardings(params, mesh))
+  model = nnx.merge(graphdef, placed)
+  with jax.set_mesh(mesh):
+    in_context = jax.jit(model.batch_logits)(row)
+  as_args = jax.jit(lambda p, r: nnx.merge(graphdef, p).batch_logits(r))(placed, row)
+  for got in (model.batch_logits(row), in_context, as_args):
+    assert layout_lib.mesh_of(got) is not None
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 def _tensors(directory):

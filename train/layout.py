@@ -72,15 +72,21 @@ class Layout:
     return jax.sharding.reshard(x, NamedSharding(self.mesh, P(*spec)))
 
 
+def mesh_of(x: jax.Array) -> Any:
+  """The mesh of explicit axes `x` is typed with, or None: the concrete one of an array outside
+  `jit` (what an eager `reshard` needs), else the abstract one of its type."""
+  mesh = mesh_lib.explicit_mesh_of(x)
+  if mesh is None or isinstance(x, jax.core.Tracer):
+    return mesh
+  return x.sharding.mesh
+
+
 def layout_of(x_BxS: jax.Array) -> Layout | None:
   """The `Layout` of arrays split like `x` (`[B, S, ...]`), or None when `x` is not typed with a
-  mesh of explicit axes. The mesh is the concrete one of an array outside `jit` (what an eager
-  `reshard` needs), else the abstract one of its type."""
-  mesh = mesh_lib.explicit_mesh_of(x_BxS)
+  mesh of explicit axes (`mesh_of`)."""
+  mesh = mesh_of(x_BxS)
   if mesh is None:
     return None
-  if not isinstance(x_BxS, jax.core.Tracer):
-    mesh = x_BxS.sharding.mesh
   spec = tuple(jax.typeof(x_BxS).sharding.spec) + (None, None)
   kinds = dict(zip(mesh.axis_names, mesh.axis_types))
   tensor = mesh.shape[TENSOR_AXIS] if kinds.get(TENSOR_AXIS) == AxisType.Explicit else 1
@@ -93,8 +99,11 @@ def on_mesh(mesh: Any, x_BxS: jax.Array | None) -> jax.Array | None:
   inputs, or arguments that `jit`'s `in_shardings` places without typing them); else `x` as it
   is (None stays None).
 
-  A decoder built with such a mesh runs its kernel attention under `shard_map` on it, split so;
-  typing the inputs alike keeps every op of the decoder on the explicit path."""
+  A decoder whose parameters are placed on such a mesh, or whose attention runs under
+  `shard_map` on it (`train.model.attention_mesh`: the kernel backends, context parallelism),
+  has arrays typed with it; typing the inputs alike keeps every op of the decoder on the
+  explicit path. Inside `jit` the function's arguments must then be on that mesh too (placed,
+  or `jit`'s `in_shardings`), as JAX requires of any function using such arrays."""
   if (x_BxS is None or mesh is None or AxisType.Explicit not in mesh.axis_types
       or mesh_lib.explicit_mesh_of(x_BxS) is not None):
     return x_BxS

@@ -124,6 +124,16 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
+def attention_mesh(cfg: DecoderConfig) -> Any:
+  """The mesh on which attention runs under `shard_map`: `cfg.attention_mesh` for the kernel
+  backends (`segpack.attention.backend_mesh`) and, for every backend, when its `context` axis
+  splits the sequence; else None (XLA on whole rows is left to the jit partitioner)."""
+  if sharding_lib.context_size(cfg.attention_mesh) > 1:
+    return cfg.attention_mesh
+  return attention_lib.backend_mesh(implementation=cfg.attention_implementation,
+                                    mesh=cfg.attention_mesh)
+
+
 def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float,
             bias: bool = False) -> nnx.Linear:
   return nnx.Linear(
@@ -178,10 +188,8 @@ class Attention(nnx.Module):
     layout = layout_lib.layout_of(x_BxSxE)
     heads = self.head_split(layout)
     q_BxSxHxD, k_BxSxKxD, v_BxSxKxD = self.qkv(x_BxSxE, angles_BxSxD2)
-    impl, extra = cfg.attention_implementation, {}
-    mesh = attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh)
-    if sharding_lib.context_size(cfg.attention_mesh) > 1:  # the sequence split over `context`
-      mesh, extra = cfg.attention_mesh, dict(context_axis=CONTEXT_AXIS)
+    impl, mesh = cfg.attention_implementation, attention_mesh(cfg)
+    extra = dict(context_axis=CONTEXT_AXIS) if sharding_lib.context_size(mesh) > 1 else {}
     if slot_index_BxS is not None:
       extra["slot_index"] = slot_index_BxS
     out_BxSxHxD = attention_lib.segment_attention(
@@ -296,8 +304,9 @@ class Decoder(nnx.Module):
 
     `slot_index`: for a row in context order (`train.context`), each slot's index in the row
     before reordering (attention's causal order); None: the slots are in row order. Inputs
-    typed with no mesh, given to a decoder built with a mesh of explicit axes, are put on it
-    split as the trainer's batches (`train.layout.on_mesh`).
+    typed with no mesh, given to a decoder whose attention runs on a mesh of explicit axes
+    (`attention_mesh`) or whose parameters are placed on one, are put on it split as the
+    trainer's batches (`train.layout.on_mesh`).
     """
     named = dict(input_ids=input_ids, segment_ids=segment_ids,
                  segment_positions=segment_positions, slot_index=slot_index)
@@ -306,7 +315,8 @@ class Decoder(nnx.Module):
       raise ValueError(
           "Decoder: " + ", ".join(f"{name} {shape}" for name, shape in shapes.items())
           + " must have one [B, S] shape")
-    named = {k: layout_lib.on_mesh(self.cfg.attention_mesh, x) for k, x in named.items()}
+    mesh = attention_mesh(self.cfg) or layout_lib.mesh_of(self.embed.embedding[...])
+    named = {k: layout_lib.on_mesh(mesh, x) for k, x in named.items()}
     return self.from_embeddings(self.embed_tokens(named.pop("input_ids")), **named)
 
   def batch_logits(self, batch: dict[str, jax.Array]) -> jax.Array:
