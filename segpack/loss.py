@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from segpack import mesh as mesh_lib
 from segpack.errors import ArgumentError
 
 IGNORE_INDEX = -100
@@ -70,7 +71,9 @@ def document_token_counts(
   """Returns the trained tokens of every segment, float32 `[B, S+1]` (column `n` = segment `n`).
 
   Column 0 (padding) is always 0: labels on padding slots carry no loss in either weighting's
-  documents. Computed per row by a segment sum over `S+1` static buckets (O(B*S) memory).
+  documents. Computed per row by a segment sum over `S+1` static buckets (O(B*S) memory); on a
+  mesh with explicit axes over the row's slots gathered first (`segpack.mesh.whole_slots`), the
+  counts split by rows only.
 
   Args:
     labels_BxS: integer labels `[B, S]`; `ignore_index` marks tokens without loss.
@@ -82,7 +85,7 @@ def document_token_counts(
   seg_BxS = jnp.clip(segment_ids_BxS, 0, num_buckets - 1)
   trained_BxS = ((labels_BxS != ignore_index) & (seg_BxS != 0)).astype(jnp.float32)
   return jax.vmap(lambda t_S, s_S: jax.ops.segment_sum(t_S, s_S, num_segments=num_buckets))(
-      trained_BxS, seg_BxS)
+      mesh_lib.whole_slots(trained_BxS), mesh_lib.whole_slots(seg_BxS))
 
 
 def count_trained_documents(
@@ -165,7 +168,10 @@ def cross_entropy_by_source(
   token_loss_BxS, mask_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
                                            "cross_entropy_by_source")
   valid_BxS = mask_BxS & (sources_BxS >= 0) & (sources_BxS < num_sources)
-  bucket = jnp.where(valid_BxS, sources_BxS, num_sources).reshape(-1)
+  # On a mesh with explicit axes the [B, S] arrays are gathered whole first (a few bytes per
+  # slot, never the logits): a scatter of split indices into N buckets has no sharding to infer.
+  valid_BxS, token_loss_BxS = mesh_lib.replicated(valid_BxS), mesh_lib.replicated(token_loss_BxS)
+  bucket = jnp.where(valid_BxS, mesh_lib.replicated(sources_BxS), num_sources).reshape(-1)
   sums = jax.ops.segment_sum(token_loss_BxS.reshape(-1), bucket, num_segments=num_sources + 1)
   counts = jax.ops.segment_sum(valid_BxS.reshape(-1).astype(jnp.float32), bucket,
                                num_segments=num_sources + 1)
@@ -210,7 +216,8 @@ def cross_entropy_sum(
   counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
                                      ignore_index=ignore_index)
   seg_BxS = jnp.clip(segment_ids_BxS, 0, counts_BxN.shape[1] - 1)
-  doc_count_BxS = jnp.take_along_axis(counts_BxN, seg_BxS, axis=1)
+  # (each row's counts are whole on its devices; the slots they are read for, too)
+  doc_count_BxS = jnp.take_along_axis(counts_BxN, mesh_lib.whole_slots(seg_BxS), axis=1)
   # Tokens on padding (segment 0) have doc_count 0 and get weight 0.
   weight_BxS = jnp.where(doc_count_BxS > 0, 1.0 / jnp.maximum(doc_count_BxS, 1.0), 0.0)
   return jnp.sum(token_loss_BxS * weight_BxS), jnp.sum(counts_BxN > 0, dtype=jnp.float32)

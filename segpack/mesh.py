@@ -13,7 +13,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["BATCH_AXES", "CONTEXT_AXIS", "DATA_AXIS", "FSDP_AXIS", "MESH_AXES", "TENSOR_AXIS",
-           "explicit_mesh_of", "whole_slots"]
+           "explicit_mesh_of", "replicated", "whole_slots"]
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
@@ -51,3 +51,13 @@ def whole_slots(x_BxS: jax.Array) -> jax.Array:
     return x_BxS
   spec[1] = None
   return jax.sharding.reshard(x_BxS, jax.sharding.NamedSharding(mesh, P(*spec)))
+
+
+def replicated(x: jax.Array) -> jax.Array:
+  """`x` whole on every device, on a mesh with explicit axes (what `jax.make_mesh` makes by
+  default): for a reduction into a few buckets (a scatter whose indices are split would leave
+  JAX to guess the output's sharding). Elsewhere `x` as it is."""
+  mesh = explicit_mesh_of(x)
+  if mesh is None:
+    return x
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P()))

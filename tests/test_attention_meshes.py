@@ -157,10 +157,10 @@ def test_gradients_on_an_explicit_mesh_match_the_oracle(name, impl):
   assert_matches(call(name, make_mesh(name, EXPLICIT), impl, grads=True), want)
 
 
-def test_jax_make_mesh_is_explicit_and_the_trainers_mesh_is_auto():
-  """The premise of this file, and the trainer's choice (docs/training.md, "Mesh")."""
+def test_jax_make_mesh_is_explicit_and_so_is_the_trainers_mesh():
+  """The premise of this file, and the trainer's mesh (docs/training.md, "What a run does")."""
   assert set(jax.make_mesh((8,), ("data",)).axis_types) == {EXPLICIT}
-  assert set(sharding_lib.make_mesh(data=2, fsdp=2, tensor=2).axis_types) == {AUTO}
+  assert set(sharding_lib.make_mesh(data=2, fsdp=2, tensor=2).axis_types) == {EXPLICIT}
 
 
 @pytest.mark.parametrize("name,impl", [("trainer", "pallas"), ("whole_rows_any_order", "xla")])

@@ -321,6 +321,9 @@ def test_pallas_attention_on_the_trainer_mesh_matches_xla_logits_and_grads():
 
   def logits_and_grads(**overrides):
     graphdef, params = nnx.split(_tiny(num_layers=1, **overrides))
+    # On the mesh, as the trainer places them: on explicit axes a jitted function's arguments
+    # and the sharded arrays it closes over (the batch) must share one mesh.
+    params = jax.device_put(params, NamedSharding(mesh, P()))
 
     def loss(p):
       logits = nnx.merge(graphdef, p)(batch["input_ids"], segment_ids=batch["segment_ids"],

@@ -11,6 +11,10 @@ row are split over that axis (the batch arrives in context order with a `slot_in
 `train.context`); every layer but attention works slot by slot, and attention runs under
 `shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
 `slot_index`.
+
+On a mesh of explicit axes (the trainer's) every projection, the embedding lookup and the
+logits name their shardings (`train.layout`): kernels gathered over `fsdp` for the matmul,
+heads, feed-forward and vocabulary split over `tensor` where they divide.
 """
 
 from __future__ import annotations
@@ -21,12 +25,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from segpack import attention as attention_lib
-from segpack import mesh as mesh_lib
 from segpack.errors import ArgumentError, UserError
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
+from train import layout as layout_lib
 from train import rope as rope_lib
 from train import sharding as sharding_lib
 from train.rope import ROPE_SCALINGS, RopeConfigError, RopeScaling
@@ -122,6 +125,16 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
+def attention_mesh(cfg: DecoderConfig) -> Any:
+  """The mesh on which attention runs under `shard_map`: `cfg.attention_mesh` for the kernel
+  backends (`segpack.attention.backend_mesh`) and, for every backend, when its `context` axis
+  splits the sequence; else None (XLA on whole rows is left to the jit partitioner)."""
+  if sharding_lib.context_size(cfg.attention_mesh) > 1:
+    return cfg.attention_mesh
+  return attention_lib.backend_mesh(implementation=cfg.attention_implementation,
+                                    mesh=cfg.attention_mesh)
+
+
 def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float,
             bias: bool = False) -> nnx.Linear:
   return nnx.Linear(
@@ -151,30 +164,44 @@ class Attention(nnx.Module):
     attention reads (and what a decoder's KV cache keeps)."""
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
-    q_BxSxHxD = self.q(x_BxSxE).reshape(b, s, cfg.num_heads, cfg.head_dim)
-    k_BxSxKxD = self.k(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
-    v_BxSxKxD = self.v(x_BxSxE).reshape(b, s, cfg.num_kv_heads, cfg.head_dim)
+    layout = layout_lib.layout_of(x_BxSxE)
+    heads = self.head_split(layout)
+    q_BxSxHxD = layout_lib.dense(self.q, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_heads, cfg.head_dim)
+    k_BxSxKxD = layout_lib.dense(self.k, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_kv_heads, cfg.head_dim)
+    v_BxSxKxD = layout_lib.dense(self.v, x_BxSxE, layout, split_out=heads).reshape(
+        b, s, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q_BxSxHxD, k_BxSxKxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxKxD)
     return (rope_lib.apply_rope(q_BxSxHxD, angles_BxSxD2), rope_lib.apply_rope(k_BxSxKxD, angles_BxSxD2),
             v_BxSxKxD)
 
+  def head_split(self, layout: layout_lib.Layout | None) -> str | None:
+    """The mesh axis that splits the heads on an explicit mesh: `tensor` when K (and so H)
+    divides by it, else None (every device computes every head)."""
+    return None if layout is None else layout.split(self.cfg.num_kv_heads)
+
   def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
                segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
+    layout = layout_lib.layout_of(x_BxSxE)
+    heads = self.head_split(layout)
     q_BxSxHxD, k_BxSxKxD, v_BxSxKxD = self.qkv(x_BxSxE, angles_BxSxD2)
-    impl, extra = cfg.attention_implementation, {}
-    mesh = attention_lib.backend_mesh(implementation=impl, mesh=cfg.attention_mesh)
-    if sharding_lib.context_size(cfg.attention_mesh) > 1:  # the sequence split over `context`
-      mesh, extra = cfg.attention_mesh, dict(context_axis=CONTEXT_AXIS)
+    impl, mesh = cfg.attention_implementation, attention_mesh(cfg)
+    extra = dict(context_axis=CONTEXT_AXIS) if sharding_lib.context_size(mesh) > 1 else {}
     if slot_index_BxS is not None:
       extra["slot_index"] = slot_index_BxS
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
-        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS, pallas=cfg.attention_pallas,
-        cudnn_segment_bound=cfg.attention_cudnn_segment_bound, **extra)
-    return self.o(out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim))
+        mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS if layout is None else heads,
+        pallas=cfg.attention_pallas, cudnn_segment_bound=cfg.attention_cudnn_segment_bound,
+        **extra)
+    if layout is not None:  # as the o projection's row split reads it
+      out_BxSxHxD = layout.put(out_BxSxHxD, layout.rows, layout.slots, heads, None)
+    return layout_lib.dense(self.o, out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim),
+                            layout, split_in=heads)
 
 
 class SwiGLU(nnx.Module):
@@ -187,8 +214,11 @@ class SwiGLU(nnx.Module):
     self.down = _linear(cfg.d_ff, cfg.d_model, cfg, rngs, std=out_std)
 
   def __call__(self, x_BxSxE: jax.Array) -> jax.Array:
-    h_BxSxF = jax.nn.silu(self.gate(x_BxSxE)) * self.up(x_BxSxE)
-    return self.down(h_BxSxF)
+    layout = layout_lib.layout_of(x_BxSxE)
+    ff = None if layout is None else layout.split(self.down.in_features)
+    h_BxSxF = (jax.nn.silu(layout_lib.dense(self.gate, x_BxSxE, layout, split_out=ff))
+               * layout_lib.dense(self.up, x_BxSxE, layout, split_out=ff))
+    return layout_lib.dense(self.down, h_BxSxF, layout, split_in=ff)
 
 
 class Block(nnx.Module):
@@ -237,21 +267,20 @@ class Decoder(nnx.Module):
   def embed_tokens(self, input_ids_BxS: jax.Array) -> jax.Array:
     """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them).
 
-    On a mesh with explicit axes (what `jax.make_mesh` makes by default) the lookup names its
-    output sharding, the ids' own (rows and slots as the batch is split, E whole): JAX refuses
-    a gather whose output sharding it would have to guess."""
-    mesh = mesh_lib.explicit_mesh_of(input_ids_BxS)
-    if mesh is None:
+    On a mesh with explicit axes (what `jax.make_mesh` makes by default) the lookup reads the
+    table gathered whole and names its output sharding, the ids' own (rows and slots as the
+    batch is split, E whole; `train.layout.lookup`): JAX refuses a gather whose output sharding
+    it would have to guess."""
+    layout = layout_lib.layout_of(input_ids_BxS)
+    if layout is None:
       return self.embed(input_ids_BxS)
-    spec = jax.typeof(input_ids_BxS).sharding.spec
-    out_BxSxE = self.embed.embedding[...].at[input_ids_BxS].get(
-        out_sharding=jax.sharding.NamedSharding(mesh, P(*spec, None)))
-    return out_BxSxE.astype(DTYPES[self.cfg.dtype])
+    return layout_lib.lookup(self.embed, input_ids_BxS, layout, DTYPES[self.cfg.dtype])
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
                       segment_positions: jax.Array,
                       slot_index: jax.Array | None = None) -> jax.Array:
-    """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`."""
+    """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`
+    (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole)."""
     angles_BxSxD2 = rope_lib.rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
@@ -262,10 +291,17 @@ class Decoder(nnx.Module):
     """The last block's output to float32 logits `[B, S, V]`: final RMSNorm, then the output
     projection (the embedding's transpose when tied)."""
     x_BxSxE = self.final_norm(x_BxSxE)
+    layout = layout_lib.layout_of(x_BxSxE)
+    if layout is None:
+      logits_BxSxV = (self.embed.attend(x_BxSxE) if self.cfg.tie_embeddings
+                      else self.lm_head(x_BxSxE))
+      return logits_BxSxV.astype(jnp.float32)
     if self.cfg.tie_embeddings:
-      logits_BxSxV = self.embed.attend(x_BxSxE)
+      logits_BxSxV = layout_lib.attend(self.embed, x_BxSxE, layout)
     else:
-      logits_BxSxV = self.lm_head(x_BxSxE)
+      logits_BxSxV = layout_lib.dense(self.lm_head, x_BxSxE, layout,
+                                      split_out=layout.split(self.cfg.vocab_size))
+    logits_BxSxV = layout.put(logits_BxSxV, layout.rows, layout.slots, None)
     return logits_BxSxV.astype(jnp.float32)
 
   def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
@@ -273,7 +309,10 @@ class Decoder(nnx.Module):
     """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
 
     `slot_index`: for a row in context order (`train.context`), each slot's index in the row
-    before reordering (attention's causal order); None: the slots are in row order.
+    before reordering (attention's causal order); None: the slots are in row order. Inputs
+    typed with no mesh, given to a decoder whose attention runs on a mesh of explicit axes
+    (`attention_mesh`) or whose parameters are placed on one, are put on it split as the
+    trainer's batches (`train.layout.on_mesh`).
     """
     named = dict(input_ids=input_ids, segment_ids=segment_ids,
                  segment_positions=segment_positions, slot_index=slot_index)
@@ -282,8 +321,9 @@ class Decoder(nnx.Module):
       raise ArgumentError(
           "Decoder: " + ", ".join(f"{name} {shape}" for name, shape in shapes.items())
           + " must have one [B, S] shape")
-    return self.from_embeddings(self.embed_tokens(input_ids), segment_ids=segment_ids,
-                                segment_positions=segment_positions, slot_index=slot_index)
+    mesh = attention_mesh(self.cfg) or layout_lib.mesh_of(self.embed.embedding[...])
+    named = {k: layout_lib.on_mesh(mesh, x) for k, x in named.items()}
+    return self.from_embeddings(self.embed_tokens(named.pop("input_ids")), **named)
 
   def batch_logits(self, batch: dict[str, jax.Array]) -> jax.Array:
     """Logits `[B, S, V]` of a trainer batch: its `input_ids`, `segment_ids`,

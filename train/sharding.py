@@ -7,7 +7,8 @@ each device holding S / context consecutive slots of the row in context order,
 matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explicit rules on the
 parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
 shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from
-materialised arrays.
+materialised arrays. The mesh's axes are `Explicit` (sharding in types, `jax.make_mesh`'s
+default); `train.layout` names the shardings of the decoder's ops on it.
 """
 
 from __future__ import annotations
@@ -65,21 +66,19 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 
               devices: Sequence[Any] | None = None) -> Mesh:
   """Builds the `("data", "fsdp", "context", "tensor")` mesh over `devices` (default: all).
 
-  Its axes are `Auto` (`jax.sharding.AxisType`), not the `Explicit` axes `jax.make_mesh` makes
-  by default: the step's shardings come from the jit partitioner's propagation. On explicit
-  axes the decoder runs with rows over `data` / `fsdp` and slots over `context` (its embedding
-  lookup, XLA attention's key side and the pair count name their shardings), but the `tensor`
-  and `fsdp` splits of the parameters would need an output sharding on every matmul (JAX
-  refuses a contraction over a sharded dimension without one), which the model does not give
-  yet. `segment_attention` itself accepts meshes of either kind.
+  Its axes are `Explicit` (`jax.sharding.AxisType`), what `jax.make_mesh` makes by default: every
+  array's type carries its sharding, and the decoder names the sharding of each op whose output
+  JAX cannot infer (`train.layout`: the ZeRO-3 gathers of `fsdp`-split kernels, the Megatron
+  splits over `tensor`, the embedding lookup, the whole-vocabulary logits). `segment_attention`
+  runs its kernels under `shard_map` on it (`segpack.attention.sharded.run_shard_map`).
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(data=data, fsdp=fsdp, tensor=tensor, context=context,
                      num_devices=len(devices))
-  auto = (jax.sharding.AxisType.Auto,) * len(AXES)  # jit sharding propagation (not Explicit)
+  explicit = (jax.sharding.AxisType.Explicit,) * len(AXES)  # named: not left to the default
   if devices == list(jax.devices()):
-    return jax.make_mesh(shape, AXES, devices=devices, axis_types=auto)
-  return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=auto)
+    return jax.make_mesh(shape, AXES, devices=devices, axis_types=explicit)
+  return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=explicit)
 
 
 def batch_partitions(mesh: Mesh) -> int:

@@ -37,6 +37,7 @@ from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
 from train import hf_init
+from train import layout as layout_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import run_guard
@@ -75,12 +76,6 @@ def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.
                   weight_decay=train_cfg.weight_decay,
                   mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)))
   return tx, schedule
-
-
-def _micro_batches(batch: dict[str, jax.Array], accum: int) -> dict[str, jax.Array]:
-  """`[A*M, S]` -> `[A, M, S]` with micro-batch `a` = rows `a, A + a, ...`, so each device's
-  contiguous block of rows splits evenly over the micro-batches (no resharding)."""
-  return {k: jnp.swapaxes(v.reshape(-1, accum, v.shape[-1]), 0, 1) for k, v in batch.items()}
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -122,7 +117,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
     zeros = jax.tree.map(jnp.zeros_like, params)
     aux0 = (jnp.zeros(num_sources, jnp.float32),) * 2 if num_sources else ()
     (grads, loss, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux0),
-                                         _micro_batches(batch, accum))
+                                         layout_lib.micro_batches(batch, accum))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
