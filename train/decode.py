@@ -266,7 +266,8 @@ def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_ne
   """Continues every prompt (see the module docstring); one compiled loop for all of them.
 
   Args:
-    model: the decoder (any attention backend: decoding runs the XLA math on the cache).
+    model: the decoder (any attention backend: decoding runs the XLA math on the cache, on one
+      device; parameters placed on a mesh are copied there).
     prompts: token ids of each prompt, as the model should see them (BOS included if the run's
       documents began with one).
     max_new_tokens: the most tokens added to each prompt.
@@ -291,6 +292,8 @@ def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_ne
     room_BxN = np.minimum(room_BxN, max_len - layout.length_BxN)
   arrays = dict(dataclasses.asdict(layout), room_BxN=room_BxN)
   graphdef, params = nnx.split(model)
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = jax.device_put(params, one_device)  # parameters placed on a mesh come to one device
   out_BxNxM = np.asarray(_decode(
       graphdef, params, {k: jnp.asarray(v) for k, v in arrays.items()},
       jnp.asarray(list(stop_ids) or [-2], jnp.int32), jnp.int32(seed),
