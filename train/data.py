@@ -19,8 +19,8 @@ another process count or batch size"). Held-out rows are one finite pass of the 
 into global batches the same way (the last one filled up with padding rows).
 
 With `mesh.context > 1` the training and held-out batches come out in context order with a
-`"slot_index"` feature (`train.context`): the order is applied to each batch after the pipeline,
-so data positions and fingerprints are those of the batches in row order.
+`"slot_index"` feature (`train.context_batches`): the order is applied to each batch after the
+pipeline, so data positions and fingerprints are those of the batches in row order.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
 from train import config_checks
-from train import context as context_lib
+from train import context_batches
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 _LOG = logging.getLogger(__name__)
@@ -86,12 +86,12 @@ class DataSpec:
   eval_share: float = 0.02
   tokens_per_epoch: int | None = None  # a mixture's tokens per epoch (None: all of them)
   context_size: int = 1  # `mesh.context`: devices per row; > 1 reorders the batches' slots
-  context_balance: str = "documents"  # `packing.context_balance`: the order (train.context)
+  context_balance: str = "documents"  # `packing.context_balance`: the order (train.context_batches)
 
   @property
-  def context(self) -> context_lib.ContextOrder:
+  def context(self) -> context_batches.ContextOrder:
     """The slot order of the batches (`ContextOrder.active` only with `context_size > 1`)."""
-    return context_lib.ContextOrder(size=self.context_size, balance=self.context_balance)
+    return context_batches.ContextOrder(size=self.context_size, balance=self.context_balance)
 
   @classmethod
   def from_config(cls, config: Any) -> "DataSpec":
@@ -134,8 +134,8 @@ class Data:
     source_names: a mixture's source names (training rows then carry `segment_sources`, their
       indices); empty otherwise.
     eval_by_source: a mixture's held-out batches of each source, by name (empty otherwise).
-    context: the slot order of the batches (`train.context`); `eval` and `eval_by_source` come
-      out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
+    context: the slot order of the batches (`train.context_batches`); `eval` and `eval_by_source`
+      come out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
     tokenizer_fingerprint: the tokenizer of a `segpack tokenize` dataset (its manifest's
       `tokenizer_fingerprint`); None for the built-in and synthetic sources.
     source_weights: a mixture's weights (shares of trained tokens), in `source_names` order.
@@ -149,14 +149,14 @@ class Data:
   max_segments_in_row: int | None = None
   source_names: tuple[str, ...] = ()
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
-  context: context_lib.ContextOrder = context_lib.ContextOrder()
+  context: context_batches.ContextOrder = context_batches.ContextOrder()
   tokenizer_fingerprint: str | None = None
   source_weights: tuple[float, ...] = ()
 
   def __post_init__(self):
     if self.context.active and self.eval is not None:
-      self.eval = context_lib.OrderedBatches(self.eval, order=self.context)
-      self.eval_by_source = {name: context_lib.OrderedBatches(batches, order=self.context)
+      self.eval = context_batches.OrderedBatches(self.eval, order=self.context)
+      self.eval_by_source = {name: context_batches.OrderedBatches(batches, order=self.context)
                              for name, batches in self.eval_by_source.items()}
 
   def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
@@ -165,11 +165,11 @@ class Data:
     A `segpack.data.position.StreamIterator` in both modes: its state is the position of the next
     batch, in rows of the stream (global mode; also accepted from a run with another batch size)
     or in minibatch steps. With `context` active its batches come out in context order
-    (`train.context.OrderedIterator`).
+    (`train.context_batches.OrderedIterator`).
     """
     iterator = self.train.iterator(read_options=read_options)
     if self.context.active:
-      return context_lib.OrderedIterator(iterator, order=self.context)
+      return context_batches.OrderedIterator(iterator, order=self.context)
     return iterator
 
 
@@ -436,7 +436,7 @@ def next_batch(iterator: Any) -> dict[str, np.ndarray]:
 def fingerprint(batch: dict[str, np.ndarray]) -> tuple[str, list[str]]:
   """A hash of the whole batch and a short hash per row (to compare runs and processes); a batch
   in context order is hashed in row order, so the hashes do not depend on `mesh.context`."""
-  batch = context_lib.row_order(batch)
+  batch = context_batches.row_order(batch)
   rows = []
   whole = hashlib.sha256()
   for r in range(len(batch["input_ids"])):

@@ -72,9 +72,9 @@ def attention_pairs(segment_ids_BxS: jax.Array, *, reordered: bool = False) -> j
   Args:
     segment_ids_BxS: segment ids, 0 = padding (jittable); each non-zero id one contiguous run,
       unless `reordered`.
-    reordered: the row's slots are in context-parallel order (`train.context`), so a segment
-      may be cut into pieces; the ids are then sorted per row first (each id is one document of
-      the row, so sorting gives every segment one run of its length).
+    reordered: the row's slots are in context-parallel order (`train.context_batches`), so a segment
+      may be cut into pieces; the ids are then sorted per row first (each id is one document of the
+      row, so sorting gives every segment one run of its length).
 
   Returns:
     A float32 scalar (exact per row in int32, rows summed in float32).

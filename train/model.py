@@ -8,7 +8,7 @@ every document of a packed row sees exactly what it would see alone.
 
 Context parallelism: on a mesh whose `context` axis has more than one device, the slots of every
 row are split over that axis (the batch arrives in context order with a `slot_index`,
-`train.context`); every layer but attention works slot by slot, and attention runs under
+`train.context_batches`); every layer but attention works slot by slot, and attention runs under
 `shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
 `slot_index`.
 """
@@ -272,7 +272,7 @@ class Decoder(nnx.Module):
                segment_positions: jax.Array, slot_index: jax.Array | None = None) -> jax.Array:
     """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
 
-    `slot_index`: for a row in context order (`train.context`), each slot's index in the row
+    `slot_index`: for a row in context order (`train.context_batches`), each slot's index in the row
     before reordering (attention's causal order); None: the slots are in row order.
     """
     named = dict(input_ids=input_ids, segment_ids=segment_ids,

@@ -26,7 +26,7 @@ from segpack.attention import cudnn
 from segpack.attention import pallas as pallas_lib
 from segpack.attention.checks import AttentionInputError, check_contiguous, check_slots
 from segpack.attention.checks import default_scale, validate_inputs, validate_slot_index
-from segpack.attention.context import context_attention, context_size, row_order
+from segpack.attention.context_parallel import context_attention, context_size, row_order
 from segpack.attention.pallas import PallasOptions
 from segpack.attention.sharded import shard_attention
 from segpack.attention.xla import segment_attention_xla, segment_attention_xla_slots
