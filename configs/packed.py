@@ -89,7 +89,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.packing = ml_collections.ConfigDict()
   c.packing.seq_len = 256  # slots per row
-  c.packing.strategy = "ffd"  # planner: ffd, bfd, greedy, pad (one document per row), sorted_pad
+  c.packing.strategy = "ffd"  # packer: ffd, bfd, greedy, pad (one document per row), sorted_pad
   c.packing.long_docs = "split"  # documents longer than a row: "split" into chunks or "truncate"
   c.packing.max_segments_per_row = config_dict.placeholder(int)  # cap on documents per row
   # "attention": deal each global batch's rows to the data-parallel ranks so that their summed

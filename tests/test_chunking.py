@@ -60,7 +60,7 @@ def test_minibatch_planner_cuts_the_same_chunks(overlap):
                              overlap=overlap, extra_tokens=2, seed=0, shuffle=False,
                              examples_per_batch=50, tokens_per_batch=None,
                              drop_remainder=False)
-  p = planner.plan_epoch(0).plan
+  p = planner.plan(0).plan
   got = list(zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()))
   assert got == naive_chunks(lengths.tolist(), 16, overlap=overlap, extra_tokens=2)
 

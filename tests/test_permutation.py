@@ -45,4 +45,4 @@ def test_minibatch_examples_are_drawn_in_the_same_order():
   for epoch in range(3):
     want = examples[recipe(examples.size, 5, epoch)]
     assert np.array_equal(planner.order(epoch), want)
-    assert np.array_equal(planner.plan_epoch(epoch).examples, want)
+    assert np.array_equal(planner.plan(epoch).examples, want)

@@ -312,22 +312,23 @@ def test_tie_seed_with_split_documents_keeps_every_row_length(block, monkeypatch
       assert (tied.doc != fixed.doc).any()
 
 
-def test_tie_planner_equals_plan_with_the_same_seed():
+def test_repack_planner_equals_plan_with_the_epochs_tie_seed():
   rng = np.random.default_rng(8)
   lengths = np.concatenate([rng.integers(0, 200, 900), [0, 500, 3]])
-  for strategy in ("ffd", "bfd", "sorted_pad", "greedy"):
+  for strategy in ("ffd", "bfd", "sorted_pad"):
     kw = dict(strategy=strategy, overlap=5, extra_tokens=2, min_len=1)
-    tp = packing.TiePlanner(lengths, 64, **kw)
-    seeds = [None] if strategy == "greedy" else [(0, 1), (0, 2), (0, 1)]
-    for seed in seeds:
-      want = packing.plan(lengths, 64, tie_seed=seed, **kw)
-      got = tp.plan(seed)
-      assert plan_rows(got) == plan_rows(want), (strategy, seed)
+    planner = packing.RepackPlanner(lengths, 64, seed=3, **kw)
+    for epoch in (1, 2, 1):
+      want = packing.plan(lengths, 64, tie_seed=(3, epoch), **kw)
+      got = planner.plan(epoch)
+      assert plan_rows(got) == plan_rows(want), (strategy, epoch)
       assert got.stats == want.stats
-    back = pickle.loads(pickle.dumps(tp))  # without its cached rows; recomputes them
-    assert plan_rows(back.plan(seeds[-1])) == plan_rows(tp.plan(seeds[-1]))
+    back = pickle.loads(pickle.dumps(planner))  # without its cached rows; recomputes them
+    assert plan_rows(back.plan(2)) == plan_rows(planner.plan(2))
   with pytest.raises(packing.PackingArgumentError, match="tie_seed"):
-    packing.TiePlanner(lengths, 64, strategy="greedy").plan(1)
+    packing.RepackPlanner(lengths, 64, seed=0, strategy="greedy")
+  with pytest.raises(packing.PackingArgumentError, match="seed=-1"):
+    packing.RepackPlanner(lengths, 64, seed=-1)
 
 
 def test_sorted_documents_released_page_by_page_give_the_same_plan(monkeypatch):

@@ -24,7 +24,7 @@ from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
 from segpack.data.position import StreamIterator, StreamPosition
-from segpack.packing.minibatch_planner import EpochPlan, MinibatchPlanner
+from segpack.packing.minibatch_planner import MinibatchPlan, MinibatchPlanner
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 
@@ -67,11 +67,11 @@ class MinibatchPackedDataset(grain.MapDataset):
     self._process_index = process_index
     self._process_count = process_count
     self._lock = threading.Lock()
-    self._epochs: dict[int, EpochPlan] = {}
+    self._epochs: dict[int, MinibatchPlan] = {}
     self._cum = [0]  # steps before epoch e
     if rows_per_batch is None:
       if num_epochs is not None:
-        rows_per_batch = max(int(planner.plan_epoch(e).rows_needed.max())
+        rows_per_batch = max(int(planner.plan(e).rows_needed.max())
                              for e in range(num_epochs))
       elif planner.tokens_per_batch is not None:
         rows_per_batch = planner.budget_rows
@@ -128,11 +128,11 @@ class MinibatchPackedDataset(grain.MapDataset):
     """Rows of each element on this process."""
     return self.rows_per_batch // self._process_count
 
-  def _epoch(self, epoch: int) -> EpochPlan:
+  def _epoch(self, epoch: int) -> MinibatchPlan:
     with self._lock:
       plan = self._epochs.get(epoch)
       if plan is None:
-        plan = self._planner.plan_epoch(epoch, self.rows_per_batch)
+        plan = self._planner.plan(epoch, self.rows_per_batch)
         if len(self._epochs) >= 2:
           self._epochs.pop(next(iter(self._epochs)))
         self._epochs[epoch] = plan
@@ -155,7 +155,7 @@ class MinibatchPackedDataset(grain.MapDataset):
     """Optimizer steps of `epoch`."""
     return self._epoch(epoch).num_batches
 
-  def epoch_plan(self, epoch: int) -> EpochPlan:
+  def plan(self, epoch: int) -> MinibatchPlan:
     """The plan of `epoch` (rows padded to `rows_per_batch` per batch)."""
     return self._epoch(epoch)
 
@@ -215,7 +215,7 @@ class MinibatchPackedDataset(grain.MapDataset):
 
   def plan_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
     """`(epoch, plan row)` of each of this process's rows of element `k` (int64 `[R / Q]`
-    each); the plan row indexes `epoch_plan(epoch)` (empty rows are padding)."""
+    each); the plan row indexes `plan(epoch).plan` (empty rows are padding)."""
     e, b = self.locate(k)
     rows = self._local_rows(b)
     return np.full(rows.shape, e, dtype=np.int64), rows
@@ -297,7 +297,7 @@ def pack_minibatches(
     rows_per_batch: static rows per batch (over all processes); None: the most any batch needs
       over `num_epochs` epochs (for an infinite dataset a bound no batch can exceed).
     drop_remainder: drop each epoch's last, short minibatch.
-    strategy: planner for each minibatch, one of `segpack.packing.STRATEGIES`.
+    strategy: packer for each minibatch, one of `segpack.packing.STRATEGIES`.
     seed: sampling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the examples of every epoch (else source order).
     num_epochs: None for an infinite dataset, else the number of epochs.

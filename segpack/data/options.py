@@ -85,7 +85,7 @@ def check_args(fn: str, *, seq_len: Any, strategy: Any, seed: Any, num_epochs: A
   Args:
     fn: the entry point's name, the first word of every message.
     seq_len: slots per row.
-    strategy: planner name.
+    strategy: packer name.
     seed: shuffling seed.
     num_epochs: None or the number of epochs.
     special_tokens: a `SpecialTokens`.

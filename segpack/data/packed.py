@@ -323,7 +323,7 @@ def pack_dataset(
       weights are shares of trained tokens: every epoch draws its documents and plans them anew
       (`Mixture` documents the draw; `rows_in_epoch(e)` differs between epochs).
     seq_len: slots per row.
-    strategy: planner, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
+    strategy: packer, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
       "sorted_pad").
     seed: shuffling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the row order of every epoch (else plan order).
@@ -370,7 +370,7 @@ def pack_dataset(
     planner = epoch_plans.MixturePlanner(
         draws=draws, plan_kwargs=plan_kwargs, special=prepared.special,
         loss_mask=prepared.loss_mask, max_segments_per_row=max_segments_per_row)
-    builder = planner.builder(None, 0)
+    builder = planner.builder(0)
     bound = int(seq_len) if max_segments_per_row is None else int(max_segments_per_row)
   else:
     _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
@@ -380,8 +380,8 @@ def pack_dataset(
                       max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
     builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,
                                   doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
-    planner = (None if repack == "none" else epoch_plans.EpochPlanner(
-        lengths=prepared.lengths, seed=int(seed), plan_kwargs=plan_kwargs))
+    planner = (None if repack == "none" else packing.RepackPlanner(
+        prepared.lengths, seed=int(seed), **plan_kwargs))
     bound = int(np.diff(np.asarray(plan.row_splits, dtype=np.int64)).max(initial=0))
   if builder.num_rows == 0 or len(builder.plan.doc) == 0:
     raise PipelineConfigError(

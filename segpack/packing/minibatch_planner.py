@@ -1,6 +1,7 @@
 """The minibatch planner: cut an epoch's example order into minibatches and pack each one.
 
-`segpack.data.minibatch_dataset.MinibatchPackedDataset` serves its plans as one element per optimizer
+`MinibatchPlanner.plan(epoch)` is the epoch's `MinibatchPlan`;
+`segpack.data.minibatch_dataset.MinibatchPackedDataset` serves it as one element per optimizer
 step.
 """
 
@@ -18,7 +19,7 @@ from segpack.packing.permutation import epoch_permutation
 from segpack.packing.plan_format import Plan
 from segpack.packing.planner import plan as plan_rows
 
-__all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner", "RowsPerBatchError"]
+__all__ = ["MinibatchConfigError", "MinibatchPlan", "MinibatchPlanner", "RowsPerBatchError"]
 
 
 class MinibatchConfigError(PipelineConfigError):
@@ -35,8 +36,8 @@ class RowsPerBatchError(MinibatchConfigError):
 
 
 @dataclasses.dataclass(frozen=True)
-class EpochPlan:
-  """The rows of one epoch, batch-major: batch `b` is rows `[b*R, (b+1)*R)`, `R = rows_per_batch`.
+class MinibatchPlan:
+  """The rows of one epoch's minibatches, batch-major: batch `b` is rows `[b*R, (b+1)*R)`, `R = rows_per_batch`.
 
   Attributes:
     plan: the rows (empty rows are padding rows), document ids global.
@@ -131,8 +132,8 @@ class MinibatchPlanner:
                           overlap=self.overlap, extra_tokens=self.extra)
     return int(np.sort(chunks)[::-1][:int(self.examples_per_batch)].sum())
 
-  def plan_epoch(self, epoch: int, rows_per_batch: int | None = None) -> EpochPlan:
-    """Plans one epoch; `rows_per_batch` None leaves batches at their own row counts (no
+  def plan(self, epoch: int, rows_per_batch: int | None = None) -> MinibatchPlan:
+    """The plan of `epoch`; `rows_per_batch` None leaves batches at their own row counts (no
     padding rows), which `rows_per_batch` then pads to."""
     order = self.order(epoch)
     if self.tokens_per_batch is not None:
@@ -193,7 +194,7 @@ class MinibatchPlanner:
 
 
 def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, extra_tokens: int,
-              strategy: str) -> EpochPlan:
+              strategy: str) -> MinibatchPlan:
   """Lays the batches' rows out batch-major, padding each batch with empty rows."""
   needed = np.asarray([len(rows) for _, rows in batches], dtype=np.int64)
   width = int(needed.max()) if rows_per_batch is None else int(rows_per_batch)
@@ -223,4 +224,4 @@ def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, ext
   np.cumsum([len(ex) for ex, _ in batches], out=splits[1:])
   examples = (np.concatenate([ex for ex, _ in batches]) if batches
               else np.zeros(0, dtype=np.int64))
-  return EpochPlan(plan=plan, batch_examples=splits, examples=examples, rows_needed=needed)
+  return MinibatchPlan(plan=plan, batch_examples=splits, examples=examples, rows_needed=needed)

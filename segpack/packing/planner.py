@@ -1,4 +1,9 @@
-"""`plan()`: chunk the documents, run a planner, and lay the pieces out row by row."""
+"""`plan()`: chunk the documents, run a packer, and lay the pieces out row by row.
+
+Words: a *packer* is the algorithm of a strategy (chunk lengths -> a `Placement`); a *plan* is the
+rows it gives, with their pieces (`Plan`); a *planner* gives the plan of each epoch (`plan(epoch)`:
+`RepackPlanner` here, `MinibatchPlanner` for minibatches, `segpack.data.epoch_plans` for mixtures).
+"""
 
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_s
 from segpack.packing.plan_format import Plan
 from segpack.packing.runs import Placement
 
-# A planner maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
-Planner = Callable[[np.ndarray, int], Placement]
+# A packer maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
+Packer = Callable[[np.ndarray, int], Placement]
 
-# The planners whose rows depend only on the sorted chunk lengths (longest first): any order of
+# The packers whose rows depend only on the sorted chunk lengths (longest first): any order of
 # equal lengths gives rows of the same lengths, so `tie_seed` only changes which chunks meet.
 TIE_SEED_STRATEGIES = ("ffd", "bfd", "sorted_pad")
 
@@ -33,7 +38,7 @@ _RUN_PACKERS = {
     "bfd": lambda seq_len, bins: BestFitDecreasing(seq_len),
 }
 
-STRATEGIES: dict[str, Planner] = {
+STRATEGIES: dict[str, Packer] = {
     "ffd": first_fit_decreasing,
     "bfd": best_fit_decreasing,
     "greedy": next_fit,
@@ -42,8 +47,8 @@ STRATEGIES: dict[str, Planner] = {
 }
 
 
-def check_strategy(strategy: Any) -> Planner:
-  """The planner named `strategy`, or an error that lists the valid names."""
+def check_strategy(strategy: Any) -> Packer:
+  """The packer named `strategy`, or an error that lists the valid names."""
   if not isinstance(strategy, str) or strategy not in STRATEGIES:
     raise PackingArgumentError(
         f"strategy must be one of {sorted(STRATEGIES)}, got strategy={strategy!r}")
@@ -80,19 +85,19 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     batch_size: rows per batch, for `sorted_pad`'s slot count only.
     pad_multiple: batch length granularity, for `sorted_pad`'s slot count only.
     tie_seed: None (ties of equal length in chunk order), or an int or a sequence of ints
-      (e.g. `(seed, epoch)`): the chunks reach the planner in the order of a permutation drawn
+      (e.g. `(seed, epoch)`): the chunks reach the packer in the order of a permutation drawn
       from `default_rng(SeedSequence(tie_seed))`, so the stable longest-first sort orders equal
       lengths by it. Only for `TIE_SEED_STRATEGIES`: their rows then hold the same lengths in
       the same row order (the same row count, utilization and per-row segment counts), filled
       by other chunks of those lengths.
 
   Returns:
-    The `Plan`, rows in the planner's order, pieces inside a row in placement order.
+    The `Plan`, rows in the packer's order, pieces inside a row in placement order.
 
   Raises:
     PackingArgumentError: an argument is invalid; the message names it and its value.
   """
-  planner = check_strategy(strategy)
+  packer = check_strategy(strategy)
   chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
                            overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
                            pad_multiple=pad_multiple)
@@ -105,32 +110,36 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     row_splits, max_per_row = rows.row_splits, rows.max_per_row
   else:
     row_splits, doc, start, length, max_per_row = _plan_placement(
-        planner, chunks, seq_len, rng=rng, num_docs=num_docs)
+        packer, chunks, seq_len, rng=rng, num_docs=num_docs)
   return _finish(chunks.stats, seq_len, row_splits, doc, start, length, max_per_row,
                  strategy=strategy, overlap=overlap, extra_tokens=extra_tokens,
                  batch_size=batch_size, pad_multiple=pad_multiple)
 
 
-class TiePlanner:
-  """`plan(lengths, seq_len, tie_seed=s, **kwargs)` for many seeds `s`, sharing the work that
-  does not depend on `s` (what `pack_dataset(repack="epoch")` plans every epoch).
+class RepackPlanner:
+  """The plan of every epoch with `repack="epoch"`: `plan(epoch)` is `plan(lengths, seq_len,
+  tie_seed=(seed, epoch), **kwargs)`, sharing the work that does not depend on the epoch.
 
   FFD's and BFD's rows depend only on the sorted chunk lengths, so the rows
   (`layout.place_rows`) and the documents sorted longest first (ties by index) are computed on
-  the first call and kept; every call then only shuffles each run of equal lengths by the seed
-  and writes the documents into the rows. It keeps about 7 bytes per document between calls (the
-  sorted documents, the runs and `row_splits`, which the plans share, read-only). Other
-  strategies, and inputs small enough for FFD's one-by-one path, call `plan` every time.
-  `plan(s)` equals `packing.plan(..., tie_seed=s)`, and may be called from several threads at
-  once.
+  the first call and kept; every call then only shuffles each run of equal lengths by
+  `(seed, epoch)` and writes the documents into the rows. It keeps about 7 bytes per document
+  between calls (the sorted documents, the runs and `row_splits`, which the plans share,
+  read-only). Other strategies, and inputs small enough for FFD's one-by-one path, call `plan`
+  every time. `plan(epoch)` is a pure function of `(seed, epoch)` and may be called from several
+  threads at once.
   """
 
-  def __init__(self, lengths: Any, seq_len: int, *, strategy: str = "ffd",
+  def __init__(self, lengths: Any, seq_len: int, *, seed: int, strategy: str = "ffd",
                long_docs: str = "split", min_len: int = 0, overlap: int = 0,
                extra_tokens: int = 0, batch_size: int = 8, pad_multiple: int = 128):
     check_strategy(strategy)
+    _tie_rng(0, strategy)  # a strategy without tie seeds is refused here, not at every epoch
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise PackingArgumentError(f"seed must be an int >= 0, got seed={seed!r}")
     self._lengths = lengths
     self._seq_len = seq_len
+    self._seed = int(seed)
     self._kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len,
                         overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
                         pad_multiple=pad_multiple)
@@ -147,10 +156,11 @@ class TiePlanner:
     self.__dict__.update(state)
     self._lock = threading.Lock()
 
-  def plan(self, tie_seed: Any) -> Plan:
-    """The plan with `tie_seed` (see `plan`)."""
+  def plan(self, epoch: int) -> Plan:
+    """The plan of `epoch`: `plan(..., tie_seed=(seed, epoch))`."""
     kw = self._kwargs
     strategy, seq_len = kw["strategy"], self._seq_len
+    tie_seed = (self._seed, int(epoch))
     rng = _tie_rng(tie_seed, strategy)
     with self._lock:
       if self._state is None:
@@ -217,12 +227,12 @@ def _finish(chunk_stats: dict[str, Any], seq_len: int, row_splits: np.ndarray, d
               stats=stats)
 
 
-def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
+def _plan_placement(packer: Packer, chunks: Chunks, seq_len: int, *,
                     rng: np.random.Generator | None, num_docs: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-  """`(row_splits, doc, start, length, max_per_row)` through a `Placement` planner (the strategies
+  """`(row_splits, doc, start, length, max_per_row)` through a `Placement` packer (the strategies
   and inputs `layout` does not take)."""
-  placement = _place(planner, chunks.length, seq_len, rng=rng)
+  placement = _place(packer, chunks.length, seq_len, rng=rng)
   per_row = np.bincount(placement.bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
@@ -250,13 +260,13 @@ def _tie_rng(tie_seed: Any, strategy: str) -> np.random.Generator | None:
         f"tie_seed={tie_seed!r}") from e
 
 
-def _place(planner: Planner, length: np.ndarray, seq_len: int, *,
+def _place(packer: Packer, length: np.ndarray, seq_len: int, *,
            rng: np.random.Generator | None) -> Placement:
-  """`planner(length, seq_len)`, the chunks first permuted by `rng` when it is given."""
+  """`packer(length, seq_len)`, the chunks first permuted by `rng` when it is given."""
   if rng is None:
-    return planner(length, seq_len)
+    return packer(length, seq_len)
   perm = rng.permutation(len(length))
-  placement = planner(length[perm], seq_len)
+  placement = packer(length[perm], seq_len)
   return dataclasses.replace(placement, order=perm[placement.order])
 
 
