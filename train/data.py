@@ -126,7 +126,7 @@ class Data:
     vocab_size: tokenizer vocabulary size.
     train_rows_per_epoch: rows of one training epoch over all processes.
     description: a one-line summary for the log.
-    max_segments_in_row: the most segments (documents or chunks) any train or eval row can hold,
+    segment_bound: the most segments (documents or chunks) any train or eval row can hold,
       the same on every process: the plans' exact most in global mode; in minibatch mode with
       `examples_per_batch = k`, `min(k, seq_len)` for the training rows (a row's pieces belong to
       distinct examples). None when no bound below `seq_len` is known (minibatch mode with
@@ -146,7 +146,7 @@ class Data:
   vocab_size: int
   train_rows_per_epoch: int
   description: str
-  max_segments_in_row: int | None = None
+  segment_bound: int | None = None
   source_names: tuple[str, ...] = ()
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
   context: context_batches.ContextOrder = context_batches.ContextOrder()
@@ -360,8 +360,8 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
                    f"{spec.strategy} packing, seq_len {spec.seq_len}: "
                    f"{train_rows.rows_per_epoch} train rows/epoch, {_eval_rows(eval_rows)}, "
                    f"vocab {vocab}"),
-      max_segments_in_row=max(train_rows.max_segments_in_row,
-                              eval_rows.max_segments_in_row if eval_rows else 0),
+      segment_bound=max(train_rows.segment_bound,
+                        eval_rows.segment_bound if eval_rows else 0),
       source_names=names, eval_by_source=by_source, context=spec.context,
       source_weights=tuple(float(m.weight) for m in train_src.sources) if names else (),
       tokenizer_fingerprint=tokenizer)
@@ -404,10 +404,10 @@ def _minibatch_data(spec: DataSpec, train_src: Any, eval_rows: Any, eval_batches
   bound = None
   if spec.examples_per_batch is not None:
     bound = max(min(int(spec.examples_per_batch), spec.seq_len),
-                eval_rows.max_segments_in_row if eval_rows else 0)
+                eval_rows.segment_bound if eval_rows else 0)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab, context=spec.context,
-      train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
+      train_rows_per_epoch=steps * batch_size, segment_bound=bound,
       description=(f"{spec.name}, minibatch {spec.strategy} packing of "
                    f"{spec.examples_per_batch or spec.tokens_per_batch} "
                    f"{'examples' if spec.examples_per_batch else 'tokens'} per step into "

@@ -7,7 +7,7 @@
   only the key/value blocks holding the query block's segments; Triton on a GPU, interpret mode
   on the CPU; its settings come grouped, `pallas=PallasOptions(...)`.
 - `"cudnn"` (`cudnn.py`): JAX's cuDNN fused attention with its packed (offsets/seqlens) layout;
-  it needs `cudnn_segment_bound=`, e.g. `round_segment_bound(dataset.max_segments_in_row)`.
+  it needs `cudnn_segment_bound=`, e.g. `round_segment_bound(dataset.segment_bound)`.
 - `None`: Pallas on a GPU, XLA elsewhere.
 
 A setting for another backend is refused. `resolve_implementation` and `backend_mesh` hold the

@@ -19,7 +19,7 @@ the softmax statistics are `[B * N, H, S]` float32 and the backward's cuDNN work
 `B * N * H * S * D` (measured on an H100, jax 0.11.2, cuDNN 9.19: 516 GiB at B = 2, N = S = 4096,
 H = 16, K = 4, D = 128, i.e. 8.06 bytes per element; 66 GiB at H = K = 8, D = 64, 4.1 bytes). So N
 must be the data's bound, not S: `cudnn_segment_bound=round_segment_bound(
-PackedDataset.max_segments_in_row)`, the plan's most documents in a row rounded up to a power of
+PackedDataset.segment_bound)`, the plan's most documents in a row rounded up to a power of
 two. Segment attention refuses to guess.
 
 Slots outside every sequence. cuDNN skips every slot that is in no sequence, in O as in dQ, dK and
@@ -83,7 +83,7 @@ def round_segment_bound(max_segments: int) -> int:
   Example: 5 -> 8, 8 -> 8, 1 -> 2, 0 -> 2.
 
   Args:
-    max_segments: the most segments in any row, e.g. `PackedDataset.max_segments_in_row`.
+    max_segments: the most segments in any row, e.g. `PackedDataset.segment_bound`.
 
   Returns:
     N, a power of two >= max(max_segments, 2).
@@ -224,7 +224,7 @@ def _check_bound(cudnn_segment_bound: Any, shape: tuple[int, ...]) -> int:
         "full row length S, and the backward's memory grows as B*N*H*S*D (measured on an "
         "H100: 516 GiB at B=2, N=S=4096, H=16, K=4, D=128), so N = S is no usable default "
         f"(here B={b}, S={s}). Pass the plan's bound, "
-        "`segpack.attention.round_segment_bound(dataset.max_segments_in_row)` for a "
+        "`segpack.attention.round_segment_bound(dataset.segment_bound)` for a "
         "`pack_dataset` result (its most segments in a row rounded up to a power of two)")
   if isinstance(cudnn_segment_bound, bool) or not isinstance(cudnn_segment_bound, int) or (
       cudnn_segment_bound < 1):
@@ -255,7 +255,7 @@ def segment_attention_cudnn(
     causal: causal within each segment.
     scale: logit scale.
     cudnn_segment_bound: required static N, the bound on segments (non-zero runs) per row;
-      use `round_segment_bound(PackedDataset.max_segments_in_row)`. The backward's memory grows
+      use `round_segment_bound(PackedDataset.segment_bound)`. The backward's memory grows
       as B*N*H*S*D (see the module docstring), so there is no default. At least 2 is passed to
       cuDNN. Segments past the N-th of a row are dropped (zero output and gradients) unless
       `check_segments`.

@@ -203,7 +203,7 @@ def segment_attention(
       memory, interpret mode); None: the defaults. Refused with another backend
       (`resolve_implementation`).
     cudnn_segment_bound: cuDNN only and required there: the static bound N on segments
-      (non-zero runs) per row, e.g. `round_segment_bound(PackedDataset.max_segments_in_row)`.
+      (non-zero runs) per row, e.g. `round_segment_bound(PackedDataset.segment_bound)`.
       cuDNN's backward memory grows as B*N*H*S*D (516 GiB measured at B=2, N=S=4096, H=16,
       D=128), so N = S is no default; without it the call raises `AttentionInputError`.
       Refused with another backend.

@@ -59,7 +59,7 @@ class PackedDataset(grain.MapDataset):
   """
 
   def __init__(self, builders: epoch_plans.EpochBuilders, *, seed: int, shuffle: bool,
-               num_epochs: int | None, max_segments_in_row: int):
+               num_epochs: int | None, segment_bound: int):
     super().__init__()
     self._builders = builders
     self._builder = builders.fixed
@@ -67,7 +67,7 @@ class PackedDataset(grain.MapDataset):
     self._shuffle = shuffle
     self._num_epochs = num_epochs
     self._rows_per_epoch = self._builder.num_rows
-    self._max_segments_in_row = int(max_segments_in_row)
+    self._segment_bound = int(segment_bound)
     self._costs: dict[int, np.ndarray] = {}
     self._starts = [0]  # C_e of the epochs counted so far (a mixture's, lazily)
     if num_epochs is None:
@@ -128,15 +128,15 @@ class PackedDataset(grain.MapDataset):
     return self._num_epochs
 
   @property
-  def max_segments_in_row(self) -> int:
+  def segment_bound(self) -> int:
     """The most segments in any row (after `max_segments_per_row`; 0 if empty); for a mixture,
     whose later epochs are not planned yet, a bound: the cap, else `seq_len`.
 
     Rows hold their segments as ids 1..n, so no row this dataset yields has a larger
     `segment_ids.max()`: the static bound a segment-count-shaped kernel needs
-    (`segment_attention(cudnn_segment_bound=round_segment_bound(max_segments_in_row))`).
+    (`segment_attention(cudnn_segment_bound=round_segment_bound(segment_bound))`).
     """
-    return self._max_segments_in_row
+    return self._segment_bound
 
   def attention_costs(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
     """int64: `segpack.data.balance.row_attention_cost` of the rows at element `indices`.
@@ -332,7 +332,7 @@ def pack_dataset(
       source's tokenizer.
     long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
     max_segments_per_row: cap on segments per row (pieces beyond it go to other rows); the
-      result's `max_segments_in_row` (the plan's actual most) is then at most the cap.
+      result's `segment_bound` (the plan's actual most) is then at most the cap.
     loss_mask: apply the source's per-token loss mask (label -100 where the target token has
       mask 0); None: when the source has one (`has_loss_mask`).
     plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
@@ -340,7 +340,7 @@ def pack_dataset(
       plan, `segpack.packing.plan(..., tie_seed=(seed, e))` (equal-length chunks in a seeded
       order), so documents meet other neighbours every epoch (docs/packing.md, "A fresh plan
       every epoch"). Its rows have the same lengths as the fixed plan's (epoch 0), so the row
-      count, `len()`, `rows_per_epoch` and `max_segments_in_row` do not change. Only for
+      count, `len()`, `rows_per_epoch` and `segment_bound` do not change. Only for
       `segpack.packing.planner.TIE_SEED_STRATEGIES` ("ffd", "bfd", "sorted_pad") and without
       `max_segments_per_row`; each epoch's plan is computed (not cached) in a background
       thread while the previous epoch is read.
@@ -389,7 +389,7 @@ def pack_dataset(
         f"long_docs.min_len={long_docs.min_len}; nothing to pack")
   builders = epoch_plans.EpochBuilders(builder, planner=planner, num_epochs=num_epochs)
   return PackedDataset(builders, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
-                       max_segments_in_row=bound)
+                       segment_bound=bound)
 
 
 def _check_repack(fn: str, repack: Any, *, strategy: str,
