@@ -90,7 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.packing = ml_collections.ConfigDict()
   c.packing.seq_len = 256  # slots per row
   c.packing.strategy = "ffd"  # packer: ffd, bfd, greedy, pad (one document per row), sorted_pad
-  c.packing.long_docs = "split"  # documents longer than a row: "split" into chunks or "truncate"
+  c.packing.long_docs = "split"  # LongDocs.mode: documents longer than a row "split" or "truncate"
   c.packing.max_segments_per_row = config_dict.placeholder(int)  # cap on documents per row
   # "attention": deal each global batch's rows to the data-parallel ranks so that their summed
   # attention cost (sum of l(l+1)/2 per row) is even (docs/packing.md); "none": epoch order

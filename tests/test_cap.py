@@ -45,7 +45,7 @@ def test_cap_post_pass_invariants(cap):
 
 def test_capped_plan_is_the_plan_with_new_rows_and_statistics():
   lengths = np.random.default_rng(5).integers(1, 6, 1000)
-  plan = packing.plan(lengths, 64, overlap=3, extra_tokens=2)
+  plan = packing.plan(lengths, 64, long_docs=packing.LongDocs(overlap=3), extra_tokens=2)
   capped = cap_segments_per_row(plan, 4)
   assert isinstance(capped, packing.Plan)
   assert (capped.seq_len, capped.overlap, capped.extra_tokens, capped.strategy) == (

@@ -194,7 +194,7 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
   """`make_data` gives a stream whose global batches, read by 1 or 2 processes, hold the same
   rows; the checkpoint refuses a batch size change unless allowed, and names the flag."""
   spec = data_lib.DataSpec(source="synthetic", size="small", cache_dir=None, seq_len=64,
-                           strategy="ffd", long_docs="split", max_segments_per_row=None,
+                           strategy="ffd", long_docs=segpack.LongDocs(), max_segments_per_row=None,
                            add_bos=True, add_eos=True, seed=0, synthetic_docs=120,
                            synthetic_mean_len=25, synthetic_vocab=97, repack="epoch")
   one = data_lib.make_data(spec, batch_size=8, process_index=0, process_count=1)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from packing_oracles import naive_bfd
+from segpack.packing import LongDocs
 from segpack.packing.minibatch_planner import MinibatchConfigError, MinibatchPlanner
 
 
@@ -35,10 +36,11 @@ def perm(n, seed, epoch):
   return np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(n)
 
 
-def planner(lengths, **kw):
-  args = dict(seq_len=16, strategy="ffd", long_docs="split", min_len=0, overlap=0,
-              extra_tokens=2, seed=3, shuffle=True, examples_per_batch=None,
-              tokens_per_batch=None, drop_remainder=False)
+def planner(lengths, *, long_docs="split", min_len=0, overlap=0, **kw):
+  """A `MinibatchPlanner`; `long_docs` is the mode, as the naive oracle takes it."""
+  args = dict(seq_len=16, strategy="ffd", extra_tokens=2, seed=3, shuffle=True,
+              examples_per_batch=None, tokens_per_batch=None, drop_remainder=False,
+              long_docs=LongDocs(mode=long_docs, overlap=overlap, min_len=min_len))
   args.update(kw)
   return MinibatchPlanner(lengths, **args)
 

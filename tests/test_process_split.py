@@ -232,7 +232,7 @@ def test_the_checkpoint_data_item_is_checked_one_way():
 
 def _spec(mode):
   return data_lib.DataSpec(source="synthetic", size="small", cache_dir=None, seq_len=128,
-                           strategy="ffd", long_docs="split", max_segments_per_row=None,
+                           strategy="ffd", long_docs=segpack.LongDocs(), max_segments_per_row=None,
                            add_bos=True, add_eos=True, seed=0, synthetic_docs=60,
                            synthetic_mean_len=10, synthetic_vocab=97, mode=mode,
                            examples_per_batch=4 if mode == "minibatch" else None)

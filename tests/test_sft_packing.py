@@ -17,7 +17,8 @@ from masked_source import MaskedDocs
 from segpack import packing
 from segpack.data import packed as pipeline
 from segpack.data.minibatch_dataset import pack_minibatches
-from segpack.data.options import LongDocs, SpecialTokens
+from segpack.data.options import SpecialTokens
+from segpack.packing import LongDocs
 from segpack import shards
 
 BOS, EOS = 1, 2

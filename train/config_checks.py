@@ -45,7 +45,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.size": tuple(corpus.SIZES),
     "data.train_on": chat.TRAIN_ON,
     "packing.strategy": tuple(sorted(packing.STRATEGIES)),
-    "packing.long_docs": packing.LONG_DOCS,
+    "packing.long_docs": packing.LONG_DOC_MODES,
     "packing.balance": BALANCE_MODES,
     "packing.repack": REPACK_MODES,
     "packing.mode": PACKING_MODES,

@@ -39,10 +39,11 @@ from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import MinibatchPackedDataset, pack_minibatches
 from segpack.data.mixture import Mixture, parse_data
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.packed import REPACK_MODES, pack_dataset
 from segpack.data.stream import StreamBatches
 from segpack.errors import UserError
+from segpack.packing.chunking import LongDocs
 from segpack.packing.minibatch_planner import RowsPerBatchError
 from segpack.text import chat_corpus
 from segpack.text import corpus
@@ -67,7 +68,7 @@ class DataSpec:
   cache_dir: str | None
   seq_len: int
   strategy: str
-  long_docs: str
+  long_docs: LongDocs  # its mode is `packing.long_docs`
   max_segments_per_row: int | None
   add_bos: bool
   add_eos: bool
@@ -97,7 +98,7 @@ class DataSpec:
   def from_config(cls, config: Any) -> "DataSpec":
     d, p = config.data, config.packing
     return cls(source=d.source, size=d.size, cache_dir=d.cache_dir, seq_len=p.seq_len,
-               strategy=p.strategy, long_docs=p.long_docs,
+               strategy=p.strategy, long_docs=LongDocs(mode=p.long_docs),
                max_segments_per_row=p.max_segments_per_row, add_bos=d.add_bos,
                add_eos=d.add_eos, seed=d.seed, synthetic_docs=d.synthetic_docs,
                synthetic_mean_len=d.synthetic_mean_len, synthetic_vocab=d.synthetic_vocab,
@@ -313,7 +314,7 @@ def make_data(spec: DataSpec, *, batch_size: int, process_index: int,
     _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
               "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", spec.name)
   common = dict(
-      seq_len=spec.seq_len, strategy=spec.strategy, long_docs=LongDocs(mode=spec.long_docs),
+      seq_len=spec.seq_len, strategy=spec.strategy, long_docs=spec.long_docs,
       special_tokens=SpecialTokens(add_bos=spec.add_bos, add_eos=spec.add_eos, **ids))
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)

@@ -265,7 +265,8 @@ def _seq_len(flag: str, text: str) -> int:
 @errors.command("segpack stats")
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  kwargs = dict(long_docs=args.long_docs, min_len=args.min_len, overlap=args.overlap,
+  kwargs = dict(long_docs=packing.LongDocs(mode=args.long_docs, min_len=args.min_len,
+                                           overlap=args.overlap),
                 extra_tokens=int(args.add_bos) + int(args.add_eos))
   try:
     _seq_len("--seq-len", str(args.seq_len))

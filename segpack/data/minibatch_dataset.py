@@ -22,8 +22,9 @@ from segpack.data import options
 from segpack.data import processes
 from segpack.data import rows as rows_lib
 from segpack.data import sources
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.position import StreamIterator, StreamPosition
+from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
 from segpack.packing.minibatch_planner import MinibatchPlan, MinibatchPlanner
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
@@ -256,7 +257,7 @@ def pack_minibatches(
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
+    long_docs: LongDocs = DEFAULT_LONG_DOCS,
     loss_mask: bool | None = None,
 ) -> MinibatchPackedDataset:
   """Packs the minibatches that unpacked random sampling draws, each on its own.
@@ -329,8 +330,7 @@ def pack_minibatches(
     raise PipelineConfigError(f"{fn}: drop_remainder must be a bool, got {drop_remainder!r}")
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   planner = MinibatchPlanner(
-      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
-      min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
+      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
       extra_tokens=prepared.special.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
       examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
       drop_remainder=bool(drop_remainder))

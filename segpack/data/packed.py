@@ -26,7 +26,8 @@ from segpack.data import mixture as mixture_lib
 from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
+from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
 from segpack.packing.permutation import epoch_permutation
 
 REPACK_MODES = ("none", "epoch")
@@ -284,7 +285,7 @@ def pack_dataset(
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
+    long_docs: LongDocs = DEFAULT_LONG_DOCS,
     max_segments_per_row: int | None = None,
     loss_mask: bool | None = None,
     plan_cache_dir: str | os.PathLike | None = None,
@@ -355,8 +356,7 @@ def pack_dataset(
   options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
                      special_tokens=special_tokens, long_docs=long_docs)
   options.check_max_segments(fn, max_segments_per_row)
-  plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
-                     min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
+  plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
                      extra_tokens=special_tokens.extra_tokens)
   if isinstance(source, mixture_lib.Mixture):
     if repack != "none":

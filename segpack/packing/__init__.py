@@ -5,9 +5,9 @@ docs/packing.md.
 """
 
 from segpack.packing.cache import load_or_plan, plan_key
-from segpack.packing.chunking import LONG_DOCS, PackingArgumentError
+from segpack.packing.chunking import LONG_DOC_MODES, LongDocs, PackingArgumentError
 from segpack.packing.plan_format import Plan, PlanError
 from segpack.packing.planner import STRATEGIES, RepackPlanner, plan
 
-__all__ = ["LONG_DOCS", "STRATEGIES", "PackingArgumentError", "Plan", "PlanError",
-           "RepackPlanner", "load_or_plan", "plan", "plan_key"]
+__all__ = ["LONG_DOC_MODES", "STRATEGIES", "LongDocs", "PackingArgumentError", "Plan",
+           "PlanError", "RepackPlanner", "load_or_plan", "plan", "plan_key"]

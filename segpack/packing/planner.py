@@ -16,8 +16,8 @@ import numpy as np
 
 from segpack.packing import layout
 from segpack.packing.bfd import BestFitDecreasing, best_fit_decreasing
-from segpack.packing.chunking import (Chunks, PackingArgumentError, check_lengths, index_dtype,
-                                      make_chunks)
+from segpack.packing.chunking import (DEFAULT_LONG_DOCS, Chunks, LongDocs, PackingArgumentError,
+                                      check_lengths, index_dtype, make_chunks)
 from segpack.packing.ffd import ONE_BY_ONE, FirstFitDecreasing, first_fit_decreasing
 from segpack.packing.greedy import next_fit
 from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
@@ -55,16 +55,17 @@ def check_strategy(strategy: Any) -> Packer:
   return STRATEGIES[strategy]
 
 
-def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",
-         min_len: int = 0, overlap: int = 0, extra_tokens: int = 0, batch_size: int = 8,
+def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd",
+         long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0, batch_size: int = 8,
          pad_multiple: int = 128, tie_seed: Any = None) -> Plan:
   """Plans how the documents fill rows of `seq_len` slots.
 
   Document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots (the pipeline passes
   `extra_tokens = add_bos + add_eos`; slot 0 is then BOS and the last slot EOS). Documents with
-  `lengths[d] < min_len` (or no slot) are dropped; longer ones than `seq_len` are split into
-  chunks overlapping by `overlap` slots (`long_docs="split"`) or cut to their first `seq_len`
-  slots (`"truncate"`); see `segpack.packing.chunking.make_chunks`. The chunks are then packed:
+  `lengths[d] < long_docs.min_len` (or no slot) are dropped; longer ones than `seq_len` are split
+  into chunks overlapping by `long_docs.overlap` slots (mode "split") or cut to their first
+  `seq_len` slots ("truncate"); see `segpack.packing.chunking.make_chunks`. The chunks are then
+  packed:
 
   - `ffd`: exact first-fit-decreasing over the whole data set (the default);
   - `bfd`: exact best-fit-decreasing;
@@ -77,10 +78,9 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     lengths: 1-D integer array of document lengths (tokens, without BOS/EOS).
     seq_len: slots per row.
     strategy: one of `STRATEGIES`.
-    long_docs: `"split"` or `"truncate"`.
-    min_len: drop documents with fewer tokens.
-    overlap: slots a continuation chunk repeats from the previous chunk (`0 <= overlap <
-      seq_len`); the pipeline trains no loss on them.
+    long_docs: `LongDocs(mode, overlap, min_len)`: "split" or "truncate"; the slots a
+      continuation chunk repeats from the previous chunk (`0 <= overlap < seq_len`; the pipeline
+      trains no loss on them); documents with fewer than `min_len` tokens are dropped.
     extra_tokens: virtual slots added to every document.
     batch_size: rows per batch, for `sorted_pad`'s slot count only.
     pad_multiple: batch length granularity, for `sorted_pad`'s slot count only.
@@ -98,9 +98,8 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     PackingArgumentError: an argument is invalid; the message names it and its value.
   """
   packer = check_strategy(strategy)
-  chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
-                           overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
-                           pad_multiple=pad_multiple)
+  chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, extra_tokens=extra_tokens,
+                           batch_size=batch_size, pad_multiple=pad_multiple)
   num_docs = chunks.stats["documents"]
   rng = _tie_rng(tie_seed, strategy)
   if _runs_apply(strategy, chunks):
@@ -112,7 +111,7 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     row_splits, doc, start, length, max_per_row = _plan_placement(
         packer, chunks, seq_len, rng=rng, num_docs=num_docs)
   return _finish(chunks.stats, seq_len, row_splits, doc, start, length, max_per_row,
-                 strategy=strategy, overlap=overlap, extra_tokens=extra_tokens,
+                 strategy=strategy, overlap=long_docs.overlap, extra_tokens=extra_tokens,
                  batch_size=batch_size, pad_multiple=pad_multiple)
 
 
@@ -131,8 +130,8 @@ class RepackPlanner:
   """
 
   def __init__(self, lengths: Any, seq_len: int, *, seed: int, strategy: str = "ffd",
-               long_docs: str = "split", min_len: int = 0, overlap: int = 0,
-               extra_tokens: int = 0, batch_size: int = 8, pad_multiple: int = 128):
+               long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0,
+               batch_size: int = 8, pad_multiple: int = 128):
     check_strategy(strategy)
     _tie_rng(0, strategy)  # a strategy without tie seeds is refused here, not at every epoch
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -140,9 +139,8 @@ class RepackPlanner:
     self._lengths = lengths
     self._seq_len = seq_len
     self._seed = int(seed)
-    self._kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len,
-                        overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
-                        pad_multiple=pad_multiple)
+    self._kwargs = dict(strategy=strategy, long_docs=long_docs, extra_tokens=extra_tokens,
+                        batch_size=batch_size, pad_multiple=pad_multiple)
     self._state: tuple[Chunks, layout.Rows | None, tuple | None] | None = None
     self._lock = threading.Lock()
 
@@ -182,22 +180,22 @@ class RepackPlanner:
     doc, start, length = layout.lay_out(chunks, rows, seq_len=seq_len, num_docs=num_docs,
                                         rng=rng, consume=False, presorted=presorted)
     return _finish(chunks.stats, seq_len, rows.row_splits, doc, start, length, rows.max_per_row,
-                   **{k: v for k, v in kw.items() if k not in ("long_docs", "min_len")})
+                   overlap=kw["long_docs"].overlap,
+                   **{k: v for k, v in kw.items() if k != "long_docs"})
 
 
-def _checked_chunks(lengths: Any, seq_len: int, *, long_docs: str, min_len: int, overlap: int,
-                    extra_tokens: int, batch_size: int, pad_multiple: int) -> Chunks:
+def _checked_chunks(lengths: Any, seq_len: int, *, long_docs: LongDocs, extra_tokens: int,
+                    batch_size: int, pad_multiple: int) -> Chunks:
   """Validates the arguments and cuts the documents into chunks (at least one)."""
   lengths = check_lengths(lengths)
   for name, value in (("batch_size", batch_size), ("pad_multiple", pad_multiple)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise PackingArgumentError(f"{name} must be an int >= 1, got {name}={value!r}")
-  chunks = make_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
-                       overlap=overlap, extra_tokens=extra_tokens)
+  chunks = make_chunks(lengths, seq_len, long_docs=long_docs, extra_tokens=extra_tokens)
   if len(chunks.length) == 0:
     raise PackingArgumentError(
-        f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
-        f"or empty")
+        f"no document is left to pack: all {len(lengths)} are shorter than "
+        f"long_docs.min_len={long_docs.min_len} or empty")
   return chunks
 
 
