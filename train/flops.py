@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from segpack import mesh as mesh_lib
-from segpack.attention import blocks
 from segpack.errors import ArgumentError
+from segpack.segments import segment_runs
 
 # Dense (no sparsity) bfloat16 tensor-core peak per device, by substring of `device_kind`; the
 # first match wins. NVL parts run at lower clocks: unknown here, so no MFU (set train.peak_flops).
@@ -82,7 +82,7 @@ def attention_pairs(segment_ids_BxS: jax.Array, *, reordered: bool = False) -> j
   segment_ids_BxS = mesh_lib.whole_slots(segment_ids_BxS)  # scans along the slots
   if reordered:
     segment_ids_BxS = jnp.sort(segment_ids_BxS, axis=1)
-  start_BxS, _ = blocks.segment_bounds(segment_ids_BxS)
+  start_BxS, _ = segment_runs(segment_ids_BxS)
   keys_BxS = jnp.arange(segment_ids_BxS.shape[1], dtype=jnp.int32) - start_BxS + 1
   per_row_B = jnp.sum(jnp.where(segment_ids_BxS != 0, keys_BxS, 0), axis=1, dtype=jnp.int32)
   return jnp.sum(per_row_B.astype(jnp.float32))

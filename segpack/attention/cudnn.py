@@ -50,10 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from segpack.attention import blocks
 from segpack.attention.checks import AttentionInputError
 from segpack.attention.resources import next_pow2
 from segpack.errors import UserError
+from segpack.segments import segment_runs
 
 _LOG = logging.getLogger(__name__)
 
@@ -95,11 +95,15 @@ def round_segment_bound(max_segments: int) -> int:
   return max(2, next_pow2(int(max_segments)))
 
 
-def _segment_rank(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _segment_rank(segment_ids_BxS: jax.Array, start_BxS: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """`(is_start_BxS, rank_BxS)`: where each segment starts, and every slot's segment's rank in
-  its row (0-based; counting only non-zero runs; padding gets the rank of the segment before)."""
-  prev_BxS = jnp.pad(segment_ids_BxS[:, :-1], ((0, 0), (1, 0)))
-  is_start_BxS = (segment_ids_BxS != 0) & (segment_ids_BxS != prev_BxS)
+  its row (0-based; counting only non-zero runs; padding gets the rank of the segment before).
+  `start_BxS`: the runs' starts (`segment_runs`), when the caller has them."""
+  if start_BxS is None:
+    start_BxS, _ = segment_runs(segment_ids_BxS)
+  pos_S = jnp.arange(segment_ids_BxS.shape[1], dtype=jnp.int32)
+  is_start_BxS = (segment_ids_BxS != 0) & (start_BxS == pos_S)
   return is_start_BxS, jnp.cumsum(is_start_BxS, axis=1) - 1
 
 
@@ -121,8 +125,8 @@ def packed_layout(segment_ids_BxS: jax.Array, *, cudnn_segment_bound: int
   """
   b, s = segment_ids_BxS.shape
   n = cudnn_segment_bound
-  start_BxS, end_BxS = blocks.segment_bounds(segment_ids_BxS)
-  is_start_BxS, rank_BxS = _segment_rank(segment_ids_BxS)
+  start_BxS, end_BxS = segment_runs(segment_ids_BxS)
+  is_start_BxS, rank_BxS = _segment_rank(segment_ids_BxS, start_BxS)
   slot_BxS = jnp.where(is_start_BxS & (rank_BxS < n), rank_BxS, n + 1)  # n + 1: dropped
   rows_BxS = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
   seqlen_BxN = jnp.full((b, n), -1, jnp.int32).at[rows_BxS, slot_BxS].set(
