@@ -13,7 +13,8 @@ import pytest
 
 import segpack
 from segpack import packing
-from segpack.data.balance import BalanceOptions, assign_rows, row_attention_cost
+from segpack.data.attention_cost import row_attention_cost
+from segpack.data.balance import BalanceOptions, assign_rows
 from segpack.data.options import PipelineConfigError
 from train import data as data_lib
 
@@ -133,7 +134,7 @@ def test_errors_name_the_argument():
     assign_rows(np.ones(8), num_ranks=3)
   with pytest.raises(ValueError, match="num_ranks"):
     assign_rows(np.ones(8), num_ranks=0)
-  with pytest.raises(ValueError, match="segment ids"):
+  with pytest.raises(ValueError, match=r"row_attention_cost: segment_ids_BxS must be integer"):
     row_attention_cost(np.ones((2, 3), dtype=np.float32))
 
 

@@ -40,6 +40,7 @@ from segpack.attention import blocks
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
 from segpack.bench import attention_context
+from segpack.data import attention_cost
 from segpack import errors
 from segpack.files import atomic_write_bytes
 from segpack.segments import segment_runs
@@ -100,8 +101,9 @@ def tile_counts(seg: np.ndarray, *, block_q: int, block_k: int) -> dict[str, int
 
 
 def useful_flops(seg: np.ndarray, *, heads: int, head_dim: int) -> float:
-  """Forward FLOPs of causal per-document attention: 2 matmuls x 2 FLOPs x l(l+1)/2 x D."""
-  pairs = sum(int(n) * (int(n) + 1) // 2 for row in seg for n in _segment_lengths(row))
+  """Forward FLOPs of causal per-document attention: 2 matmuls x 2 FLOPs x the (query, key)
+  pairs (`segpack.data.attention_cost.row_attention_cost`) x D."""
+  pairs = int(attention_cost.row_attention_cost(np.asarray(seg)).sum())
   return 4.0 * pairs * head_dim * heads
 
 

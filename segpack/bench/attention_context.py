@@ -81,9 +81,9 @@ def balance_ratios(seg_BxS: np.ndarray, *, context_size: int) -> dict[str, np.nd
   out = {}
   for balance in order_lib.CONTEXT_BALANCES:
     index = order_lib.context_order(segment_ids_BxS=seg_BxS, context_size=context_size,
-                                  balance=balance)
+                                    balance=balance)
     costs_BxP = order_lib.device_costs(segment_ids_BxS=seg_BxS, slot_index_BxS=index,
-                                     context_size=context_size).astype(np.float64)
+                                       context_size=context_size).astype(np.float64)
     out[balance] = costs_BxP.max(axis=1) / costs_BxP.mean(axis=1)
   return out
 
@@ -93,7 +93,7 @@ def _order_ms(row_S: np.ndarray, *, context_size: int, repeats: int) -> float:
   for _ in range(repeats):
     t0 = time.perf_counter()
     order_lib.context_order(segment_ids_BxS=row_S[None], context_size=context_size,
-                          balance="documents")
+                            balance="documents")
     times.append(time.perf_counter() - t0)
   return 1e3 * float(np.median(times))
 

@@ -154,7 +154,7 @@ def time_orders(*, mesh: Mesh, segment_ids_BxS: np.ndarray, heads: int, kv_heads
                  for name in ("q", "k", "v", "dout", "segment_ids", order_lib.SLOT_INDEX))
     ms, result = _median_ms(step, args, warmup=warmup, repeats=repeats)
     costs_P = order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=index,
-                                   context_size=cp).sum(axis=0).astype(np.float64)
+                                     context_size=cp).sum(axis=0).astype(np.float64)
     rec: dict[str, Any] = dict(
         balance=balance, step_ms=ms, ratio_to_none=ms / records[0]["step_ms"] if records else 1.0,
         max_over_mean=float(costs_P.max() / max(costs_P.mean(), 1.0)), seq_len=s, rows=b,

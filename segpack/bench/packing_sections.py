@@ -23,6 +23,7 @@ import grain.experimental as gexp
 import numpy as np
 
 from segpack import packing
+from segpack.data import attention_cost
 from segpack.data import balance as balance_lib
 from segpack.data.options import SpecialTokens
 from segpack.packing.permutation import epoch_permutation
@@ -164,7 +165,7 @@ def bench_balance(lengths: np.ndarray, *, seq_len: int, batch_rows: int,
   is `1 - max_balanced / max_random` of those per-rank FLOPs, averaged over batches.
   """
   p = packing.plan(lengths, seq_len, strategy="ffd", extra_tokens=2)
-  costs = balance_lib.row_attention_cost(p).astype(np.float64)
+  costs = attention_cost.row_attention_cost(p).astype(np.float64)
   rows_per_step = (p.num_rows // batch_rows) * batch_rows
   random_costs_GxB = costs[epoch_permutation(p.num_rows, seed=0, epoch=0)][:rows_per_step]
   random_costs_GxB = random_costs_GxB.reshape(-1, batch_rows)

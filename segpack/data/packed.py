@@ -19,7 +19,7 @@ import grain
 import numpy as np
 
 from segpack import packing
-from segpack.data import balance as balance_lib
+from segpack.data import attention_cost
 from segpack.data import batches as batches_lib
 from segpack.data import epoch_plans
 from segpack.data import mixture as mixture_lib
@@ -140,7 +140,7 @@ class PackedDataset(grain.MapDataset):
     return self._segment_bound
 
   def attention_costs(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-    """int64: `segpack.data.balance.row_attention_cost` of the rows at element `indices`.
+    """int64: `segpack.data.attention_cost.row_attention_cost` of the rows at element `indices`.
 
     Each epoch's plan costs are computed on first use and kept (8 bytes per plan row; one
     array for all epochs unless a mixture).
@@ -152,7 +152,7 @@ class PackedDataset(grain.MapDataset):
       key = 0 if self._builders.same_rows else e
       costs = self._costs.get(key)
       if costs is None:
-        costs = balance_lib.row_attention_cost(self._builders.builder(key).plan)
+        costs = attention_cost.row_attention_cost(self._builders.builder(key).plan)
         self._costs = {**dict(list(self._costs.items())[-2:]), key: costs}
       out[epoch == e] = costs[rows[epoch == e]]
     return out
