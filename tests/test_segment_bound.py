@@ -39,7 +39,7 @@ def _naive_max(datasets):
 
 
 @pytest.mark.parametrize("cap", [None, 3, 5])
-def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
+def test_segment_bound_is_the_most_any_yielded_row_holds(cap):
   docs = _docs(300, seed=0, max_len=12)  # short documents: many per row
   kw = dict(seq_len=48, num_epochs=1, special_tokens=IDS, max_segments_per_row=cap)
   rows = pack_dataset(docs, **kw)
@@ -52,7 +52,7 @@ def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
   assert isinstance(rows.segment_bound, int)
 
 
-def test_max_segments_in_row_of_one_document_per_row():
+def test_segment_bound_of_one_document_per_row():
   ds = pack_dataset(_docs(20, seed=1, max_len=30), seq_len=64, num_epochs=1, strategy="pad",
                     special_tokens=IDS)
   assert ds.segment_bound == _naive_max([ds]) == 1
