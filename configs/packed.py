@@ -89,8 +89,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.packing = ml_collections.ConfigDict()
   c.packing.seq_len = 256  # slots per row
-  c.packing.strategy = "ffd"  # planner: ffd, bfd, greedy, pad (one document per row), sorted_pad
-  c.packing.long_docs = "split"  # documents longer than a row: "split" into chunks or "truncate"
+  c.packing.strategy = "ffd"  # packer: ffd, bfd, greedy, pad (one document per row), sorted_pad
+  c.packing.long_docs = "split"  # LongDocs.mode: documents longer than a row "split" or "truncate"
   c.packing.max_segments_per_row = config_dict.placeholder(int)  # cap on documents per row
   # "attention": deal each global batch's rows to the data-parallel ranks so that their summed
   # attention cost (sum of l(l+1)/2 per row) is even (docs/packing.md); "none": epoch order
@@ -104,10 +104,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.packing.examples_per_batch = config_dict.placeholder(int)  # minibatch mode: examples per step
   c.packing.tokens_per_batch = config_dict.placeholder(int)  # minibatch mode: or tokens per step
   # With mesh.context > 1, the slot order that evens out the attention work of a row's devices
-  # (segpack/data/context.py): "zigzag" (device i gets chunks i and 2*context-1-i of 2*context,
-  # exact for one document filling the row), "documents" (chunks paired by their causal cost,
-  # best for rows of many documents) or "none" (consecutive slots: the last device does the most
-  # work). Only the order of slots changes, never the data or the loss; ignored at context 1.
+  # (segpack/data/context_order.py): "zigzag" (device i gets chunks i and 2*context-1-i of
+  # 2*context, exact for one document filling the row), "documents" (chunks paired by their causal
+  # cost, best for rows of many documents) or "none" (consecutive slots: the last device does the
+  # most work). Only the order of slots changes, never the data or the loss; ignored at context 1.
   c.packing.context_balance = "documents"
 
   c.model = model_group()

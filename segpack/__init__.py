@@ -22,7 +22,7 @@ _EXPORTS = {
     "MixtureSource": "segpack.data.mixture",
     "MinibatchPackedDataset": "segpack.data.minibatch_dataset",
     "SpecialTokens": "segpack.data.options",
-    "LongDocs": "segpack.data.options",
+    "LongDocs": "segpack.packing",
     "PipelineConfigError": "segpack.data.options",
     "plan": "segpack.packing",
     "Plan": "segpack.packing",

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from segpack.errors import UserError
+from segpack.segments import segment_runs
 
 
 class InteropError(UserError, ValueError):
@@ -91,10 +91,8 @@ def position_ids(segment_ids: Any) -> Any:
   """Positions restarting at 0 at every segment, 0 on padding (the pipeline's
   `segment_positions`, for APIs that take position ids instead of segment ids).
 
-  Algorithm:
-    1. A slot starts a segment when its id differs from the previous slot's (or it is slot 0).
-    2. `start[i]` = index of the latest segment start at or before `i` (a running maximum).
-    3. `position[i] = i - start[i]`, and 0 where the id is 0.
+  Algorithm: `position[i] = i - start[i]`, where `start[i]` is the first slot of the run of
+  equal ids holding slot `i` (`segpack.segments.segment_runs`), and 0 where the id is 0.
 
   Example: `[1, 1, 1, 2, 2, 0, 0]` -> `[0, 1, 2, 0, 1, 0, 0]`.
 
@@ -106,16 +104,7 @@ def position_ids(segment_ids: Any) -> Any:
   """
   xp, ids = _namespace(segment_ids)
   ids_BxS = _as_batched(xp, ids, "position_ids")
-  seq_len = ids_BxS.shape[1]
-  slot_S = xp.arange(seq_len, dtype=xp.int32)
-  if seq_len == 0:
-    return xp.zeros(ids.shape, dtype=xp.int32)
-  new_BxS = xp.concatenate(
-      [xp.ones_like(ids_BxS[:, :1], dtype=bool), ids_BxS[:, 1:] != ids_BxS[:, :-1]], axis=1)
-  marks_BxS = xp.where(new_BxS, slot_S[None, :], 0).astype(xp.int32)
-  if xp is np:
-    start_BxS = np.maximum.accumulate(marks_BxS, axis=1)
-  else:
-    start_BxS = jax.lax.cummax(marks_BxS, axis=1)
+  slot_S = xp.arange(ids_BxS.shape[1], dtype=xp.int32)
+  start_BxS, _ = segment_runs(ids_BxS)
   pos_BxS = xp.where(ids_BxS != 0, slot_S[None, :] - start_BxS, 0).astype(xp.int32)
   return pos_BxS[0] if ids.ndim == 1 else pos_BxS

@@ -117,12 +117,6 @@ def test_tiles_computed_follow_segments():
   assert int(got[0]) == 8  # one diagonal tile per document, versus 36 for a dense causal mask
 
 
-def test_segment_bounds_example():
-  start, end = blocks.segment_bounds(jnp.array([[1, 1, 2, 0, 0, 3]]))
-  np.testing.assert_array_equal(start, [[0, 0, 2, 3, 3, 5]])
-  np.testing.assert_array_equal(end, [[2, 2, 3, 5, 5, 6]])
-
-
 class TestBadInput:
   q, k, v, _ = random_inputs(0, 2, 32, 4, 2, 16)
   seg = jnp.ones((2, 32), jnp.int32)

@@ -1,12 +1,12 @@
 """Context parallelism in segment_attention: a row's slots split over a mesh axis (all-gather).
 
 On the 8 forced CPU devices (tests/conftest.py): rows reordered by the project's orders
-(`segpack.data.context.context_order`: "none", "zigzag", and "documents" computed per row from the
-segment ids) and by a random valid chunk order, the sequence split over a "context" axis of 2, 4
-or 8 devices (with and without a batch axis, and with a head axis), XLA and Pallas (interpret
-mode): every (cp, batch axis, order) combination for both. The oracle is the float64
-per-document NumPy attention of `test_attention_oracle` on the rows in natural order; the
-sharded outputs and dq/dk/dv are put back in natural order before comparing.
+(`segpack.data.context_order.context_order`: "none", "zigzag", and "documents" computed per row from
+the segment ids) and by a random valid chunk order, the sequence split over a "context" axis of 2, 4
+or 8 devices (with and without a batch axis, and with a head axis), XLA and Pallas (interpret mode):
+every (cp, batch axis, order) combination for both. The oracle is the float64 per-document NumPy
+attention of `test_attention_oracle` on the rows in natural order; the sharded outputs and dq/dk/dv
+are put back in natural order before comparing.
 """
 
 import functools
@@ -21,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from segpack.attention import (AttentionInputError, NonContiguousSegmentsError, PallasOptions,
                                segment_attention)
 from segpack.attention import blocks
-from segpack.attention.context import context_comm_bytes
+from segpack.attention.context_parallel import context_comm_bytes
 from segpack.attention.pallas import segment_attention_pallas_slots
-from segpack.data.context import CONTEXT_BALANCES, context_order
+from segpack.data.context_order import CONTEXT_BALANCES, context_order
 from segpack.mesh import CONTEXT_AXIS
 from test_attention import _random_rows, layouts, random_inputs
 from test_attention_oracle import reference

@@ -146,7 +146,7 @@ def test_no_default_bound():
   with pytest.raises(AttentionInputError) as e:
     segment_attention(x, x, x, jnp.ones((1, 64), jnp.int32), implementation="cudnn")
   msg = str(e.value)
-  for part in ("`cudnn_segment_bound`", "B*N*H*S*D", "516 GiB", "max_segments_in_row",
+  for part in ("`cudnn_segment_bound`", "B*N*H*S*D", "516 GiB", "segment_bound",
                "round_segment_bound", "S=64"):
     assert part in msg, part
 

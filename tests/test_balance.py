@@ -13,7 +13,8 @@ import pytest
 
 import segpack
 from segpack import packing
-from segpack.data.balance import BalanceOptions, assign_rows, row_attention_cost
+from segpack.data.attention_cost import row_attention_cost
+from segpack.data.balance import BalanceOptions, assign_rows
 from segpack.data.options import PipelineConfigError
 from train import config_checks
 from train import data as data_lib
@@ -135,7 +136,7 @@ def test_errors_name_the_argument():
     assign_rows(np.ones(8), num_ranks=3)
   with pytest.raises(ValueError, match="num_ranks"):
     assign_rows(np.ones(8), num_ranks=0)
-  with pytest.raises(ValueError, match="segment ids"):
+  with pytest.raises(ValueError, match=r"row_attention_cost: segment_ids_BxS must be integer"):
     row_attention_cost(np.ones((2, 3), dtype=np.float32))
 
 
@@ -246,8 +247,8 @@ def _rank_costs(batch, num_ranks):
 def test_trainer_data_balances_each_step_over_the_ranks():
   """packing.balance='attention': each step holds the same rows, dealt evenly by cost."""
   spec = dict(source="synthetic", size="small", cache_dir=None, seq_len=64, strategy="ffd",
-              long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
-              synthetic_docs=400, synthetic_mean_len=25, synthetic_vocab=97)
+              long_docs=segpack.LongDocs(), max_segments_per_row=None, add_bos=True, add_eos=True,
+              seed=0, synthetic_docs=400, synthetic_mean_len=25, synthetic_vocab=97)
   make = lambda balance: data_lib.make_data(
       data_configs.data_config(**spec, balance=balance), batch_size=16, process_index=0,
       process_count=1, num_ranks=8)

@@ -12,8 +12,8 @@ from segpack.packing.cap import cap_segments_per_row
 def _plan(row_splits, doc, length, seq_len=8):
   return packing.Plan(seq_len=seq_len, overlap=0, extra_tokens=0, strategy="ffd",
                       row_splits=np.asarray(row_splits, np.int64),
-                      doc=np.asarray(doc, np.int64), start=np.zeros(len(doc), np.int32),
-                      length=np.asarray(length, np.int32), stats={"tokens": int(sum(length))})
+                      doc=np.asarray(doc, np.int32), start=np.zeros(len(doc), np.int32),
+                      length=np.asarray(length, np.uint16), stats={"tokens": int(sum(length))})
 
 
 def _pieces(p):
@@ -45,7 +45,7 @@ def test_cap_post_pass_invariants(cap):
 
 def test_capped_plan_is_the_plan_with_new_rows_and_statistics():
   lengths = np.random.default_rng(5).integers(1, 6, 1000)
-  plan = packing.plan(lengths, 64, overlap=3, extra_tokens=2)
+  plan = packing.plan(lengths, 64, long_docs=packing.LongDocs(overlap=3), extra_tokens=2)
   capped = cap_segments_per_row(plan, 4)
   assert isinstance(capped, packing.Plan)
   assert (capped.seq_len, capped.overlap, capped.extra_tokens, capped.strategy) == (

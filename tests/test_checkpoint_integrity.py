@@ -260,7 +260,7 @@ def test_random_byte_flips_are_refused_or_fall_back_or_change_nothing(trained, t
       assert damaged == "2" and not warnings, (rel, warnings)
       outcomes["identical"] += 1
     else:
-      assert damaged == "4" and any(f"checkpoints/4 is damaged: " in w for w in warnings), (
+      assert damaged == "4" and any("checkpoints/4 is damaged: " in w for w in warnings), (
           rel, warnings)
       outcomes["fell_back"] += 1
   print(f"byte flips: {CASES} cases, {outcomes}")

@@ -5,6 +5,7 @@ import pytest
 
 from packing_oracles import naive_chunks
 from segpack import packing
+from segpack.packing import LongDocs
 from segpack.packing.chunking import chunk_counts, chunk_spans, make_chunks
 from segpack.packing.minibatch_planner import MinibatchPlanner
 
@@ -13,9 +14,15 @@ def _random_case(rng):
   seq_len = int(rng.choice([1, 2, 5, 16, 33]))
   extra = int(rng.integers(0, min(3, seq_len)))
   overlap = int(rng.integers(0, seq_len))
-  long_docs = str(rng.choice(packing.LONG_DOCS))
+  mode = str(rng.choice(packing.LONG_DOC_MODES))
   lengths = rng.integers(0, 5 * seq_len + 3, int(rng.integers(1, 60)))
-  return lengths, seq_len, dict(long_docs=long_docs, overlap=overlap, extra_tokens=extra)
+  return lengths, seq_len, dict(long_docs=mode, overlap=overlap, extra_tokens=extra)
+
+
+def library(kw, min_len=0):
+  """The oracle's keywords (`long_docs` a mode, `overlap`) as the library takes them."""
+  return dict(long_docs=LongDocs(mode=kw["long_docs"], overlap=kw["overlap"], min_len=min_len),
+              extra_tokens=kw["extra_tokens"])
 
 
 def test_chunk_spans_and_counts_equal_the_naive_walk():
@@ -25,8 +32,8 @@ def test_chunk_spans_and_counts_equal_the_naive_walk():
     naive = naive_chunks(lengths.tolist(), seq_len, **kw)
     for d, n in enumerate(lengths.tolist()):
       want = [(s, m) for doc, s, m in naive if doc == d]
-      assert chunk_spans(n, seq_len, **kw) == want, (n, seq_len, kw)
-    counts = chunk_counts(lengths, seq_len, **kw)
+      assert chunk_spans(n, seq_len, **library(kw)) == want, (n, seq_len, kw)
+    counts = chunk_counts(lengths, seq_len, **library(kw))
     assert counts.dtype == np.int64
     assert counts.tolist() == [sum(doc == d for doc, _, _ in naive) for d in range(len(lengths))]
 
@@ -37,7 +44,7 @@ def test_make_chunks_equals_the_naive_walk():
     lengths, seq_len, kw = _random_case(rng)
     min_len = int(rng.integers(0, 4))
     naive = naive_chunks(lengths.tolist(), seq_len, min_len=min_len, **kw)
-    c = make_chunks(lengths, seq_len, min_len=min_len, **kw)
+    c = make_chunks(lengths, seq_len, **library(kw, min_len))
     doc = np.arange(len(c.length)) if c.doc is None else c.doc
     start = np.zeros(len(c.length), np.int64) if c.start is None else c.start
     assert list(zip(doc.tolist(), start.tolist(), c.length.tolist())) == naive
@@ -46,21 +53,22 @@ def test_make_chunks_equals_the_naive_walk():
 
 
 def test_docstring_examples():
-  kw = dict(long_docs="split", overlap=2, extra_tokens=2)
+  kw = dict(long_docs=LongDocs(mode="split", overlap=2), extra_tokens=2)
   assert chunk_counts(np.array([0, 6, 7, 18]), 8, **kw).tolist() == [1, 1, 2, 3]
   assert chunk_spans(18, 8, **kw) == [(0, 8), (6, 8), (12, 8)]
-  assert chunk_spans(18, 8, **dict(kw, long_docs="truncate")) == [(0, 8)]
+  assert chunk_spans(18, 8, long_docs=LongDocs(mode="truncate", overlap=2),
+                     extra_tokens=2) == [(0, 8)]
   assert chunk_spans(0, 8) == [] and chunk_counts(np.array([0, 0]), 8).tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("overlap", [0, 3])
 def test_minibatch_planner_cuts_the_same_chunks(overlap):
   lengths = np.random.default_rng(2).integers(1, 70, 50)
-  planner = MinibatchPlanner(lengths, seq_len=16, strategy="pad", long_docs="split", min_len=0,
-                             overlap=overlap, extra_tokens=2, seed=0, shuffle=False,
-                             examples_per_batch=50, tokens_per_batch=None,
+  planner = MinibatchPlanner(lengths, seq_len=16, strategy="pad",
+                             long_docs=LongDocs(overlap=overlap), extra_tokens=2, seed=0,
+                             shuffle=False, examples_per_batch=50, tokens_per_batch=None,
                              drop_remainder=False)
-  p = planner.plan_epoch(0).plan
+  p = planner.plan(0).plan
   got = list(zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()))
   assert got == naive_chunks(lengths.tolist(), 16, overlap=overlap, extra_tokens=2)
 
@@ -80,7 +88,8 @@ def test_split_with_overlap_covers_everything_and_overlaps_exactly():
   rng = np.random.default_rng(4)
   seq_len, overlap = 16, 5
   lengths = rng.integers(1, 120, 300)
-  p = packing.plan(lengths, seq_len, strategy="bfd", overlap=overlap, extra_tokens=1)
+  p = packing.plan(lengths, seq_len, strategy="bfd", long_docs=LongDocs(overlap=overlap),
+                   extra_tokens=1)
   pieces = {}
   for d, s, n in zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()):
     pieces.setdefault(d, []).append((s, n))
@@ -101,7 +110,8 @@ def test_split_with_overlap_covers_everything_and_overlaps_exactly():
 
 def test_truncate_keeps_only_the_first_row_of_long_documents():
   lengths = np.array([3, 40, 10, 100, 9])
-  p = packing.plan(lengths, 10, strategy="ffd", long_docs="truncate", extra_tokens=1)
+  p = packing.plan(lengths, 10, strategy="ffd", long_docs=LongDocs(mode="truncate"),
+                   extra_tokens=1)
   got = sorted(zip(p.doc.tolist(), p.start.tolist(), p.length.tolist()))
   assert got == [(0, 0, 4), (1, 0, 10), (2, 0, 10), (3, 0, 10), (4, 0, 10)]
   assert p.stats["truncated"] == 3 and p.stats["split"] == 0
@@ -110,7 +120,7 @@ def test_truncate_keeps_only_the_first_row_of_long_documents():
 
 def test_min_len_drops_short_documents():
   lengths = np.array([5, 1, 0, 7, 2, 3])
-  p = packing.plan(lengths, 8, min_len=3)
+  p = packing.plan(lengths, 8, long_docs=LongDocs(min_len=3))
   assert sorted(set(p.doc.tolist())) == [0, 3, 5]
   assert p.stats["dropped"] == 3 and p.stats["documents"] == 6
   # Without extra tokens, empty documents have nothing to pack and are dropped too.

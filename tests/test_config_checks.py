@@ -47,7 +47,7 @@ def test_the_chat_keys_are_declared_with_the_packed_defaults():
 def test_the_choices_are_the_library_tuples():
   choices = config_checks.CHOICES
   assert choices["packing.repack"] is REPACK_MODES
-  assert choices["packing.long_docs"] is packing.LONG_DOCS
+  assert choices["packing.long_docs"] is packing.LONG_DOC_MODES
   assert choices["loss.weighting"] is loss_lib.WEIGHTINGS
   assert choices["data.train_on"] is chat.TRAIN_ON
   assert set(choices["packing.strategy"]) == set(packing.STRATEGIES)

@@ -14,7 +14,7 @@ import pytest
 from segpack.bench import attention_context
 from segpack.bench import context_step
 from segpack.bench import gpu_report
-from segpack.data import context
+from segpack.data import context_order as order_lib
 from test_attention_oracle import reference
 
 S = 256
@@ -33,7 +33,7 @@ def test_time_orders_computes_the_unsharded_attention_for_every_order():
       mesh=context_step.context_mesh(4), segment_ids_BxS=seg, dtype="float32",
       implementation="xla", warmup=1, repeats=2, seed=7, platform_check=False,
       keep_outputs=True, **DIMS)
-  assert [r["balance"] for r in records] == list(context.CONTEXT_BALANCES)
+  assert [r["balance"] for r in records] == list(order_lib.CONTEXT_BALANCES)
   assert records[0]["ratio_to_none"] == 1.0
   for r in records:
     assert r["step_ms"] > 0 and r["context_size"] == 4 and r["seq_len"] == S and r["rows"] == 3
@@ -72,7 +72,7 @@ def test_benchmark_fills_the_step_column_where_it_can_measure(capsys, monkeypatc
   monkeypatch.setattr(context_step, "skip_reason", lambda context_size: None)  # CPU as a GPU
   assert attention_context.main(argv) == 0
   (rec,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-  assert set(rec["step_ms"]) == set(context.CONTEXT_BALANCES) and rec["step_rows"] == 1
+  assert set(rec["step_ms"]) == set(order_lib.CONTEXT_BALANCES) and rec["step_rows"] == 1
   assert all(ms > 0 for ms in rec["step_ms"].values()) and rec["step_ratio"]["none"] == 1.0
   assert attention_context.main(argv[:-1]) == 0
   line = capsys.readouterr().out.splitlines()[2]
@@ -90,7 +90,7 @@ def test_gpu_report_context_section(monkeypatch):
   def fake_time_orders(**kw):
     calls.append(kw)
     return [dict(balance=b, step_ms=2.0 + i, ratio_to_none=1.0 + i / 2, max_over_mean=1.0)
-            for i, b in enumerate(context.CONTEXT_BALANCES)]
+            for i, b in enumerate(order_lib.CONTEXT_BALANCES)]
 
   monkeypatch.setattr(context_step, "time_orders", fake_time_orders)
   monkeypatch.setattr(gpu_report.jax, "device_count", lambda: 6)
@@ -100,5 +100,5 @@ def test_gpu_report_context_section(monkeypatch):
   assert {kw["implementation"] for kw in calls} == {"pallas"}
   assert [kw["segment_ids_BxS"].shape for kw in calls] == [(1, 32768)] * 2
   assert [(r["mean"], r["balance"]) for r in section["records"]] == [
-      (m, b) for m in gpu_report.CP_MEANS for b in context.CONTEXT_BALANCES]
+      (m, b) for m in gpu_report.CP_MEANS for b in order_lib.CONTEXT_BALANCES]
   assert "documents      4.00 ms  x2.000" in gpu_report.format_context(section)

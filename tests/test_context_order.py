@@ -1,17 +1,17 @@
-"""segpack.data.context and its benchmark against naive references and brute force."""
+"""segpack.data.context_order and its benchmark against naive references and brute force."""
 
-import itertools
 import json
 import time
 
 import numpy as np
 import pytest
 
-from segpack.attention.context import context_comm_bytes
+from segpack.attention.context_parallel import context_comm_bytes
 from segpack.bench import attention as bench_attention
 from segpack.bench import attention_context as bench
 from segpack.cli import main as cli
-from segpack.data import context
+from segpack.data import attention_cost
+from segpack.data import context_order as order_lib
 
 
 def _naive_query_costs(seg_BxS):
@@ -63,25 +63,17 @@ def _chunks_of_devices(slot_index_S, cp):
   return out
 
 
-def test_query_costs_match_a_naive_count():
-  rng = np.random.default_rng(0)
-  seg = _random_rows(rng, 4, 64, max_len=20)
-  seg[3] = rng.integers(0, 4, 64)  # ids scattered over the row, not contiguous
-  assert np.array_equal(context.query_costs(seg), _naive_query_costs(seg))
-  assert context.query_costs(np.zeros((2, 0), np.int32)).shape == (2, 0)
-
-
 def test_worked_example_of_the_docstring():
   seg = np.array([[1, 1, 1, 1, 1, 2, 2, 0]])
-  assert context.query_costs(seg).tolist() == [[1, 2, 3, 4, 5, 1, 2, 0]]
+  assert attention_cost.query_costs(seg).tolist() == [[1, 2, 3, 4, 5, 1, 2, 0]]
   expect = {"none": ([0, 1, 2, 3, 4, 5, 6, 7], [10, 8]),
             "zigzag": ([0, 1, 6, 7, 2, 3, 4, 5], [5, 13]),
             "documents": ([2, 3, 6, 7, 0, 1, 4, 5], [9, 9])}
   for balance, (index, costs) in expect.items():
-    got = context.context_order(segment_ids_BxS=seg, context_size=2, balance=balance)
+    got = order_lib.context_order(segment_ids_BxS=seg, context_size=2, balance=balance)
     assert got.dtype == np.int32 and got.tolist() == [index], balance
-    assert context.device_costs(segment_ids_BxS=seg, slot_index_BxS=got,
-                                context_size=2).tolist() == [costs]
+    assert order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=got,
+                                  context_size=2).tolist() == [costs]
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -89,8 +81,8 @@ def test_orders_are_permutations_ascending_per_device(cp):
   rng = np.random.default_rng(cp)
   s = 2 * cp * 6
   seg = _random_rows(rng, 5, s, max_len=3 * s // 4)
-  for balance in context.CONTEXT_BALANCES:
-    index = context.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
+  for balance in order_lib.CONTEXT_BALANCES:
+    index = order_lib.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
     assert index.shape == seg.shape and index.dtype == np.int32
     for row in index:
       assert sorted(row.tolist()) == list(range(s))
@@ -100,12 +92,12 @@ def test_orders_are_permutations_ascending_per_device(cp):
 
 def test_none_is_the_identity_and_zigzag_the_textbook_layout():
   seg = _random_rows(np.random.default_rng(1), 3, 48)
-  assert np.array_equal(context.context_order(segment_ids_BxS=seg, context_size=3,
-                                              balance="none"),
+  assert np.array_equal(order_lib.context_order(segment_ids_BxS=seg, context_size=3,
+                                                balance="none"),
                         np.tile(np.arange(48), (3, 1)))
   for cp in (1, 2, 3, 4):
     s, c = 2 * cp * 3, 3
-    zz = context.context_order(segment_ids_BxS=seg[:, :s], context_size=cp, balance="zigzag")
+    zz = order_lib.context_order(segment_ids_BxS=seg[:, :s], context_size=cp, balance="zigzag")
     textbook = []
     for i in range(cp):  # device i: chunk i, then chunk 2cp-1-i
       textbook += list(range(i * c, (i + 1) * c)) + list(range((2 * cp - 1 - i) * c,
@@ -123,18 +115,18 @@ def test_documents_reaches_the_brute_force_optimum(cp):
     chunk_cost = costs.reshape(2 * cp, -1).sum(axis=1)
     best = min(max(chunk_cost[a] + chunk_cost[b] for a, b in m)
                for m in _matchings(list(range(2 * cp))))
-    index = context.context_order(segment_ids_BxS=row[None], context_size=cp,
-                                  balance="documents")[0]
+    index = order_lib.context_order(segment_ids_BxS=row[None], context_size=cp,
+                                    balance="documents")[0]
     pairs = _chunks_of_devices(index, cp)
     assert max(chunk_cost[a] + chunk_cost[b] for a, b in pairs) == best
-    got = context.device_costs(segment_ids_BxS=row[None], slot_index_BxS=index[None],
-                               context_size=cp)[0]
+    got = order_lib.device_costs(segment_ids_BxS=row[None], slot_index_BxS=index[None],
+                                 context_size=cp)[0]
     assert got.max() == best and got.sum() == costs.sum()
     for other in ("none", "zigzag"):
-      other_index = context.context_order(segment_ids_BxS=row[None], context_size=cp,
-                                          balance=other)
-      assert best <= context.device_costs(segment_ids_BxS=row[None],
-                                          slot_index_BxS=other_index, context_size=cp).max()
+      other_index = order_lib.context_order(segment_ids_BxS=row[None], context_size=cp,
+                                            balance=other)
+      assert best <= order_lib.device_costs(segment_ids_BxS=row[None],
+                                            slot_index_BxS=other_index, context_size=cp).max()
 
 
 def test_documents_is_zigzag_for_one_document_and_for_padding():
@@ -143,8 +135,8 @@ def test_documents_is_zigzag_for_one_document_and_for_padding():
   for seg in (full, empty):
     for cp in (2, 4, 8):
       assert np.array_equal(
-          context.context_order(segment_ids_BxS=seg, context_size=cp, balance="documents"),
-          context.context_order(segment_ids_BxS=seg, context_size=cp, balance="zigzag"))
+          order_lib.context_order(segment_ids_BxS=seg, context_size=cp, balance="documents"),
+          order_lib.context_order(segment_ids_BxS=seg, context_size=cp, balance="zigzag"))
 
 
 def test_reorder_then_inverse_gives_back_the_batch():
@@ -154,8 +146,8 @@ def test_reorder_then_inverse_gives_back_the_batch():
   batch = {"segment_ids": seg, "ids": rng.integers(0, 100, (b, s)),
            "positions": rng.integers(0, 9, (b, s)), "loss_weights": rng.random((b, s)),
            "embeddings": rng.random((b, s, 5)), "row_id": np.arange(b), "note": "x"}
-  index = context.context_order(segment_ids_BxS=seg, context_size=4, balance="documents")
-  out = context.reorder(batch, slot_index_BxS=index)
+  index = order_lib.context_order(segment_ids_BxS=seg, context_size=4, balance="documents")
+  out = order_lib.reorder(batch, slot_index_BxS=index)
   assert np.array_equal(out["slot_index"], index) and out["slot_index"].dtype == np.int32
   assert out["row_id"] is batch["row_id"] and out["note"] == "x"
   inverse = np.argsort(index, axis=1)
@@ -163,17 +155,17 @@ def test_reorder_then_inverse_gives_back_the_batch():
     for r in range(b):
       assert np.array_equal(out[name][r][inverse[r]], batch[name][r]), name
       assert np.array_equal(out[name][r], batch[name][r][index[r]]), name
-  with pytest.raises(context.ContextOrderError, match="slot_index"):
-    context.reorder(out, slot_index_BxS=index)
+  with pytest.raises(order_lib.ContextOrderError, match="slot_index"):
+    order_lib.reorder(out, slot_index_BxS=index)
 
 
 def test_reordered_mask_is_the_original_mask_and_costs_follow():
   rng = np.random.default_rng(3)
   cp, s = 4, 40
   seg = _random_rows(rng, 3, s, max_len=15)
-  for balance in context.CONTEXT_BALANCES:
-    index = context.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
-    out = context.reorder({"segment_ids": seg}, slot_index_BxS=index)
+  for balance in order_lib.CONTEXT_BALANCES:
+    index = order_lib.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
+    out = order_lib.reorder({"segment_ids": seg}, slot_index_BxS=index)
     for r in range(3):
       sr, slot = out["segment_ids"][r], out["slot_index"][r]
       # The attention's mask in the new layout: same non-zero id and slot[k] <= slot[q].
@@ -181,9 +173,9 @@ def test_reordered_mask_is_the_original_mask_and_costs_follow():
       orig = (seg[r][:, None] == seg[r][None, :]) & (seg[r][:, None] != 0) & np.tri(s, dtype=bool)
       assert np.array_equal(mask, orig[np.ix_(slot, slot)])
       naive = mask.sum(axis=1).reshape(cp, -1).sum(axis=1)
-      assert np.array_equal(context.device_costs(segment_ids_BxS=seg[r:r + 1],
-                                                 slot_index_BxS=index[r:r + 1],
-                                                 context_size=cp)[0], naive)
+      assert np.array_equal(order_lib.device_costs(segment_ids_BxS=seg[r:r + 1],
+                                                   slot_index_BxS=index[r:r + 1],
+                                                   context_size=cp)[0], naive)
 
 
 def test_errors_name_the_argument_and_value():
@@ -195,27 +187,27 @@ def test_errors_name_the_argument_and_value():
       (dict(balance="documents", context_size=0), "context_size.*0"),
   ]
   for kwargs, pattern in cases:
-    with pytest.raises(context.ContextOrderError, match=pattern):
-      context.context_order(segment_ids_BxS=seg, **kwargs)
-  with pytest.raises(context.ContextOrderError, match="segment_ids_BxS.*float"):
-    context.context_order(segment_ids_BxS=seg.astype(float), context_size=2, balance="none")
-  with pytest.raises(context.ContextOrderError, match="negative id -1"):
-    context.query_costs(-seg)
-  with pytest.raises(context.ContextOrderError, match="not a permutation"):
-    context.device_costs(segment_ids_BxS=seg, slot_index_BxS=np.zeros((1, 12), np.int32),
-                         context_size=2)
-  with pytest.raises(context.ContextOrderError, match=r"shape \(1, 6\)"):
-    context.device_costs(segment_ids_BxS=seg, slot_index_BxS=np.zeros((1, 6), np.int32),
-                         context_size=2)
+    with pytest.raises(order_lib.ContextOrderError, match=pattern):
+      order_lib.context_order(segment_ids_BxS=seg, **kwargs)
+  with pytest.raises(order_lib.ContextOrderError, match="segment_ids_BxS.*float"):
+    order_lib.context_order(segment_ids_BxS=seg.astype(float), context_size=2, balance="none")
+  with pytest.raises(order_lib.ContextOrderError, match="negative id -1"):
+    order_lib.context_order(segment_ids_BxS=-seg, context_size=2, balance="documents")
+  with pytest.raises(order_lib.ContextOrderError, match="not a permutation"):
+    order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=np.zeros((1, 12), np.int32),
+                           context_size=2)
+  with pytest.raises(order_lib.ContextOrderError, match=r"shape \(1, 6\)"):
+    order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=np.zeros((1, 6), np.int32),
+                           context_size=2)
 
 
 def test_a_million_slots_in_well_under_a_second_or_two():
   seg = bench.packed_rows(2**20, num_rows=1, mean=8000, sigma=1.0, seed=0)
-  context.context_order(segment_ids_BxS=seg, context_size=8, balance="documents")  # warm up
+  order_lib.context_order(segment_ids_BxS=seg, context_size=8, balance="documents")  # warm up
   t0 = time.perf_counter()
-  index = context.context_order(segment_ids_BxS=seg, context_size=8, balance="documents")
+  index = order_lib.context_order(segment_ids_BxS=seg, context_size=8, balance="documents")
   assert time.perf_counter() - t0 < 2.0  # about 0.05 s on the 2-core development machine
-  costs = context.device_costs(segment_ids_BxS=seg, slot_index_BxS=index, context_size=8)
+  costs = order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=index, context_size=8)
   assert costs.sum() == sum(n * (n + 1) // 2 for n in np.bincount(seg[0])[1:])
 
 
@@ -249,7 +241,7 @@ def test_benchmark_at_a_tiny_size(capsys):
     s, cp = r["seq_len"], r["context_size"]
     assert r["comm_bytes_per_layer"] == (2 * 2 * 8 * 128 * 2 + 2 * 4) * s * (cp - 1) // cp
     assert r["rows"] == 6 and r["step_ms"] == "not yet measured"
-    for balance in context.CONTEXT_BALANCES:
+    for balance in order_lib.CONTEXT_BALANCES:
       assert r[f"max_over_mean_{balance}"] >= 1.0
     # Per row, "documents" is optimal among two-chunk assignments, which "none" and "zigzag"
     # are too; so its average ratio is at most theirs.

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from test_train import REPO, _synthetic
 
 from configs import packed
-from train import context as context_lib
+from train import context_batches as context_lib
 from train import data as data_lib
 from train import export as export_lib
 from train import hf_config

@@ -1,10 +1,7 @@
 """What `model.init_from` refuses, each with one line naming the file or field and its value
 (exit code 2 from `python -m train.main`): never a traceback, never a silently different model."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,10 +10,9 @@ pytest.importorskip("torch")
 
 import hf_models  # noqa: E402
 from configs import packed  # noqa: E402
-from test_hf_train import REPO, run_cli  # noqa: E402
+from test_hf_train import run_cli  # noqa: E402
 from train import hf_config, hf_init, hf_weights  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
-from train import train as train_lib  # noqa: E402
 
 
 def _adopt(model_dir, seq_len=256):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from packing_oracles import naive_bfd
+from segpack.packing import LongDocs
 from segpack.packing.minibatch_planner import MinibatchConfigError, MinibatchPlanner
 
 
@@ -35,10 +36,11 @@ def perm(n, seed, epoch):
   return np.random.default_rng(np.random.SeedSequence([seed, epoch])).permutation(n)
 
 
-def planner(lengths, **kw):
-  args = dict(seq_len=16, strategy="ffd", long_docs="split", min_len=0, overlap=0,
-              extra_tokens=2, seed=3, shuffle=True, examples_per_batch=None,
-              tokens_per_batch=None, drop_remainder=False)
+def planner(lengths, *, long_docs="split", min_len=0, overlap=0, **kw):
+  """A `MinibatchPlanner`; `long_docs` is the mode, as the naive oracle takes it."""
+  args = dict(seq_len=16, strategy="ffd", extra_tokens=2, seed=3, shuffle=True,
+              examples_per_batch=None, tokens_per_batch=None, drop_remainder=False,
+              long_docs=LongDocs(mode=long_docs, overlap=overlap, min_len=min_len))
   args.update(kw)
   return MinibatchPlanner(lengths, **args)
 
@@ -65,7 +67,7 @@ def test_examples_per_batch_are_permutation_slices_packed_by_textbook_ffd(n, k, 
                long_docs=long_docs)
   for epoch in range(2):
     order = perm(len(lengths), 3, epoch)
-    ep = mp.plan_epoch(epoch)
+    ep = mp.plan(epoch)
     stop = len(order) - len(order) % k if drop else len(order)
     batches = [order[a:min(a + k, stop)] for a in range(0, stop, k)]
     assert ep.num_batches == len(batches)
@@ -82,7 +84,7 @@ def test_examples_per_batch_are_permutation_slices_packed_by_textbook_ffd(n, k, 
 def test_token_budget_batches_are_greedy_runs_placed_first_fit():
   lengths = lengths_case(1, 60)
   mp = planner(lengths, tokens_per_batch=100)  # 6 rows of 16
-  ep = mp.plan_epoch(0)
+  ep = mp.plan(0)
   # Naive: consecutive examples while all their chunks fit first-fit into the 6 rows.
   want, rows, room, members = [], [[] for _ in range(6)], [16] * 6, []
   for d in perm(len(lengths), 3, 0).tolist():
@@ -113,9 +115,9 @@ def test_token_budget_batches_are_greedy_runs_placed_first_fit():
 
 def test_pad_and_other_strategies():
   lengths = lengths_case(2)
-  pad = planner(lengths, examples_per_batch=5, strategy="pad", shuffle=False).plan_epoch(0)
+  pad = planner(lengths, examples_per_batch=5, strategy="pad", shuffle=False).plan(0)
   assert pad.plan.num_pieces == int(pad.rows_needed.sum())  # one chunk per row
-  bfd = planner(lengths, examples_per_batch=5, strategy="bfd", shuffle=False).plan_epoch(0)
+  bfd = planner(lengths, examples_per_batch=5, strategy="bfd", shuffle=False).plan(0)
   width = int(bfd.rows_needed.max())
   for b, rows in enumerate(batch_rows(bfd, width)):
     members = list(range(5 * b, min(5 * b + 5, len(lengths))))
@@ -133,15 +135,15 @@ def test_row_bound_plan_fields_and_errors():
   counts = sorted((len(naive_chunks(int(lengths[d]), 16, 2, 0, "split")) for d in kept),
                   reverse=True)
   assert mp.row_bound() == sum(counts[:4])
-  assert all(int(mp.plan_epoch(e).rows_needed.max()) <= mp.row_bound() for e in range(5))
-  ep = mp.plan_epoch(0, rows_per_batch=mp.row_bound())
+  assert all(int(mp.plan(e).rows_needed.max()) <= mp.row_bound() for e in range(5))
+  ep = mp.plan(0, rows_per_batch=mp.row_bound())
   assert ep.plan.num_rows == ep.num_batches * mp.row_bound()
   assert (ep.plan.seq_len, ep.plan.extra_tokens, ep.plan.strategy) == (16, 2, "pad")
   empty = mp.empty_plan()
   assert empty.num_rows == 0 and (empty.seq_len, empty.extra_tokens) == (16, 2)
   with pytest.raises(MinibatchConfigError, match=r"epoch 0 batch \d+ needs \d+ rows but "
                                                  r"rows_per_batch=1"):
-    mp.plan_epoch(0, rows_per_batch=1)
+    mp.plan(0, rows_per_batch=1)
   with pytest.raises(MinibatchConfigError, match="tokens_per_batch=8 is less than seq_len=16"):
     planner(lengths, tokens_per_batch=8)
   with pytest.raises(MinibatchConfigError, match="min_len=99"):

@@ -169,9 +169,9 @@ def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
   assert "sdy.manual_computation" in text  # absent when the model is built without the mesh
 
 
-def _cudnn_model_cuda_text(max_segments_in_row):
+def _cudnn_model_cuda_text(segment_bound):
   """The `cuda` lowering of the gradient of a cuDNN-attention model built from a trainer config,
-  with the data's most segments in a row `max_segments_in_row` (the packing cap set apart)."""
+  with the data's most segments in a row `segment_bound` (the packing cap set apart)."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from configs import packed  # pylint: disable=g-import-not-at-top
   from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
@@ -182,7 +182,7 @@ def _cudnn_model_cuda_text(max_segments_in_row):
                       dtype="bfloat16")
   mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
   model = model_lib.build(config, 0, vocab_size=VOCAB, mesh=mesh,
-                          max_segments_in_row=max_segments_in_row)
+                          segment_bound=segment_bound)
   graphdef, params = nnx.split(model)
 
   def loss(p, ids_BxS, seg_BxS, pos_BxS):
@@ -223,12 +223,12 @@ def test_cudnn_without_a_data_bound_is_refused():
   from configs import packed  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
   config.attention.implementation = "cudnn"
-  with pytest.raises(model_lib.ModelConfigError, match="Data.max_segments_in_row"):
+  with pytest.raises(model_lib.ModelConfigError, match="Data.segment_bound"):
     model_lib.build(config, 0, vocab_size=VOCAB)
   with pytest.raises(model_lib.ModelConfigError, match="needs attention_cudnn_segment_bound"):
     _tiny(attention_implementation="cudnn")
   config.attention.implementation = "xla"  # the other backends need no bound and get none
-  assert model_lib.build(config, 0, vocab_size=VOCAB, max_segments_in_row=5
+  assert model_lib.build(config, 0, vocab_size=VOCAB, segment_bound=5
                          ).cfg.attention_cudnn_segment_bound is None
 
 

@@ -6,6 +6,7 @@ import pytest
 
 import segpack
 from segpack.data.options import SpecialTokens
+from segpack.packing import LongDocs
 from segpack.packing.permutation import epoch_permutation
 from segpack.packing.minibatch_planner import MinibatchPlanner
 
@@ -38,11 +39,11 @@ def test_rows_of_an_epoch_are_the_plan_rows_in_that_order():
 
 def test_minibatch_examples_are_drawn_in_the_same_order():
   lengths = np.random.default_rng(1).integers(0, 30, 60)  # the empty documents are left out
-  planner = MinibatchPlanner(lengths, seq_len=16, strategy="ffd", long_docs="split", min_len=0,
-                             overlap=0, extra_tokens=2, seed=5, shuffle=True,
+  planner = MinibatchPlanner(lengths, seq_len=16, strategy="ffd", long_docs=LongDocs(),
+                             extra_tokens=2, seed=5, shuffle=True,
                              examples_per_batch=4, tokens_per_batch=None, drop_remainder=False)
   examples = np.flatnonzero(lengths > 0)
   for epoch in range(3):
     want = examples[recipe(examples.size, 5, epoch)]
     assert np.array_equal(planner.order(epoch), want)
-    assert np.array_equal(planner.plan_epoch(epoch).examples, want)
+    assert np.array_equal(planner.plan(epoch).examples, want)

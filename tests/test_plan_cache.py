@@ -97,11 +97,12 @@ def test_cache_second_call_loads_instead_of_planning(tmp_path, monkeypatch):
 
 
 def test_cache_key_changes_with_every_parameter():
-  base = dict(strategy="ffd", long_docs="split", min_len=0, overlap=0, extra_tokens=0)
+  base = dict(strategy="ffd", long_docs=packing.LongDocs(), extra_tokens=0)
   keys = {packing.plan_key("fp", 64, **base), packing.plan_key("fp2", 64, **base),
           packing.plan_key("fp", 128, **base)}
-  for name, value in (("strategy", "bfd"), ("long_docs", "truncate"), ("min_len", 1),
-                      ("overlap", 1), ("extra_tokens", 2)):
+  for name, value in (("strategy", "bfd"), ("long_docs", packing.LongDocs(mode="truncate")),
+                      ("long_docs", packing.LongDocs(min_len=1)),
+                      ("long_docs", packing.LongDocs(overlap=1)), ("extra_tokens", 2)):
     keys.add(packing.plan_key("fp", 64, **{**base, name: value}))
   assert len(keys) == 8
   sp = dict(base, strategy="sorted_pad")

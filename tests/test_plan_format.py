@@ -26,7 +26,8 @@ def test_memory_mapped_plan_pickles_as_file_references(tmp_path):
 
 
 def test_in_memory_plan_pickles_its_arrays():
-  plan = packing.plan(np.arange(1, 300), 64, strategy="bfd", overlap=3, extra_tokens=1)
+  plan = packing.plan(np.arange(1, 300), 64, strategy="bfd", long_docs=packing.LongDocs(overlap=3),
+                      extra_tokens=1)
   blob = pickle.dumps(plan)
   assert len(blob) > plan.nbytes
   back = pickle.loads(blob)
@@ -37,7 +38,8 @@ def test_in_memory_plan_pickles_its_arrays():
 
 
 def test_save_and_load_round_trip(tmp_path):
-  p = packing.plan(np.arange(1, 50), 16, strategy="bfd", overlap=2, extra_tokens=2)
+  p = packing.plan(np.arange(1, 50), 16, strategy="bfd", long_docs=packing.LongDocs(overlap=2),
+                   extra_tokens=2)
   p.save(tmp_path / "plan")
   p.save(tmp_path / "plan")  # replacing an existing plan works
   q = packing.Plan.load(tmp_path / "plan", mmap=True)
@@ -88,7 +90,7 @@ def test_plan_docstring_example_and_save_without_overwrite(tmp_path):
 
 def test_plan_arrays_are_compact():
   lengths = np.random.default_rng(3).integers(0, 200, 3000)
-  p = packing.plan(lengths, 64, overlap=4, extra_tokens=2)
+  p = packing.plan(lengths, 64, long_docs=packing.LongDocs(overlap=4), extra_tokens=2)
   assert (p.row_splits.dtype, p.doc.dtype, p.start.dtype, p.length.dtype) == (
       np.int64, np.int32, np.int32, np.uint16)
   assert p.nbytes == 8 * (p.num_rows + 1) + (4 + 4 + 2) * p.num_pieces
@@ -101,7 +103,7 @@ def test_cached_plan_is_memory_mapped_and_rows_equal_the_in_memory_plan(tmp_path
   rng = np.random.default_rng(4)
   lengths = rng.integers(0, 150, 800)  # some split (seq_len 64), some empty
   docs = [rng.integers(3, 1000, n).astype(np.int32) for n in lengths]
-  kwargs = dict(overlap=3, extra_tokens=2)
+  kwargs = dict(long_docs=packing.LongDocs(overlap=3), extra_tokens=2)
   in_memory = packing.plan(lengths, 64, **kwargs)
   mapped = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="k", **kwargs)
   again = packing.load_or_plan(lengths, 64, cache_dir=tmp_path, key="k", **kwargs)  # reloaded

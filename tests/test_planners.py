@@ -14,6 +14,15 @@ from segpack import packing
 from segpack.packing import chunking, layout
 
 
+def library(kw):
+  """The oracle's chunking keywords (`long_docs` a mode, `min_len`, `overlap`) as `plan` takes
+  them: one `LongDocs`."""
+  kw = dict(kw)
+  long_docs = packing.LongDocs(mode=kw.pop("long_docs", "split"), overlap=kw.pop("overlap", 0),
+                               min_len=kw.pop("min_len", 0))
+  return dict(kw, long_docs=long_docs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Exactness
 
@@ -35,8 +44,8 @@ def test_planner_equals_naive_oracle(strategy):
       continue
     expected = [[chunks[i] for i in b]
                 for b in NAIVE[strategy]([c[2] for c in chunks], seq_len)]
-    got = packing.plan(lengths, seq_len, strategy=strategy, long_docs=long_docs,
-                       min_len=min_len, overlap=overlap, extra_tokens=extra)
+    got = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra,
+                       long_docs=packing.LongDocs(mode=long_docs, overlap=overlap, min_len=min_len))
     assert plan_rows(got) == expected, (trial, seq_len, lengths.tolist())
     assert got.num_rows == len(expected)
 
@@ -78,11 +87,11 @@ def test_every_chunk_placed_once_and_rows_fit(strategy):
     lengths = random_lengths(rng, int(rng.integers(1, 300)), seq_len)
     extra = int(rng.integers(0, min(3, seq_len)))
     overlap = int(rng.integers(0, seq_len))
-    long_docs = str(rng.choice(packing.LONG_DOCS))
+    long_docs = str(rng.choice(packing.LONG_DOC_MODES))
     if not np.any(lengths + extra > 0):
       continue
-    p = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra, overlap=overlap,
-                     long_docs=long_docs)
+    p = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=extra,
+                     long_docs=packing.LongDocs(mode=long_docs, overlap=overlap))
     check_plan_invariants(p, lengths, extra_tokens=extra, overlap=overlap,
                           long_docs=long_docs, min_len=0)
     assert p.stats["tokens"] == int(p.length.sum())
@@ -122,14 +131,15 @@ def test_sorted_pad_slots_follow_the_batch_definition():
     (dict(lengths=[3, 4], seq_len=8, strategy="best"), "'best'"),
     (dict(lengths=[], seq_len=8), "lengths is empty"),
     (dict(lengths=[3, -1, 4], seq_len=8), "lengths[1] = -1"),
-    (dict(lengths=[3, 4], seq_len=8, overlap=8), "overlap=8"),
-    (dict(lengths=[3, 4], seq_len=8, overlap=-1), "overlap=-1"),
-    (dict(lengths=[3, 4], seq_len=8, long_docs="drop"), "'drop'"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs=packing.LongDocs(overlap=8)), "overlap=8"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs=packing.LongDocs(overlap=-1)), "overlap=-1"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs=packing.LongDocs(mode="drop")), "'drop'"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs="split"), "long_docs='split'"),
     (dict(lengths=[3, 4], seq_len=0), "seq_len=0"),
-    (dict(lengths=[3, 4], seq_len=8, min_len=-2), "min_len=-2"),
+    (dict(lengths=[3, 4], seq_len=8, long_docs=packing.LongDocs(min_len=-2)), "min_len=-2"),
     (dict(lengths=[1.5, 2.0], seq_len=8), "float64"),
     (dict(lengths=[[1, 2]], seq_len=8), "1-D"),
-    (dict(lengths=[1, 2], seq_len=8, min_len=5), "min_len=5"),
+    (dict(lengths=[1, 2], seq_len=8, long_docs=packing.LongDocs(min_len=5)), "min_len=5"),
     (dict(lengths=[1, 2], seq_len=8, strategy="sorted_pad", batch_size=0), "batch_size=0"),
 ])
 def test_bad_arguments_name_the_argument_and_value(kwargs, needle):
@@ -168,7 +178,8 @@ def test_decreasing_planners_equal_oracle_with_thousands_of_rows(strategy, oracl
     lengths = np.round(rng.lognormal(np.log(seq_len / 5), 1.2, n)).astype(np.int64)
     chunks = naive_chunks(lengths.tolist(), seq_len, extra_tokens=1, overlap=3)
     expected = [[chunks[i] for i in b] for b in oracle([c[2] for c in chunks], seq_len)]
-    got = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=1, overlap=3)
+    got = packing.plan(lengths, seq_len, strategy=strategy, extra_tokens=1,
+                       long_docs=packing.LongDocs(overlap=3))
     assert got.num_rows == len(expected) > 1000
     assert plan_rows(got) == expected
 
@@ -288,7 +299,7 @@ def test_blockwise_planning_equals_naive_oracle(strategy, monkeypatch):
               overlap=int(rng.integers(0, seq_len)) if trial % 2 else 0)
     chunks = naive_chunks(lengths.tolist(), seq_len, **kw)
     expected = [[chunks[i] for i in b] for b in NAIVE[strategy]([c[2] for c in chunks], seq_len)]
-    got = packing.plan(lengths.astype(np.int32), seq_len, strategy=strategy, **kw)
+    got = packing.plan(lengths.astype(np.int32), seq_len, strategy=strategy, **library(kw))
     assert plan_rows(got) == expected, (trial, seq_len)
 
 
@@ -303,8 +314,8 @@ def test_tie_seed_with_split_documents_keeps_every_row_length(block, monkeypatch
     kw = dict(extra_tokens=2, min_len=trial % 2, overlap=3 * (trial % 3))
     chunks = naive_chunks(lengths.tolist(), seq_len, **kw)
     for strategy in ("ffd", "bfd"):
-      fixed = packing.plan(lengths, seq_len, strategy=strategy, **kw)
-      tied = packing.plan(lengths, seq_len, strategy=strategy, tie_seed=(trial, 1), **kw)
+      fixed = packing.plan(lengths, seq_len, strategy=strategy, **library(kw))
+      tied = packing.plan(lengths, seq_len, strategy=strategy, tie_seed=(trial, 1), **library(kw))
       np.testing.assert_array_equal(tied.row_splits, fixed.row_splits)
       np.testing.assert_array_equal(tied.length, fixed.length)
       pieces = list(zip(tied.doc.tolist(), tied.start.tolist(), tied.length.tolist()))
@@ -312,22 +323,23 @@ def test_tie_seed_with_split_documents_keeps_every_row_length(block, monkeypatch
       assert (tied.doc != fixed.doc).any()
 
 
-def test_tie_planner_equals_plan_with_the_same_seed():
+def test_repack_planner_equals_plan_with_the_epochs_tie_seed():
   rng = np.random.default_rng(8)
   lengths = np.concatenate([rng.integers(0, 200, 900), [0, 500, 3]])
-  for strategy in ("ffd", "bfd", "sorted_pad", "greedy"):
-    kw = dict(strategy=strategy, overlap=5, extra_tokens=2, min_len=1)
-    tp = packing.TiePlanner(lengths, 64, **kw)
-    seeds = [None] if strategy == "greedy" else [(0, 1), (0, 2), (0, 1)]
-    for seed in seeds:
-      want = packing.plan(lengths, 64, tie_seed=seed, **kw)
-      got = tp.plan(seed)
-      assert plan_rows(got) == plan_rows(want), (strategy, seed)
+  for strategy in ("ffd", "bfd", "sorted_pad"):
+    kw = library(dict(strategy=strategy, overlap=5, extra_tokens=2, min_len=1))
+    planner = packing.RepackPlanner(lengths, 64, seed=3, **kw)
+    for epoch in (1, 2, 1):
+      want = packing.plan(lengths, 64, tie_seed=(3, epoch), **kw)
+      got = planner.plan(epoch)
+      assert plan_rows(got) == plan_rows(want), (strategy, epoch)
       assert got.stats == want.stats
-    back = pickle.loads(pickle.dumps(tp))  # without its cached rows; recomputes them
-    assert plan_rows(back.plan(seeds[-1])) == plan_rows(tp.plan(seeds[-1]))
+    back = pickle.loads(pickle.dumps(planner))  # without its cached rows; recomputes them
+    assert plan_rows(back.plan(2)) == plan_rows(planner.plan(2))
   with pytest.raises(packing.PackingArgumentError, match="tie_seed"):
-    packing.TiePlanner(lengths, 64, strategy="greedy").plan(1)
+    packing.RepackPlanner(lengths, 64, seed=0, strategy="greedy")
+  with pytest.raises(packing.PackingArgumentError, match="seed=-1"):
+    packing.RepackPlanner(lengths, 64, seed=-1)
 
 
 def test_sorted_documents_released_page_by_page_give_the_same_plan(monkeypatch):

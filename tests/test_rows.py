@@ -41,7 +41,8 @@ def make_case(seed, *, overlap, add_bos, add_eos, masked, mmap_dir=None):
   docs = [rng.integers(3, 60000, int(rng.integers(0, 50))).astype(np.int32) for _ in range(40)]
   masks = [(rng.random(len(d)) < 0.6).astype(np.uint8) for d in docs] if masked else None
   lengths = np.array([len(d) for d in docs], np.int64)
-  plan = packing.plan(lengths, 24, overlap=overlap, extra_tokens=int(add_bos) + int(add_eos))
+  plan = packing.plan(lengths, 24, long_docs=packing.LongDocs(overlap=overlap),
+                      extra_tokens=int(add_bos) + int(add_eos))
   if mmap_dir is not None:
     plan.save(mmap_dir)
     plan = packing.Plan.load(mmap_dir, mmap=True)

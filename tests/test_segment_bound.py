@@ -1,7 +1,7 @@
 """The static bound on segments per row, from the data to the cuDNN backend.
 
-`PackedDataset.max_segments_in_row` against a naive count over the rows the dataset yields; the
-trainer's `Data.max_segments_in_row` (global and minibatch packing); and `train.setup` handing
+`PackedDataset.segment_bound` against a naive count over the rows the dataset yields; the
+trainer's `Data.segment_bound` (global and minibatch packing); and `train.setup` handing
 that bound, rounded up by `round_segment_bound`, to the model (its `cudnn_segment_bound`).
 """
 
@@ -12,6 +12,7 @@ from configs import packed
 from segpack.attention import cudnn
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
+from segpack.packing import LongDocs
 from train import data as data_lib
 from train import model as model_lib
 import data_configs  # noqa: E402
@@ -39,28 +40,28 @@ def _naive_max(datasets):
 
 
 @pytest.mark.parametrize("cap", [None, 3, 5])
-def test_max_segments_in_row_is_the_most_any_yielded_row_holds(cap):
+def test_segment_bound_is_the_most_any_yielded_row_holds(cap):
   docs = _docs(300, seed=0, max_len=12)  # short documents: many per row
   kw = dict(seq_len=48, num_epochs=1, special_tokens=IDS, max_segments_per_row=cap)
   rows = pack_dataset(docs, **kw)
   want = _naive_max([rows])  # over every row of the epoch
-  assert rows.max_segments_in_row == want
+  assert rows.segment_bound == want
   if cap is None:
     assert want > 5  # the caps below bind
   else:
     assert want == cap
-  assert isinstance(rows.max_segments_in_row, int)
+  assert isinstance(rows.segment_bound, int)
 
 
-def test_max_segments_in_row_of_one_document_per_row():
+def test_segment_bound_of_one_document_per_row():
   ds = pack_dataset(_docs(20, seed=1, max_len=30), seq_len=64, num_epochs=1, strategy="pad",
                     special_tokens=IDS)
-  assert ds.max_segments_in_row == _naive_max([ds]) == 1
+  assert ds.segment_bound == _naive_max([ds]) == 1
 
 
 def _spec(**overrides):
   kw = dict(source="synthetic", size="small", cache_dir=None, seq_len=64, strategy="ffd",
-            long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
+            long_docs=LongDocs(), max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
             synthetic_docs=300, synthetic_mean_len=10, synthetic_vocab=97)
   kw.update(overrides)
   return data_configs.data_config(**kw)
@@ -72,10 +73,10 @@ def test_trainer_data_bound_global_mode():
   batches = [data.train[i] for i in range(-(-train_rows // 4))]
   evals = [data.eval[i] for i in range(len(data.eval))]
   want = max(_runs(r) for b in batches + evals for r in b["segment_ids"])
-  assert data.max_segments_in_row == want > 1
+  assert data.segment_bound == want > 1
   capped = data_lib.make_data(_spec(max_segments_per_row=3), batch_size=4, process_index=0,
                               process_count=1)
-  assert capped.max_segments_in_row == 3
+  assert capped.segment_bound == 3
 
 
 def test_trainer_data_bound_minibatch_mode():
@@ -85,10 +86,10 @@ def test_trainer_data_bound_minibatch_mode():
   seen = max(_runs(r) for i in range(30) for r in data.train[i]["segment_ids"])
   assert 6 >= seen > 1  # a training row holds pieces of distinct examples of its minibatch
   evals = max(_runs(r) for i in range(len(data.eval)) for r in data.eval[i]["segment_ids"])
-  assert data.max_segments_in_row == max(6, evals)  # eval rows are packed globally
+  assert data.segment_bound == max(6, evals)  # eval rows are packed globally
   budget = data_lib.make_data(_spec(mode="minibatch", tokens_per_batch=8 * 256, seq_len=256),
                               batch_size=8, process_index=0, process_count=1)
-  assert budget.max_segments_in_row is None
+  assert budget.segment_bound is None
 
 
 def test_trainer_hands_the_data_bound_to_the_model(tmp_path, monkeypatch):
@@ -108,11 +109,11 @@ def test_trainer_hands_the_data_bound_to_the_model(tmp_path, monkeypatch):
 
   def build(*args, **kwargs):
     model = real_build(*args, **kwargs)
-    seen.append((kwargs.get("max_segments_in_row"), model.cfg.attention_cudnn_segment_bound))
+    seen.append((kwargs.get("segment_bound"), model.cfg.attention_cudnn_segment_bound))
     return model
 
   monkeypatch.setattr(model_lib, "build", build)
   run = train_lib.setup(c, str(tmp_path))
-  assert seen and all(got == (run.data.max_segments_in_row, 8) for got in seen)
-  assert run.data.max_segments_in_row == 7  # the cap binds on these short documents
+  assert seen and all(got == (run.data.segment_bound, 8) for got in seen)
+  assert run.data.segment_bound == 7  # the cap binds on these short documents
   assert cudnn.round_segment_bound(7) == 8

@@ -17,7 +17,8 @@ from masked_source import MaskedDocs
 from segpack import packing
 from segpack.data import packed as pipeline
 from segpack.data.minibatch_dataset import pack_minibatches
-from segpack.data.options import LongDocs, SpecialTokens
+from segpack.data.options import SpecialTokens
+from segpack.packing import LongDocs
 from segpack import shards
 
 BOS, EOS = 1, 2
@@ -158,13 +159,13 @@ def test_minibatch_rows_are_fewer_than_padding_and_static(tmp_path):
   assert packed.rows_per_batch < padded.rows_per_batch
   assert packed.padded_slot_fraction(0) < padded.padded_slot_fraction(0)
   # Each minibatch takes as many rows as the library's FFD planner needs for its examples alone.
-  plan0 = packed.epoch_plan(0)
+  plan0 = packed.plan(0)
   for b in range(plan0.num_batches):
     members = plan0.examples[plan0.batch_examples[b]:plan0.batch_examples[b + 1]]
     want = packing.plan(src.lengths[members], 16, strategy="ffd", extra_tokens=2).num_rows
     assert plan0.rows_needed[b] == want
   # rows_per_batch is the most any batch of the 3 epochs needs.
-  need = max(int(packed.epoch_plan(e).rows_needed.max()) for e in range(3))
+  need = max(int(packed.plan(e).rows_needed.max()) for e in range(3))
   assert packed.rows_per_batch == need
   with pytest.raises(pipeline.PipelineConfigError,
                      match=r"epoch \d batch \d+ needs \d+ rows but rows_per_batch=1"):

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import segpack
 from segpack import packing
 from segpack.cli import main as cli_main
 from segpack.shards import ShardWriter
@@ -83,6 +84,19 @@ def test_mixture_figures_match_an_independent_computation(two, tokens_per_epoch,
   assert plan["rows"] == expected.num_rows
   assert plan["utilization"] == pytest.approx(expected.stats["utilization"])
   assert plan["tokens"] == sum(int(d.sum()) for d in drawn_lengths) + 2 * plan["documents"]
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_mixture_epoch_0_is_the_one_pack_dataset_reads(two, seed, capsys):
+  """stats plans the mixture epoch by pack_dataset's own route: the same rows and slots."""
+  root, _ = two
+  data = f"web={root / 'web'}:0.7,code={root / 'code'}:0.3"
+  rc, out, err = run(["--data", data, "--seq-len", "512", "--seed", str(seed), "--json"], capsys)
+  assert rc == 0, err
+  rows = segpack.pack_dataset(segpack.Mixture.parse(data), seq_len=512, seed=seed, shuffle=False)
+  assert json.loads(out)["plan"]["rows"] == rows.rows_in_epoch(0)
+  built = rows.get_batch(np.arange(rows.rows_in_epoch(0)))
+  assert json.loads(out)["plan"]["tokens"] == int((built["segment_ids"] != 0).sum())
 
 
 def test_mixture_text_table_and_strategy(two, capsys):

@@ -7,7 +7,6 @@ give the same losses, the same batches and a checkpoint either mesh can resume.
 
 import json
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

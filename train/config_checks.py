@@ -23,7 +23,7 @@ from typing import Any
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack import packing
-from segpack.data.context import CONTEXT_BALANCES
+from segpack.data.context_order import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
 from segpack.errors import UserError
 from segpack.text import chat
@@ -45,7 +45,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "data.size": tuple(corpus.SIZES),
     "data.train_on": chat.TRAIN_ON,
     "packing.strategy": tuple(sorted(packing.STRATEGIES)),
-    "packing.long_docs": packing.LONG_DOCS,
+    "packing.long_docs": packing.LONG_DOC_MODES,
     "packing.balance": BALANCE_MODES,
     "packing.repack": REPACK_MODES,
     "packing.mode": PACKING_MODES,
@@ -173,8 +173,8 @@ def check_context(config: Any) -> None:
   """Checks `mesh.context` against `packing.seq_len`, `packing.context_balance` and the attention.
 
   A row's slots are split into `mesh.context` equal shares, each of two chunks unless
-  `packing.context_balance` is "none" (`segpack.data.context.context_order`); cuDNN attention has
-  no context-parallel form.
+  `packing.context_balance` is "none" (`segpack.data.context_order.context_order`); cuDNN
+  attention has no context-parallel form.
 
   Raises:
     ConfigError: `mesh.context` is not a positive int, `packing.seq_len` does not divide, or

@@ -19,8 +19,8 @@ another process count or batch size"). Held-out rows are one finite pass of the 
 into global batches the same way (the last one filled up with padding rows).
 
 With `mesh.context > 1` the training and held-out batches come out in context order with a
-`"slot_index"` feature (`train.context`): the order is applied to each batch after the pipeline,
-so data positions and fingerprints are those of the batches in row order.
+`"slot_index"` feature (`train.context_batches`): the order is applied to each batch after the
+pipeline, so data positions and fingerprints are those of the batches in row order.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ from segpack.data import subset
 from segpack.data.balance import BalanceOptions
 from segpack.data.minibatch_dataset import MinibatchPackedDataset, pack_minibatches
 from segpack.data.mixture import Mixture, parse_data
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.data.stream import StreamBatches
 from segpack.errors import UserError
+from segpack.packing.chunking import LongDocs
 from segpack.packing.minibatch_planner import RowsPerBatchError
 from segpack.text import chat_corpus
 from segpack.text import corpus
 from segpack.text import spm
 from train import config_checks
-from train import context as context_lib
+from train import context_batches
 
 SYNTHETIC_BOS, SYNTHETIC_EOS = 1, 2
 _LOG = logging.getLogger(__name__)
@@ -58,10 +59,10 @@ class DataConfigError(UserError, ValueError):
   """The `data` / `packing` config groups describe no usable data."""
 
 
-def context_order(config: Any) -> context_lib.ContextOrder:
+def context_order(config: Any) -> context_batches.ContextOrder:
   """The batches' slot order: `mesh.context` devices per row, `packing.context_balance`
   (`ContextOrder.active` only with more than one)."""
-  return context_lib.ContextOrder(size=config.mesh.context,
+  return context_batches.ContextOrder(size=config.mesh.context,
                                   balance=config.packing.context_balance)
 
 
@@ -84,7 +85,7 @@ class Data:
     vocab_size: tokenizer vocabulary size.
     train_rows_per_epoch: rows of one training epoch over all processes.
     description: a one-line summary for the log.
-    max_segments_in_row: the most segments (documents or chunks) any train or eval row can hold,
+    segment_bound: the most segments (documents or chunks) any train or eval row can hold,
       the same on every process: the plans' exact most in global mode; in minibatch mode with
       `examples_per_batch = k`, `min(k, seq_len)` for the training rows (a row's pieces belong to
       distinct examples). None when no bound below `seq_len` is known (minibatch mode with
@@ -92,8 +93,8 @@ class Data:
     source_names: a mixture's source names (training rows then carry `segment_sources`, their
       indices); empty otherwise.
     eval_by_source: a mixture's held-out batches of each source, by name (empty otherwise).
-    context: the slot order of the batches (`train.context`); `eval` and `eval_by_source` come
-      out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
+    context: the slot order of the batches (`train.context_batches`); `eval` and `eval_by_source`
+      come out in it, and so do the batches of `train_iterator` (not `train`'s own elements).
     tokenizer_fingerprint: the tokenizer of a `segpack tokenize` dataset (its manifest's
       `tokenizer_fingerprint`); None for the built-in and synthetic sources.
     source_weights: a mixture's weights (shares of trained tokens), in `source_names` order.
@@ -104,17 +105,17 @@ class Data:
   vocab_size: int
   train_rows_per_epoch: int
   description: str
-  max_segments_in_row: int | None = None
+  segment_bound: int | None = None
   source_names: tuple[str, ...] = ()
   eval_by_source: dict[str, grain.MapDataset] = dataclasses.field(default_factory=dict)
-  context: context_lib.ContextOrder = context_lib.ContextOrder()
+  context: context_batches.ContextOrder = context_batches.ContextOrder()
   tokenizer_fingerprint: str | None = None
   source_weights: tuple[float, ...] = ()
 
   def __post_init__(self):
     if self.context.active and self.eval is not None:
-      self.eval = context_lib.OrderedBatches(self.eval, order=self.context)
-      self.eval_by_source = {name: context_lib.OrderedBatches(batches, order=self.context)
+      self.eval = context_batches.OrderedBatches(self.eval, order=self.context)
+      self.eval_by_source = {name: context_batches.OrderedBatches(batches, order=self.context)
                              for name, batches in self.eval_by_source.items()}
 
   def train_iterator(self, *, read_options: grain.ReadOptions) -> grain.DatasetIterator:
@@ -123,11 +124,11 @@ class Data:
     A `segpack.data.position.StreamIterator` in both modes: its state is the position of the next
     batch, in rows of the stream (global mode; also accepted from a run with another batch size)
     or in minibatch steps. With `context` active its batches come out in context order
-    (`train.context.OrderedIterator`).
+    (`train.context_batches.OrderedIterator`).
     """
     iterator = self.train.iterator(read_options=read_options)
     if self.context.active:
-      return context_lib.OrderedIterator(iterator, order=self.context)
+      return context_batches.OrderedIterator(iterator, order=self.context)
     return iterator
 
 
@@ -268,7 +269,8 @@ def make_data(config: Any, *, batch_size: int, process_index: int,
     _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
               "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", data_name(config))
   common = dict(
-      seq_len=config.packing.seq_len, strategy=config.packing.strategy, long_docs=LongDocs(mode=config.packing.long_docs),
+      seq_len=config.packing.seq_len, strategy=config.packing.strategy,
+      long_docs=LongDocs(mode=config.packing.long_docs),
       special_tokens=SpecialTokens(add_bos=config.data.add_bos, add_eos=config.data.add_eos, **ids))
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)
@@ -312,8 +314,8 @@ def make_data(config: Any, *, batch_size: int, process_index: int,
                    f"{config.packing.strategy} packing, seq_len {config.packing.seq_len}: "
                    f"{train_rows.rows_per_epoch} train rows/epoch, {_eval_rows(eval_rows)}, "
                    f"vocab {vocab}"),
-      max_segments_in_row=max(train_rows.max_segments_in_row,
-                              eval_rows.max_segments_in_row if eval_rows else 0),
+      segment_bound=max(train_rows.segment_bound,
+                        eval_rows.segment_bound if eval_rows else 0),
       source_names=names, eval_by_source=by_source, context=context_order(config),
       source_weights=tuple(float(m.weight) for m in train_src.sources) if names else (),
       tokenizer_fingerprint=tokenizer)
@@ -352,10 +354,10 @@ def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: A
   bound = None
   if config.packing.examples_per_batch is not None:
     bound = max(min(int(config.packing.examples_per_batch), config.packing.seq_len),
-                eval_rows.max_segments_in_row if eval_rows else 0)
+                eval_rows.segment_bound if eval_rows else 0)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab, context=context_order(config),
-      train_rows_per_epoch=steps * batch_size, max_segments_in_row=bound,
+      train_rows_per_epoch=steps * batch_size, segment_bound=bound,
       description=(f"{data_name(config)}, minibatch {config.packing.strategy} packing of "
                    f"{config.packing.examples_per_batch or config.packing.tokens_per_batch} "
                    f"{'examples' if config.packing.examples_per_batch else 'tokens'} per step into "
@@ -384,7 +386,7 @@ def next_batch(iterator: Any) -> dict[str, np.ndarray]:
 def fingerprint(batch: dict[str, np.ndarray]) -> tuple[str, list[str]]:
   """A hash of the whole batch and a short hash per row (to compare runs and processes); a batch
   in context order is hashed in row order, so the hashes do not depend on `mesh.context`."""
-  batch = context_lib.row_order(batch)
+  batch = context_batches.row_order(batch)
   rows = []
   whole = hashlib.sha256()
   for r in range(len(batch["input_ids"])):

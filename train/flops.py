@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from segpack import mesh as mesh_lib
-from segpack.attention import blocks
+from segpack.data import attention_cost
 from segpack.errors import ArgumentError
 
 # Dense (no sparsity) bfloat16 tensor-core peak per device, by substring of `device_kind`; the
@@ -67,24 +67,21 @@ class FlopModel:
 
 
 def attention_pairs(segment_ids_BxS: jax.Array, *, reordered: bool = False) -> jax.Array:
-  """Causal (query, key) pairs within documents: the sum of `l * (l + 1) / 2` over all segments.
+  """Causal (query, key) pairs within documents: the sum of `l * (l + 1) / 2` over all segments,
+  the rows' `segpack.data.attention_cost.query_costs` summed.
 
   Args:
     segment_ids_BxS: segment ids, 0 = padding (jittable); each non-zero id one contiguous run,
       unless `reordered`.
-    reordered: the row's slots are in context-parallel order (`train.context`), so a segment
-      may be cut into pieces; the ids are then sorted per row first (each id is one document of
-      the row, so sorting gives every segment one run of its length).
+    reordered: the row's slots are in context-parallel order (`train.context_batches`), so a segment
+      may be cut into pieces (`query_costs` then sorts the ids of each row first).
 
   Returns:
     A float32 scalar (exact per row in int32, rows summed in float32).
   """
-  segment_ids_BxS = mesh_lib.whole_slots(segment_ids_BxS)  # scans along the slots
-  if reordered:
-    segment_ids_BxS = jnp.sort(segment_ids_BxS, axis=1)
-  start_BxS, _ = blocks.segment_bounds(segment_ids_BxS)
-  keys_BxS = jnp.arange(segment_ids_BxS.shape[1], dtype=jnp.int32) - start_BxS + 1
-  per_row_B = jnp.sum(jnp.where(segment_ids_BxS != 0, keys_BxS, 0), axis=1, dtype=jnp.int32)
+  segment_ids_BxS = mesh_lib.whole_slots(jnp.asarray(segment_ids_BxS))  # scans along the slots
+  keys_BxS = attention_cost.query_costs(segment_ids_BxS, contiguous=not reordered)
+  per_row_B = jnp.sum(keys_BxS, axis=1, dtype=jnp.int32)
   return jnp.sum(per_row_B.astype(jnp.float32))
 
 

@@ -8,7 +8,7 @@ every document of a packed row sees exactly what it would see alone.
 
 Context parallelism: on a mesh whose `context` axis has more than one device, the slots of every
 row are split over that axis (the batch arrives in context order with a `slot_index`,
-`train.context`); every layer but attention works slot by slot, and attention runs under
+`train.context_batches`); every layer but attention works slot by slot, and attention runs under
 `shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
 `slot_index`.
 
@@ -71,7 +71,7 @@ class DecoderConfig:
   # `PallasOptions(interpret=True)` to run the kernels on the CPU, slowly; None: the defaults.
   attention_pallas: attention_lib.PallasOptions | None = None
   # cuDNN only, and required there: the static bound N on segments per row, from the data
-  # (`build` passes `round_segment_bound(Data.max_segments_in_row)`); the cuDNN backward's memory
+  # (`build` passes `round_segment_bound(Data.segment_bound)`); the cuDNN backward's memory
   # grows as B*N*H*S*D, so there is no default.
   attention_cudnn_segment_bound: int | None = None
 
@@ -104,7 +104,7 @@ class DecoderConfig:
           "DecoderConfig.attention_implementation='cudnn' needs attention_cudnn_segment_bound, "
           "the static bound on segments per row (cuDNN's backward memory grows with it; row "
           "length is no usable default): build the model with the data's bound, "
-          "`train.model.build(..., max_segments_in_row=Data.max_segments_in_row)`")
+          "`train.model.build(..., segment_bound=Data.segment_bound)`")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ModelConfigError(
@@ -308,7 +308,7 @@ class Decoder(nnx.Module):
                segment_positions: jax.Array, slot_index: jax.Array | None = None) -> jax.Array:
     """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
 
-    `slot_index`: for a row in context order (`train.context`), each slot's index in the row
+    `slot_index`: for a row in context order (`train.context_batches`), each slot's index in the row
     before reordering (attention's causal order); None: the slots are in row order. Inputs
     typed with no mesh, given to a decoder whose attention runs on a mesh of explicit axes
     (`attention_mesh`) or whose parameters are placed on one, are put on it split as the
@@ -387,31 +387,31 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
                                      else int(cudnn_segment_bound)))
 
 
-def cudnn_bound(config: Any, max_segments_in_row: int | None) -> int | None:
+def cudnn_bound(config: Any, segment_bound: int | None) -> int | None:
   """The cuDNN backend's static N for `config`, from the data's most segments in a row.
 
-  `round_segment_bound(max_segments_in_row)` (a power of two) when `attention.implementation` is
+  `round_segment_bound(segment_bound)` (a power of two) when `attention.implementation` is
   "cudnn", else None (the other backends need no bound). `packing.max_segments_per_row` stays the
   cap on the packing; the bound is what the packed data actually holds.
 
   Raises:
-    ModelConfigError: cuDNN and no bound is known (`max_segments_in_row` None).
+    ModelConfigError: cuDNN and no bound is known (`segment_bound` None).
   """
   if config.attention.implementation != "cudnn":
     return None
-  if max_segments_in_row is None:
+  if segment_bound is None:
     mode = config.packing.mode
     raise ModelConfigError(
         "attention.implementation='cudnn' needs a static bound on segments per row from the "
-        f"data (Data.max_segments_in_row), and none is known (packing.mode={mode!r}): with "
+        f"data (Data.segment_bound), and none is known (packing.mode={mode!r}): with "
         "packing.mode='minibatch' and packing.tokens_per_batch a row can hold up to seq_len "
         "segments; set packing.examples_per_batch instead (the bound is then the examples per "
         "step) or use attention.implementation='pallas'")
-  return attention_lib.round_segment_bound(int(max_segments_in_row))
+  return attention_lib.round_segment_bound(int(segment_bound))
 
 
 def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = None,
-          max_segments_in_row: int | None = None) -> Decoder:
+          segment_bound: int | None = None) -> Decoder:
   """Builds the `Decoder` that a trainer config (its `model` and `attention` groups) describes.
 
   Args:
@@ -420,11 +420,11 @@ def build(config: Any, seed: int, *, vocab_size: int | None = None, mesh: Any = 
     vocab_size: overrides `config.model.vocab_size` (the trainer passes the tokenizer's size).
     mesh: the trainer's mesh (axes `segpack.mesh.MESH_AXES`); kernel attention backends run
       per device under `shard_map` on it.
-    max_segments_in_row: the data's most segments in a row (`train.data.Data.max_segments_in_row`);
+    segment_bound: the data's most segments in a row (`train.data.Data.segment_bound`);
       with `attention.implementation="cudnn"` it is required and becomes, rounded up to a power
       of two (`cudnn_bound`), the cuDNN backend's static bound N.
   """
   vocab = vocab_size if vocab_size is not None else config.model.vocab_size
   cfg = decoder_config(config.model, config.attention, vocab_size=int(vocab), mesh=mesh,
-                       cudnn_segment_bound=cudnn_bound(config, max_segments_in_row))
+                       cudnn_segment_bound=cudnn_bound(config, segment_bound))
   return Decoder(cfg, rngs=nnx.Rngs(params=seed))

@@ -3,7 +3,7 @@
 One mesh with axes `data`, `fsdp`, `context` and `tensor` (the names of `segpack.mesh`). Batches
 are split over `data` x `fsdp` (rows) and `context` (the slots of every row: context parallelism,
 each device holding S / context consecutive slots of the row in context order,
-`train.context`); parameters are split over `fsdp` (ZeRO-3 style: gathered for the
+`train.context_batches`); parameters are split over `fsdp` (ZeRO-3 style: gathered for the
 matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explicit rules on the
 parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
 shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from

@@ -177,10 +177,10 @@ class Run:
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
-                    mesh: Any, max_segments_in_row: int | None = None):
+                    mesh: Any, segment_bound: int | None = None):
   abstract_model = nnx.eval_shape(lambda: model_lib.build(
       config, config.train.seed, vocab_size=vocab_size, mesh=mesh,
-      max_segments_in_row=max_segments_in_row))
+      segment_bound=segment_bound))
   graphdef, abstract_params = nnx.split(abstract_model)
   return graphdef, dict(params=abstract_params, opt_state=jax.eval_shape(tx.init, abstract_params),
                         step=jax.ShapeDtypeStruct((), jnp.int32))
@@ -254,7 +254,7 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   vocab_size = config_checks.check_vocab_size(config, data.vocab_size)
   tx, schedule = make_optimizer(t)
   graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
-                                       max_segments_in_row=data.max_segments_in_row)
+                                       segment_bound=data.segment_bound)
   replicated = NamedSharding(mesh, P())
   params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
   state_sh = dict(params=params_sh,
@@ -276,7 +276,7 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   elif restored is None:
     def init():
       params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab_size, mesh=mesh,
-                                         max_segments_in_row=data.max_segments_in_row))[1]
+                                         segment_bound=data.segment_bound))[1]
       return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
     state, start_step, changes = jax.jit(init, out_shardings=state_sh)(), 0, []
   else:

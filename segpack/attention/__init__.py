@@ -7,7 +7,7 @@
   only the key/value blocks holding the query block's segments; Triton on a GPU, interpret mode
   on the CPU; its settings come grouped, `pallas=PallasOptions(...)`.
 - `"cudnn"` (`cudnn.py`): JAX's cuDNN fused attention with its packed (offsets/seqlens) layout;
-  it needs `cudnn_segment_bound=`, e.g. `round_segment_bound(dataset.max_segments_in_row)`.
+  it needs `cudnn_segment_bound=`, e.g. `round_segment_bound(dataset.segment_bound)`.
 - `None`: Pallas on a GPU, XLA elsewhere.
 
 A setting for another backend is refused. `resolve_implementation` and `backend_mesh` hold the
@@ -15,8 +15,8 @@ rules about backends (which one runs, what it accepts, where it runs, whether it
 
 With a `mesh` it runs per device under `shard_map` (`sharded.py`; axis names from `segpack.mesh`);
 with a `context_axis` too, the sequence is split over it and each device all-gathers the row's
-keys and values (`context.py`, context parallelism; `slot_index` places reordered slots, and
-`context_comm_bytes` counts the bytes moved).
+keys and values (`context_parallel.py`, context parallelism; `slot_index` places reordered
+slots, and `context_comm_bytes` counts the bytes moved).
 `self_check` (`leak_check.py`) runs a backend against per-document XLA runs, forward and backward.
 """
 
@@ -27,7 +27,7 @@ from segpack.attention.checks import (
     AttentionTypeError,
     NonContiguousSegmentsError,
 )
-from segpack.attention.context import context_comm_bytes
+from segpack.attention.context_parallel import context_comm_bytes
 from segpack.attention.cudnn import round_segment_bound
 from segpack.attention.dispatch import (
     IMPLEMENTATIONS,

@@ -11,27 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from segpack.segments import segment_runs
+
 _BIG = 2**30
-
-
-def segment_bounds(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Start (inclusive) and end (exclusive) slot of the run holding every slot.
-
-  Args:
-    segment_ids_BxS: integer segment ids; runs of equal ids (padding runs included).
-
-  Returns:
-    `(start_BxS, end_BxS)` int32. Example: ids `[1, 1, 2, 0]` give starts `[0, 0, 2, 3]` and ends
-    `[2, 2, 3, 4]`.
-  """
-  b, s = segment_ids_BxS.shape
-  pos_S = jnp.arange(s, dtype=jnp.int32)
-  change_BxS1 = segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1]
-  is_start_BxS = jnp.concatenate([jnp.ones((b, 1), bool), change_BxS1], axis=1)
-  is_end_BxS = jnp.concatenate([change_BxS1, jnp.ones((b, 1), bool)], axis=1)
-  start_BxS = jax.lax.cummax(jnp.where(is_start_BxS, pos_S, 0), axis=1)
-  end_BxS = jax.lax.cummin(jnp.where(is_end_BxS, pos_S + 1, s), axis=1, reverse=True)
-  return start_BxS.astype(jnp.int32), end_BxS.astype(jnp.int32)
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
@@ -60,7 +42,7 @@ def q_block_ranges(
   """
   b, s = segment_ids_BxS.shape
   nq = s // block_q
-  start_BxS, end_BxS = segment_bounds(segment_ids_BxS)
+  start_BxS, end_BxS = segment_runs(segment_ids_BxS)
   pos_S = jnp.arange(s, dtype=jnp.int32)
   valid_BxS = segment_ids_BxS != 0
   reach_BxS = jnp.broadcast_to(pos_S + 1, (b, s)) if causal else end_BxS
@@ -99,7 +81,7 @@ def kv_block_ranges(
   """
   b, s = segment_ids_BxS.shape
   nk = s // block_k
-  start_BxS, end_BxS = segment_bounds(segment_ids_BxS)
+  start_BxS, end_BxS = segment_runs(segment_ids_BxS)
   pos_S = jnp.arange(s, dtype=jnp.int32)
   valid_BxS = segment_ids_BxS != 0
   first_BxS = jnp.broadcast_to(pos_S, (b, s)) if causal else start_BxS
@@ -159,7 +141,7 @@ def slot_q_block_ranges(
   b, sq = seg_q_BxQ.shape
   sk = seg_k_BxS.shape[1]
   nq = sq // block_q
-  start_BxS, end_BxS = segment_bounds(seg_k_BxS)
+  start_BxS, end_BxS = segment_runs(seg_k_BxS)
   at_BxQ = jnp.clip(q_pos_BxQ, 0, sk - 1)
   start_BxQ = jnp.take_along_axis(start_BxS, at_BxQ, axis=1)
   end_BxQ = jnp.take_along_axis(end_BxS, at_BxQ, axis=1)
@@ -208,7 +190,7 @@ def slot_kv_block_ranges(
   b, sk = seg_k_BxS.shape
   del seg_q_BxQ
   nk = sk // block_k
-  start_BxS, end_BxS = segment_bounds(seg_k_BxS)
+  start_BxS, end_BxS = segment_runs(seg_k_BxS)
   pos_S = jnp.arange(sk, dtype=jnp.int32)
   valid_BxS = seg_k_BxS != 0
   first_BxS = jnp.broadcast_to(pos_S, (b, sk)) if causal else start_BxS

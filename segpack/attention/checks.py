@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from segpack.errors import UserError
+from segpack.segments import segment_runs
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -123,9 +124,11 @@ def find_noncontiguous(segment_ids: np.ndarray) -> tuple[int, int, int] | None:
     every non-zero id forms one contiguous run in its row.
   """
   seg = np.asarray(segment_ids)
+  start_BxS, _ = segment_runs(seg)
+  is_start_BxS = start_BxS == np.arange(seg.shape[1])
   for row in range(seg.shape[0]):
     r = seg[row]
-    starts = np.flatnonzero(np.concatenate([[True], r[1:] != r[:-1]]))
+    starts = np.flatnonzero(is_start_BxS[row])
     ids = r[starts]
     nonzero = ids != 0
     ids_nz, starts_nz = ids[nonzero], starts[nonzero]

@@ -19,7 +19,7 @@ the softmax statistics are `[B * N, H, S]` float32 and the backward's cuDNN work
 `B * N * H * S * D` (measured on an H100, jax 0.11.2, cuDNN 9.19: 516 GiB at B = 2, N = S = 4096,
 H = 16, K = 4, D = 128, i.e. 8.06 bytes per element; 66 GiB at H = K = 8, D = 64, 4.1 bytes). So N
 must be the data's bound, not S: `cudnn_segment_bound=round_segment_bound(
-PackedDataset.max_segments_in_row)`, the plan's most documents in a row rounded up to a power of
+PackedDataset.segment_bound)`, the plan's most documents in a row rounded up to a power of
 two. Segment attention refuses to guess.
 
 Slots outside every sequence. cuDNN skips every slot that is in no sequence, in O as in dQ, dK and
@@ -50,10 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from segpack.attention import blocks
 from segpack.attention.checks import AttentionInputError
 from segpack.attention.resources import next_pow2
 from segpack.errors import UserError
+from segpack.segments import segment_runs
 
 _LOG = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def round_segment_bound(max_segments: int) -> int:
   Example: 5 -> 8, 8 -> 8, 1 -> 2, 0 -> 2.
 
   Args:
-    max_segments: the most segments in any row, e.g. `PackedDataset.max_segments_in_row`.
+    max_segments: the most segments in any row, e.g. `PackedDataset.segment_bound`.
 
   Returns:
     N, a power of two >= max(max_segments, 2).
@@ -95,11 +95,15 @@ def round_segment_bound(max_segments: int) -> int:
   return max(2, next_pow2(int(max_segments)))
 
 
-def _segment_rank(segment_ids_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _segment_rank(segment_ids_BxS: jax.Array, start_BxS: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """`(is_start_BxS, rank_BxS)`: where each segment starts, and every slot's segment's rank in
-  its row (0-based; counting only non-zero runs; padding gets the rank of the segment before)."""
-  prev_BxS = jnp.pad(segment_ids_BxS[:, :-1], ((0, 0), (1, 0)))
-  is_start_BxS = (segment_ids_BxS != 0) & (segment_ids_BxS != prev_BxS)
+  its row (0-based; counting only non-zero runs; padding gets the rank of the segment before).
+  `start_BxS`: the runs' starts (`segment_runs`), when the caller has them."""
+  if start_BxS is None:
+    start_BxS, _ = segment_runs(segment_ids_BxS)
+  pos_S = jnp.arange(segment_ids_BxS.shape[1], dtype=jnp.int32)
+  is_start_BxS = (segment_ids_BxS != 0) & (start_BxS == pos_S)
   return is_start_BxS, jnp.cumsum(is_start_BxS, axis=1) - 1
 
 
@@ -121,8 +125,8 @@ def packed_layout(segment_ids_BxS: jax.Array, *, cudnn_segment_bound: int
   """
   b, s = segment_ids_BxS.shape
   n = cudnn_segment_bound
-  start_BxS, end_BxS = blocks.segment_bounds(segment_ids_BxS)
-  is_start_BxS, rank_BxS = _segment_rank(segment_ids_BxS)
+  start_BxS, end_BxS = segment_runs(segment_ids_BxS)
+  is_start_BxS, rank_BxS = _segment_rank(segment_ids_BxS, start_BxS)
   slot_BxS = jnp.where(is_start_BxS & (rank_BxS < n), rank_BxS, n + 1)  # n + 1: dropped
   rows_BxS = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
   seqlen_BxN = jnp.full((b, n), -1, jnp.int32).at[rows_BxS, slot_BxS].set(
@@ -224,7 +228,7 @@ def _check_bound(cudnn_segment_bound: Any, shape: tuple[int, ...]) -> int:
         "full row length S, and the backward's memory grows as B*N*H*S*D (measured on an "
         "H100: 516 GiB at B=2, N=S=4096, H=16, K=4, D=128), so N = S is no usable default "
         f"(here B={b}, S={s}). Pass the plan's bound, "
-        "`segpack.attention.round_segment_bound(dataset.max_segments_in_row)` for a "
+        "`segpack.attention.round_segment_bound(dataset.segment_bound)` for a "
         "`pack_dataset` result (its most segments in a row rounded up to a power of two)")
   if isinstance(cudnn_segment_bound, bool) or not isinstance(cudnn_segment_bound, int) or (
       cudnn_segment_bound < 1):
@@ -255,7 +259,7 @@ def segment_attention_cudnn(
     causal: causal within each segment.
     scale: logit scale.
     cudnn_segment_bound: required static N, the bound on segments (non-zero runs) per row;
-      use `round_segment_bound(PackedDataset.max_segments_in_row)`. The backward's memory grows
+      use `round_segment_bound(PackedDataset.segment_bound)`. The backward's memory grows
       as B*N*H*S*D (see the module docstring), so there is no default. At least 2 is passed to
       cuDNN. Segments past the N-th of a row are dropped (zero output and gradients) unless
       `check_segments`.

@@ -26,7 +26,7 @@ from segpack.attention import cudnn
 from segpack.attention import pallas as pallas_lib
 from segpack.attention.checks import AttentionInputError, check_contiguous, check_slots
 from segpack.attention.checks import default_scale, validate_inputs, validate_slot_index
-from segpack.attention.context import context_attention, context_size, row_order
+from segpack.attention.context_parallel import context_attention, context_size, row_order
 from segpack.attention.pallas import PallasOptions
 from segpack.attention.sharded import shard_attention
 from segpack.attention.xla import segment_attention_xla, segment_attention_xla_slots
@@ -203,7 +203,7 @@ def segment_attention(
       memory, interpret mode); None: the defaults. Refused with another backend
       (`resolve_implementation`).
     cudnn_segment_bound: cuDNN only and required there: the static bound N on segments
-      (non-zero runs) per row, e.g. `round_segment_bound(PackedDataset.max_segments_in_row)`.
+      (non-zero runs) per row, e.g. `round_segment_bound(PackedDataset.segment_bound)`.
       cuDNN's backward memory grows as B*N*H*S*D (516 GiB measured at B=2, N=S=4096, H=16,
       D=128), so N = S is no default; without it the call raises `AttentionInputError`.
       Refused with another backend.

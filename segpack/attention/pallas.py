@@ -27,7 +27,7 @@ from segpack.attention import pallas_bwd
 from segpack.attention import pallas_fwd
 from segpack.attention import resources
 from segpack.attention.checks import AttentionInputError
-from segpack.attention.context import row_order
+from segpack.attention.context_parallel import row_order
 from segpack.attention.pallas_fwd import KernelConfig
 from segpack.attention.resources import AUTO, Auto, KernelSettings
 

@@ -5,7 +5,7 @@ split over the batch axes and the heads over the tensor axis (by default the nam
 `segpack.mesh`: batch over `("data", "fsdp")`, heads over `"tensor"`): every device runs the kernel
 on its `[B / batch, S, H / tensor, D]` block (and `[B / batch, S, K / tensor, D]` keys and values;
 the grouped-query pairing `h // G` is preserved because both head dims are split into contiguous
-chunks). The sequence axis is not split here; `context.py` splits it (context parallelism).
+chunks). The sequence axis is not split here; `context_parallel.py` splits it (context parallelism).
 
 Both kinds of mesh axes work (`jax.sharding.AxisType`): on `Auto` axes (the jit partitioner's
 sharding propagation) `shard_map` splits its inputs by its `in_specs`; on `Explicit` axes (what

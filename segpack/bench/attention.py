@@ -40,8 +40,10 @@ from segpack.attention import blocks
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
 from segpack.bench import attention_context
+from segpack.data import attention_cost
 from segpack import errors
 from segpack.files import atomic_write_bytes
+from segpack.segments import segment_runs
 
 NOT_MEASURED = "not measured"
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -71,12 +73,11 @@ def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float,
   return seg, source
 
 
-def _runs(row: np.ndarray) -> np.ndarray:
-  change = np.flatnonzero(np.diff(row)) + 1
-  starts = np.concatenate([[0], change])
-  ends = np.concatenate([change, [len(row)]])
-  keep = row[starts] != 0
-  return ends[keep] - starts[keep]
+def _segment_lengths(row: np.ndarray) -> np.ndarray:
+  """The lengths of a row's segments (its non-padding runs, `segment_runs`), in row order."""
+  start_1xS, end_1xS = segment_runs(np.asarray(row)[None])
+  first_S = (start_1xS[0] == np.arange(len(row))) & (np.asarray(row) != 0)
+  return (end_1xS[0] - start_1xS[0])[first_S]
 
 
 def ideal_tiles(length: int, block_q: int, block_k: int) -> int:
@@ -94,14 +95,15 @@ def tile_counts(seg: np.ndarray, *, block_q: int, block_k: int) -> dict[str, int
   masked = computed - int((ranges[..., 3] - ranges[..., 2]).sum())
   nq = seg.shape[1] // block_q
   dense_row = int((-(-(np.arange(1, nq + 1) * block_q) // block_k)).sum())
-  ideal = sum(ideal_tiles(int(n), block_q, block_k) for row in seg for n in _runs(row))
+  ideal = sum(ideal_tiles(int(n), block_q, block_k) for row in seg for n in _segment_lengths(row))
   return dict(tiles_computed=computed, tiles_dense=dense_row * len(seg), tiles_ideal=ideal,
               tiles_masked=masked)
 
 
 def useful_flops(seg: np.ndarray, *, heads: int, head_dim: int) -> float:
-  """Forward FLOPs of causal per-document attention: 2 matmuls x 2 FLOPs x l(l+1)/2 x D."""
-  pairs = sum(int(n) * (int(n) + 1) // 2 for row in seg for n in _runs(row))
+  """Forward FLOPs of causal per-document attention: 2 matmuls x 2 FLOPs x the (query, key)
+  pairs (`segpack.data.attention_cost.row_attention_cost`) x D."""
+  pairs = int(attention_cost.row_attention_cost(np.asarray(seg)).sum())
   return 4.0 * pairs * head_dim * heads
 
 
@@ -158,7 +160,7 @@ def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, bl
   dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
   seg_j = jnp.asarray(seg)
   flops = useful_flops(seg, heads=heads, head_dim=head_dim)
-  cudnn_segment_bound = int(max(len(_runs(r)) for r in seg))  # the rows' most segments
+  cudnn_segment_bound = int(max(len(_segment_lengths(r)) for r in seg))  # most segments
   rec: dict[str, Any] = {}
   for name, fn in _implementations(cudnn_segment_bound, block, interpret).items():
     fwd = jax.jit(fn)

@@ -8,14 +8,14 @@ random from the plan. For every (mean, S, cp) it reports, per row and then avera
 rows (`rows` says how many):
 
 - `max_over_mean_{none,zigzag,documents}`: the largest device's attention cost (the sum of its
-  queries' causal key counts, `segpack.data.context.device_costs`) over the mean device cost,
-  for the contiguous, zigzag and document-aware orders (`segpack.data.context.context_order`);
+  queries' causal key counts, `segpack.data.context_order.device_costs`) over the mean device cost,
+  for the contiguous, zigzag and document-aware orders (`segpack.data.context_order.context_order`);
   1.0 is perfect balance. `worst_documents` is the largest ratio over the rows.
 - `order_ms`: the median time of one `context_order(..., balance="documents")` call on one row
   (NumPy, this machine).
 - `comm_bytes_per_layer`: the bytes each device receives per layer and row with all-gather CP
-  (`segpack.attention.context.context_comm_bytes`, "total": the forward all-gather of k, v and
-  the int32 segment ids and slot indices, the backward reduce-scatter of dk and dv), for the
+  (`segpack.attention.context_parallel.context_comm_bytes`, "total": the forward all-gather of k, v
+  and the int32 segment ids and slot indices, the backward reduce-scatter of dk and dv), for the
   model dims `KV_HEADS`, `HEAD_DIM`, bf16.
 
 - `step_ms`, `step_ratio`: on a GPU with at least cp devices, the median forward + backward time
@@ -37,9 +37,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack import packing
-from segpack.attention.context import context_comm_bytes
+from segpack.attention.context_parallel import context_comm_bytes
 from segpack.bench import context_step
-from segpack.data import context
+from segpack.data import context_order as order_lib
 
 NOT_MEASURED = context_step.NOT_MEASURED
 HEADS = 32
@@ -79,11 +79,11 @@ def balance_ratios(seg_BxS: np.ndarray, *, context_size: int) -> dict[str, np.nd
   keep = (seg_BxS != 0).any(axis=1)
   seg_BxS = seg_BxS[keep]
   out = {}
-  for balance in context.CONTEXT_BALANCES:
-    index = context.context_order(segment_ids_BxS=seg_BxS, context_size=context_size,
-                                  balance=balance)
-    costs_BxP = context.device_costs(segment_ids_BxS=seg_BxS, slot_index_BxS=index,
-                                     context_size=context_size).astype(np.float64)
+  for balance in order_lib.CONTEXT_BALANCES:
+    index = order_lib.context_order(segment_ids_BxS=seg_BxS, context_size=context_size,
+                                    balance=balance)
+    costs_BxP = order_lib.device_costs(segment_ids_BxS=seg_BxS, slot_index_BxS=index,
+                                       context_size=context_size).astype(np.float64)
     out[balance] = costs_BxP.max(axis=1) / costs_BxP.mean(axis=1)
   return out
 
@@ -92,8 +92,8 @@ def _order_ms(row_S: np.ndarray, *, context_size: int, repeats: int) -> float:
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    context.context_order(segment_ids_BxS=row_S[None], context_size=context_size,
-                          balance="documents")
+    order_lib.context_order(segment_ids_BxS=row_S[None], context_size=context_size,
+                            balance="documents")
     times.append(time.perf_counter() - t0)
   return 1e3 * float(np.median(times))
 
@@ -154,7 +154,7 @@ def _steps(rec: dict[str, Any]) -> str:
   ms = rec["step_ms"]
   if not isinstance(ms, dict):
     return f"{ms} ({rec['step_note']})" if rec.get("step_note") else str(ms)
-  return (" / ".join(f"{ms[b]:.2f}" for b in context.CONTEXT_BALANCES)
+  return (" / ".join(f"{ms[b]:.2f}" for b in order_lib.CONTEXT_BALANCES)
           + f" (documents {rec['step_ratio']['documents']:.3f}x)")
 
 

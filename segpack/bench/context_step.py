@@ -1,6 +1,6 @@
 """Context-parallel step times: forward + backward of `segment_attention` for every slot order.
 
-`time_orders` reorders packed rows with `segpack.data.context.context_order` and `reorder` for
+`time_orders` reorders packed rows with `segpack.data.context_order.context_order` and `reorder` for
 each balance (`"none"`, `"zigzag"`, `"documents"`), puts q, k, v, the output cotangent, the
 segment ids and the slot index on a mesh with `NamedSharding` over `P(None, context, ...)`, and
 times one jitted forward + backward (`jax.vjp`) of `segment_attention(..., mesh=mesh,
@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from segpack.attention import segment_attention
-from segpack.data import context
+from segpack.data import context_order as order_lib
 from segpack.errors import ArgumentError
 from segpack.mesh import CONTEXT_AXIS
 
@@ -100,7 +100,7 @@ def _median_ms(fn, args: tuple, *, warmup: int, repeats: int) -> tuple[float, An
 def time_orders(*, mesh: Mesh, segment_ids_BxS: np.ndarray, heads: int, kv_heads: int,
                 head_dim: int, dtype: Any = jnp.bfloat16, implementation: str = "pallas",
                 context_axis: str = CONTEXT_AXIS,
-                balances: Sequence[str] = context.CONTEXT_BALANCES, warmup: int = 2,
+                balances: Sequence[str] = order_lib.CONTEXT_BALANCES, warmup: int = 2,
                 repeats: int = 5, seed: int = 0, platform_check: bool = True,
                 keep_outputs: bool = False) -> list[dict[str, Any]]:
   """Median forward + backward time of context-parallel attention for every slot order.
@@ -148,13 +148,13 @@ def time_orders(*, mesh: Mesh, segment_ids_BxS: np.ndarray, heads: int, kv_heads
   step = _program(mesh, context_axis, implementation)
   records: list[dict[str, Any]] = []
   for balance in balances:
-    index = context.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
-    batch = context.reorder(dict(natural, segment_ids=seg), slot_index_BxS=index)
+    index = order_lib.context_order(segment_ids_BxS=seg, context_size=cp, balance=balance)
+    batch = order_lib.reorder(dict(natural, segment_ids=seg), slot_index_BxS=index)
     args = tuple(jax.device_put(batch[name], heads_sh if name in natural else rows_sh)
-                 for name in ("q", "k", "v", "dout", "segment_ids", context.SLOT_INDEX))
+                 for name in ("q", "k", "v", "dout", "segment_ids", order_lib.SLOT_INDEX))
     ms, result = _median_ms(step, args, warmup=warmup, repeats=repeats)
-    costs_P = context.device_costs(segment_ids_BxS=seg, slot_index_BxS=index,
-                                   context_size=cp).sum(axis=0).astype(np.float64)
+    costs_P = order_lib.device_costs(segment_ids_BxS=seg, slot_index_BxS=index,
+                                     context_size=cp).sum(axis=0).astype(np.float64)
     rec: dict[str, Any] = dict(
         balance=balance, step_ms=ms, ratio_to_none=ms / records[0]["step_ms"] if records else 1.0,
         max_over_mean=float(costs_P.max() / max(costs_P.mean(), 1.0)), seq_len=s, rows=b,

@@ -19,6 +19,7 @@ import numpy as np
 from segpack.attention.resources import next_pow2
 from segpack.bench.attention import packed_rows
 from segpack.errors import ArgumentError
+from segpack.segments import segment_runs
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -108,13 +109,9 @@ class Case:
   @property
   def cudnn_segment_bound(self) -> int:
     """cuDNN's static N: a power of two >= 32 and >= every row's segments plus padding runs."""
-    runs = max(_count_runs(row) for row in self.segment_ids)
+    start_BxS, _ = segment_runs(np.asarray(self.segment_ids))
+    runs = int((start_BxS == np.arange(start_BxS.shape[1])).sum(axis=1).max())
     return max(MIN_CUDNN_SEGMENT_BOUND, next_pow2(runs))
-
-
-def _count_runs(row: np.ndarray) -> int:
-  """Runs of equal ids in a row, padding runs included."""
-  return int(np.count_nonzero(np.diff(row))) + 1
 
 
 def edge_rows(seq_len: int) -> tuple[np.ndarray, tuple[str, ...]]:

@@ -4,15 +4,15 @@ Also `python -m segpack.bench.packing` (the same flags).
 
 Prints a table (or JSON with `--json`). Sections:
 
-- `plan`: segpack's exact planners on lognormal document lengths (mean 800, sigma 1.0 by
+- `plan`: segpack's exact packers on lognormal document lengths (mean 800, sigma 1.0 by
   default: mu = ln(800) - sigma^2 / 2) at seq_len 4096: wall and CPU seconds (best of
   `--repeats`), documents/s, rows against the lower bound ceil(tokens / seq_len), plan bytes per
   document.
 - `grain`: `grain.experimental.FirstFitPackIterDataset` / `BestFitPackIterDataset` on the first
-  `--grain-docs` documents, against segpack's planner on the same documents (the ratio).
+  `--grain-docs` documents, against segpack's packer on the same documents (the ratio).
 - `load`: batches of `--batch-size` x seq_len with all four features through
   `segpack.pack_dataset` from a memory-mapped synthetic shard dataset.
-- `builtin`: the planners on the built-in corpus (`segpack.text.corpus.ensure_builtin`).
+- `builtin`: the packers on the built-in corpus (`segpack.text.corpus.ensure_builtin`).
 - `balance`: `--balance-docs` lognormal documents, FFD-planned at `--balance-seq-len`, in
   global batches of `--balance-batch` rows over `--balance-ranks` ranks: the largest rank's
   causal attention cost over the mean, in the epoch permutation's order and balanced
@@ -23,7 +23,7 @@ Prints a table (or JSON with `--json`). Sections:
   memory-mapped reload of the plan. `--sections scale --scale-docs 100000000` runs only it.
 - `repack`: `--repack-docs` lognormal documents, FFD at seq_len, BOS + EOS: the fixed plan
   against `repack="epoch"`'s plans: epoch 1 from scratch (`tie_seed=(0, 1)`) and the later
-  epochs through `packing.TiePlanner` (chunks and rows reused): plan seconds (best of
+  epochs through `packing.RepackPlanner` (chunks and rows reused): plan seconds (best of
   `--repeats`), utilization, whether the row lengths equal the fixed plan's, and the share of
   the pairs of documents sharing a row in the fixed plan that share one again (100% for it).
 - `mixture`: three sources of `--mixture-docs` lognormal documents each (means 300, 800 and 3000,

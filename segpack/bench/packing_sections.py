@@ -23,6 +23,7 @@ import grain.experimental as gexp
 import numpy as np
 
 from segpack import packing
+from segpack.data import attention_cost
 from segpack.data import balance as balance_lib
 from segpack.data.options import SpecialTokens
 from segpack.packing.permutation import epoch_permutation
@@ -137,7 +138,7 @@ def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batche
 
 def bench_builtin(size: str, *, strategies: Sequence[str], seq_len: int,
                   repeats: int) -> list[dict[str, Any]]:
-  """The planners on the built-in corpus; an empty list (and a note) when unavailable."""
+  """The packers on the built-in corpus; an empty list (and a note) when unavailable."""
   try:
     built = corpus.ensure_builtin(size=size)
     lengths = np.asarray(ShardSource(built.train_dir).lengths)
@@ -164,7 +165,7 @@ def bench_balance(lengths: np.ndarray, *, seq_len: int, batch_rows: int,
   is `1 - max_balanced / max_random` of those per-rank FLOPs, averaged over batches.
   """
   p = packing.plan(lengths, seq_len, strategy="ffd", extra_tokens=2)
-  costs = balance_lib.row_attention_cost(p).astype(np.float64)
+  costs = attention_cost.row_attention_cost(p).astype(np.float64)
   rows_per_step = (p.num_rows // batch_rows) * batch_rows
   random_costs_GxB = costs[epoch_permutation(p.num_rows, seed=0, epoch=0)][:rows_per_step]
   random_costs_GxB = random_costs_GxB.reshape(-1, batch_rows)
@@ -207,21 +208,21 @@ def bench_repack(lengths: np.ndarray, *, seq_len: int, repeats: int) -> list[dic
   """The fixed plan against the plans of `repack="epoch"` (FFD, BOS + EOS).
 
   Cases: the fixed plan (`packing.plan`); epoch 1 planned from scratch (`packing.plan(...,
-  tie_seed=(0, 1))`); and the epochs after the first through `packing.TiePlanner`, as
+  tie_seed=(0, 1))`); and the epochs after the first through `packing.RepackPlanner`, as
   `pack_dataset(repack="epoch")` plans them (the chunks and rows computed once, on its first
   call, then reused; each timed call plans a new epoch). Seconds are the best of `repeats`.
   """
   out, plans = [], {}
   kwargs = dict(strategy="ffd", extra_tokens=2)
-  tie_planner = packing.TiePlanner(lengths, seq_len, **kwargs)
+  repack_planner = packing.RepackPlanner(lengths, seq_len, seed=0, **kwargs)
   c0, t0 = time.process_time(), time.perf_counter()
-  tie_planner.plan((0, 1))
+  repack_planner.plan(1)
   first = (time.perf_counter() - t0, time.process_time() - c0)
   epochs = iter(range(2, 2 + max(1, repeats)))
   cases = (("fixed", lambda: packing.plan(lengths, seq_len, **kwargs)),
            ("repack epoch 1, plan()", lambda: packing.plan(lengths, seq_len, tie_seed=(0, 1),
                                                           **kwargs)),
-           ("repack epoch 2+, TiePlanner", lambda: tie_planner.plan((0, next(epochs)))))
+           ("repack epoch 2+, RepackPlanner", lambda: repack_planner.plan(next(epochs))))
   for case, make in cases:
     best = best_cpu = math.inf
     for _ in range(max(1, repeats)):

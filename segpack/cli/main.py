@@ -25,7 +25,7 @@ __all__ = ["COMMANDS", "BENCHMARKS", "main"]
 # name -> (entry point taking argv, one-line help)
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "tokenize": (tokenize_cli.main, "tokenize text into a shard dataset (docs/format.md)"),
-    "stats": (stats_cli.main, "packing statistics of a dataset; --compare for every planner"),
+    "stats": (stats_cli.main, "packing statistics of a dataset; --compare for every strategy"),
 }
 BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "packing": (bench_packing.main, "planning speed and quality, Grain's packers, loading"),

@@ -28,8 +28,9 @@ import numpy as np
 
 from segpack import packing
 from segpack import errors
+from segpack.data import epoch_plans
 from segpack.data import mixture as mixture_lib
-from segpack.data.options import PipelineConfigError
+from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.errors import UserError
 from segpack.shards import ShardSource
 from segpack.text import corpus
@@ -133,18 +134,26 @@ def parse_mixture(data: str, *,
 
 
 def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, seq_len: int, strategy: str,
-                  **plan_kwargs: Any) -> dict[str, Any]:
+                  special: SpecialTokens, **plan_kwargs: Any) -> dict[str, Any]:
   """Per-source figures of mixture epoch 0's draw and the summary of its whole plan.
+
+  Epoch 0 is drawn and planned by `segpack.data.epoch_plans.MixturePlanner`, as
+  `pack_dataset(Mixture(...))` plans it; the planning time includes the draw.
 
   Args:
     mixture: the sources (opened and checked here, `MixtureDraws`).
     seed: the draw's seed (`pack_dataset`'s `seed`).
-    seq_len, strategy, plan_kwargs: `packing.plan`'s arguments for the drawn documents.
+    seq_len, strategy, plan_kwargs: `packing.plan`'s arguments for the drawn documents (but
+      `extra_tokens`, which is `special.extra_tokens`).
+    special: BOS/EOS insertion (`--add-bos`, `--add-eos`).
   """
   draws = mixture_lib.MixtureDraws(mixture, seed=seed, fn="--data")
-  draw = draws.draw(0)
+  planner = epoch_plans.MixturePlanner(
+      draws=draws, plan_kwargs=dict(plan_kwargs, seq_len=seq_len, strategy=strategy,
+                                    extra_tokens=special.extra_tokens),
+      special=special, loss_mask=False)
   t0 = time.perf_counter()
-  p = packing.plan(draw.documents.lengths, seq_len, strategy=strategy, **plan_kwargs)
+  draw, p = planner.plan(0)
   plan_row = summarize(p, seconds=time.perf_counter() - t0)
   realized = draw.tokens.sum()
   sources = [{
@@ -256,7 +265,8 @@ def _seq_len(flag: str, text: str) -> int:
 @errors.command("segpack stats")
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  kwargs = dict(long_docs=args.long_docs, min_len=args.min_len, overlap=args.overlap,
+  kwargs = dict(long_docs=packing.LongDocs(mode=args.long_docs, min_len=args.min_len,
+                                           overlap=args.overlap),
                 extra_tokens=int(args.add_bos) + int(args.add_eos))
   try:
     _seq_len("--seq-len", str(args.seq_len))
@@ -306,8 +316,11 @@ def _main_mixture(args: argparse.Namespace, mixture: mixture_lib.Mixture,
       raise DataArgumentError(
           f"{flag} applies to one dataset; a mixture draws and plans every epoch anew, got "
           f"--data {args.data!r}")
+  plan_kwargs = {k: v for k, v in kwargs.items() if k != "extra_tokens"}
   stats = mixture_stats(mixture, seed=args.seed, seq_len=args.seq_len, strategy=args.strategy,
-                        batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+                        special=SpecialTokens(add_bos=args.add_bos, add_eos=args.add_eos),
+                        batch_size=args.batch_size, pad_multiple=args.pad_multiple,
+                        **plan_kwargs)
   print(json.dumps(stats, indent=1) if args.json else format_mixture(stats))
   return 0
 

@@ -7,8 +7,8 @@ synchronize every step, so the step takes as long as the rank with the most atte
 This module reorders the rows of each global batch so the ranks' sums are close to the mean; the
 batch's content is unchanged, every rank keeps the same number of rows. Pure NumPy.
 
-- `row_attention_cost`: the causal attention cost of each row of a plan or of a segment-id
-  batch.
+Rows are costed by `segpack.data.attention_cost.row_attention_cost`.
+
 - `assign_rows`: the balanced order of one global batch (or of many at once).
 - `BalanceOptions`: the option of `segpack.StreamBatches(balance=...)`, which applies
   `assign_rows` to every global batch.
@@ -22,52 +22,12 @@ import numpy as np
 
 from segpack.data.options import PipelineConfigError
 from segpack.errors import UserError
-from segpack.packing.plan_format import Plan
 
-__all__ = ["BalanceOptions", "assign_rows", "row_attention_cost"]
+__all__ = ["BalanceOptions", "assign_rows"]
 
 
 class BalanceError(UserError, ValueError):
   """A balancing argument is invalid; the message names it and echoes the value."""
-
-
-def row_attention_cost(rows: Plan | np.ndarray) -> np.ndarray:
-  """The causal attention cost of every row: `sum_i l_i * (l_i + 1) / 2` over its segments.
-
-  `l_i` are the segment lengths of the row; `l * (l + 1) / 2` is the number of (query, key)
-  pairs a causal mask inside one segment keeps, so the cost is proportional to the attention
-  FLOPs of the row (a non-causal mask would keep `l^2` pairs; the ordering of rows by cost is
-  nearly the same). Padding costs nothing.
-
-  Example: a row with segments of 3 and 2 tokens and 3 padding slots costs 6 + 3 = 9.
-
-  Args:
-    rows: a `segpack.packing.Plan` (one cost per plan row, from its piece lengths), or integer
-      segment ids `[B, S]` (ids 1..k, 0 on padding; one cost per row; a segment is all slots of
-      one id in the row).
-
-  Returns:
-    int64 `[num_rows]` (plan) or `[B]` (segment ids).
-  """
-  if isinstance(rows, Plan):
-    length_P = np.asarray(rows.length, dtype=np.int64)
-    pairs_P = length_P * (length_P + 1) // 2
-    cumulative = np.concatenate([[0], np.cumsum(pairs_P, dtype=np.int64)])
-    splits = np.asarray(rows.row_splits, dtype=np.int64)
-    return cumulative[splits[1:]] - cumulative[splits[:-1]]
-  segment_ids_BxS = np.asarray(rows)
-  if segment_ids_BxS.ndim != 2 or not np.issubdtype(segment_ids_BxS.dtype, np.integer):
-    raise BalanceError(
-        f"row_attention_cost: rows must be a Plan or integer segment ids [B, S], got an array "
-        f"of shape {segment_ids_BxS.shape} and dtype {segment_ids_BxS.dtype}")
-  if segment_ids_BxS.size and segment_ids_BxS.min() < 0:
-    raise BalanceError(f"row_attention_cost: negative segment id {segment_ids_BxS.min()}")
-  b, s = segment_ids_BxS.shape
-  top = int(segment_ids_BxS.max(initial=0)) + 1
-  flat = (np.arange(b, dtype=np.int64)[:, None] * top + segment_ids_BxS).ravel()
-  counts_BxN = np.bincount(flat, minlength=b * top).reshape(b, top).astype(np.int64)
-  counts_BxN[:, 0] = 0  # padding
-  return (counts_BxN * (counts_BxN + 1) // 2).sum(axis=1)
 
 
 def assign_rows(costs_R: np.ndarray, *, num_ranks: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """The plan of every epoch when epochs differ, planned ahead in a thread.
 
-- `EpochPlanner` (`pack_dataset(repack="epoch")`): epoch 0 reads the fixed (cached) plan; epoch
-  `e >= 1` its own exact plan, `segpack.packing.plan(..., tie_seed=(seed, e))`, whose rows have
-  the same piece lengths as the fixed plan's (`segpack.packing.TiePlanner`).
-- `MixturePlanner` (`pack_dataset(Mixture(...))`): every epoch draws its own documents
-  (`segpack.data.mixture`) and plans them, so its row count is its own.
+A planner gives the plan of each epoch, a pure function of `(seed, epoch)`:
+- `segpack.packing.RepackPlanner` (`pack_dataset(repack="epoch")`): epoch 0 reads the fixed
+  (cached) plan; epoch `e >= 1` its own exact plan, `segpack.packing.plan(..., tie_seed=(seed,
+  e))`, whose rows have the same piece lengths as the fixed plan's.
+- `MixturePlanner` (`pack_dataset(Mixture(...))`, `segpack stats` on a mixture): every epoch
+  draws its own documents (`segpack.data.mixture`) and plans them, so its row count is its own.
 
 `EpochBuilders` hands out the row builder of each epoch and plans the next epoch in a daemon
 thread while the current one is read.
@@ -16,45 +17,27 @@ import dataclasses
 import threading
 from typing import Any
 
-import numpy as np
-
 from segpack import packing
 from segpack.packing import cap as cap_lib
 from segpack.data import mixture as mixture_lib
 from segpack.data import rows as rows_lib
 from segpack.data.options import SpecialTokens
 
-__all__ = ["EpochBuilders", "EpochPlanner", "MixturePlanner"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochPlanner:
-  """What `repack="epoch"` needs to plan epoch `e`: `packing.plan(..., tie_seed=(seed, e))`.
-
-  Every plan is a pure function of `(seed, epoch)`.
-  """
-
-  lengths: np.ndarray
-  seed: int
-  plan_kwargs: dict[str, Any]
-
-  def __post_init__(self):
-    # The chunks and rows are the same every epoch: computed once (on first use), then shared.
-    object.__setattr__(self, "_planner", packing.TiePlanner(self.lengths, **self.plan_kwargs))
-
-  same_rows = True  # every epoch's rows have the fixed plan's piece lengths
-
-  def plan(self, epoch: int) -> packing.Plan:
-    return self._planner.plan((self.seed, int(epoch)))
-
-  def builder(self, fixed: rows_lib.RowBuilder, epoch: int) -> rows_lib.RowBuilder:
-    return fixed.with_plan(self.plan(epoch))
+__all__ = ["EpochBuilders", "MixturePlanner"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MixturePlanner:
-  """What a mixture needs to build epoch `e`: its draw, planned by `packing.plan`, capped at
-  `max_segments_per_row` when given. Every epoch is a pure function of `(seed, epoch)`."""
+  """Each mixture epoch: its draw, planned by `packing.plan`, capped at `max_segments_per_row`
+  when given. Every epoch is a pure function of `(seed, epoch)`.
+
+  Attributes:
+    draws: the mixture's draws (`MixtureDraws`, seeded).
+    plan_kwargs: `packing.plan`'s arguments, `seq_len` included.
+    special: the row builder's special tokens.
+    loss_mask: whether the row builder applies the sources' loss masks.
+    max_segments_per_row: the segment cap, or None.
+  """
 
   draws: mixture_lib.MixtureDraws
   plan_kwargs: dict[str, Any]
@@ -62,15 +45,19 @@ class MixturePlanner:
   loss_mask: bool
   max_segments_per_row: int | None = None
 
-  same_rows = False  # every epoch has its own documents and rows
-
-  def builder(self, fixed: rows_lib.RowBuilder | None, epoch: int) -> rows_lib.RowBuilder:
-    del fixed  # every epoch has documents of its own
-    documents = self.draws.draw(epoch).documents
+  def plan(self, epoch: int) -> tuple[mixture_lib.Draw, packing.Plan]:
+    """The draw of `epoch` and its plan (document ids index `draw.documents`)."""
+    draw = self.draws.draw(epoch)
     kwargs = dict(self.plan_kwargs)
-    plan = packing.plan(documents.lengths, kwargs.pop("seq_len"), **kwargs)
+    plan = packing.plan(draw.documents.lengths, kwargs.pop("seq_len"), **kwargs)
     if self.max_segments_per_row is not None:
       plan = cap_lib.cap_segments_per_row(plan, self.max_segments_per_row)
+    return draw, plan
+
+  def builder(self, epoch: int) -> rows_lib.RowBuilder:
+    """The row builder of `epoch`: its plan over its drawn documents."""
+    draw, plan = self.plan(epoch)
+    documents = draw.documents
     return rows_lib.RowBuilder(
         documents, plan, special=self.special, doc_lengths=documents.lengths,
         loss_mask=self.loss_mask,
@@ -81,9 +68,11 @@ class EpochBuilders:
   """The row builder of every epoch: the fixed plan's, or each epoch's own with a planner.
 
   1. Without a planner, every epoch reads the fixed plan's builder.
-  2. With one, epoch 0 reads the fixed plan and epoch `e >= 1` a builder over
-     `planner.plan(e)`. The first use of epoch `e` starts planning epoch `e + 1` in a daemon
-     thread, so the next epoch's first batch finds its plan ready (or waits only for the rest).
+  2. With one, epoch 0 reads the fixed plan and epoch `e >= 1` a builder over `planner.plan(e)` (a
+     `RepackPlanner`: the fixed builder over the epoch's plan; a `MixturePlanner`: a builder over
+     the epoch's drawn documents). The first use of epoch `e` starts planning epoch `e + 1` in a
+     daemon thread, so the next epoch's first batch finds its plan ready (or waits only for the
+     rest).
   3. Epoch 0's builder and the three newest others (the last two epochs read and the one planned
      ahead) are kept. A background plan that failed is planned again in the foreground, where
      its error is raised.
@@ -93,7 +82,8 @@ class EpochBuilders:
   """
 
   def __init__(self, fixed: rows_lib.RowBuilder, *,
-               planner: EpochPlanner | MixturePlanner | None, num_epochs: int | None):
+               planner: packing.RepackPlanner | MixturePlanner | None,
+               num_epochs: int | None):
     self._fixed = fixed
     self._planner = planner
     self._num_epochs = num_epochs
@@ -125,7 +115,7 @@ class EpochBuilders:
   @property
   def same_rows(self) -> bool:
     """Whether every epoch has the fixed plan's rows (else each epoch its own row count)."""
-    return self._planner is None or self._planner.same_rows
+    return not isinstance(self._planner, MixturePlanner)
 
   def rows_in_epoch(self, epoch: int) -> int:
     """Rows of `epoch`'s plan."""
@@ -147,10 +137,16 @@ class EpochBuilders:
         with self._lock:
           builder = self._builders.get(epoch)
       if builder is None:  # not planned ahead, or the background plan failed: plan here
-        builder = self._planner.builder(self._fixed, epoch)
+        builder = self._build(epoch)
       self._keep(epoch, builder)
     self._plan_ahead(epoch + 1)
     return builder
+
+  def _build(self, epoch: int) -> rows_lib.RowBuilder:
+    """The builder of `epoch` (>= 1) from the planner."""
+    if isinstance(self._planner, MixturePlanner):
+      return self._planner.builder(epoch)
+    return self._fixed.with_plan(self._planner.plan(epoch))
 
   def _keep(self, epoch: int, builder: rows_lib.RowBuilder) -> None:
     with self._lock:
@@ -175,7 +171,7 @@ class EpochBuilders:
 
   def _plan_in_background(self, epoch: int) -> None:
     try:
-      builder = self._planner.builder(self._fixed, epoch)
+      builder = self._build(epoch)
     except Exception:  # pylint: disable=broad-except
       return  # `builder` plans it again in the foreground and raises there
     self._keep(epoch, builder)

@@ -22,9 +22,10 @@ from segpack.data import options
 from segpack.data import processes
 from segpack.data import rows as rows_lib
 from segpack.data import sources
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.position import StreamIterator, StreamPosition
-from segpack.packing.minibatch_planner import EpochPlan, MinibatchPlanner
+from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
+from segpack.packing.minibatch_planner import MinibatchPlan, MinibatchPlanner
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 
@@ -67,11 +68,11 @@ class MinibatchPackedDataset(grain.MapDataset):
     self._process_index = process_index
     self._process_count = process_count
     self._lock = threading.Lock()
-    self._epochs: dict[int, EpochPlan] = {}
+    self._epochs: dict[int, MinibatchPlan] = {}
     self._cum = [0]  # steps before epoch e
     if rows_per_batch is None:
       if num_epochs is not None:
-        rows_per_batch = max(int(planner.plan_epoch(e).rows_needed.max())
+        rows_per_batch = max(int(planner.plan(e).rows_needed.max())
                              for e in range(num_epochs))
       elif planner.tokens_per_batch is not None:
         rows_per_batch = planner.budget_rows
@@ -128,11 +129,11 @@ class MinibatchPackedDataset(grain.MapDataset):
     """Rows of each element on this process."""
     return self.rows_per_batch // self._process_count
 
-  def _epoch(self, epoch: int) -> EpochPlan:
+  def _epoch(self, epoch: int) -> MinibatchPlan:
     with self._lock:
       plan = self._epochs.get(epoch)
       if plan is None:
-        plan = self._planner.plan_epoch(epoch, self.rows_per_batch)
+        plan = self._planner.plan(epoch, self.rows_per_batch)
         if len(self._epochs) >= 2:
           self._epochs.pop(next(iter(self._epochs)))
         self._epochs[epoch] = plan
@@ -155,7 +156,7 @@ class MinibatchPackedDataset(grain.MapDataset):
     """Optimizer steps of `epoch`."""
     return self._epoch(epoch).num_batches
 
-  def epoch_plan(self, epoch: int) -> EpochPlan:
+  def plan(self, epoch: int) -> MinibatchPlan:
     """The plan of `epoch` (rows padded to `rows_per_batch` per batch)."""
     return self._epoch(epoch)
 
@@ -215,7 +216,7 @@ class MinibatchPackedDataset(grain.MapDataset):
 
   def plan_rows(self, k: int) -> tuple[np.ndarray, np.ndarray]:
     """`(epoch, plan row)` of each of this process's rows of element `k` (int64 `[R / Q]`
-    each); the plan row indexes `epoch_plan(epoch)` (empty rows are padding)."""
+    each); the plan row indexes `plan(epoch).plan` (empty rows are padding)."""
     e, b = self.locate(k)
     rows = self._local_rows(b)
     return np.full(rows.shape, e, dtype=np.int64), rows
@@ -256,7 +257,7 @@ def pack_minibatches(
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
+    long_docs: LongDocs = DEFAULT_LONG_DOCS,
     loss_mask: bool | None = None,
 ) -> MinibatchPackedDataset:
   """Packs the minibatches that unpacked random sampling draws, each on its own.
@@ -297,7 +298,7 @@ def pack_minibatches(
     rows_per_batch: static rows per batch (over all processes); None: the most any batch needs
       over `num_epochs` epochs (for an infinite dataset a bound no batch can exceed).
     drop_remainder: drop each epoch's last, short minibatch.
-    strategy: planner for each minibatch, one of `segpack.packing.STRATEGIES`.
+    strategy: packer for each minibatch, one of `segpack.packing.STRATEGIES`.
     seed: sampling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the examples of every epoch (else source order).
     num_epochs: None for an infinite dataset, else the number of epochs.
@@ -329,8 +330,7 @@ def pack_minibatches(
     raise PipelineConfigError(f"{fn}: drop_remainder must be a bool, got {drop_remainder!r}")
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   planner = MinibatchPlanner(
-      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
-      min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
+      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
       extra_tokens=prepared.special.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
       examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
       drop_remainder=bool(drop_remainder))

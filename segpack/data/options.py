@@ -1,7 +1,8 @@
 """The options of `pack_dataset` and `pack_minibatches`: their groups, validation and error type.
 
 The groups are small frozen dataclasses, in the style of `grain.sharding.ShardOptions`:
-`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row). Which process
+`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row; defined with
+the chunking rule, `segpack.packing.chunking`). Which process
 owns which rows is `segpack.data.processes`' (`process_index` and `process_count`).
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from segpack import packing
 from segpack.errors import PipelineConfigError
+from segpack.packing.chunking import LongDocs
 
 __all__ = ["PipelineConfigError"]  # defined with the error base, where packing can raise it too
 
@@ -45,25 +47,7 @@ class SpecialTokens:
     return int(bool(self.add_bos)) + int(bool(self.add_eos))
 
 
-@dataclasses.dataclass(frozen=True)
-class LongDocs:
-  """What happens to documents longer than a row, and which documents are dropped.
-
-  Attributes:
-    mode: "split" (chunks of `seq_len` slots, nothing dropped) or "truncate" (the first chunk
-      only).
-    overlap: slots a continuation chunk repeats from the previous chunk (no loss on them); in
-      `[0, seq_len)`.
-    min_len: documents with fewer tokens are dropped.
-  """
-
-  mode: str = "split"
-  overlap: int = 0
-  min_len: int = 0
-
-
 DEFAULT_SPECIAL_TOKENS = SpecialTokens()
-DEFAULT_LONG_DOCS = LongDocs()
 
 def strategies() -> tuple[str, ...]:
   return tuple(packing.STRATEGIES)
@@ -85,7 +69,7 @@ def check_args(fn: str, *, seq_len: Any, strategy: Any, seed: Any, num_epochs: A
   Args:
     fn: the entry point's name, the first word of every message.
     seq_len: slots per row.
-    strategy: planner name.
+    strategy: packer name.
     seed: shuffling seed.
     num_epochs: None or the number of epochs.
     special_tokens: a `SpecialTokens`.
@@ -135,9 +119,9 @@ def _check_special_tokens(fn: str, special: Any) -> None:
 def _check_long_docs(fn: str, long_docs: Any, seq_len: int) -> None:
   if not isinstance(long_docs, LongDocs):
     raise PipelineConfigError(f"{fn}: long_docs must be a segpack.LongDocs, got {long_docs!r}")
-  if long_docs.mode not in packing.LONG_DOCS:
+  if long_docs.mode not in packing.LONG_DOC_MODES:
     raise PipelineConfigError(
-        f"{fn}: long_docs.mode must be one of {', '.join(packing.LONG_DOCS)}, got "
+        f"{fn}: long_docs.mode must be one of {', '.join(packing.LONG_DOC_MODES)}, got "
         f"{long_docs.mode!r}")
   if not_int(long_docs.min_len) or long_docs.min_len < 0:
     raise PipelineConfigError(

@@ -19,14 +19,15 @@ import grain
 import numpy as np
 
 from segpack import packing
-from segpack.data import balance as balance_lib
+from segpack.data import attention_cost
 from segpack.data import batches as batches_lib
 from segpack.data import epoch_plans
 from segpack.data import mixture as mixture_lib
 from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
-from segpack.data.options import LongDocs, PipelineConfigError, SpecialTokens
+from segpack.data.options import PipelineConfigError, SpecialTokens
+from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
 from segpack.packing.permutation import epoch_permutation
 
 REPACK_MODES = ("none", "epoch")
@@ -59,7 +60,7 @@ class PackedDataset(grain.MapDataset):
   """
 
   def __init__(self, builders: epoch_plans.EpochBuilders, *, seed: int, shuffle: bool,
-               num_epochs: int | None, max_segments_in_row: int):
+               num_epochs: int | None, segment_bound: int):
     super().__init__()
     self._builders = builders
     self._builder = builders.fixed
@@ -67,7 +68,7 @@ class PackedDataset(grain.MapDataset):
     self._shuffle = shuffle
     self._num_epochs = num_epochs
     self._rows_per_epoch = self._builder.num_rows
-    self._max_segments_in_row = int(max_segments_in_row)
+    self._segment_bound = int(segment_bound)
     self._costs: dict[int, np.ndarray] = {}
     self._starts = [0]  # C_e of the epochs counted so far (a mixture's, lazily)
     if num_epochs is None:
@@ -128,18 +129,18 @@ class PackedDataset(grain.MapDataset):
     return self._num_epochs
 
   @property
-  def max_segments_in_row(self) -> int:
+  def segment_bound(self) -> int:
     """The most segments in any row (after `max_segments_per_row`; 0 if empty); for a mixture,
     whose later epochs are not planned yet, a bound: the cap, else `seq_len`.
 
     Rows hold their segments as ids 1..n, so no row this dataset yields has a larger
     `segment_ids.max()`: the static bound a segment-count-shaped kernel needs
-    (`segment_attention(cudnn_segment_bound=round_segment_bound(max_segments_in_row))`).
+    (`segment_attention(cudnn_segment_bound=round_segment_bound(segment_bound))`).
     """
-    return self._max_segments_in_row
+    return self._segment_bound
 
   def attention_costs(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-    """int64: `segpack.data.balance.row_attention_cost` of the rows at element `indices`.
+    """int64: `segpack.data.attention_cost.row_attention_cost` of the rows at element `indices`.
 
     Each epoch's plan costs are computed on first use and kept (8 bytes per plan row; one
     array for all epochs unless a mixture).
@@ -151,7 +152,7 @@ class PackedDataset(grain.MapDataset):
       key = 0 if self._builders.same_rows else e
       costs = self._costs.get(key)
       if costs is None:
-        costs = balance_lib.row_attention_cost(self._builders.builder(key).plan)
+        costs = attention_cost.row_attention_cost(self._builders.builder(key).plan)
         self._costs = {**dict(list(self._costs.items())[-2:]), key: costs}
       out[epoch == e] = costs[rows[epoch == e]]
     return out
@@ -284,7 +285,7 @@ def pack_dataset(
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = options.DEFAULT_LONG_DOCS,
+    long_docs: LongDocs = DEFAULT_LONG_DOCS,
     max_segments_per_row: int | None = None,
     loss_mask: bool | None = None,
     plan_cache_dir: str | os.PathLike | None = None,
@@ -323,7 +324,7 @@ def pack_dataset(
       weights are shares of trained tokens: every epoch draws its documents and plans them anew
       (`Mixture` documents the draw; `rows_in_epoch(e)` differs between epochs).
     seq_len: slots per row.
-    strategy: planner, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
+    strategy: packer, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
       "sorted_pad").
     seed: shuffling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the row order of every epoch (else plan order).
@@ -332,7 +333,7 @@ def pack_dataset(
       source's tokenizer.
     long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
     max_segments_per_row: cap on segments per row (pieces beyond it go to other rows); the
-      result's `max_segments_in_row` (the plan's actual most) is then at most the cap.
+      result's `segment_bound` (the plan's actual most) is then at most the cap.
     loss_mask: apply the source's per-token loss mask (label -100 where the target token has
       mask 0); None: when the source has one (`has_loss_mask`).
     plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
@@ -340,7 +341,7 @@ def pack_dataset(
       plan, `segpack.packing.plan(..., tie_seed=(seed, e))` (equal-length chunks in a seeded
       order), so documents meet other neighbours every epoch (docs/packing.md, "A fresh plan
       every epoch"). Its rows have the same lengths as the fixed plan's (epoch 0), so the row
-      count, `len()`, `rows_per_epoch` and `max_segments_in_row` do not change. Only for
+      count, `len()`, `rows_per_epoch` and `segment_bound` do not change. Only for
       `segpack.packing.planner.TIE_SEED_STRATEGIES` ("ffd", "bfd", "sorted_pad") and without
       `max_segments_per_row`; each epoch's plan is computed (not cached) in a background
       thread while the previous epoch is read.
@@ -355,8 +356,7 @@ def pack_dataset(
   options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
                      special_tokens=special_tokens, long_docs=long_docs)
   options.check_max_segments(fn, max_segments_per_row)
-  plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs.mode,
-                     min_len=int(long_docs.min_len), overlap=int(long_docs.overlap),
+  plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
                      extra_tokens=special_tokens.extra_tokens)
   if isinstance(source, mixture_lib.Mixture):
     if repack != "none":
@@ -370,7 +370,7 @@ def pack_dataset(
     planner = epoch_plans.MixturePlanner(
         draws=draws, plan_kwargs=plan_kwargs, special=prepared.special,
         loss_mask=prepared.loss_mask, max_segments_per_row=max_segments_per_row)
-    builder = planner.builder(None, 0)
+    builder = planner.builder(0)
     bound = int(seq_len) if max_segments_per_row is None else int(max_segments_per_row)
   else:
     _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
@@ -380,8 +380,8 @@ def pack_dataset(
                       max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
     builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,
                                   doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
-    planner = (None if repack == "none" else epoch_plans.EpochPlanner(
-        lengths=prepared.lengths, seed=int(seed), plan_kwargs=plan_kwargs))
+    planner = (None if repack == "none" else packing.RepackPlanner(
+        prepared.lengths, seed=int(seed), **plan_kwargs))
     bound = int(np.diff(np.asarray(plan.row_splits, dtype=np.int64)).max(initial=0))
   if builder.num_rows == 0 or len(builder.plan.doc) == 0:
     raise PipelineConfigError(
@@ -389,7 +389,7 @@ def pack_dataset(
         f"long_docs.min_len={long_docs.min_len}; nothing to pack")
   builders = epoch_plans.EpochBuilders(builder, planner=planner, num_epochs=num_epochs)
   return PackedDataset(builders, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
-                       max_segments_in_row=bound)
+                       segment_bound=bound)
 
 
 def _check_repack(fn: str, repack: Any, *, strategy: str,

@@ -1,13 +1,13 @@
-"""Packing planners: which pieces of which documents fill each row.
+"""Packing plans: which pieces of which documents fill each row.
 
 `plan(lengths, seq_len, strategy=...)` returns a `Plan`; `load_or_plan` caches it on disk. See
 docs/packing.md.
 """
 
 from segpack.packing.cache import load_or_plan, plan_key
-from segpack.packing.chunking import LONG_DOCS, PackingArgumentError
+from segpack.packing.chunking import LONG_DOC_MODES, LongDocs, PackingArgumentError
 from segpack.packing.plan_format import Plan, PlanError
-from segpack.packing.planner import STRATEGIES, TiePlanner, plan
+from segpack.packing.planner import STRATEGIES, RepackPlanner, plan
 
-__all__ = ["LONG_DOCS", "STRATEGIES", "PackingArgumentError", "Plan", "PlanError",
-           "TiePlanner", "load_or_plan", "plan", "plan_key"]
+__all__ = ["LONG_DOC_MODES", "STRATEGIES", "LongDocs", "PackingArgumentError", "Plan",
+           "PlanError", "RepackPlanner", "load_or_plan", "plan", "plan_key"]

@@ -13,7 +13,8 @@ import numpy as np
 
 from segpack.packing import cap as cap_lib
 from segpack.packing import planner as _planner
-from segpack.packing.chunking import BLOCK, PackingArgumentError, check_lengths
+from segpack.packing.chunking import (BLOCK, DEFAULT_LONG_DOCS, LongDocs, PackingArgumentError,
+                                      check_args, check_lengths)
 from segpack.packing.plan_format import FORMAT_VERSION, Plan, PlanError, check_plan
 
 _log = logging.getLogger(__name__)
@@ -27,12 +28,14 @@ def lengths_fingerprint(lengths: np.ndarray) -> str:
   return "lengths-sha256:" + digest.hexdigest()
 
 
-def plan_key(key: str, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",
-             min_len: int = 0, overlap: int = 0, extra_tokens: int = 0, batch_size: int = 8,
+def plan_key(key: str, seq_len: int, *, strategy: str = "ffd",
+             long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0, batch_size: int = 8,
              pad_multiple: int = 128) -> str:
   """The cache directory name for a source `key` and every parameter that changes a plan."""
+  check_args(seq_len, long_docs=long_docs, extra_tokens=extra_tokens)
   params = {"key": str(key), "seq_len": int(seq_len), "strategy": strategy,
-            "long_docs": long_docs, "min_len": int(min_len), "overlap": int(overlap),
+            "long_docs": long_docs.mode, "min_len": int(long_docs.min_len),
+            "overlap": int(long_docs.overlap),
             "extra_tokens": int(extra_tokens), "format_version": FORMAT_VERSION}
   if strategy == "sorted_pad":
     params.update(batch_size=int(batch_size), pad_multiple=int(pad_multiple))
@@ -41,8 +44,8 @@ def plan_key(key: str, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
 
 
 def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | None,
-                 key: str | None = None, strategy: str = "ffd", long_docs: str = "split",
-                 min_len: int = 0, overlap: int = 0, extra_tokens: int = 0,
+                 key: str | None = None, strategy: str = "ffd",
+                 long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0,
                  batch_size: int = 8, pad_multiple: int = 128,
                  max_segments_per_row: int | None = None) -> Plan:
   """Loads the cached plan for these documents and parameters, or plans and caches it.
@@ -61,15 +64,14 @@ def load_or_plan(lengths: Any, seq_len: int, *, cache_dir: str | os.PathLike | N
     seq_len: slots per row.
     cache_dir: directory of cached plans; None disables the cache.
     key: a fingerprint of the documents (`ShardSource.fingerprint`); None hashes `lengths`.
-    strategy, long_docs, min_len, overlap, extra_tokens, batch_size, pad_multiple: as in
-      `segpack.packing.plan`.
+    strategy, long_docs, extra_tokens, batch_size, pad_multiple: as in `segpack.packing.plan`.
     max_segments_per_row: None, or the most pieces (segments) a row may hold, >= 1.
 
   Returns:
     The plan, memory-mapped when it came from (or went to) the cache.
   """
-  kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len, overlap=overlap,
-                extra_tokens=extra_tokens, batch_size=batch_size, pad_multiple=pad_multiple)
+  kwargs = dict(strategy=strategy, long_docs=long_docs, extra_tokens=extra_tokens,
+                batch_size=batch_size, pad_multiple=pad_multiple)
   _planner.check_strategy(strategy)
   lengths = check_lengths(lengths)
   cap = max_segments_per_row

@@ -123,7 +123,7 @@ def _first_fit_pool(state: _CapState) -> None:
 def cap_segments_per_row(plan: Plan, max_segments: int) -> Plan:
   """Returns a plan in which no row holds more than `max_segments` pieces.
 
-  The planners do not know about the cap, so it is enforced by a deterministic post-pass. FFD
+  The packers do not know about the cap, so it is enforced by a deterministic post-pass. FFD
   and BFD concentrate short pieces in their last rows, so simply moving the extra pieces out
   would leave those rows nearly empty; instead:
 

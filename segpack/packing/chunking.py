@@ -1,4 +1,4 @@
-"""Cutting documents into chunks that fit a row: `long_docs`, `min_len`, `overlap`."""
+"""Cutting documents into chunks that fit a row: the one chunking rule, set by `LongDocs`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,27 @@ import numpy as np
 
 from segpack.errors import UserError
 
-LONG_DOCS = ("split", "truncate")
+LONG_DOC_MODES = ("split", "truncate")
+
+
+@dataclasses.dataclass(frozen=True)
+class LongDocs:
+  """What happens to documents longer than a row, and which documents are dropped.
+
+  Attributes:
+    mode: "split" (chunks of `seq_len` slots, nothing dropped) or "truncate" (the first chunk
+      only); one of `LONG_DOC_MODES`.
+    overlap: slots a continuation chunk repeats from the previous chunk (no loss on them); in
+      `[0, seq_len)`.
+    min_len: documents with fewer tokens are dropped.
+  """
+
+  mode: str = "split"
+  overlap: int = 0
+  min_len: int = 0
+
+
+DEFAULT_LONG_DOCS = LongDocs()
 
 
 class PackingArgumentError(UserError, ValueError):
@@ -46,7 +66,7 @@ class Chunks:
       increasing order (each follows the previous chunk of its document).
     cont_start: int32 `[num_continuations]`, their first virtual slots.
     stats: `documents`, `dropped` (by `min_len` or empty), `split` (documents cut into more than
-      one chunk), `truncated` (documents cut short under `long_docs="truncate"`), `chunks`,
+      one chunk), `truncated` (documents cut short under mode "truncate"), `chunks`,
       `tokens` (slots the chunks occupy, repeated overlap slots included), `dropped_tokens`
       (virtual slots of dropped documents and of truncated tails).
   """
@@ -105,11 +125,13 @@ def check_lengths(lengths: Any) -> np.ndarray:
   return arr
 
 
-def check_args(seq_len: Any, *, long_docs: Any, min_len: Any, overlap: Any,
-               extra_tokens: Any) -> None:
+def check_args(seq_len: Any, *, long_docs: Any, extra_tokens: Any) -> None:
   """Validates the chunking arguments; each error names the argument and its value."""
-  for name, value in (("seq_len", seq_len), ("min_len", min_len), ("overlap", overlap),
-                      ("extra_tokens", extra_tokens)):
+  if not isinstance(long_docs, LongDocs):
+    raise PackingArgumentError(f"long_docs must be a LongDocs, got long_docs={long_docs!r}")
+  min_len, overlap = long_docs.min_len, long_docs.overlap
+  for name, value in (("seq_len", seq_len), ("long_docs.min_len", min_len),
+                      ("long_docs.overlap", overlap), ("extra_tokens", extra_tokens)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
       raise PackingArgumentError(f"{name} must be an int, got {value!r}")
   if seq_len < 1:
@@ -121,12 +143,13 @@ def check_args(seq_len: Any, *, long_docs: Any, min_len: Any, overlap: Any,
         f"seq_len={seq_len} is too small for extra_tokens={extra_tokens} (BOS/EOS): a row "
         f"must hold at least one document token besides them")
   if min_len < 0:
-    raise PackingArgumentError(f"min_len must be >= 0, got min_len={min_len}")
+    raise PackingArgumentError(f"long_docs.min_len must be >= 0, got min_len={min_len}")
   if not 0 <= overlap < seq_len:
     raise PackingArgumentError(
-        f"overlap must be in [0, seq_len={seq_len}), got overlap={overlap}")
-  if long_docs not in LONG_DOCS:
-    raise PackingArgumentError(f"long_docs must be one of {list(LONG_DOCS)}, got {long_docs!r}")
+        f"long_docs.overlap must be in [0, seq_len={seq_len}), got overlap={overlap}")
+  if long_docs.mode not in LONG_DOC_MODES:
+    raise PackingArgumentError(
+        f"long_docs.mode must be one of {list(LONG_DOC_MODES)}, got mode={long_docs.mode!r}")
 
 
 def _continuations(virtual: Any, seq_len: int, overlap: int) -> Any:
@@ -135,12 +158,12 @@ def _continuations(virtual: Any, seq_len: int, overlap: int) -> Any:
   return -(-(virtual - seq_len) // (seq_len - overlap))
 
 
-def chunk_counts(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
-                 overlap: int = 0, extra_tokens: int = 0) -> np.ndarray:
+def chunk_counts(lengths: np.ndarray, seq_len: int, *, long_docs: LongDocs = DEFAULT_LONG_DOCS,
+                 extra_tokens: int = 0) -> np.ndarray:
   """Chunks of every document, vectorized (`make_chunks` without `min_len`, counted only).
 
   A document of `lengths[d] + extra_tokens` virtual slots has no chunk when that is 0, one when
-  it fits `seq_len` or under `long_docs="truncate"`, else `1 + ceil((virtual - seq_len) /
+  it fits `seq_len` or under mode "truncate", else `1 + ceil((virtual - seq_len) /
   (seq_len - overlap))`.
 
   Example: seq_len 8, overlap 2, extra_tokens 2, lengths [0, 6, 7, 18]: virtual [2, 8, 9, 20],
@@ -151,51 +174,50 @@ def chunk_counts(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   """
   virtual = np.asarray(lengths, np.int64) + extra_tokens
   counts = (virtual > 0).astype(np.int64)
-  if long_docs == "split":
+  if long_docs.mode == "split":
     long = virtual > seq_len
-    counts[long] += _continuations(virtual[long], seq_len, overlap)
+    counts[long] += _continuations(virtual[long], seq_len, long_docs.overlap)
   return counts
 
 
-def chunk_spans(length: int, seq_len: int, *, long_docs: str = "split", overlap: int = 0,
+def chunk_spans(length: int, seq_len: int, *, long_docs: LongDocs = DEFAULT_LONG_DOCS,
                 extra_tokens: int = 0) -> list[tuple[int, int]]:
   """`(start, slots)` of the chunks of one document, in order (what `make_chunks` cuts it into).
 
   Example: seq_len 8, overlap 2, extra_tokens 2, length 18: [(0, 8), (6, 8), (12, 8)].
   """
   total = int(length) + extra_tokens
-  if total <= seq_len or long_docs == "truncate":
+  if total <= seq_len or long_docs.mode == "truncate":
     return [(0, min(total, seq_len))] if total > 0 else []
-  stride = seq_len - overlap
+  stride = seq_len - long_docs.overlap
   return [(c * stride, min(seq_len, total - c * stride))
-          for c in range(1 + _continuations(total, seq_len, overlap))]
+          for c in range(1 + _continuations(total, seq_len, long_docs.overlap))]
 
 
-def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
-                min_len: int = 0, overlap: int = 0, extra_tokens: int = 0) -> Chunks:
+def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: LongDocs = DEFAULT_LONG_DOCS,
+                extra_tokens: int = 0) -> Chunks:
   """Cuts every kept document's virtual sequence into chunks of at most `seq_len` slots.
 
   A document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots. Documents with
-  `lengths[d] < min_len` or no slot at all are dropped. Under `long_docs="split"` chunk `c`
+  `lengths[d] < long_docs.min_len` or no slot at all are dropped. Under mode "split" chunk `c`
   covers virtual slots `[c * stride, c * stride + seq_len)` (clipped to the document), with
-  `stride = seq_len - overlap`; so consecutive chunks share exactly `overlap` slots and the last
-  chunk always brings at least one new slot. Under `"truncate"` only chunk 0 is kept.
+  `stride = seq_len - long_docs.overlap`; so consecutive chunks share exactly `overlap` slots and
+  the last chunk always brings at least one new slot. Under "truncate" only chunk 0 is kept.
 
   The documents are read in blocks of `BLOCK`, so no int64 temporary spans all of them.
 
   Args:
     lengths: `[num_documents]` document lengths (validated by `check_lengths`).
     seq_len: slots per row.
-    long_docs: `"split"` or `"truncate"`.
-    min_len: documents shorter than this many tokens are dropped.
-    overlap: slots a continuation chunk repeats.
+    long_docs: the mode ("split" or "truncate"), `overlap` (slots a continuation chunk repeats)
+      and `min_len` (documents shorter than this many tokens are dropped).
     extra_tokens: virtual slots added to every document (BOS/EOS).
 
   Returns:
     The chunks in document order, with their statistics.
   """
-  check_args(seq_len, long_docs=long_docs, min_len=min_len, overlap=overlap,
-             extra_tokens=extra_tokens)
+  check_args(seq_len, long_docs=long_docs, extra_tokens=extra_tokens)
+  mode, min_len, overlap = long_docs.mode, long_docs.min_len, long_docs.overlap
   n = len(lengths)
   sel_parts, long_parts, vlong_parts = [], [], []
   num_kept = dropped_tokens = 0
@@ -212,7 +234,7 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
     dropped_tokens = _dropped_tokens(lengths, extra_tokens=extra_tokens, min_len=min_len)
   del sel_parts
   long, vlong = np.concatenate(long_parts), np.concatenate(vlong_parts)
-  if long_docs == "split":
+  if mode == "split":
     extra_chunks = _continuations(vlong, seq_len, overlap)
   else:
     extra_chunks = np.zeros(len(long), np.int64)
@@ -223,8 +245,8 @@ def make_chunks(lengths: np.ndarray, seq_len: int, *, long_docs: str = "split",
   stats = {
       "documents": int(n),
       "dropped": int(n - num_kept),
-      "split": int(len(long)) if long_docs == "split" else 0,
-      "truncated": int(len(long)) if long_docs == "truncate" else 0,
+      "split": int(len(long)) if mode == "split" else 0,
+      "truncated": int(len(long)) if mode == "truncate" else 0,
       "chunks": int(len(length)),
       "tokens": int(length.sum(dtype=np.int64)),
       "dropped_tokens": dropped_tokens,

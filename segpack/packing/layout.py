@@ -1,4 +1,4 @@
-"""The decreasing planners (FFD, BFD) over all chunks in compact memory.
+"""The decreasing packers (FFD, BFD) over all chunks in compact memory.
 
 `place_rows` and `lay_out` give the same plan as `runs.run_decreasing` followed by the
 row-major counting sort of `segpack.packing.planner`, with no int64 array over all chunks: the

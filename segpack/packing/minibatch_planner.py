@@ -1,6 +1,7 @@
 """The minibatch planner: cut an epoch's example order into minibatches and pack each one.
 
-`segpack.data.minibatch_dataset.MinibatchPackedDataset` serves its plans as one element per optimizer
+`MinibatchPlanner.plan(epoch)` is the epoch's `MinibatchPlan`;
+`segpack.data.minibatch_dataset.MinibatchPackedDataset` serves it as one element per optimizer
 step.
 """
 
@@ -11,14 +12,14 @@ import dataclasses
 import numpy as np
 
 from segpack.errors import PipelineConfigError
-from segpack.packing.chunking import chunk_counts, chunk_spans
+from segpack.packing.chunking import LongDocs, chunk_counts, chunk_spans
 from segpack.packing.ffd import first_fit_decreasing
 from segpack.packing.first_fit import FirstFitTree
 from segpack.packing.permutation import epoch_permutation
 from segpack.packing.plan_format import Plan
 from segpack.packing.planner import plan as plan_rows
 
-__all__ = ["EpochPlan", "MinibatchConfigError", "MinibatchPlanner", "RowsPerBatchError"]
+__all__ = ["MinibatchConfigError", "MinibatchPlan", "MinibatchPlanner", "RowsPerBatchError"]
 
 
 class MinibatchConfigError(PipelineConfigError):
@@ -35,8 +36,8 @@ class RowsPerBatchError(MinibatchConfigError):
 
 
 @dataclasses.dataclass(frozen=True)
-class EpochPlan:
-  """The rows of one epoch, batch-major: batch `b` is rows `[b*R, (b+1)*R)`, `R = rows_per_batch`.
+class MinibatchPlan:
+  """The rows of one epoch's minibatches, batch-major: batch `b` is rows `[b*R, (b+1)*R)`, `R = rows_per_batch`.
 
   Attributes:
     plan: the rows (empty rows are padding rows), document ids global.
@@ -60,7 +61,7 @@ class MinibatchPlanner:
 
   Algorithm for epoch `e`:
     1. `order = examples[epoch_permutation(N, seed=seed, epoch=e)]` (`examples` itself without
-       shuffle), where `examples` are the documents with at least `min_len` tokens.
+       shuffle), where `examples` are the documents with at least `long_docs.min_len` tokens.
     2. Minibatches: with `examples_per_batch = k`, batch `b` is `order[b*k:(b+1)*k]` (the last one
        shorter, or dropped with `drop_remainder`); with `tokens_per_batch`, `R = tokens_per_batch
        // seq_len` and a batch takes the next examples in order while all their chunks fit
@@ -79,26 +80,27 @@ class MinibatchPlanner:
   so batch 1 gets one padding row.
   """
 
-  def __init__(self, lengths: np.ndarray, *, seq_len: int, strategy: str, long_docs: str,
-               min_len: int, overlap: int, extra_tokens: int, seed: int, shuffle: bool,
+  def __init__(self, lengths: np.ndarray, *, seq_len: int, strategy: str, long_docs: LongDocs,
+               extra_tokens: int, seed: int, shuffle: bool,
                examples_per_batch: int | None, tokens_per_batch: int | None,
                drop_remainder: bool):
     self.lengths = np.asarray(lengths, dtype=np.int64)
     self.seq_len = int(seq_len)
     self.strategy = strategy
     self.long_docs = long_docs
-    self.overlap = int(overlap)
+    self.overlap = int(long_docs.overlap)
     self.extra = int(extra_tokens)
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
     self.examples_per_batch = examples_per_batch
     self.tokens_per_batch = tokens_per_batch
     self.drop_remainder = bool(drop_remainder)
+    min_len = long_docs.min_len
     self.examples = np.flatnonzero((self.lengths >= min_len) & (self.lengths > 0))
     if self.examples.size == 0:
       raise MinibatchConfigError(
-          f"minibatch packing: no document of the {self.lengths.size} has >= min_len={min_len} "
-          f"tokens")
+          f"minibatch packing: no document of the {self.lengths.size} has >= "
+          f"long_docs.min_len={min_len} tokens")
     if tokens_per_batch is not None:
       self.budget_rows = int(tokens_per_batch) // self.seq_len
       if self.budget_rows < 1:
@@ -114,8 +116,7 @@ class MinibatchPlanner:
 
   def _chunks(self, length: int) -> list[tuple[int, int]]:
     """(start, slots) of the chunks of a document of `length` tokens."""
-    return chunk_spans(length, self.seq_len, long_docs=self.long_docs, overlap=self.overlap,
-                       extra_tokens=self.extra)
+    return chunk_spans(length, self.seq_len, long_docs=self.long_docs, extra_tokens=self.extra)
 
   def empty_plan(self) -> Plan:
     """A plan of no rows with this planner's `seq_len`, `overlap` and `extra_tokens`."""
@@ -128,11 +129,11 @@ class MinibatchPlanner:
     """Rows no `examples_per_batch` batch can exceed: the chunks of the `k` examples with the
     most chunks (loose for packing, exact for `strategy="pad"`)."""
     chunks = chunk_counts(self.lengths[self.examples], self.seq_len, long_docs=self.long_docs,
-                          overlap=self.overlap, extra_tokens=self.extra)
+                          extra_tokens=self.extra)
     return int(np.sort(chunks)[::-1][:int(self.examples_per_batch)].sum())
 
-  def plan_epoch(self, epoch: int, rows_per_batch: int | None = None) -> EpochPlan:
-    """Plans one epoch; `rows_per_batch` None leaves batches at their own row counts (no
+  def plan(self, epoch: int, rows_per_batch: int | None = None) -> MinibatchPlan:
+    """The plan of `epoch`; `rows_per_batch` None leaves batches at their own row counts (no
     padding rows), which `rows_per_batch` then pads to."""
     order = self.order(epoch)
     if self.tokens_per_batch is not None:
@@ -156,8 +157,9 @@ class MinibatchPlanner:
       for i, r in zip(placement.order.tolist(), placement.bins.tolist()):
         rows[r].append(pieces[i])  # in placement order, the order of the pieces in a row
       return docs, rows
+    # Every example has at least `min_len` tokens, so the plan drops none of `docs`.
     plan = plan_rows(self.lengths[docs], self.seq_len, strategy=self.strategy,
-                        long_docs=self.long_docs, overlap=self.overlap, extra_tokens=self.extra)
+                     long_docs=self.long_docs, extra_tokens=self.extra)
     rows = []
     doc = docs[np.asarray(plan.doc)].tolist()
     start, length = np.asarray(plan.start).tolist(), np.asarray(plan.length).tolist()
@@ -183,7 +185,7 @@ class MinibatchPlanner:
         raise MinibatchConfigError(
             f"minibatch packing: document {d} needs {len(chunks)} rows of seq_len={seq_len} "
             f"but tokens_per_batch={self.tokens_per_batch} gives only {rows_cap}; raise "
-            f"tokens_per_batch or use long_docs='truncate'")
+            f"tokens_per_batch or use LongDocs(mode='truncate')")
       for r, (start, n) in zip(placed, chunks):
         rows[r].append((d, start, n))
       current.append(d)
@@ -193,7 +195,7 @@ class MinibatchPlanner:
 
 
 def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, extra_tokens: int,
-              strategy: str) -> EpochPlan:
+              strategy: str) -> MinibatchPlan:
   """Lays the batches' rows out batch-major, padding each batch with empty rows."""
   needed = np.asarray([len(rows) for _, rows in batches], dtype=np.int64)
   width = int(needed.max()) if rows_per_batch is None else int(rows_per_batch)
@@ -223,4 +225,4 @@ def _assemble(batches, epoch, rows_per_batch, *, seq_len: int, overlap: int, ext
   np.cumsum([len(ex) for ex, _ in batches], out=splits[1:])
   examples = (np.concatenate([ex for ex, _ in batches]) if batches
               else np.zeros(0, dtype=np.int64))
-  return EpochPlan(plan=plan, batch_examples=splits, examples=examples, rows_needed=needed)
+  return MinibatchPlan(plan=plan, batch_examples=splits, examples=examples, rows_needed=needed)

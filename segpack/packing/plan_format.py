@@ -57,7 +57,7 @@ class Plan:
     seq_len: slots per row.
     overlap: slots a continuation chunk (`start > 0`) repeats from the previous chunk.
     extra_tokens: virtual slots added to every document (`add_bos + add_eos`).
-    strategy: the planner that made the plan.
+    strategy: the packer that made the plan.
     row_splits: int64 `[num_rows + 1]`, starting at 0 and ending at `num_pieces`.
     doc: `[num_pieces]` document indices: int32 (int64 from 2**31 documents).
     start: int32 `[num_pieces]` first virtual slot of each piece.

@@ -1,4 +1,9 @@
-"""`plan()`: chunk the documents, run a planner, and lay the pieces out row by row."""
+"""`plan()`: chunk the documents, run a packer, and lay the pieces out row by row.
+
+Words: a *packer* is the algorithm of a strategy (chunk lengths -> a `Placement`); a *plan* is the
+rows it gives, with their pieces (`Plan`); a *planner* gives the plan of each epoch (`plan(epoch)`:
+`RepackPlanner` here, `MinibatchPlanner` for minibatches, `segpack.data.epoch_plans` for mixtures).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +16,18 @@ import numpy as np
 
 from segpack.packing import layout
 from segpack.packing.bfd import BestFitDecreasing, best_fit_decreasing
-from segpack.packing.chunking import (Chunks, PackingArgumentError, check_lengths, index_dtype,
-                                      make_chunks)
+from segpack.packing.chunking import (DEFAULT_LONG_DOCS, Chunks, LongDocs, PackingArgumentError,
+                                      check_lengths, index_dtype, make_chunks)
 from segpack.packing.ffd import ONE_BY_ONE, FirstFitDecreasing, first_fit_decreasing
 from segpack.packing.greedy import next_fit
 from segpack.packing.padded import one_per_row, sorted_one_per_row, sorted_pad_slots
 from segpack.packing.plan_format import Plan
 from segpack.packing.runs import Placement
 
-# A planner maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
-Planner = Callable[[np.ndarray, int], Placement]
+# A packer maps (chunk lengths, seq_len) to a Placement (see segpack.packing.runs).
+Packer = Callable[[np.ndarray, int], Placement]
 
-# The planners whose rows depend only on the sorted chunk lengths (longest first): any order of
+# The packers whose rows depend only on the sorted chunk lengths (longest first): any order of
 # equal lengths gives rows of the same lengths, so `tie_seed` only changes which chunks meet.
 TIE_SEED_STRATEGIES = ("ffd", "bfd", "sorted_pad")
 
@@ -33,7 +38,7 @@ _RUN_PACKERS = {
     "bfd": lambda seq_len, bins: BestFitDecreasing(seq_len),
 }
 
-STRATEGIES: dict[str, Planner] = {
+STRATEGIES: dict[str, Packer] = {
     "ffd": first_fit_decreasing,
     "bfd": best_fit_decreasing,
     "greedy": next_fit,
@@ -42,24 +47,25 @@ STRATEGIES: dict[str, Planner] = {
 }
 
 
-def check_strategy(strategy: Any) -> Planner:
-  """The planner named `strategy`, or an error that lists the valid names."""
+def check_strategy(strategy: Any) -> Packer:
+  """The packer named `strategy`, or an error that lists the valid names."""
   if not isinstance(strategy, str) or strategy not in STRATEGIES:
     raise PackingArgumentError(
         f"strategy must be one of {sorted(STRATEGIES)}, got strategy={strategy!r}")
   return STRATEGIES[strategy]
 
 
-def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = "split",
-         min_len: int = 0, overlap: int = 0, extra_tokens: int = 0, batch_size: int = 8,
+def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd",
+         long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0, batch_size: int = 8,
          pad_multiple: int = 128, tie_seed: Any = None) -> Plan:
   """Plans how the documents fill rows of `seq_len` slots.
 
   Document `d` is a virtual sequence of `lengths[d] + extra_tokens` slots (the pipeline passes
   `extra_tokens = add_bos + add_eos`; slot 0 is then BOS and the last slot EOS). Documents with
-  `lengths[d] < min_len` (or no slot) are dropped; longer ones than `seq_len` are split into
-  chunks overlapping by `overlap` slots (`long_docs="split"`) or cut to their first `seq_len`
-  slots (`"truncate"`); see `segpack.packing.chunking.make_chunks`. The chunks are then packed:
+  `lengths[d] < long_docs.min_len` (or no slot) are dropped; longer ones than `seq_len` are split
+  into chunks overlapping by `long_docs.overlap` slots (mode "split") or cut to their first
+  `seq_len` slots ("truncate"); see `segpack.packing.chunking.make_chunks`. The chunks are then
+  packed:
 
   - `ffd`: exact first-fit-decreasing over the whole data set (the default);
   - `bfd`: exact best-fit-decreasing;
@@ -72,30 +78,28 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     lengths: 1-D integer array of document lengths (tokens, without BOS/EOS).
     seq_len: slots per row.
     strategy: one of `STRATEGIES`.
-    long_docs: `"split"` or `"truncate"`.
-    min_len: drop documents with fewer tokens.
-    overlap: slots a continuation chunk repeats from the previous chunk (`0 <= overlap <
-      seq_len`); the pipeline trains no loss on them.
+    long_docs: `LongDocs(mode, overlap, min_len)`: "split" or "truncate"; the slots a
+      continuation chunk repeats from the previous chunk (`0 <= overlap < seq_len`; the pipeline
+      trains no loss on them); documents with fewer than `min_len` tokens are dropped.
     extra_tokens: virtual slots added to every document.
     batch_size: rows per batch, for `sorted_pad`'s slot count only.
     pad_multiple: batch length granularity, for `sorted_pad`'s slot count only.
     tie_seed: None (ties of equal length in chunk order), or an int or a sequence of ints
-      (e.g. `(seed, epoch)`): the chunks reach the planner in the order of a permutation drawn
+      (e.g. `(seed, epoch)`): the chunks reach the packer in the order of a permutation drawn
       from `default_rng(SeedSequence(tie_seed))`, so the stable longest-first sort orders equal
       lengths by it. Only for `TIE_SEED_STRATEGIES`: their rows then hold the same lengths in
       the same row order (the same row count, utilization and per-row segment counts), filled
       by other chunks of those lengths.
 
   Returns:
-    The `Plan`, rows in the planner's order, pieces inside a row in placement order.
+    The `Plan`, rows in the packer's order, pieces inside a row in placement order.
 
   Raises:
     PackingArgumentError: an argument is invalid; the message names it and its value.
   """
-  planner = check_strategy(strategy)
-  chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
-                           overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
-                           pad_multiple=pad_multiple)
+  packer = check_strategy(strategy)
+  chunks = _checked_chunks(lengths, seq_len, long_docs=long_docs, extra_tokens=extra_tokens,
+                           batch_size=batch_size, pad_multiple=pad_multiple)
   num_docs = chunks.stats["documents"]
   rng = _tie_rng(tie_seed, strategy)
   if _runs_apply(strategy, chunks):
@@ -105,35 +109,38 @@ def plan(lengths: Any, seq_len: int, *, strategy: str = "ffd", long_docs: str = 
     row_splits, max_per_row = rows.row_splits, rows.max_per_row
   else:
     row_splits, doc, start, length, max_per_row = _plan_placement(
-        planner, chunks, seq_len, rng=rng, num_docs=num_docs)
+        packer, chunks, seq_len, rng=rng, num_docs=num_docs)
   return _finish(chunks.stats, seq_len, row_splits, doc, start, length, max_per_row,
-                 strategy=strategy, overlap=overlap, extra_tokens=extra_tokens,
+                 strategy=strategy, overlap=long_docs.overlap, extra_tokens=extra_tokens,
                  batch_size=batch_size, pad_multiple=pad_multiple)
 
 
-class TiePlanner:
-  """`plan(lengths, seq_len, tie_seed=s, **kwargs)` for many seeds `s`, sharing the work that
-  does not depend on `s` (what `pack_dataset(repack="epoch")` plans every epoch).
+class RepackPlanner:
+  """The plan of every epoch with `repack="epoch"`: `plan(epoch)` is `plan(lengths, seq_len,
+  tie_seed=(seed, epoch), **kwargs)`, sharing the work that does not depend on the epoch.
 
   FFD's and BFD's rows depend only on the sorted chunk lengths, so the rows
   (`layout.place_rows`) and the documents sorted longest first (ties by index) are computed on
-  the first call and kept; every call then only shuffles each run of equal lengths by the seed
-  and writes the documents into the rows. It keeps about 7 bytes per document between calls (the
-  sorted documents, the runs and `row_splits`, which the plans share, read-only). Other
-  strategies, and inputs small enough for FFD's one-by-one path, call `plan` every time.
-  `plan(s)` equals `packing.plan(..., tie_seed=s)`, and may be called from several threads at
-  once.
+  the first call and kept; every call then only shuffles each run of equal lengths by
+  `(seed, epoch)` and writes the documents into the rows. It keeps about 7 bytes per document
+  between calls (the sorted documents, the runs and `row_splits`, which the plans share,
+  read-only). Other strategies, and inputs small enough for FFD's one-by-one path, call `plan`
+  every time. `plan(epoch)` is a pure function of `(seed, epoch)` and may be called from several
+  threads at once.
   """
 
-  def __init__(self, lengths: Any, seq_len: int, *, strategy: str = "ffd",
-               long_docs: str = "split", min_len: int = 0, overlap: int = 0,
-               extra_tokens: int = 0, batch_size: int = 8, pad_multiple: int = 128):
+  def __init__(self, lengths: Any, seq_len: int, *, seed: int, strategy: str = "ffd",
+               long_docs: LongDocs = DEFAULT_LONG_DOCS, extra_tokens: int = 0,
+               batch_size: int = 8, pad_multiple: int = 128):
     check_strategy(strategy)
+    _tie_rng(0, strategy)  # a strategy without tie seeds is refused here, not at every epoch
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise PackingArgumentError(f"seed must be an int >= 0, got seed={seed!r}")
     self._lengths = lengths
     self._seq_len = seq_len
-    self._kwargs = dict(strategy=strategy, long_docs=long_docs, min_len=min_len,
-                        overlap=overlap, extra_tokens=extra_tokens, batch_size=batch_size,
-                        pad_multiple=pad_multiple)
+    self._seed = int(seed)
+    self._kwargs = dict(strategy=strategy, long_docs=long_docs, extra_tokens=extra_tokens,
+                        batch_size=batch_size, pad_multiple=pad_multiple)
     self._state: tuple[Chunks, layout.Rows | None, tuple | None] | None = None
     self._lock = threading.Lock()
 
@@ -147,10 +154,11 @@ class TiePlanner:
     self.__dict__.update(state)
     self._lock = threading.Lock()
 
-  def plan(self, tie_seed: Any) -> Plan:
-    """The plan with `tie_seed` (see `plan`)."""
+  def plan(self, epoch: int) -> Plan:
+    """The plan of `epoch`: `plan(..., tie_seed=(seed, epoch))`."""
     kw = self._kwargs
     strategy, seq_len = kw["strategy"], self._seq_len
+    tie_seed = (self._seed, int(epoch))
     rng = _tie_rng(tie_seed, strategy)
     with self._lock:
       if self._state is None:
@@ -172,22 +180,22 @@ class TiePlanner:
     doc, start, length = layout.lay_out(chunks, rows, seq_len=seq_len, num_docs=num_docs,
                                         rng=rng, consume=False, presorted=presorted)
     return _finish(chunks.stats, seq_len, rows.row_splits, doc, start, length, rows.max_per_row,
-                   **{k: v for k, v in kw.items() if k not in ("long_docs", "min_len")})
+                   overlap=kw["long_docs"].overlap,
+                   **{k: v for k, v in kw.items() if k != "long_docs"})
 
 
-def _checked_chunks(lengths: Any, seq_len: int, *, long_docs: str, min_len: int, overlap: int,
-                    extra_tokens: int, batch_size: int, pad_multiple: int) -> Chunks:
+def _checked_chunks(lengths: Any, seq_len: int, *, long_docs: LongDocs, extra_tokens: int,
+                    batch_size: int, pad_multiple: int) -> Chunks:
   """Validates the arguments and cuts the documents into chunks (at least one)."""
   lengths = check_lengths(lengths)
   for name, value in (("batch_size", batch_size), ("pad_multiple", pad_multiple)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
       raise PackingArgumentError(f"{name} must be an int >= 1, got {name}={value!r}")
-  chunks = make_chunks(lengths, seq_len, long_docs=long_docs, min_len=min_len,
-                       overlap=overlap, extra_tokens=extra_tokens)
+  chunks = make_chunks(lengths, seq_len, long_docs=long_docs, extra_tokens=extra_tokens)
   if len(chunks.length) == 0:
     raise PackingArgumentError(
-        f"no document is left to pack: all {len(lengths)} are shorter than min_len={min_len} "
-        f"or empty")
+        f"no document is left to pack: all {len(lengths)} are shorter than "
+        f"long_docs.min_len={long_docs.min_len} or empty")
   return chunks
 
 
@@ -217,12 +225,12 @@ def _finish(chunk_stats: dict[str, Any], seq_len: int, row_splits: np.ndarray, d
               stats=stats)
 
 
-def _plan_placement(planner: Planner, chunks: Chunks, seq_len: int, *,
+def _plan_placement(packer: Packer, chunks: Chunks, seq_len: int, *,
                     rng: np.random.Generator | None, num_docs: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
-  """`(row_splits, doc, start, length, max_per_row)` through a `Placement` planner (the strategies
+  """`(row_splits, doc, start, length, max_per_row)` through a `Placement` packer (the strategies
   and inputs `layout` does not take)."""
-  placement = _place(planner, chunks.length, seq_len, rng=rng)
+  placement = _place(packer, chunks.length, seq_len, rng=rng)
   per_row = np.bincount(placement.bins)
   row_splits = np.zeros(len(per_row) + 1, np.int64)
   np.cumsum(per_row, out=row_splits[1:])
@@ -250,13 +258,13 @@ def _tie_rng(tie_seed: Any, strategy: str) -> np.random.Generator | None:
         f"tie_seed={tie_seed!r}") from e
 
 
-def _place(planner: Planner, length: np.ndarray, seq_len: int, *,
+def _place(packer: Packer, length: np.ndarray, seq_len: int, *,
            rng: np.random.Generator | None) -> Placement:
-  """`planner(length, seq_len)`, the chunks first permuted by `rng` when it is given."""
+  """`packer(length, seq_len)`, the chunks first permuted by `rng` when it is given."""
   if rng is None:
-    return planner(length, seq_len)
+    return packer(length, seq_len)
   perm = rng.permutation(len(length))
-  placement = planner(length[perm], seq_len)
+  placement = packer(length[perm], seq_len)
   return dataclasses.replace(placement, order=perm[placement.order])
 
 

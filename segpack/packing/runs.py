@@ -1,4 +1,4 @@
-"""What the decreasing planners share: the textbook order, runs of equal lengths, new bins."""
+"""What the decreasing packers share: the textbook order, runs of equal lengths, new bins."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from segpack.packing.sorting import stable_argsort
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """Where a planner put the chunks.
+  """Where a packer put the chunks.
 
   Attributes:
     order: int64 `[num_chunks]`, the chunks in the order they were placed.
@@ -28,7 +28,7 @@ class Placement:
 
 
 class RunPacker(Protocol):
-  """A decreasing planner's state, fed one run of equal chunk lengths at a time (longest first):
+  """A decreasing packer's state, fed one run of equal chunk lengths at a time (longest first):
   FFD's and BFD's packers, used by `run_decreasing` and by `layout.place_runs`."""
 
   num_bins: int  # bins opened so far

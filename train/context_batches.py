@@ -1,8 +1,8 @@
 """Context-parallel slot order of the trainer's batches (`mesh.context`, `packing.context_balance`).
 
 With `mesh.context = cp > 1` every row's S slots are split over `cp` devices, device `d` holding
-positions `[d * S / cp, (d + 1) * S / cp)`. Before a batch goes to the devices its slots are put
-in the order of `segpack.data.context.context_order` (balancing the causal attention work of the
+positions `[d * S / cp, (d + 1) * S / cp)`. Before a batch goes to the devices its slots are put in
+the order of `segpack.data.context_order.context_order` (balancing the causal attention work of the
 devices) by `reorder`, which moves every `[B, S]` feature (ids, labels, segment ids, positions,
 sources) and adds `"slot_index"`, each slot's index in the row before reordering. Only attention
 reads `slot_index` (its causal mask compares slot indices); RoPE reads `segment_positions`, which
@@ -22,15 +22,15 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from segpack.data import context as context_lib
+from segpack.data import context_order as order_lib
 
-SLOT_INDEX = context_lib.SLOT_INDEX
+SLOT_INDEX = order_lib.SLOT_INDEX
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextOrder:
   """How batches are reordered: `size` devices per row (1: never), `balance` one of
-  `segpack.data.context.CONTEXT_BALANCES`."""
+  `segpack.data.context_order.CONTEXT_BALANCES`."""
 
   size: int = 1
   balance: str = "documents"
@@ -44,10 +44,10 @@ class ContextOrder:
     """`batch` in context order with `"slot_index"` added; unchanged when not `active`."""
     if not self.active:
       return batch
-    slot_index_BxS = context_lib.context_order(
+    slot_index_BxS = order_lib.context_order(
         segment_ids_BxS=np.asarray(batch["segment_ids"]), context_size=self.size,
         balance=self.balance)
-    return context_lib.reorder(batch, slot_index_BxS=slot_index_BxS)
+    return order_lib.reorder(batch, slot_index_BxS=slot_index_BxS)
 
 
 def row_order(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""`python -m segpack.bench.staging --mb 256`: what staging a dataset from S3 costs.
+"""`python -m segpack.bench.s3_staging --mb 256`: what staging a dataset from S3 costs.
 
 Starts a local S3 server (moto, `pip install 'moto[server]' boto3`) on 127.0.0.1 with dummy
 credentials, uploads a synthetic dataset of `--mb` MB of random uint16 tokens
@@ -41,8 +41,8 @@ def _server():
     from moto.server import ThreadedMotoServer  # optional: moto[server] (segpack[test])
     import portpicker  # optional: a free port (segpack[test])
   except ImportError as e:
-    raise SystemExit(f"python -m segpack.bench.staging needs moto[server], boto3 and portpicker: "
-                     f"pip install -e '.[test]' ({e})") from e
+    raise SystemExit(f"python -m segpack.bench.s3_staging needs moto[server], boto3 and "
+                     f"portpicker: pip install -e '.[test]' ({e})") from e
   logging.getLogger("werkzeug").setLevel(logging.ERROR)
   port = portpicker.pick_unused_port()
   server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -104,7 +104,7 @@ def _table(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   """Command-line entry point (see the module docstring)."""
-  parser = argparse.ArgumentParser(prog="python -m segpack.bench.staging", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m segpack.bench.s3_staging", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mb", type=float, default=256.0, help="dataset size in MB (1e6 bytes)")
   parser.add_argument("--repeats", type=int, default=3, help="cold stages timed (median)")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if args.mb <= 0 or args.repeats < 1:
     parser.error(f"--mb must be > 0 and --repeats >= 1, got {args.mb} and {args.repeats}")
-  root = Path(tempfile.mkdtemp(prefix="segpack-bench-staging-", dir=args.dir))
+  root = Path(tempfile.mkdtemp(prefix="segpack-bench-s3-staging-", dir=args.dir))
   try:
     result = measure(root, mb=args.mb, repeats=args.repeats)
   finally:

@@ -1,15 +1,15 @@
 """Slot orders that balance context-parallel attention over the devices of a row.
 
-Context parallelism (CP) splits each row's S slots over `cp` devices: after reordering, device
-`d` holds positions `[d * S / cp, (d + 1) * S / cp)`. Every device gathers all keys and values,
-so a query's work does not depend on where it sits: it is the number of keys it attends to
-(causal, inside its segment), its *query cost*. A device's work is the sum of its queries'
-costs, and the step takes as long as the busiest device. Cutting a row into `cp` contiguous
-pieces puts the late slots of a long document, the expensive ones, on one device; the orders
-here spread them out. The order is a permutation of slots, `slot_index_BxS[b, j]` = the original
-slot of the slot now at position `j`; the attention masks keys by
-`slot_index[k] <= slot_index[q]` (and equal segment ids), so the result is the same as without
-reordering. Pure NumPy, vectorised: tens of milliseconds for S = 2**20, cp = 8, B = 1
+Context parallelism (CP) splits each row's S slots over `cp` devices: after reordering, device `d`
+holds positions `[d * S / cp, (d + 1) * S / cp)`. Every device gathers all keys and values, so a
+query's work does not depend on where it sits: it is the number of keys it attends to (causal,
+inside its segment), its *query cost* (`segpack.data.attention_cost.query_costs`). A device's work
+is the sum of its queries' costs, and the step takes as long as the busiest device. Cutting a row
+into `cp` contiguous pieces puts the late slots of a long document, the expensive ones, on one
+device; the orders here spread them out. The order is a permutation of slots,
+`slot_index_BxS[b, j]` = the original slot of the slot now at position `j`; the attention masks
+keys by `slot_index[k] <= slot_index[q]` (and equal segment ids), so the result is the same as
+without reordering. Pure NumPy, vectorised: tens of milliseconds for S = 2**20, cp = 8, B = 1
 (`python -m segpack bench attention --context` reports it as `order_ms`).
 
 The orders (`CONTEXT_BALANCES`):
@@ -41,7 +41,7 @@ Worked example, S = 8, cp = 2, chunks of 2 slots, segment ids `[1 1 1 1 1 2 2 0]
 - `"documents"`: sorted `c3 c0 c2 c1`; device 0 gets `c3 + c1 = 9`, device 1 `c0 + c2 = 9`;
   `slot_index = [2 3 6 7 0 1 4 5]`.
 
-- `query_costs`, `context_order`, `reorder`, `device_costs`.
+- `context_order`, `reorder`, `device_costs`.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from typing import Mapping
 
 import numpy as np
 
+from segpack.data.attention_cost import query_costs
 from segpack.errors import UserError
 
-__all__ = ["CONTEXT_BALANCES", "ContextOrderError", "context_order", "device_costs",
-           "query_costs", "reorder"]
+__all__ = ["CONTEXT_BALANCES", "ContextOrderError", "context_order", "device_costs", "reorder"]
 
 CONTEXT_BALANCES = ("none", "zigzag", "documents")
 SLOT_INDEX = "slot_index"
@@ -85,42 +85,6 @@ def _check_context_size(context_size: int, seq_len: int, chunks_per_device: int,
     raise ContextOrderError(
         f"{where}: the sequence length S={seq_len} must be divisible by {need} = "
         f"{chunks_per_device * context_size}")
-
-
-def query_costs(segment_ids_BxS: np.ndarray) -> np.ndarray:
-  """The causal attention cost of every query slot: the number of keys it attends to.
-
-  A query at slot `j` attends to the slots `k <= j` of its own segment, so its cost is its
-  position within the segment plus one (a segment is every slot of one id in the row, contiguous
-  or not); padding (id 0) costs 0. A row's total is `sum_i l_i (l_i + 1) / 2` over its segments,
-  `segpack.data.balance.row_attention_cost`.
-
-  Args:
-    segment_ids_BxS: integer segment ids in the original slot order, 0 on padding.
-
-  Returns:
-    int64 `[B, S]`.
-
-  Raises:
-    ContextOrderError: the ids are not integer `[B, S]` or hold a negative id.
-  """
-  seg = _check_segment_ids(segment_ids_BxS, "query_costs")
-  b, s = seg.shape
-  if seg.size == 0:
-    return np.zeros((b, s), np.int64)
-  # Within each row, a stable sort by id keeps slot order inside a segment; a slot's rank within
-  # its id group (position in the sorted row minus the start of its group) plus one is its cost.
-  order_BxS = np.argsort(seg, axis=1, kind="stable")
-  sorted_BxS = np.take_along_axis(seg, order_BxS, axis=1)
-  pos_S = np.arange(s, dtype=np.int64)
-  new_group_BxS = np.ones((b, s), bool)
-  new_group_BxS[:, 1:] = sorted_BxS[:, 1:] != sorted_BxS[:, :-1]
-  group_start_BxS = np.maximum.accumulate(np.where(new_group_BxS, pos_S, 0), axis=1)
-  rank_BxS = pos_S - group_start_BxS + 1
-  rank_BxS[sorted_BxS == 0] = 0
-  costs_BxS = np.empty((b, s), np.int64)
-  np.put_along_axis(costs_BxS, order_BxS, rank_BxS, axis=1)
-  return costs_BxS
 
 
 def _slot_index(chunk_order_BxC: np.ndarray, chunk: int) -> np.ndarray:
