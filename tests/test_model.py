@@ -340,3 +340,16 @@ def test_pallas_attention_on_the_trainer_mesh_matches_xla_logits_and_grads():
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_the_backend_is_resolved_once_at_construction():
+  """None becomes the platform's backend in `DecoderConfig` (and in the trainer's check), so the
+  layers are handed a concrete name and never decide again."""
+  from configs import packed  # pylint: disable=g-import-not-at-top
+  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  cfg = model_lib.DecoderConfig(vocab_size=16, attention_implementation=None)
+  assert cfg.attention_implementation == ("xla" if jax.default_backend() == "cpu" else "pallas")
+  config = packed.get_config("smoke")
+  config.attention.implementation = None
+  assert train_lib.check_attention(config.attention, platform="cpu") == "xla"
+  assert train_lib.check_attention(config.attention, platform="gpu") == "pallas"

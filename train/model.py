@@ -61,7 +61,9 @@ class DecoderConfig:
   rope_scaling: RopeScaling | None = None  # None: the plain frequencies of `rope_theta`
   dtype: str = "float32"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # storage dtype of the parameters
-  attention_implementation: str | None = None  # None: best available for the platform
+  # The backend; None: the best for the platform, resolved at construction (the field then holds
+  # the concrete name, so the layers never decide again).
+  attention_implementation: str | None = None
   # Mesh on which kernel backends (Pallas, cuDNN) run under `shard_map`: batch over
   # `segpack.mesh.BATCH_AXES`, heads over `TENSOR_AXIS` (`segpack.attention.backend_mesh`
   # decides; XLA is left to the jit partitioner). When its `CONTEXT_AXIS` has more than one
@@ -99,6 +101,7 @@ class DecoderConfig:
       raise ModelConfigError(
           f"DecoderConfig.attention_implementation={impl!r} (config attention.implementation), "
           f"attention_pallas, attention_cudnn_segment_bound: {e}") from e
+    object.__setattr__(self, "attention_implementation", impl)  # resolved here, once
     if impl == "cudnn" and n is None:
       raise ModelConfigError(
           "DecoderConfig.attention_implementation='cudnn' needs attention_cudnn_segment_bound, "

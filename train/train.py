@@ -191,11 +191,12 @@ class AttentionConfigError(UserError, ValueError):
   a setting it does not use."""
 
 
-def check_attention(attention_cfg: Any, *, platform: str) -> None:
-  """Refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g.
-  Pallas on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
+def check_attention(attention_cfg: Any, *, platform: str) -> str:
+  """Resolves the backend of the `attention` group once, for the run (returned: its name), and
+  refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g. Pallas
+  on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
   try:
-    attention_lib.resolve_implementation(
+    return attention_lib.resolve_implementation(
         implementation=attention_cfg.implementation, platform=platform,
         pallas=model_lib.pallas_options(attention_cfg))
   except attention_lib.AttentionInputError as e:
@@ -211,14 +212,15 @@ def _compute_dtype(config: Any) -> str:
           else model_lib.default_compute_dtype())
 
 
-def check_attention_leaks(config: Any) -> attention_lib.SelfCheckResult | None:
+def check_attention_leaks(config: Any, *,
+                          implementation: str) -> attention_lib.SelfCheckResult | None:
   """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
-  backend (None: the library's default for the platform; with `attention.interpret`, in the
+  backend (`implementation`, as `check_attention` resolved it; with `attention.interpret`, in the
   model's compute dtype) and lets its `AttentionLeakError` stop the run before any work."""
   a = config.attention
   if not a.self_check:
     return None
-  return attention_lib.self_check(implementation=a.implementation,
+  return attention_lib.self_check(implementation=implementation,
                                   pallas=model_lib.pallas_options(a), dtype=_compute_dtype(config))
 
 
@@ -228,8 +230,8 @@ def preflight(config: Any) -> None:
   config_checks.check_config(config)
   if config.model.init_from is not None:
     hf_init.check_adopted(config)
-  check_attention(config.attention, platform=jax.default_backend())
-  check_attention_leaks(config)
+  implementation = check_attention(config.attention, platform=jax.default_backend())
+  check_attention_leaks(config, implementation=implementation)
 
 
 def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
