@@ -375,15 +375,13 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
     cudnn_segment_bound: the cuDNN backend's static bound N on segments per row (None for the
       other backends, which refuse it).
   """
-  dtype = model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype()
+  # The architecture keys are the model group's own names: read as declared in configs/packed.py.
+  same = {f.name: model_cfg[f.name] for f in dataclasses.fields(DecoderConfig)
+          if f.name in model_cfg and f.name not in ("vocab_size", "dtype", "rope_scaling")}
   return DecoderConfig(
-      vocab_size=vocab_size, num_layers=model_cfg.num_layers, d_model=model_cfg.d_model,
-      num_heads=model_cfg.num_heads, num_kv_heads=model_cfg.num_kv_heads,
-      head_dim=model_cfg.head_dim, d_ff=model_cfg.d_ff, rope_theta=model_cfg.rope_theta,
-      norm_eps=model_cfg.norm_eps, tie_embeddings=model_cfg.tie_embeddings,
-      init_std=model_cfg.init_std, qkv_bias=bool(model_cfg.qkv_bias),
-      qk_norm=bool(model_cfg.qk_norm), rope_scaling=rope_scaling(model_cfg.rope_scaling),
-      dtype=dtype, param_dtype=model_cfg.param_dtype,
+      **same, vocab_size=vocab_size,
+      dtype=model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype(),
+      rope_scaling=rope_scaling(model_cfg.rope_scaling),
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
       attention_pallas=pallas_options(attention_cfg),
       attention_cudnn_segment_bound=(None if cudnn_segment_bound is None
