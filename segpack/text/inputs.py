@@ -249,6 +249,11 @@ def _text_of(value: Any, what: str) -> tuple[str | None, str | None]:
   return value, None
 
 
+def _blank(raw: bytes) -> bool:
+  """Whether a line is empty or ASCII whitespace only (`not raw.strip()`, without the copy)."""
+  return not raw or raw.isspace()
+
+
 def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
   """(text, None) for a JSONL line whose `text_field` is usable, else (None, the problem)."""
   try:
@@ -259,7 +264,8 @@ def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
     found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
     return None, f"no field {text_field!r} (found: {found})"
   text, problem = _text_of(record[text_field], f"field {text_field!r}")
-  if text is not None and b"\\u" in raw:  # Only a JSON escape can give an unpaired surrogate.
+  # Only a JSON escape can give an unpaired surrogate, and an ASCII text holds none.
+  if text is not None and not text.isascii() and b"\\u" in raw:
     try:
       text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -284,7 +290,7 @@ def _kept(path: Path, checked: Iterator[tuple[int, str | None, str | None]], whe
 def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
                 counters: ReadCounters) -> Iterator[tuple[int, str]]:
   checked = ((lineno, *_json_problem(raw, text_field))
-             for lineno, raw in _numbered_lines(path) if raw.strip())
+             for lineno, raw in _numbered_lines(path) if not _blank(raw))
   return _kept(path, checked, "{}", skip_bad_lines, counters)
 
 
