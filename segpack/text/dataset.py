@@ -147,19 +147,32 @@ def tokenize_files(
           overwrite=overwrite)
       keep_tokenizer(tokenizer, output)
       return _said(inputs, files, skipped, None, [summary])
-    start = time.perf_counter()
-    counters = ReadCounters()
-    documents: collections.Counter[str] = collections.Counter()
-    manifest, resumed, nbytes = encode.write_dataset(
-        _documents(inputs, files, skipped, documents, counters, read), output,
-        tokenizer=tokenizer, resume_key=encode.resume_key(dict(
-            ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
-        workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
-    keep_tokenizer(tokenizer, output)
-    return _said(inputs, files, skipped, documents or None, [encode.summarize(
-        output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
-        seconds=time.perf_counter() - start, text_bytes=nbytes)])
+    return _tokenize_local(inputs, files, skipped, output, tokenizer=tokenizer, read=read,
+                           ident=ident, workers=workers, shard_tokens=shard_tokens,
+                           progress=progress, overwrite=overwrite)
+
+
+def _tokenize_local(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
+                    skipped: collections.Counter[str], output: Path, *,
+                    tokenizer: tokenizer_spec.Tokenizer, read: dict[str, Any],
+                    ident: dict[str, Any], workers: int, shard_tokens: int, progress: bool,
+                    overwrite: bool) -> list[encode.Summary]:
+  """Plain text inputs through `encode.write_dataset` (worker processes on this machine)."""
+  start = time.perf_counter()
+  counters = ReadCounters()
+  documents: collections.Counter[str] = collections.Counter()
+  stages: dict[str, float] = {}
+  manifest, resumed, nbytes = encode.write_dataset(
+      _documents(inputs, files, skipped, documents, counters, read), output,
+      tokenizer=tokenizer, resume_key=encode.resume_key(dict(
+          ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
+      workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
+      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+      stage_seconds=stages)
+  keep_tokenizer(tokenizer, output)
+  return _said(inputs, files, skipped, documents or None, [encode.summarize(
+      output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
+      seconds=time.perf_counter() - start, text_bytes=nbytes, stages=stages or None)])
 
 
 def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,

@@ -2,7 +2,10 @@
 
 `write_dataset` streams texts through a tokenizer (SentencePiece or a Hugging Face tokenizer.json,
 see `tokenizer_spec`; in `workers` processes that rebuild it from its `spec`, chunks of about 1 MB
-kept in input order) into a `segpack.shards.ShardWriter`. The document stream is deterministic,
+kept in input order) into a `segpack.shards.ShardWriter`. A worker sends a chunk back as one
+array of its documents' ids back to back and their lengths, which the writer appends a shard's
+part at a time (`ShardWriter.write_many`), so the parent's work per document is a few integers
+while it reads the next texts. The document stream is deterministic,
 and each finished shard records the range of input documents it holds: a rerun with the same
 inputs and settings (the same `resume_key`) keeps the finished shards, skips their input
 documents without tokenizing them, and redoes the rest; a finished dataset with the same key is
@@ -20,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,14 +36,17 @@ from segpack.shards.format import OFFSET_DTYPE, load_manifest, read_manifest
 from segpack.text import tokenizer_spec
 from segpack.text.inputs import InputFormatError
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "Summary", "counted", "file_identity", "finished_dataset",
-           "resume_key", "say", "summarize", "write_dataset"]
+__all__ = ["DEFAULT_SHARD_TOKENS", "STAGES", "Summary", "chunk_texts", "counted", "file_identity",
+           "finished_dataset", "resume_key", "say", "summarize", "write_dataset"]
 
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCS = 512
 DEFAULT_SHARD_TOKENS = 1 << 27
 # `file_identity` hashes this many bytes at each end of an input (docs/ingest.md, "Resuming").
 _EDGE_BYTES = 1 << 16
+# Where the parent's time goes (`write_dataset(stage_seconds=...)`, `Summary.stages`): reading the
+# texts, waiting for (or, with one worker, doing) the encoding, writing the shards, hashing them.
+STAGES = ("read", "encode", "write", "hash")
 
 
 @dataclasses.dataclass
@@ -60,6 +67,7 @@ class Summary:
   max_length: int
   seconds: float
   text_bytes: int
+  stages: dict[str, float] | None = None
 
   def table(self) -> str:
     rows = [
@@ -77,6 +85,8 @@ class Summary:
             f" ({self.text_bytes / 1e6 / self.seconds:.1f} MB/s of text tokenized)"
             if self.seconds > 0 and self.text_bytes else "")),
     ]
+    if self.stages:
+      rows.append(("time by stage", ", ".join(f"{k} {v:.2f} s" for k, v in self.stages.items())))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
@@ -90,17 +100,28 @@ def _worker_init(spec: str) -> None:
   _WORKER_TOKENIZER = tokenizer_spec.from_spec(spec)
 
 
-def _worker_encode(texts: list[str]) -> list[np.ndarray]:
+def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
   assert _WORKER_TOKENIZER is not None
-  return _WORKER_TOKENIZER.encode_batch(texts)
+  return _flat(_WORKER_TOKENIZER.encode_batch(texts), _WORKER_TOKENIZER.dtype)
 
 
-def _chunks(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
+def _flat(arrays: list[np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+  """`(the arrays back to back, their lengths)`: one array to send and write instead of many."""
+  lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+  return (np.concatenate(arrays) if arrays else np.zeros(0, dtype)), lengths
+
+
+def _utf8_size(text: str) -> int:
+  """The UTF-8 bytes of `text` (an ASCII string's length, without encoding it)."""
+  return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def chunk_texts(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
   """Groups texts into chunks of about `_CHUNK_BYTES` UTF-8 bytes (or `_CHUNK_DOCS` documents)."""
   chunk, size = [], 0
   for text in texts:
     chunk.append(text)
-    size += len(text.encode("utf-8"))
+    size += _utf8_size(text)
     if size >= _CHUNK_BYTES or len(chunk) >= _CHUNK_DOCS:
       yield chunk, size
       chunk, size = [], 0
@@ -108,25 +129,49 @@ def _chunks(texts: Iterator[str]) -> Iterator[tuple[list[str], int]]:
     yield chunk, size
 
 
+def _timed(iterator: Iterator[Any], seconds: dict[str, float], stage: str) -> Iterator[Any]:
+  """`iterator`, adding the time spent in it to `seconds[stage]`."""
+  while True:
+    started = time.perf_counter()
+    item = next(iterator, None)
+    seconds[stage] += time.perf_counter() - started
+    if item is None:
+      return
+    yield item
+
+
 def _encoded_chunks(
     texts: Iterator[str], tokenizer: tokenizer_spec.Tokenizer, workers: int,
-) -> Iterator[tuple[list[np.ndarray], int]]:
-  """Token arrays chunk by chunk, in input order; at most 2 * workers chunks in flight."""
+    seconds: dict[str, float],
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+  """`(tokens back to back, lengths, text bytes)` chunk by chunk, in input order; at most
+  2 * workers chunks in flight. Reading adds to `seconds["read"]`, encoding (or waiting for
+  it) to `seconds["encode"]`."""
+  chunks = _timed(chunk_texts(texts), seconds, "read")
   if workers <= 1:
-    for chunk, size in _chunks(texts):
-      yield tokenizer.encode_batch(chunk), size
+    for chunk, size in chunks:
+      started = time.perf_counter()
+      tokens, lengths = _flat(tokenizer.encode_batch(chunk), tokenizer.dtype)
+      seconds["encode"] += time.perf_counter() - started
+      yield tokens, lengths, size
     return
   ctx = multiprocessing.get_context("spawn")  # Safe even when JAX threads run in this process.
   with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.spec,)) as pool:
     pending: collections.deque = collections.deque()
-    for chunk, size in _chunks(texts):
+    for chunk, size in chunks:
       pending.append((pool.apply_async(_worker_encode, (chunk,)), size))
-      if len(pending) >= 2 * workers:
-        result, size0 = pending.popleft()
-        yield result.get(), size0
+      while len(pending) >= 2 * workers or (pending and pending[0][0].ready()):
+        yield _result(pending.popleft(), seconds)
     while pending:
-      result, size0 = pending.popleft()
-      yield result.get(), size0
+      yield _result(pending.popleft(), seconds)
+
+
+def _result(item: tuple[Any, int], seconds: dict[str, float]) -> tuple[np.ndarray, np.ndarray, int]:
+  """A worker's chunk when it is ready; the wait adds to `seconds["encode"]`."""
+  started = time.perf_counter()
+  tokens, lengths = item[0].get()
+  seconds["encode"] += time.perf_counter() - started
+  return tokens, lengths, item[1]
 
 
 def _progress(desc: str, enabled: bool):
@@ -165,6 +210,7 @@ def write_dataset(
     metadata: dict[str, Any] | None = None,
     progress: bool = False,
     overwrite: bool = False,
+    stage_seconds: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], int, int]:
   """Tokenizes `texts` into a shard dataset at `output`, resuming an interrupted run.
 
@@ -182,6 +228,9 @@ def write_dataset(
     overwrite: rebuild the dataset, also a complete one made with the same key; without it a
       complete dataset made with another key, or with an unreadable manifest or missing or
       damaged files, raises InputFormatError (see `finished_dataset`).
+    stage_seconds: when given, the seconds this process spent in each of `STAGES` are added to
+      it: reading the texts, encoding them (with workers: waiting for them), writing the shards
+      and the manifest, hashing the shards.
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
@@ -200,26 +249,42 @@ def write_dataset(
     if next(texts, None) is None:
       raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
                              f"documents but the input has fewer; rerun with --overwrite")
+  seconds = dict.fromkeys(STAGES, 0.0)
   text_bytes = tokens = 0
-  with writer, _progress(f"tokenize {output.name}", progress) as bar:
-    for arrays, size in _encoded_chunks(texts, tokenizer, workers):
-      for doc in arrays:
-        writer.write(doc)
-        tokens += doc.size
-      text_bytes += size
-      if bar is not None:
-        bar.update(size)
-        bar.set_postfix(docs=f"{writer.inputs:,}", tokens=f"{tokens:,}", refresh=False)
+  with _progress(f"tokenize {output.name}", progress) as bar:
+    try:
+      for chunk_tokens, lengths, size in _encoded_chunks(texts, tokenizer, workers, seconds):
+        started = time.perf_counter()
+        writer.write_many(chunk_tokens, lengths)
+        seconds["write"] += time.perf_counter() - started
+        tokens += chunk_tokens.size
+        text_bytes += size
+        if bar is not None:
+          bar.update(size)
+          bar.set_postfix(docs=f"{writer.inputs:,}", tokens=f"{tokens:,}", refresh=False)
+    except BaseException:
+      writer.abort()
+      raise
+    started = time.perf_counter()
+    writer.close()
+    seconds["write"] += time.perf_counter() - started - writer.hash_seconds
+  seconds["hash"] = writer.hash_seconds
+  if stage_seconds is not None:
+    for stage, value in seconds.items():
+      stage_seconds[stage] = stage_seconds.get(stage, 0.0) + value
   manifest = json.loads(manifest_path.read_text("utf-8"))
   return manifest, writer.resumed_shards, text_bytes
 
 
 def summarize(output: Path | str, manifest: dict[str, Any], *, resumed: int, bad_lines: int,
-              seconds: float, text_bytes: int, lengths: np.ndarray | None = None) -> Summary:
+              seconds: float, text_bytes: int, lengths: np.ndarray | None = None,
+              stages: dict[str, float] | None = None) -> Summary:
   """The run's `Summary`; `lengths` (document lengths) default to those of the dataset at
-  `output` (a local directory; a dataset at a URL passes its own)."""
+  `output` (a local directory, read without hashing its shards again: the writer hashed them as
+  it wrote them; a dataset at a URL passes its own). `stages`: `write_dataset`'s seconds by
+  stage, printed with the summary."""
   if lengths is None:
-    lengths = shards_lib.ShardSource(output).lengths
+    lengths = shards_lib.ShardSource(output, verify="never").lengths
   empty = lengths.size == 0
   return Summary(
       output=output, documents=int(lengths.size), tokens=int(lengths.sum()),
@@ -228,7 +293,8 @@ def summarize(output: Path | str, manifest: dict[str, Any], *, resumed: int, bad
       mean_length=0.0 if empty else float(lengths.mean()),
       median_length=0.0 if empty else float(np.median(lengths)),
       p99_length=0.0 if empty else float(np.percentile(lengths, 99)),
-      max_length=0 if empty else int(lengths.max()), seconds=seconds, text_bytes=text_bytes)
+      max_length=0 if empty else int(lengths.max()), seconds=seconds, text_bytes=text_bytes,
+      stages=stages)
 
 
 def resume_key(parts: dict[str, Any]) -> str:
