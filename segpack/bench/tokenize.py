@@ -15,8 +15,10 @@ reported, and the ratios are of those bests, measured side by side):
 - `segpack`: `python -m segpack tokenize --input FILE --output DIR --spm-model M` (or
   `--tokenizer hf:T`) with its default settings and `--no-progress`, timed from outside, start-up
   included: reading, encoding, writing shards, checksums and manifest. Its summary says how long
-  its main process spent reading, encoding (waiting for its workers), writing and hashing;
-  `other` is the rest: start-up, starting the workers, the summary;
+  its main process spent reading (cutting the input into parts, when its workers read them),
+  encoding (waiting for its workers), writing and hashing; `other` is the rest: start-up,
+  starting the workers, the summary. `worker_read` and `worker_encode` are its workers' seconds
+  reading and encoding, summed over the workers;
 - `before` (unless `--no-baseline`): the same command as it ran before it wrote whole chunks
   (`python -m segpack.bench.tokenize_baseline`, the same flags); its output directory is
   compared with segpack's file by file (`same_bytes`).
@@ -47,6 +49,7 @@ from typing import Any, Sequence
 import segpack
 from segpack.bench import tokenize_inputs
 from segpack.cli import errors
+from segpack.text import encode
 from segpack.text import spm as spm_lib
 from segpack.text.dataset import LOCK_NAME
 
@@ -60,7 +63,8 @@ _COLUMNS = (("tokenizer", "{}", 9), ("path", "{}", 11), ("seconds", "{:.2f}", 8)
             ("cpu_seconds", "{:.1f}", 11), ("mb_per_s", "{:.1f}", 8),
             ("m_tokens_per_s", "{:.2f}", 14), ("of_alone", "{:.1%}", 8), ("read", "{:.2f}", 6),
             ("encode", "{:.2f}", 6), ("write", "{:.2f}", 6), ("hash", "{:.2f}", 6),
-            ("other", "{:.2f}", 6), ("same_bytes", "{}", 10))
+            ("other", "{:.2f}", 6), ("worker_read", "{:.1f}", 11),
+            ("worker_encode", "{:.1f}", 13), ("same_bytes", "{}", 10))
 
 
 def _children_cpu() -> float:
@@ -159,7 +163,7 @@ def bench_kind(kind: str, tokenizer_file: str, corpus: dict[str, Any], *, work_d
       row.update(call=best["call"], alone_tokens=best["tokens"])
     if best.get("stages"):
       row.update(best["stages"])
-      row["other"] = best["seconds"] - sum(best["stages"].values())
+      row["other"] = best["seconds"] - sum(best["stages"].get(k, 0.0) for k in encode.STAGES)
     if p == "segpack" and same is not None:
       row["same_bytes"] = "yes" if same else "NO"
     rows.append(row)

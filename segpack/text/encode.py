@@ -33,7 +33,7 @@ import tqdm
 
 from segpack import shards as shards_lib
 from segpack.shards.format import OFFSET_DTYPE, load_manifest, read_manifest
-from segpack.text import tokenizer_spec
+from segpack.text import input_ranges, tokenizer_spec
 from segpack.text.inputs import InputFormatError
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "STAGES", "Summary", "chunk_texts", "counted", "file_identity",
@@ -100,9 +100,24 @@ def _worker_init(spec: str) -> None:
   _WORKER_TOKENIZER = tokenizer_spec.from_spec(spec)
 
 
-def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
   assert _WORKER_TOKENIZER is not None
-  return _flat(_WORKER_TOKENIZER.encode_batch(texts), _WORKER_TOKENIZER.dtype)
+  started = time.perf_counter()
+  tokens, lengths = _flat(_WORKER_TOKENIZER.encode_batch(texts), _WORKER_TOKENIZER.dtype)
+  return tokens, lengths, {"worker_encode": time.perf_counter() - started}
+
+
+def _worker_read_encode(job: tuple[input_ranges.Span, ...],
+                        read: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+  """A job of `input_ranges`: its parts read here, then encoded."""
+  assert _WORKER_TOKENIZER is not None
+  started = time.perf_counter()
+  got = input_ranges.read_job(job, read)
+  middle = time.perf_counter()
+  tokens, lengths = _flat(_WORKER_TOKENIZER.encode_batch(got.texts), _WORKER_TOKENIZER.dtype)
+  return tokens, lengths, {"worker_read": middle - started,
+                           "worker_encode": time.perf_counter() - middle,
+                           "text_bytes": got.text_bytes, "read": dataclasses.replace(got, texts=[])}
 
 
 def _flat(arrays: list[np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -141,37 +156,55 @@ def _timed(iterator: Iterator[Any], seconds: dict[str, float], stage: str) -> It
 
 
 def _encoded_chunks(
-    texts: Iterator[str], tokenizer: tokenizer_spec.Tokenizer, workers: int,
+    texts: Iterable[str], tokenizer: tokenizer_spec.Tokenizer, workers: int,
     seconds: dict[str, float],
 ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-  """`(tokens back to back, lengths, text bytes)` chunk by chunk, in input order; at most
-  2 * workers chunks in flight. Reading adds to `seconds["read"]`, encoding (or waiting for
-  it) to `seconds["encode"]`."""
-  chunks = _timed(chunk_texts(texts), seconds, "read")
+  """`(tokens back to back, lengths, text bytes)` chunk by chunk, in input order.
+
+  With workers, at most 2 * workers chunks are in flight; the workers read `RangedInputs` that
+  they can read themselves (`input_ranges`). Reading here adds to `seconds["read"]`, encoding
+  here (or waiting for the workers) to `seconds["encode"]`, and the workers' own reading and
+  encoding to `seconds["worker_read"]` and `seconds["worker_encode"]`.
+  """
   if workers <= 1:
-    for chunk, size in chunks:
+    for chunk, size in _timed(chunk_texts(iter(texts)), seconds, "read"):
       started = time.perf_counter()
       tokens, lengths = _flat(tokenizer.encode_batch(chunk), tokenizer.dtype)
       seconds["encode"] += time.perf_counter() - started
       yield tokens, lengths, size
     return
+  ranged = texts if isinstance(texts, input_ranges.RangedInputs) and texts.by_parts else None
+  if ranged is not None:
+    jobs = ((_worker_read_encode, (job, ranged.read), 0)
+            for job in _timed(ranged.jobs(), seconds, "read"))
+  else:
+    jobs = ((_worker_encode, (chunk,), size)
+            for chunk, size in _timed(chunk_texts(iter(texts)), seconds, "read"))
   ctx = multiprocessing.get_context("spawn")  # Safe even when JAX threads run in this process.
   with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.spec,)) as pool:
     pending: collections.deque = collections.deque()
-    for chunk, size in chunks:
-      pending.append((pool.apply_async(_worker_encode, (chunk,)), size))
+    for fn, args, size in jobs:
+      pending.append((pool.apply_async(fn, args), size))
       while len(pending) >= 2 * workers or (pending and pending[0][0].ready()):
-        yield _result(pending.popleft(), seconds)
+        yield _result(pending.popleft(), seconds, ranged)
     while pending:
-      yield _result(pending.popleft(), seconds)
+      yield _result(pending.popleft(), seconds, ranged)
+  if ranged is not None:
+    ranged.at_end()
 
 
-def _result(item: tuple[Any, int], seconds: dict[str, float]) -> tuple[np.ndarray, np.ndarray, int]:
-  """A worker's chunk when it is ready; the wait adds to `seconds["encode"]`."""
+def _result(item: tuple[Any, int], seconds: dict[str, float],
+            ranged: input_ranges.RangedInputs | None) -> tuple[np.ndarray, np.ndarray, int]:
+  """A worker's chunk when it is ready; the wait adds to `seconds["encode"]`, the worker's
+  seconds to its stages, a job's counts to `ranged`'s."""
   started = time.perf_counter()
-  tokens, lengths = item[0].get()
+  tokens, lengths, done = item[0].get()
   seconds["encode"] += time.perf_counter() - started
-  return tokens, lengths, item[1]
+  for stage in ("worker_read", "worker_encode"):
+    seconds[stage] = seconds.get(stage, 0.0) + done.get(stage, 0.0)
+  if ranged is not None:
+    ranged.account(done["read"])
+  return tokens, lengths, done.get("text_bytes", item[1])
 
 
 def _progress(desc: str, enabled: bool):
@@ -215,7 +248,8 @@ def write_dataset(
   """Tokenizes `texts` into a shard dataset at `output`, resuming an interrupted run.
 
   Args:
-    texts: the documents, in a deterministic order (a rerun must see the same stream).
+    texts: the documents, in a deterministic order (a rerun must see the same stream); an
+      `input_ranges.RangedInputs` that workers can read lets them read it themselves.
     output: dataset directory.
     tokenizer: the tokenizer (`tokenizer_spec.Tokenizer`; workers rebuild it from its `spec`).
     resume_key: identifies the inputs and settings; shards of an interrupted run with the same
@@ -229,8 +263,10 @@ def write_dataset(
       complete dataset made with another key, or with an unreadable manifest or missing or
       damaged files, raises InputFormatError (see `finished_dataset`).
     stage_seconds: when given, the seconds this process spent in each of `STAGES` are added to
-      it: reading the texts, encoding them (with workers: waiting for them), writing the shards
-      and the manifest, hashing the shards.
+      it: reading the texts (or, when workers read them, cutting the inputs into parts),
+      encoding them (with workers: waiting for them), writing the shards and the manifest,
+      hashing the shards; with workers also `worker_read` and `worker_encode`, the seconds
+      they spent reading and encoding, summed over the workers.
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
@@ -240,15 +276,16 @@ def write_dataset(
   finished = finished_dataset(output, resume_key, overwrite=overwrite)
   if finished is not None:
     return finished, len(finished["shards"]), 0
-  texts = iter(texts)
   metadata = dict(metadata or {}, tokenizer=tokenizer.describe())
   writer = shards_lib.ShardWriter(
       output, vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint,
       shard_tokens=shard_tokens, metadata=metadata, resume_key=resume_key)
-  for _ in range(writer.resumed_inputs):  # Documents already in kept shards.
-    if next(texts, None) is None:
-      raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
-                             f"documents but the input has fewer; rerun with --overwrite")
+  if writer.resumed_inputs:  # Documents already in kept shards, skipped here: read here.
+    texts = iter(texts)
+    for _ in range(writer.resumed_inputs):
+      if next(texts, None) is None:
+        raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
+                               f"documents but the input has fewer; rerun with --overwrite")
   seconds = dict.fromkeys(STAGES, 0.0)
   text_bytes = tokens = 0
   with _progress(f"tokenize {output.name}", progress) as bar:
