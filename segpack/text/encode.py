@@ -104,7 +104,12 @@ def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, dict[str, 
   assert _WORKER_TOKENIZER is not None
   started = time.perf_counter()
   tokens, lengths = _flat(_WORKER_TOKENIZER.encode_batch(texts), _WORKER_TOKENIZER.dtype)
-  return tokens, lengths, {"worker_encode": time.perf_counter() - started}
+  return tokens, lengths, {"worker_encode": time.perf_counter() - started, **_cpu()}
+
+
+def _cpu() -> dict[str, Any]:
+  """This worker's process id and CPU seconds so far (the run's summary adds them up)."""
+  return {"pid": os.getpid(), "cpu": time.process_time()}
 
 
 def _worker_read_encode(job: tuple[input_ranges.Span, ...],
@@ -117,7 +122,8 @@ def _worker_read_encode(job: tuple[input_ranges.Span, ...],
   tokens, lengths = _flat(_WORKER_TOKENIZER.encode_batch(got.texts), _WORKER_TOKENIZER.dtype)
   return tokens, lengths, {"worker_read": middle - started,
                            "worker_encode": time.perf_counter() - middle,
-                           "text_bytes": got.text_bytes, "read": dataclasses.replace(got, texts=[])}
+                           "text_bytes": got.text_bytes, "read": dataclasses.replace(got, texts=[]),
+                           **_cpu()}
 
 
 def _flat(arrays: list[np.ndarray], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -180,26 +186,43 @@ def _encoded_chunks(
   else:
     jobs = ((_worker_encode, (chunk,), size)
             for chunk, size in _timed(chunk_texts(iter(texts)), seconds, "read"))
-  ctx = multiprocessing.get_context("spawn")  # Safe even when JAX threads run in this process.
+  ctx = _context(tokenizer.spec)
+  cpu: dict[int, float] = {}
   with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.spec,)) as pool:
     pending: collections.deque = collections.deque()
     for fn, args, size in jobs:
       pending.append((pool.apply_async(fn, args), size))
       while len(pending) >= 2 * workers or (pending and pending[0][0].ready()):
-        yield _result(pending.popleft(), seconds, ranged)
+        yield _result(pending.popleft(), seconds, ranged, cpu)
     while pending:
-      yield _result(pending.popleft(), seconds, ranged)
+      yield _result(pending.popleft(), seconds, ranged, cpu)
+  seconds["worker_cpu"] = seconds.get("worker_cpu", 0.0) + sum(cpu.values())
   if ranged is not None:
     ranged.at_end()
 
 
+def _context(spec: str) -> Any:
+  """Where workers come from: forked from a server process that started clean and imported this
+  module (and the tokenizer's library) once (`forkserver`): safe even when JAX threads run in
+  this process, and each worker starts in milliseconds instead of importing it all again, as a
+  `spawn`ed one does (the fallback where there is no forkserver)."""
+  if "forkserver" not in multiprocessing.get_all_start_methods():
+    return multiprocessing.get_context("spawn")
+  ctx = multiprocessing.get_context("forkserver")
+  kind, _ = tokenizer_spec.split_spec(spec)
+  ctx.set_forkserver_preload([__name__] + (["tokenizers"] if kind == "hf" else []))
+  return ctx
+
+
 def _result(item: tuple[Any, int], seconds: dict[str, float],
-            ranged: input_ranges.RangedInputs | None) -> tuple[np.ndarray, np.ndarray, int]:
+            ranged: input_ranges.RangedInputs | None,
+            cpu: dict[int, float]) -> tuple[np.ndarray, np.ndarray, int]:
   """A worker's chunk when it is ready; the wait adds to `seconds["encode"]`, the worker's
-  seconds to its stages, a job's counts to `ranged`'s."""
+  seconds to its stages, its CPU seconds so far to `cpu`, a job's counts to `ranged`'s."""
   started = time.perf_counter()
   tokens, lengths, done = item[0].get()
   seconds["encode"] += time.perf_counter() - started
+  cpu[done["pid"]] = done["cpu"]
   for stage in ("worker_read", "worker_encode"):
     seconds[stage] = seconds.get(stage, 0.0) + done.get(stage, 0.0)
   if ranged is not None:
@@ -266,7 +289,8 @@ def write_dataset(
       it: reading the texts (or, when workers read them, cutting the inputs into parts),
       encoding them (with workers: waiting for them), writing the shards and the manifest,
       hashing the shards; with workers also `worker_read` and `worker_encode`, the seconds
-      they spent reading and encoding, summed over the workers.
+      they spent reading and encoding, summed over the workers, and `worker_cpu`, their CPU
+      seconds (start-up included).
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
