@@ -292,8 +292,8 @@ class Draw:
 
 
 # Host bytes per drawn document of one mixture epoch, draw and plan together (docs/benchmarks.md,
-# "Mixtures": about 10 for the draw and 25 at the plan's peak), rounded up.
-BYTES_PER_DRAWN_DOCUMENT = 40
+# "Mixtures": the draw keeps 9 and peaks at 10, the plan adds 12.4 at its peak), with room.
+BYTES_PER_DRAWN_DOCUMENT = 32
 
 
 def _physical_memory() -> int:
