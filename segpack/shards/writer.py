@@ -225,6 +225,8 @@ class ShardWriter:
       raise ValueError(f"{where}: write_many() takes no loss masks; write each document with "
                        f"write(doc, loss_mask=...)")
     data, lengths = np.asarray(tokens), np.asarray(lengths)
+    if lengths.size == 0:
+      lengths = lengths.astype(np.int64)  # `[]` is float64 to NumPy
     if data.ndim != 1 or not (data.dtype.kind in "iu" or data.size == 0):
       raise TypeError(f"{where}: write_many() needs a 1-D integer array of tokens, got dtype "
                       f"{data.dtype} shape {data.shape}")
