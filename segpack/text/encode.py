@@ -2,10 +2,12 @@
 
 `write_dataset` streams texts through a tokenizer (SentencePiece or a Hugging Face tokenizer.json,
 see `tokenizer_spec`; in `workers` processes that rebuild it from its `spec`, chunks of about 1 MB
-kept in input order) into a `segpack.shards.ShardWriter`. A worker sends a chunk back as one
-array of its documents' ids back to back and their lengths, which the writer appends a shard's
-part at a time (`ShardWriter.write_many`), so the parent's work per document is a few integers
-while it reads the next texts. The document stream is deterministic,
+kept in input order) into a `segpack.shards.ShardWriter`. The workers are forked from a
+server process that imported this module once (`_context`); they read plain `.jsonl` inputs
+themselves, a byte range at a time (`input_ranges`), and send each chunk back as one array of
+its documents' ids back to back with their lengths, which the writer appends a shard's part at
+a time (`ShardWriter.write_many`), hashing as it writes. The main process thus only cuts the
+inputs, writes and hashes while the workers encode. The document stream is deterministic,
 and each finished shard records the range of input documents it holds: a rerun with the same
 inputs and settings (the same `resume_key`) keeps the finished shards, skips their input
 documents without tokenizing them, and redoes the rest; a finished dataset with the same key is
@@ -290,7 +292,7 @@ def write_dataset(
       encoding them (with workers: waiting for them), writing the shards and the manifest,
       hashing the shards; with workers also `worker_read` and `worker_encode`, the seconds
       they spent reading and encoding, summed over the workers, and `worker_cpu`, their CPU
-      seconds (start-up included).
+      seconds since they started.
 
   Returns:
     (manifest, shards kept from an earlier run, UTF-8 bytes of text tokenized in this run).
