@@ -34,7 +34,9 @@ Prints a table (or JSON with `--json`). Sections:
   `MapDataset.mix` (weights of documents) then `FirstFitPackIterDataset` (`--grain-bins`): the
   token share of each source in the packed rows and tokens/s, and segpack on the same documents.
   It runs when `--sections` names it (10M documents per source unless `--mixture-docs` says
-  otherwise) or when `--mixture-docs` is given.
+  otherwise) or when `--mixture-docs` is given. The peak RSS of the draw and of the plan are
+  measured apart (per drawn document); `--mixture-before` adds, after each segpack row, the
+  draw as it was before (`segpack.bench.mixture_baseline`) with the same plan.
 """
 
 from __future__ import annotations
@@ -149,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--mixture-grain-docs", type=errors.at_least(0), default=100_000,
                   help="documents per source for Grain's mix and packer in the mixture section, "
                        "and for segpack beside it (0: segpack alone)")
+  ap.add_argument("--mixture-before", action="store_true",
+                  help="mixture: after each segpack row, the draw as it was before "
+                       "(segpack.bench.mixture_baseline), in a fresh process of its own")
   ap.add_argument("--sections", default=None,
                   help="comma-separated sections to run (plan,grain,load,builtin,balance,repack,"
                        "scale,mixture); default: every section whose size is not 0 (mixture "
@@ -199,7 +204,8 @@ def run_sections(args: argparse.Namespace, strategies: Sequence[str]) -> list[di
                                mean=args.mean, sigma=args.sigma))
   if args.mixture_docs:
     results += bench_mixture(args.mixture_docs, grain_docs=args.mixture_grain_docs,
-                             sigma=args.sigma, seq_len=args.seq_len, num_bins=args.grain_bins)
+                             sigma=args.sigma, seq_len=args.seq_len, num_bins=args.grain_bins,
+                             before=args.mixture_before)
   return results
 
 

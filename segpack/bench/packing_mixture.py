@@ -30,6 +30,7 @@ import grain.experimental as gexp
 import numpy as np
 
 from segpack import packing
+from segpack.bench.mixture_baseline import draw_before
 from segpack.bench.packing_sections import lognormal_lengths
 from segpack.data.mixture import Mixture, MixtureDraws, MixtureSource
 
@@ -70,56 +71,87 @@ def _rss_bytes() -> int:
     return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def mixture_child(num_docs: int, sigma: float, seq_len: int) -> dict[str, Any]:
-  """Draws and plans mixture epoch 0 of `mixture_sources(num_docs)` in this (fresh) process.
+def _peak_bytes() -> int:
+  """This process's peak resident set size since it started or since `_reset_peak`."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> bool:
+  """Starts a new peak RSS from the current RSS (Linux: `5` into `/proc/self/clear_refs`);
+  False where the system cannot."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+  except OSError:
+    return False
+  return True
+
+
+def mixture_child(num_docs: int, sigma: float, seq_len: int,
+                  before: bool = False) -> dict[str, Any]:
+  """Draws and plans mixture epoch 0 of `mixture_sources(num_docs)` in this (fresh) process;
+  `before`: drawn as before (`segpack.bench.mixture_baseline.draw_before`).
 
   Returns:
     seconds (draw, plan, CPU), the realized tokens and share per source, rows, utilization, the
-    plan's bytes, and the RSS once the sources exist (`input_rss`) and at its peak.
+    plan's bytes, the RSS once the sources exist (`input_rss`) and after the draw, the peak RSS
+    of the draw and of the plan (each from the RSS it started at; `peaks_apart` False where the
+    peak cannot be reset, then both are the process's peak) and the process's peak.
   """
   sources = mixture_sources(num_docs, sigma=sigma)
   mixture = Mixture(sources=tuple(
       MixtureSource(name=f"mean {mean:g}", source=s, weight=w)
       for mean, s, w in zip(MIXTURE_MEANS, sources, MIXTURE_WEIGHTS)))
   draws = MixtureDraws(mixture, seed=0, fn="bench mixture")
-  input_rss = _rss_bytes()
+  input_rss, start_peak = _rss_bytes(), _peak_bytes()
+  apart = _reset_peak()
   c0, t0 = time.process_time(), time.perf_counter()
-  draw = draws.draw(0)
+  draw = draw_before(draws, 0) if before else draws.draw(0)
   t1 = time.perf_counter()
+  draw_peak, draw_rss = _peak_bytes(), _rss_bytes()
+  apart = apart and _reset_peak()
+  t2 = time.perf_counter()
   p = packing.plan(draw.documents.lengths, seq_len, strategy="ffd", extra_tokens=2)
-  t2, c2 = time.perf_counter(), time.process_time()
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  t3, c3 = time.perf_counter(), time.process_time()
+  plan_peak = _peak_bytes()
   s = p.stats
-  return {"draw_seconds": t1 - t0, "plan_seconds": t2 - t1, "seconds": t2 - t0,
-          "cpu_seconds": c2 - c0, "drawn_documents": len(draw.documents),
+  return {"draw_seconds": t1 - t0, "plan_seconds": t3 - t2, "seconds": (t1 - t0) + (t3 - t2),
+          "cpu_seconds": c3 - c0, "drawn_documents": len(draw.documents),
           "source_tokens": [int(n.sum()) for n in draws.lengths],
           "realized_tokens": draw.tokens.tolist(),
           "shares": (draw.tokens / draw.tokens.sum()).tolist(),
           "min_repeats": draw.min_repeats.tolist(), "max_repeats": draw.max_repeats.tolist(),
           "rows": p.num_rows, "lower_bound": s["lower_bound"], "utilization": s["utilization"],
           "dropped": s["dropped"], "tokens": int(draw.tokens.sum()), "plan_bytes": p.nbytes,
-          "peak_rss": peak, "input_rss": input_rss}
+          "peak_rss": max(start_peak, draw_peak, plan_peak), "input_rss": input_rss,
+          "draw_peak_rss": draw_peak, "draw_rss": draw_rss, "plan_peak_rss": plan_peak,
+          "peaks_apart": apart}
 
 
-def bench_mixture_segpack(num_docs: int, *, sigma: float, seq_len: int) -> dict[str, Any]:
+def bench_mixture_segpack(num_docs: int, *, sigma: float, seq_len: int,
+                          before: bool = False) -> dict[str, Any]:
   """`mixture_child` in a fresh process (its peak RSS is the draw's and the plan's)."""
   code = ("import json, sys; from segpack.bench.packing_mixture import mixture_child; "
           "print(json.dumps(mixture_child(int(sys.argv[1]), float(sys.argv[2]), "
-          "int(sys.argv[3]))))")
+          "int(sys.argv[3]), sys.argv[4] == '1')))")
   out = subprocess.run([sys.executable, "-c", code, str(num_docs), repr(float(sigma)),
-                        str(seq_len)], check=True, capture_output=True, text=True)
+                        str(seq_len), str(int(before))], check=True, capture_output=True,
+                       text=True)
   r = json.loads(out.stdout.strip().splitlines()[-1])
-  n = 3 * num_docs
-  return {"section": "mixture", "data": _label(num_docs, sigma), "case": "segpack draw + ffd",
+  n, drawn = 3 * num_docs, r["drawn_documents"]
+  return {"section": "mixture", "data": _label(num_docs, sigma),
+          "case": "before: draw + ffd" if before else "segpack draw + ffd",
           "documents": n, "seq_len": seq_len, "sigma": sigma, "weights": list(MIXTURE_WEIGHTS),
           **r,
           "tokens_per_s": r["tokens"] / r["seconds"],
           "rows_over_bound": r["rows"] / r["lower_bound"],
-          "bytes_per_doc": r["plan_bytes"] / r["drawn_documents"],
+          "bytes_per_doc": r["plan_bytes"] / drawn,
           "peak_bytes_per_doc": r["peak_rss"] / n,
-          "peak_bytes_per_drawn_doc": r["peak_rss"] / r["drawn_documents"],
-          "peak_over_input_bytes_per_drawn_doc":
-              (r["peak_rss"] - r["input_rss"]) / r["drawn_documents"]}
+          "peak_bytes_per_drawn_doc": r["peak_rss"] / drawn,
+          "peak_over_input_bytes_per_drawn_doc": (r["peak_rss"] - r["input_rss"]) / drawn,
+          "draw_peak_bytes_per_drawn_doc": (r["draw_peak_rss"] - r["input_rss"]) / drawn,
+          "plan_peak_bytes_per_drawn_doc": (r["plan_peak_rss"] - r["draw_rss"]) / drawn,
+          "draw_bytes_per_drawn_doc": (r["draw_rss"] - r["input_rss"]) / drawn}
 
 
 def _label(num_docs: int, sigma: float) -> str:
@@ -173,15 +205,19 @@ def bench_mixture_grain(num_docs: int, *, sigma: float, seq_len: int,
 
 
 def bench_mixture(num_docs: int, *, grain_docs: int, sigma: float, seq_len: int,
-                  num_bins: int) -> list[dict[str, Any]]:
+                  num_bins: int, before: bool = False) -> list[dict[str, Any]]:
   """The section's rows: segpack and Grain on `grain_docs` documents per source (when not 0),
-  then segpack on `num_docs` per source."""
+  then segpack on `num_docs` per source; with `before`, each segpack row is followed by the
+  draw as it was before (`mixture_baseline`), run right after it."""
   out = []
-  if grain_docs:
-    out.append(bench_mixture_segpack(grain_docs, sigma=sigma, seq_len=seq_len))
-    out.append(bench_mixture_grain(grain_docs, sigma=sigma, seq_len=seq_len, num_bins=num_bins))
-  if num_docs != grain_docs or not grain_docs:
-    out.append(bench_mixture_segpack(num_docs, sigma=sigma, seq_len=seq_len))
+  sizes = ([grain_docs] if grain_docs else []) + (
+      [num_docs] if num_docs != grain_docs or not grain_docs else [])
+  for size in sizes:
+    out.append(bench_mixture_segpack(size, sigma=sigma, seq_len=seq_len))
+    if before:
+      out.append(bench_mixture_segpack(size, sigma=sigma, seq_len=seq_len, before=True))
+    if size == grain_docs:
+      out.append(bench_mixture_grain(size, sigma=sigma, seq_len=seq_len, num_bins=num_bins))
   return out
 
 
@@ -198,14 +234,17 @@ def mixture_notes(results: list[dict[str, Any]]) -> list[str]:
     head = (f"mixture ({r['data']}, sigma {r['sigma']:g}, weights {_shares(r['weights'])}, means "
             f"{' / '.join(f'{m:g}' for m in MIXTURE_MEANS)}), {r['case']}: token shares "
             f"{_shares(r['shares'])}; {r['rows']:,} rows, utilization {r['utilization']:.4f}; ")
-    if r["case"].startswith("segpack"):
+    if r["case"].startswith(("segpack", "before")):
       notes.append(
           head + f"{r['drawn_documents']:,} documents drawn, draw {r['draw_seconds']:.3f} s + "
           f"plan {r['plan_seconds']:.3f} s = {r['seconds']:.3f} s ({r['cpu_seconds']:.2f} s "
           f"CPU), {r['tokens_per_s']:,.0f} tokens/s planned; peak RSS of a fresh process "
           f"{r['peak_rss'] / 2**20:,.0f} MB = {r['peak_bytes_per_doc']:.1f} B per source "
           f"document, {r['peak_bytes_per_drawn_doc']:.1f} B per drawn document "
-          f"({r['peak_over_input_bytes_per_drawn_doc']:.1f} B over the sources in memory)")
+          f"({r['peak_over_input_bytes_per_drawn_doc']:.1f} B over the sources in memory); per "
+          f"drawn document: the draw's peak {r['draw_peak_bytes_per_drawn_doc']:.1f} B (it keeps "
+          f"{r['draw_bytes_per_drawn_doc']:.1f} B), the plan's peak over it "
+          f"{r['plan_peak_bytes_per_drawn_doc']:.1f} B, the plan {r['bytes_per_doc']:.1f} B")
     else:
       notes.append(
           head + f"one pass of the mix, {r['mixed_documents']:,} documents (Grain weights "

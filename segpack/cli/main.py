@@ -2,36 +2,37 @@
 
   segpack tokenize --input builtin --output data/builtin     # text to a shard dataset
   segpack stats --data data/builtin/train --compare           # packing statistics
-  segpack bench packing | attention | gpu-report [--json]    # benchmarks
+  segpack bench packing | attention | tokenize | gpu-report [--json]    # benchmarks
 
-Each subcommand takes the flags of its module's `main` (`segpack tokenize --help`).
+Each subcommand takes the flags of its module's `main` (`segpack tokenize --help`). A
+subcommand's module is imported only when it runs, so `segpack tokenize` starts without JAX and
+Grain, which only the benchmarks and `stats` need.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from segpack.bench import attention as bench_attention
-from segpack.bench import gpu_report as bench_gpu_report
-from segpack.bench import packing as bench_packing
 from segpack import errors
-from segpack.cli import stats as stats_cli
-from segpack.cli import tokenize as tokenize_cli
 
 __all__ = ["COMMANDS", "BENCHMARKS", "main"]
 
-# name -> (entry point taking argv, one-line help)
-COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "tokenize": (tokenize_cli.main, "tokenize text into a shard dataset (docs/format.md)"),
-    "stats": (stats_cli.main, "packing statistics of a dataset; --compare for every strategy"),
+# name -> (module whose `main(argv)` runs it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "tokenize": ("segpack.cli.tokenize", "tokenize text into a shard dataset (docs/format.md)"),
+    "stats": ("segpack.cli.stats", "packing statistics of a dataset; --compare for every planner"),
 }
-BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "packing": (bench_packing.main, "planning speed and quality, Grain's packers, loading"),
-    "attention": (bench_attention.main, "tiles computed vs dense vs ideal; GPU times on a GPU"),
-    "gpu-report": (bench_gpu_report.main, "on a GPU: every backend vs a float32 reference, "
-                                          "timings, one JSON file"),
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "packing": ("segpack.bench.packing", "planning speed and quality, Grain's packers, loading"),
+    "attention": ("segpack.bench.attention",
+                  "tiles computed vs dense vs ideal; GPU times on a GPU"),
+    "tokenize": ("segpack.bench.tokenize", "segpack tokenize against the tokenizer alone, and "
+                                           "where its time goes"),
+    "gpu-report": ("segpack.bench.gpu_report", "on a GPU: every backend vs a float32 reference, "
+                                               "timings, one JSON file"),
 }
 
 
@@ -54,9 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   errors as `segpack.errors` says)."""
   # The subcommand's own flags are left unparsed here and handed to its `main`, which checks them.
   args, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else list(argv))
-  if args.command == "bench":
-    return BENCHMARKS[args.benchmark][0](rest)
-  return COMMANDS[args.command][0](rest)
+  module = (BENCHMARKS[args.benchmark] if args.command == "bench" else COMMANDS[args.command])[0]
+  return importlib.import_module(module).main(rest)
 
 
 if __name__ == "__main__":

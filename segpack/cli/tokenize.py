@@ -110,12 +110,23 @@ def join_beam_options(argv: Sequence[str]) -> list[str]:
   return out
 
 
+def _say_segpack_lines() -> None:
+  """segpack's log lines from INFO up on stderr, as `segpack tokenize: ...`; other libraries'
+  (Beam logs to the root logger) keep Python's default: warnings and errors, as they are."""
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter("segpack tokenize: %(message)s"))
+  ours = logging.getLogger("segpack")
+  if not ours.handlers:
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+
+
 @errors.command("segpack tokenize")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
   args = _parser().parse_args(join_beam_options(sys.argv[1:] if argv is None else argv))
   if not logging.getLogger().handlers:
-    logging.basicConfig(level=logging.INFO, format="segpack tokenize: %(message)s")
+    _say_segpack_lines()
   if args.runner == "beam":  # Beam logs every stage at INFO.
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
   try:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from segpack.data import subset
+from segpack.data import mixture_draw, subset
 from segpack.data.options import PipelineConfigError
 from segpack.data.sources import document_lengths, open_source
 
@@ -45,12 +45,14 @@ class Mixture:
   Algorithm of mixture epoch `e` (`T` = `tokens_per_epoch`, default all tokens of all sources;
   `w_i` the normalized weights):
 
-  1. Source `i` must give `T_i = w_i * T` tokens. Its documents are drawn in the order of a
-     permutation seeded by `(seed, e, i, 0)`; a source that must give more than it holds goes on
-     with a fresh permutation `(seed, e, i, 1)`, and so on, so within one epoch the repetition
-     counts of its documents differ by at most one.
-  2. Documents are drawn until the source's tokens reach `T_i`: it gives at most one document's
-     length more than its target.
+  1. Source `i` must give `T_i = w_i * T` tokens. While it must give more than it holds, it
+     gives every document once (a whole cycle) and goes on with the rest, so within one epoch
+     the repetition counts of its documents differ by at most one.
+  2. Its last cycle (after `F` whole ones) draws documents in the order of the permutation
+     `default_rng([seed, e, i, F]).permutation(N_i)` until the source's tokens reach `T_i`: it
+     gives at most one document's length more than its target. Whole cycle `c` gives its
+     documents in an order of its own, from that permutation and `(seed, e, i, c)`
+     (`segpack.data.mixture_draw`).
   3. One exact global plan (`pack_dataset`'s strategy) packs all the drawn documents of all the
      sources together; the next epoch draws and plans anew.
 
@@ -290,8 +292,8 @@ class Draw:
 
 
 # Host bytes per drawn document of one mixture epoch, draw and plan together (docs/benchmarks.md,
-# "Mixtures": about 40 for the draw and 11 for the plan), rounded up.
-BYTES_PER_DRAWN_DOCUMENT = 64
+# "Mixtures": the draw keeps 9 and peaks at 10, the plan adds 12.4 at its peak), with room.
+BYTES_PER_DRAWN_DOCUMENT = 32
 
 
 def _physical_memory() -> int:
@@ -377,45 +379,29 @@ class MixtureDraws:
             f"(tokenizer {fingerprint}) were tokenized differently; all sources need one "
             f"tokenizer")
 
-  def _draw_source(self, i: int, epoch: int) -> tuple[np.ndarray, int, int, int]:
-    """Source `i`'s draw in `epoch` (steps 1 and 2): `(ids in draw order, tokens, fewest and
-    most repeats of a document)`. Whole permutations are taken without reading their lengths;
-    only the last, partial one is summed."""
-    lengths = self.lengths[i]
-    total = int(self.total_tokens[i])
-    remaining = float(self.targets[i])
-    parts, cycle, tokens = [], 0, 0
-    while remaining > 0:
-      perm = np.random.default_rng([self.seed, int(epoch), i, cycle]).permutation(lengths.size)
-      if total < remaining:
-        parts.append(perm)
-        remaining -= total
-        tokens += total
-        cycle += 1
-        continue
-      cum = np.cumsum(lengths[perm])
-      take = int(np.searchsorted(cum, remaining, side="left")) + 1
-      parts.append(perm[:take])
-      tokens += int(cum[take - 1])
-      partial = take
-      break
-    else:
-      partial = 0
-    full = cycle  # whole permutations: every document that many times, plus the partial one
-    fewest = full + (1 if partial == lengths.size else 0)
-    most = full + (1 if 0 < partial else 0)
-    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return ids, tokens, fewest, most
-
   def draw(self, epoch: int) -> Draw:
-    """The documents of mixture epoch `epoch` (a pure function of the seed and the epoch)."""
-    draws = [self._draw_source(i, epoch) for i in range(len(self.sources))]
-    ids = [d[0] for d in draws]
+    """The documents of mixture epoch `epoch` (a pure function of the seed and the epoch),
+    drawn source by source (`segpack.data.mixture_draw`) into arrays made for the whole epoch:
+    ids and lengths int32 where they fit, the source index in the smallest unsigned type."""
+    bounds = [(mixture_draw.cycles(int(total), float(target))[0] + 1) * lengths.size
+              for total, target, lengths in zip(self.total_tokens, self.targets, self.lengths)]
+    room = sum(bounds)  # at most this many: entries past the draw are never written (or paid)
+    ids = np.empty(room, mixture_draw.index_dtype(max(x.size for x in self.lengths)))
+    big = max(int(x.max()) for x in self.lengths) >= 2**31
+    lengths = np.empty(room, np.int64 if big else np.int32)
+    which = np.empty(room, np.min_scalar_type(len(self.sources) - 1))
+    pos, drawn = 0, []
+    for i, source_lengths in enumerate(self.lengths):
+      count, tokens, fewest, most = mixture_draw.draw_source(
+          source_lengths, entropy=[self.seed, int(epoch), i], target=float(self.targets[i]),
+          ids_out=ids[pos:], lengths_out=lengths[pos:])
+      which[pos:pos + count] = i
+      pos += count
+      drawn.append((tokens, fewest, most))
     documents = subset.DocumentSubset(
-        self.sources, ids=np.concatenate(ids),
-        parent_index=np.repeat(np.arange(len(ids)), [d.size for d in ids]),
+        self.sources, ids=ids[:pos], parent_index=which[:pos], lengths=lengths[:pos],
         name=f"mixture-epoch-{epoch}")
-    return Draw(documents=documents, tokens=np.asarray([d[1] for d in draws], np.int64),
+    return Draw(documents=documents, tokens=np.asarray([d[0] for d in drawn], np.int64),
                 targets=self.targets.copy(),
-                min_repeats=np.asarray([d[2] for d in draws], np.int64),
-                max_repeats=np.asarray([d[3] for d in draws], np.int64))
+                min_repeats=np.asarray([d[1] for d in drawn], np.int64),
+                max_repeats=np.asarray([d[2] for d in drawn], np.int64))

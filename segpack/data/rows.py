@@ -64,7 +64,7 @@ class RowBuilder:
       source: random-access sequence of 1-D integer arrays (`source[d]` = tokens of document d).
       plan: the packing plan (its `seq_len`, `overlap` and arrays are read).
       special: BOS/EOS/padding ids.
-      doc_lengths: int64 `[num_docs]` token counts of the source documents.
+      doc_lengths: int32 or int64 `[num_docs]` token counts of the source documents.
       loss_mask: apply the source's per-token loss mask (`source.loss_mask(d)`, 1 = trained) to
         the labels.
       doc_sources: None, or int `[num_docs]`: the mixture source of every document; then rows
@@ -74,7 +74,9 @@ class RowBuilder:
     self._mask_reader = make_mask_reader(source) if loss_mask else None
     self._plan = plan
     self._special = special
-    self._doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+    lengths = np.asarray(doc_lengths)  # int32 lengths (a mixture's draw) are kept, not widened
+    self._doc_lengths = lengths if lengths.dtype in (np.int32, np.int64) else lengths.astype(
+        np.int64)
     self._doc_sources = None if doc_sources is None else np.asarray(doc_sources, np.int32)
     self._views: Plan | None = None
 
@@ -220,7 +222,7 @@ class RowBuilder:
     """Writes each piece's slots (BOS, a slice of the document, EOS) into `out` at its offset."""
     special = self._special
     bos = int(special.add_bos)
-    doc_len_P = self._doc_lengths[doc_P]
+    doc_len_P = self._doc_lengths[doc_P].astype(np.int64)
     token_lo_P = np.maximum(start_P - bos, 0)
     token_hi_P = np.minimum(start_P + length_P - bos, doc_len_P)
     dst_P = offset_P + (start_P < bos)  # a BOS slot comes first
@@ -237,7 +239,7 @@ class RowBuilder:
     document's last token) into `out` at its offset."""
     assert self._mask_reader is not None
     bos = int(self._special.add_bos)
-    doc_len_P = self._doc_lengths[doc_P]
+    doc_len_P = self._doc_lengths[doc_P].astype(np.int64)
     token_lo_P = np.maximum(start_P - bos, 0)
     token_hi_P = np.minimum(start_P + length_P - bos, doc_len_P)
     self._mask_reader.copy(out, doc_P, token_lo_P, token_hi_P, offset_P + (start_P < bos))

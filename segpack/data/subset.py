@@ -47,6 +47,20 @@ def held_out_mask(num_docs: int, *, share: float, salt: int = 0) -> np.ndarray:
   return (x & np.uint64((1 << _HASH_BITS) - 1)) < np.uint64(int(share * (1 << _HASH_BITS)))
 
 
+def _integers(values: Any) -> np.ndarray:
+  """`values` as a 1-D array, its integer dtype kept (int32 ids take half of int64's memory);
+  anything else as int64."""
+  array = np.asarray(values)
+  return array if array.dtype.kind in "iu" else array.astype(np.int64)
+
+
+def _group_bounds(parent_index: np.ndarray, parents: int) -> list[int]:
+  """Where each parent's documents start in a `parent_index` sorted by parent, and its end
+  (searched in the array's own dtype: a uint8 index is not widened to int64 to search it)."""
+  values = np.arange(parents).astype(parent_index.dtype)
+  return np.searchsorted(parent_index, values).tolist() + [int(parent_index.size)]
+
+
 class DocumentSubset:
   """Documents `ids` of a parent source (or of several), as documents `0 .. len(ids) - 1`.
 
@@ -60,17 +74,34 @@ class DocumentSubset:
   `src.lengths[[4, 1]]`; `DocumentSubset([a, b], ids=[0, 0], parent_index=[1, 0])[0]` is `b[0]`.
   """
 
-  def __init__(self, parent: Any, *, ids: Any, name: str, parent_index: Any = None):
+  def __init__(self, parent: Any, *, ids: Any, name: str, parent_index: Any = None,
+               lengths: Any = None):
+    """A subset of `parent` (a source, or a list of sources with `parent_index`).
+
+    Args:
+      parent: a source, or the list of sources that `parent_index` picks from.
+      ids: the parent document of every subset document, any integer dtype (kept).
+      name: names the subset (in its fingerprint and repr).
+      parent_index: with a list of parents, the parent of every subset document (any integer
+        dtype, kept).
+      lengths: the documents' lengths when the caller has them already (a mixture's draw
+        gathers them as it draws), kept in their integer dtype; None: read from the parents.
+    """
     many = parent_index is not None
     self.parents = [open_source(p, fn="DocumentSubset") for p in (parent if many else [parent])]
     self.parent = self.parents[0]
-    self.parent_ids = np.asarray(ids, dtype=np.int64)
-    self.parent_index = (np.asarray(parent_index, dtype=np.int64) if many
+    self.parent_ids = _integers(ids)
+    self.parent_index = (_integers(parent_index) if many
                          else np.zeros(self.parent_ids.size, dtype=np.int64))
     self.name = name
-    self.lengths = np.zeros(self.parent_ids.size, dtype=np.int64)
+    given = lengths is not None
+    self.lengths = _integers(lengths) if given else np.zeros(self.parent_ids.size, np.int64)
+    if not self.lengths.shape == self.parent_index.shape == self.parent_ids.shape:
+      raise PipelineConfigError(
+          f"DocumentSubset: ids {self.parent_ids.shape}, parent_index {self.parent_index.shape} "
+          f"and lengths {self.lengths.shape} must have one entry per document")
     grouped = not many or bool(np.all(self.parent_index[1:] >= self.parent_index[:-1]))
-    bounds = np.searchsorted(self.parent_index, np.arange(len(self.parents) + 1)) if grouped else None
+    bounds = _group_bounds(self.parent_index, len(self.parents)) if grouped else None
     for k, p in enumerate(self.parents):
       parent_lengths = document_lengths(p, fn="DocumentSubset")
       # Documents grouped by parent (a mixture's draw) are slices; others need a mask.
@@ -80,7 +111,8 @@ class DocumentSubset:
         raise PipelineConfigError(
             f"DocumentSubset: ids of parent {k} must be in [0, {parent_lengths.size}), got "
             f"[{ids_k.min()}, {ids_k.max()}]")
-      self.lengths[where] = parent_lengths[ids_k]
+      if not given:
+        self.lengths[where] = parent_lengths[ids_k]
     self._fingerprint: str | None = None
     for attr in ("path", "manifest", "vocab_size", "bos_id", "eos_id", "tokenizer",
                  "tokenizer_fingerprint"):
@@ -95,9 +127,10 @@ class DocumentSubset:
       prints = [getattr(p, "fingerprint", None) for p in self.parents]
       if None in prints:
         return None
-      self._fingerprint = hashlib.sha256(
-          f"{'|'.join(map(str, prints))}|{self.name}|".encode() + self.parent_ids.tobytes()
-          + self.parent_index.tobytes()).hexdigest()[:32]
+      self._fingerprint = hashlib.sha256(  # the ids as int64, whatever their dtype here
+          f"{'|'.join(map(str, prints))}|{self.name}|".encode()
+          + self.parent_ids.astype(np.int64, copy=False).tobytes()
+          + self.parent_index.astype(np.int64, copy=False).tobytes()).hexdigest()[:32]
     return self._fingerprint
 
   @property

@@ -150,8 +150,9 @@ class SubsetReader:
 
   def __init__(self, parent_readers: list[Any], parent_index: np.ndarray, parent_ids: np.ndarray):
     self._parents = parent_readers
-    self._which = np.asarray(parent_index, dtype=np.int64)
-    self._ids = np.asarray(parent_ids, dtype=np.int64)
+    # Kept in their own integer dtypes: a mixture's draw holds int32 ids and a uint8 source.
+    self._which = np.asarray(parent_index)
+    self._ids = np.asarray(parent_ids)
 
   def copy(self, out: np.ndarray, doc_P: np.ndarray, lo_P: np.ndarray, hi_P: np.ndarray,
            dst_P: np.ndarray) -> None:

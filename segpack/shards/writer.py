@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,11 @@ class ShardWriter:
   With `loss_mask=True` every `write` also takes a per-token mask (1 = the token is trained as a
   target, 0 = not), streamed to `shard-NNNNN.mask` (uint8) beside the token file: writing
   [5, 6, 7] with mask [0, 1, 1] adds the bytes 00 01 01.
+
+  `write_many(tokens, lengths)` appends many documents given back to back in one array and
+  writes the same files as `write` of each: the example above is `write_many([5, 6, 7, 8, 9, 1],
+  [3, 0, 2, 1])`. It writes, checks and hashes each shard's part of the array at once.
+  `hash_seconds` is the time spent hashing so far.
   """
 
   def __init__(
@@ -95,6 +101,7 @@ class ShardWriter:
     self._max_token = 0
     self._shard_input_start = 0
     self._shard_skipped = 0
+    self.hash_seconds = 0.0
     self._prepare_directory()
     self.resumed_inputs = self.inputs
     self.resumed_shards = len(self._records)
@@ -190,7 +197,9 @@ class ShardWriter:
     self._max_token = max(self._max_token, hi)
     data = doc.astype(self.dtype, copy=False).tobytes()
     self._open_shard[0].write(data)
+    started = time.perf_counter()
     self._hash.update(data)
+    self.hash_seconds += time.perf_counter() - started
     if mask is not None:
       if self._open_mask is None:
         tmp = self.path / f"{mask_name(len(self._records))}.writing.tmp"
@@ -201,6 +210,71 @@ class ShardWriter:
     self._offsets.append(self._offsets[-1] + doc.size)
     if self._offsets[-1] >= self.shard_tokens:
       self._finish_shard()
+
+  def write_many(self, tokens: Any, lengths: Any) -> None:
+    """Appends the documents `tokens[0:lengths[0]]`, `tokens[lengths[0]:lengths[0] + lengths[1]]`,
+    ...: the same files as `write` of each, written a shard's part at a time.
+
+    Args:
+      tokens: 1-D integer array, the documents' token ids back to back.
+      lengths: 1-D integer array, each document's token count (0: an empty document, skipped).
+    """
+    where = f"ShardWriter({str(self.path)!r})"
+    if self._closed:
+      raise ValueError(f"{where}: write_many() after close()")
+    if self.loss_mask:
+      raise ValueError(f"{where}: write_many() takes no loss masks; write each document with "
+                       f"write(doc, loss_mask=...)")
+    data, lengths = np.asarray(tokens), np.asarray(lengths)
+    if lengths.size == 0:
+      lengths = lengths.astype(np.int64)  # `[]` is float64 to NumPy
+    if data.ndim != 1 or not (data.dtype.kind in "iu" or data.size == 0):
+      raise TypeError(f"{where}: write_many() needs a 1-D integer array of tokens, got dtype "
+                      f"{data.dtype} shape {data.shape}")
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
+      raise ValueError(f"{where}: write_many() needs a 1-D array of lengths >= 0, got "
+                       f"{lengths!r:.200}")
+    ends = np.cumsum(lengths, dtype=np.int64)
+    if (ends[-1] if ends.size else 0) != data.size:
+      raise ValueError(f"{where}: write_many() lengths sum to {int(ends[-1]) if ends.size else 0} "
+                       f"but there are {data.size} tokens")
+    if data.size and (int(data.min()) < 0 or int(data.max()) >= self.vocab_size):
+      starts = ends - lengths
+      for lo, hi in zip(starts.tolist(), ends.tolist()):  # raises at the first bad document
+        self.write(data[lo:hi])
+      return
+    data = data.astype(self.dtype, copy=False)
+    first = 0
+    while first < lengths.size:
+      base = int(ends[first - 1]) if first else 0
+      # The document that brings the open shard to `shard_tokens` tokens closes it.
+      last = int(np.searchsorted(ends, base + self.shard_tokens - self._offsets[-1]))
+      stop = min(last + 1, lengths.size)
+      self._append(data, lengths[first:stop], ends[first:stop], base)
+      if last < lengths.size:
+        self._finish_shard()
+      first = stop
+
+  def _append(self, data: np.ndarray, lengths: np.ndarray, ends: np.ndarray, base: int) -> None:
+    """Appends documents with `lengths` ending at `ends` in `data` (from `base` on) to the open
+    shard, none of which reaches `shard_tokens` but maybe the last."""
+    empty = int(np.count_nonzero(lengths == 0))
+    self.inputs += lengths.size
+    self.skipped_empty += empty
+    self._shard_skipped += empty
+    if empty == lengths.size:
+      return
+    part = data[base:int(ends[-1])]
+    if self._open_shard is None:
+      tmp = self.path / f"{shard_names(len(self._records))[0]}.writing.tmp"
+      self._open_shard = (open(tmp, "wb"), tmp)
+    self._max_token = max(self._max_token, int(part.max()))
+    self._open_shard[0].write(part)
+    started = time.perf_counter()
+    self._hash.update(part)
+    self.hash_seconds += time.perf_counter() - started
+    held = self._offsets[-1] - base
+    self._offsets.extend((ends[lengths > 0] + held).tolist())
 
   def _check_mask(self, doc_tokens: Any, loss_mask: Any) -> np.ndarray | None:
     """The mask as uint8 (None without `loss_mask`); raises when it does not fit the writer."""

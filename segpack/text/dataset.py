@@ -33,6 +33,7 @@ from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import hf as hf_lib
 from segpack.text import hf_chat
+from segpack.text import input_ranges
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_cache
 from segpack.text import tokenizer_spec
@@ -149,19 +150,40 @@ def tokenize_files(
           overwrite=overwrite)
       keep_tokenizer(tokenizer, output)
       return _said(inputs, files, skipped, None, [summary])
-    start = time.perf_counter()
-    counters = ReadCounters()
-    documents: collections.Counter[str] = collections.Counter()
-    manifest, resumed, nbytes = encode.write_dataset(
-        _documents(inputs, files, skipped, documents, counters, read), output,
-        tokenizer=tokenizer, resume_key=encode.resume_key(dict(
-            ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
-        workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read})
-    keep_tokenizer(tokenizer, output)
-    return _said(inputs, files, skipped, documents or None, [encode.summarize(
-        output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
-        seconds=time.perf_counter() - start, text_bytes=nbytes)])
+    return _tokenize_local(inputs, files, skipped, output, tokenizer=tokenizer, read=read,
+                           ident=ident, workers=workers, shard_tokens=shard_tokens,
+                           progress=progress, overwrite=overwrite)
+
+
+def _tokenize_local(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
+                    skipped: collections.Counter[str], output: Path, *,
+                    tokenizer: tokenizer_spec.Tokenizer, read: dict[str, Any],
+                    ident: dict[str, Any], workers: int, shard_tokens: int, progress: bool,
+                    overwrite: bool) -> list[encode.Summary]:
+  """Plain text inputs through `encode.write_dataset` (worker processes on this machine)."""
+  start = time.perf_counter()
+  counters = ReadCounters()
+  documents: collections.Counter[str] = collections.Counter()
+  stages: dict[str, float] = {}
+
+  def at_end() -> None:  # Inputs without a document give no dataset (and no manifest).
+    if not sum(documents.values()):
+      raise _no_documents(inputs, describe_inputs(files, skipped, documents), counters.bad_lines)
+
+  texts = input_ranges.RangedInputs(
+      files, read=read, counters=counters, documents=documents, at_end=at_end,
+      here=lambda: iter_documents(files, counters=counters, documents=documents, **read))
+  manifest, resumed, nbytes = encode.write_dataset(
+      texts, output,
+      tokenizer=tokenizer, resume_key=encode.resume_key(dict(
+          ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
+      workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
+      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+      stage_seconds=stages)
+  keep_tokenizer(tokenizer, output)
+  return _said(inputs, files, skipped, documents or None, [encode.summarize(
+      output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
+      seconds=time.perf_counter() - start, text_bytes=nbytes, stages=stages or None)])
 
 
 def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
@@ -171,16 +193,6 @@ def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
   return InputFormatError(
       f"--input {[str(p) for p in inputs]}: no documents to tokenize ({report}{bad}); a dataset "
       f"needs at least one document with text")
-
-
-def _documents(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
-               skipped: collections.Counter[str], documents: collections.Counter[str],
-               counters: ReadCounters, read: dict[str, Any]) -> Iterator[str]:
-  """The documents of `files`, counted by file type in `documents`; when none holds text, the
-  end of the stream is an error, so the writer writes no manifest of an empty dataset."""
-  yield from iter_documents(files, counters=counters, documents=documents, **read)
-  if not sum(documents.values()):
-    raise _no_documents(inputs, describe_inputs(files, skipped, documents), counters.bad_lines)
 
 
 def _said(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],

@@ -189,12 +189,29 @@ def _raw_lines(path: Path) -> Iterator[bytes]:
       yield from f
 
 
-def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-  """(line number, line) pairs of a (maybe compressed) file; a file that cannot be read to its
-  end (corrupt or truncated gzip / zstd, an I/O error) becomes an InputFormatError."""
-  lineno = 0
+def _span_lines(path: Path, start: int, end: int) -> Iterator[bytes]:
+  """The lines of a plain file that start in bytes `[start, end)` (`start` begins a line)."""
+  with open(path, "rb") as f:
+    f.seek(start)
+    left = end - start
+    while left > 0:
+      line = f.readline()
+      if not line:
+        return
+      left -= len(line)
+      yield line
+
+
+def _numbered_lines(path: Path, span: tuple[int, int, int] | None = None
+                    ) -> Iterator[tuple[int, bytes]]:
+  """(line number, line) pairs of a (maybe compressed) file, or of the lines in bytes
+  `[span[0], span[1])` of a plain one, numbered from `span[2]`; a file that cannot be read to
+  its end (corrupt or truncated gzip / zstd, an I/O error) becomes an InputFormatError."""
+  first = 1 if span is None else span[2]
+  lineno = first - 1
+  lines = _raw_lines(path) if span is None else _span_lines(path, span[0], span[1])
   try:
-    for lineno, raw in enumerate(_raw_lines(path), start=1):
+    for lineno, raw in enumerate(lines, start=first):
       yield lineno, raw
   except (OSError, EOFError, zlib.error, _CorruptStream) as e:
     raise InputFormatError(f"{path}: unreadable after line {lineno} ({type(e).__name__}: {e})"
@@ -249,6 +266,11 @@ def _text_of(value: Any, what: str) -> tuple[str | None, str | None]:
   return value, None
 
 
+def _blank(raw: bytes) -> bool:
+  """Whether a line is empty or ASCII whitespace only (`not raw.strip()`, without the copy)."""
+  return not raw or raw.isspace()
+
+
 def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
   """(text, None) for a JSONL line whose `text_field` is usable, else (None, the problem)."""
   try:
@@ -259,7 +281,8 @@ def _json_problem(raw: bytes, text_field: str) -> tuple[str | None, str | None]:
     found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
     return None, f"no field {text_field!r} (found: {found})"
   text, problem = _text_of(record[text_field], f"field {text_field!r}")
-  if text is not None and b"\\u" in raw:  # Only a JSON escape can give an unpaired surrogate.
+  # Only a JSON escape can give an unpaired surrogate, and an ASCII text holds none.
+  if text is not None and not text.isascii() and b"\\u" in raw:
     try:
       text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -281,10 +304,10 @@ def _kept(path: Path, checked: Iterator[tuple[int, str | None, str | None]], whe
       raise InputFormatError(f"{path}:{where.format(number)}: {problem} {_SKIP_HINT}")
 
 
-def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool,
-                counters: ReadCounters) -> Iterator[tuple[int, str]]:
+def _read_jsonl(path: Path, text_field: str, skip_bad_lines: bool, counters: ReadCounters,
+                span: tuple[int, int, int] | None = None) -> Iterator[tuple[int, str]]:
   checked = ((lineno, *_json_problem(raw, text_field))
-             for lineno, raw in _numbered_lines(path) if raw.strip())
+             for lineno, raw in _numbered_lines(path, span) if not _blank(raw))
   return _kept(path, checked, "{}", skip_bad_lines, counters)
 
 
@@ -301,6 +324,7 @@ def _read_arrow(path: Path, text_field: str, skip_bad_lines: bool,
 def iter_file_records(
     path: str | os.PathLike[str], *, doc_separator: str = "file", text_field: str = "text",
     skip_bad_lines: bool = False, counters: ReadCounters | None = None,
+    span: tuple[int, int, int] | None = None,
 ) -> Iterator[tuple[int, str]]:
   """`(record number, text)` of every document of ONE input file (see the module docstring).
 
@@ -312,6 +336,9 @@ def iter_file_records(
     skip_bad_lines: count unusable records in `counters` and go on, instead of raising
       InputFormatError (a file that cannot be read to its end raises all the same).
     counters: where skipped records are counted.
+    span: `(start, end, first line)`: only the lines that start in bytes `[start, end)` of a
+      plain `.jsonl` file (`start` begins a line), numbered from `first line`
+      (`segpack.text.input_ranges` hands such parts of a file to worker processes).
 
   Yields:
     `(record number, text)`: the record number is 1-based within the file and increases; texts
@@ -322,7 +349,11 @@ def iter_file_records(
                            f"{doc_separator!r}")
   path = Path(path)
   counters = counters if counters is not None else ReadCounters()
-  if path.name.endswith(_TEXT_SUFFIXES):
+  if span is not None:
+    if not path.name.endswith(".jsonl"):
+      raise InputFormatError(f"{path}: only a plain .jsonl file is read by byte ranges")
+    yield from _read_jsonl(path, text_field, skip_bad_lines, counters, span)
+  elif path.name.endswith(_TEXT_SUFFIXES):
     yield from _read_txt(path, doc_separator)
   elif path.name.endswith(_JSONL_SUFFIXES):
     yield from _read_jsonl(path, text_field, skip_bad_lines, counters)

@@ -21,6 +21,7 @@ iterator and the model returned in memory, so it records no temporary paths eith
 
 from __future__ import annotations
 
+import inspect
 import io
 import itertools
 import logging
@@ -45,13 +46,18 @@ _LOG = logging.getLogger(__name__)
 _REQUIRED_PIECES = re.compile(r"smaller than required_chars\. (\d+) vs (\d+)")
 
 
-__all__ = ["SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID"]
+__all__ = ["NUMPY_IDS", "SpmTokenizer", "cache_root", "train_spm", "PAD_ID", "UNK_ID", "BOS_ID",
+           "EOS_ID"]
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 # SentencePiece's unigram trainer gives different models for different thread counts: fixed.
 TRAIN_THREADS = 4
 # Lines longer than this (in bytes) are left out of training (they are still encoded).
 MAX_SENTENCE_BYTES = 16384
+# SentencePiece 0.2.1 and later hand a batch's ids over as NumPy arrays (`return_type="numpy"`),
+# without a Python int per id.
+NUMPY_IDS = "return_type" in inspect.signature(
+    sentencepiece.SentencePieceProcessor.Encode).parameters
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -106,6 +112,8 @@ class SpmTokenizer:
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     """`encode` of each text."""
+    if NUMPY_IDS:
+      return [ids.astype(self.dtype) for ids in self._sp.encode(list(texts), return_type="numpy")]
     return [np.asarray(ids, dtype=self.dtype) for ids in self._sp.encode(list(texts))]
 
   def decode(self, ids: Iterable[int] | np.ndarray) -> str:
