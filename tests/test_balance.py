@@ -247,7 +247,7 @@ def _rank_costs(batch, num_ranks):
 def test_trainer_data_balances_each_step_over_the_ranks():
   """packing.balance='attention': each step holds the same rows, dealt evenly by cost."""
   spec = dict(source="synthetic", size="small", cache_dir=None, seq_len=64, strategy="ffd",
-              long_docs=segpack.LongDocs(), max_segments_per_row=None, add_bos=True, add_eos=True,
+              long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True,
               seed=0, synthetic_docs=400, synthetic_mean_len=25, synthetic_vocab=97)
   make = lambda balance: data_lib.make_data(
       data_configs.data_config(**spec, balance=balance), batch_size=16, process_index=0,

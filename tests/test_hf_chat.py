@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from configs import packed  # noqa: E402
-from segpack import LongDocs, pack_dataset  # noqa: E402
+from segpack import pack_dataset  # noqa: E402
 from segpack.cli import tokenize as tokenize_cli  # noqa: E402
 from segpack.files import sha256_file  # noqa: E402
 from segpack.shards import ShardSource  # noqa: E402
@@ -543,7 +543,7 @@ def test_packed_rows_hold_exactly_the_templates_tokens(base_tokenizer, tmp_path,
   # The trainer's data path too, with one log line saying so.
   spec = data_configs.data_config(
       source="builtin", size="small", cache_dir=None, seq_len=512, strategy="ffd",
-      long_docs=LongDocs(), max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
+      long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
       synthetic_docs=0, synthetic_mean_len=0, synthetic_vocab=0, train=str(out), eval_share=0)
   with caplog.at_level(logging.INFO, logger="train.data"):
     data = data_lib.make_data(spec, batch_size=4, process_index=0, process_count=1)

@@ -51,7 +51,8 @@ FLOORS = (
     ("segpack.packing", "segpack.text"),
     ("segpack.data", "segpack"),
     ("segpack.bench",),
-    ("segpack.cli", "segpack.__main__"),
+    # tokenize_baseline is a command: `segpack tokenize` as it ran before (the benchmark's baseline)
+    ("segpack.cli", "segpack.__main__", "segpack.bench.tokenize_baseline"),
     ("train", "configs"),
 )
 

@@ -12,7 +12,6 @@ from configs import packed
 from segpack.attention import cudnn
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
-from segpack.packing import LongDocs
 from train import data as data_lib
 from train import model as model_lib
 import data_configs  # noqa: E402
@@ -61,7 +60,7 @@ def test_segment_bound_of_one_document_per_row():
 
 def _spec(**overrides):
   kw = dict(source="synthetic", size="small", cache_dir=None, seq_len=64, strategy="ffd",
-            long_docs=LongDocs(), max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
+            long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
             synthetic_docs=300, synthetic_mean_len=10, synthetic_vocab=97)
   kw.update(overrides)
   return data_configs.data_config(**kw)

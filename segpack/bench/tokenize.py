@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 import segpack
 from segpack.bench import tokenize_inputs
-from segpack.cli import errors
+from segpack import errors
 from segpack.text import encode
 from segpack.text import spm as spm_lib
 from segpack.text.dataset import LOCK_NAME
