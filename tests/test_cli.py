@@ -37,6 +37,7 @@ HELP = [
     (cli_main.main, ["bench", "--help"], "segpack bench"),
     (cli_main.main, ["bench", "packing", "--help"], "segpack bench packing"),
     (cli_main.main, ["bench", "attention", "--help"], "segpack bench attention"),
+    (cli_main.main, ["bench", "tokenize", "--help"], "segpack bench tokenize"),
     (cli_main.main, ["bench", "gpu-report", "--help"], "segpack bench gpu-report"),
     (train_bench.main, ["--help"], "python -m train.bench"),
     (train_bench.main, ["packed", "--help"], "python -m train.bench packed"),
