@@ -22,6 +22,7 @@ from segpack.text import corpus
 from segpack.text import dataset
 from segpack.text import inputs
 from segpack.text import spm
+from segpack.shards.format import metadata_sha256
 
 import small_corpus
 
@@ -176,7 +177,8 @@ def test_retried_unit_rewrites_the_same_files_and_leaves_no_partial_one(tmp_path
     beam_pipeline._write_unit(((0, 1), values + values[:1]), **kw)  # A duplicated record.
   header = {"format": "segpack-shards", "format_version": 1, "dtype": "uint16",
             "byte_order": "little", "vocab_size": tok.vocab_size,
-            "tokenizer_fingerprint": tok.fingerprint, "resume_key": "k", "metadata": {}}
+            "tokenizer_fingerprint": tok.fingerprint, "resume_key": "k", "metadata": {},
+            "metadata_sha256": metadata_sha256({})}  # as write_dataset_beam's header has it
   with pytest.raises(RuntimeError, match=r"input 0: units \[1\] are not 0, 1"):
     beam_pipeline._write_manifest([first], output=str(out), header=header, unit_records=10)
   assert not (out / "manifest.json").exists()
