@@ -181,14 +181,19 @@ def test_a_mixtures_headline_eval_loss_mixes_every_source(tmp_path):
         w.write((base + (np.arange(k) * (d + 1)) % 150).astype(np.int32))
   spec = f"a={tmp_path / 'a'}:0.7,b={tmp_path / 'b'}:0.3"
   rc, out, err = _run(tmp_path / "run", f"--config.data.train={spec}", "--config.data.source=builtin",
-                      "--config.data.eval_share=0.1", "--config.train.num_steps=2",
-                      "--config.train.eval_every=2", "--config.train.eval_batches=1")
+                      "--config.data.eval_share=0.1", "--config.train.num_steps=6",
+                      "--config.train.eval_every=3", "--config.train.eval_batches=1",
+                      "--config.train.learning_rate=0.01")
   assert rc == 0, err
   evals = [r for r in metrics_lib.read(tmp_path / "run") if r["kind"] == "eval"]
   for r in evals:
     mixed = 0.7 * r["eval_loss/a"] + 0.3 * r["eval_loss/b"]
     assert r["eval_loss"] == pytest.approx(mixed, rel=1e-9)
-    assert abs(r["eval_loss"] - r["eval_loss/a"]) > 1e-3
+    # Not the first source's loss: the sources' losses differ well above float noise, and the
+    # headline sits 0.3 of the way from a's to b's.
+    assert abs(r["eval_loss/b"] - r["eval_loss/a"]) > 1e-4
+    assert r["eval_loss"] - r["eval_loss/a"] == pytest.approx(
+        0.3 * (r["eval_loss/b"] - r["eval_loss/a"]), rel=1e-6)
     assert r["eval_tokens"] == r["eval_tokens/a"] + r["eval_tokens/b"]
   assert " | a " in out and " | b " in out  # the console line shows each source's loss
   # train.sample reads a mixture run (its datasets name no tokenizer file: ids in and out).
