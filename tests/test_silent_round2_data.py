@@ -181,7 +181,7 @@ def test_the_trainer_and_stats_read_every_spelling_alike(root, text, capsys):
 # Property: whatever paths exist and however entries are spelled, a data argument is read one way
 # or refused; never silently another way. Paths are built from segments holding the characters
 # the rule reads ('=', ':', ','), so spellings collide often.
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from segpack.data.mixture import parse_data  # noqa: E402
@@ -197,8 +197,10 @@ def _norm(path):
   return os.path.normpath(path.strip())
 
 
-@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(existing=st.sets(_PATH, max_size=6), entries=st.lists(_ENTRY, min_size=1, max_size=3))
+@example(existing={"D/a"}, entries=[("web=", "D/a:2/a", "")])  # ':2/a' is no weight
 def test_property_a_data_argument_reads_one_way_or_is_refused(existing, entries):
   fs = {_norm(p) for p in existing}
   exists = lambda p: _norm(p) in fs  # noqa: E731
@@ -233,8 +235,12 @@ def test_property_a_data_argument_reads_one_way_or_is_refused(existing, entries)
   assert len(got.sources) == len(entries)
   for m, entry in zip(got.sources, entries):
     whole = "".join(entry)
-    # A naive oracle of the readings: the whole text, after the first '=', before the last ':'.
-    after_name = whole.partition("=")[2] or whole
-    paths = {whole, after_name, whole.rpartition(":")[0], after_name.rpartition(":")[0]}
+    # A naive oracle of the readings: the whole text, after the first '=', and each of those
+    # before its last ':' when what follows could be a weight (no '/').
+    paths = {whole, whole.partition("=")[2] or whole}
+    for text_ in list(paths):
+      head, colon, tail = text_.rpartition(":")
+      if colon and tail.strip() and "/" not in tail:
+        paths.add(head)
     if any(p and exists(p) for p in paths):  # some reading names a dataset: that one is read
       assert exists(m.source), (text, m)
