@@ -9,52 +9,46 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import ml_collections
 from ml_collections import config_dict
 
 from segpack.errors import UserError
+from train import architecture
+
+
+def declared_group(cls: type) -> ml_collections.ConfigDict:
+  """A config group of the dataclass `cls`: one key per field, its default the field's.
+
+  The fields are declared (with their comments) in `cls` alone; a field typed `X | None` with
+  default None becomes a placeholder of `X` (so `--config.group.key=...` is typed), a field whose
+  default is a dataclass becomes a nested group of its own fields.
+  """
+  hints = typing.get_type_hints(cls)
+  group = ml_collections.ConfigDict()
+  for field in dataclasses.fields(cls):
+    default = (field.default_factory() if field.default is dataclasses.MISSING
+               else field.default)
+    if dataclasses.is_dataclass(default):
+      group[field.name] = declared_group(type(default))
+    elif default is None:
+      kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+      group[field.name] = config_dict.placeholder(kinds[0])
+    else:
+      group[field.name] = default
+  return group
 
 
 def model_group() -> ml_collections.ConfigDict:
-  """The `model` group: the decoder's architecture (or `init_from`, a Hugging Face model whose
-  config.json then sets it) and dtypes."""
-  m = ml_collections.ConfigDict()
+  """The `model` group: the decoder's architecture, whose keys are the fields of
+  `train.architecture.Architecture` (declared there, with their comments), and `init_from`."""
+  m = declared_group(architecture.Architecture)
   # A Hugging Face model directory (config.json, *.safetensors, tokenizer files) to start from:
-  # the architecture keys below then come from its config.json (an override that contradicts it
-  # is refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
+  # the architecture keys then come from its config.json (an override that contradicts it is
+  # refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
   m.init_from = config_dict.placeholder(str)
-  # The Hugging Face model_type this architecture is (export writes it): llama, mistral, qwen2,
-  # qwen3; with init_from, the checkpoint's
-  m.family = "llama"
-  m.vocab_size = config_dict.placeholder(int)  # None: the tokenizer's vocabulary size
-  m.num_layers = 4  # L
-  m.d_model = 256  # E
-  m.num_heads = 4  # H
-  m.num_kv_heads = 2  # K (grouped-query attention)
-  m.head_dim = 64  # D
-  m.d_ff = 704  # F (SwiGLU hidden size, ~8/3 E rounded to 64)
-  m.rope_theta = 10_000.0  # RoPE base
-  m.norm_eps = 1e-6  # RMSNorm epsilon
-  m.tie_embeddings = False  # share the input embedding and the output projection
-  m.qkv_bias = False  # biases on the q, k, v projections (Qwen2)
-  m.qk_norm = False  # RMSNorm of each query and key head before RoPE (Qwen3)
-  # Sliding-window attention of the checkpoint (tokens a query sees, itself included); None:
-  # full attention. Rows longer than the window are refused (segpack attends to the whole row)
-  m.sliding_window = config_dict.placeholder(int)
-  # Positions the model was built for (config.json's max_position_embeddings, written on export);
-  # None: packing.seq_len
-  m.max_position_embeddings = config_dict.placeholder(int)
-  m.rope_scaling = ml_collections.ConfigDict()
-  # None (plain RoPE), "linear" (frequencies / factor) or "llama3" (Llama 3.1's smooth scaling)
-  m.rope_scaling.type = config_dict.placeholder(str)
-  m.rope_scaling.factor = 1.0  # linear and llama3: the context extension factor
-  m.rope_scaling.low_freq_factor = 1.0  # llama3 only
-  m.rope_scaling.high_freq_factor = 4.0  # llama3 only
-  # llama3 only: the pre-training context length the wavelengths are compared with
-  m.rope_scaling.original_max_position_embeddings = config_dict.placeholder(int)
-  m.init_std = 0.02  # std of the normal initialisers
-  m.dtype = "auto"  # compute dtype: "auto" = float32 on CPU, bfloat16 on GPU/TPU
-  m.param_dtype = "float32"  # parameter (and optimizer state) dtype
   return m
 
 

@@ -260,3 +260,24 @@ def test_cli_config_mistakes_exit_2_with_one_line(tmp_path, args, line):
   proc = _cli(*args, "--config.attention.self_check=False", workdir=tmp_path / "run")
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [line], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("keys,match", [
+    (dict(balance="attention"), r"packing.balance='attention' is for packing.mode='global'"),
+    (dict(repack="epoch"), r"packing.repack='epoch' is for packing.mode='global'"),
+    (dict(max_segments_per_row=4), r"packing.max_segments_per_row=4 is not supported"),
+    (dict(tokens_per_batch=128 * 4, examples_per_batch=None),
+     r"packing.tokens_per_batch=512 gives 4 rows of seq_len 128 per step, but "
+     r"train.batch_size=10"),
+])
+def test_a_key_minibatch_mode_does_not_combine_with_is_refused_before_any_work(keys, match):
+  config = sft.get_config()
+  assert config.packing.mode == "minibatch"
+  config_checks.check_config(config)  # the control: sft's own keys pass
+  config.packing.seq_len = 128
+  for name, value in keys.items():
+    config.packing[name] = value
+  with pytest.raises(config_checks.ConfigError, match=match):
+    config_checks.check_config(config)
+  config.packing.mode = "global"  # the same keys are fine with global packing
+  config_checks.check_config(config)

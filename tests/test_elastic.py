@@ -29,6 +29,7 @@ from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
 from test_train import _synthetic
 from train import checkpoint as ckpt_lib
+from train import config_checks
 from train import data as data_lib
 from train import train as train_lib
 import data_configs  # noqa: E402
@@ -212,10 +213,9 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
   assert config.packing.repack == "none"
   config.packing.repack = "epoch"
   assert config.packing.repack == "epoch"
-  with pytest.raises(data_lib.DataConfigError, match="packing.repack='epoch' is for"):
-    data_lib.make_data(data_configs.data_config(spec, **{ "mode": "minibatch",
-                                            "examples_per_batch": 4}),
-                       batch_size=8, process_index=0, process_count=1)
+  with pytest.raises(config_checks.ConfigError, match="packing.repack='epoch' is for"):
+    config_checks.check_config(data_configs.data_config(spec, **{ "mode": "minibatch",
+                                                                    "examples_per_batch": 4}))
   saved = {"train": {"batch_size": 8}, "packing": {"repack": "epoch"}}
   current = {"train": {"batch_size": 4}, "packing": {"repack": "epoch"}}
   assert ckpt_lib.config_differences(saved, current) == [

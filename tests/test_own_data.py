@@ -20,6 +20,7 @@ import segpack
 from segpack import shards
 from segpack.data import subset
 from segpack.text import dataset as dataset_lib
+from train import config_checks
 from train import data as data_lib
 import data_configs  # noqa: E402
 
@@ -112,12 +113,19 @@ def test_bad_data_keys_are_one_line_errors_naming_the_key(tmp_path):
   cases = [
       (dict(train=str(tmp_path / "nope")), "data.train=.*nope.* could not be opened as a dataset.*does not exist"),
       (dict(train=str(tmp_path / "ds"), eval_share=0.99), "data.eval_share=0.99"),
-      (dict(train=str(tmp_path / "ds"), source="synthetic"), "data.source='synthetic'"),
-      (dict(eval=str(tmp_path / "ds")), "data.eval=.* is for data.train"),
   ]
   for kw, match in cases:
     with pytest.raises(data_lib.DataConfigError, match=match):
       data_lib.make_data(spec(**kw), batch_size=8, process_index=0, process_count=1)
+  # Rules between keys are checked once, before anything is built (train.config_checks).
+  combinations = [
+      (dict(train=str(tmp_path / "ds"), source="synthetic"), "data.source='synthetic'"),
+      (dict(eval=str(tmp_path / "ds")), "data.eval=.* is for data.train"),
+  ]
+  for kw, match in combinations:
+    with pytest.raises(config_checks.ConfigError, match=match):
+      config_checks.check_data(spec(**kw))
+  config_checks.check_data(spec(train=str(tmp_path / "ds"), eval=str(tmp_path / "ds")))
 
 
 def _stdlib_jsonl(path, *, count, chat=False):

@@ -8,6 +8,7 @@ import pytest
 from configs import sft
 from segpack import shards
 from segpack.data.minibatch_dataset import pack_minibatches
+from train import config_checks
 from train import data as data_lib
 import data_configs  # noqa: E402
 
@@ -43,8 +44,8 @@ def test_token_budget_must_match_the_batch(spec):
   base, config, cache = spec
   s = data_configs.data_config(base, **{ "cache_dir": cache, "examples_per_batch": None,
                            "tokens_per_batch": 256 * 4})
-  with pytest.raises(data_lib.DataConfigError, match="gives 4 rows .* train.batch_size=8"):
-    data_lib.make_data(s, batch_size=8, process_index=0, process_count=1)
+  with pytest.raises(config_checks.ConfigError, match="gives 4 rows .* train.batch_size=8"):
+    config_checks.check_minibatch(s)
   s = data_configs.data_config(base, **{ "cache_dir": cache, "examples_per_batch": None,
                            "tokens_per_batch": 256 * 8})
   data = data_lib.make_data(s, batch_size=8, process_index=0, process_count=1)

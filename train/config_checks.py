@@ -28,6 +28,7 @@ from segpack.data.packed import REPACK_MODES
 from segpack.errors import UserError
 from segpack.text import chat
 from segpack.text import corpus
+from train import architecture
 from train import hf_config
 from train import model as model_lib
 
@@ -53,7 +54,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": ("auto",) + _DTYPES,
     "model.param_dtype": _DTYPES,
     "model.family": hf_config.FAMILIES,
-    "model.rope_scaling.type": (None,) + model_lib.ROPE_SCALINGS,
+    "model.rope_scaling.type": (None,) + architecture.ROPE_SCALINGS,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
 }
@@ -166,7 +167,56 @@ def check_config(config: Any) -> None:
     check_choice(key, _value(config, key), choices)
   for key, rule in NUMERIC.items():
     check_rule(key, _value(config, key), rule)
+  check_data(config)
+  check_minibatch(config)
   check_context(config)
+
+
+def check_data(config: Any) -> None:
+  """Checks that `data.train` and `data.eval` name one training set.
+
+  Raises:
+    ConfigError: `data.train` with `data.source="synthetic"` (data.train replaces the built-in
+      sources, not random documents), or `data.eval` without `data.train`.
+  """
+  d = config.data
+  if d.train is not None and d.source == "synthetic":
+    raise ConfigError(
+        f"data.train={d.train!r} and data.source={d.source!r} name two training sets; "
+        f"data.train replaces data.source: leave data.source at its default")
+  if d.train is None and d.eval is not None:
+    raise ConfigError(f"data.eval={d.eval!r} is for data.train; set data.train too")
+
+
+def check_minibatch(config: Any) -> None:
+  """Checks the keys that `packing.mode="minibatch"` does not combine with.
+
+  Raises:
+    ConfigError: `packing.balance` or `packing.repack` other than "none" (minibatch mode keeps
+      each step's examples as unpacked sampling draws them, packed afresh), a
+      `packing.max_segments_per_row` cap, or a `packing.tokens_per_batch` that does not make
+      `train.batch_size` rows of `packing.seq_len`.
+  """
+  p = config.packing
+  if p.mode != "minibatch":
+    return
+  if p.balance != "none":
+    raise ConfigError(
+        f"packing.balance={p.balance!r} is for packing.mode='global' (minibatch mode keeps each "
+        f"step's examples as unpacked sampling draws them); set packing.balance='none'")
+  if p.repack != "none":
+    raise ConfigError(
+        f"packing.repack={p.repack!r} is for packing.mode='global' (minibatch mode packs every "
+        f"minibatch afresh already); set packing.repack='none'")
+  if p.max_segments_per_row is not None:
+    raise ConfigError(f"packing.max_segments_per_row={p.max_segments_per_row} is not supported "
+                      f"with packing.mode='minibatch'")
+  batch_size = config.train.batch_size
+  if p.tokens_per_batch is not None and p.tokens_per_batch // p.seq_len != batch_size:
+    raise ConfigError(
+        f"packing.tokens_per_batch={p.tokens_per_batch} gives {p.tokens_per_batch // p.seq_len} "
+        f"rows of seq_len {p.seq_len} per step, but train.batch_size={batch_size}; make them "
+        f"agree")
 
 
 def check_context(config: Any) -> None:

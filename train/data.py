@@ -218,13 +218,7 @@ def _sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str | None]:
   """`(train, held_out, vocab_size, special ids, tokenizer fingerprint)` of the configured
   data; the fingerprint is a `segpack tokenize` dataset's (None for the built-in sources)."""
   if config.data.train is not None:
-    if config.data.source == "synthetic":  # the built-in corpora are defaults that data.train replaces
-      raise DataConfigError(
-          f"data.train={config.data.train!r} and data.source={config.data.source!r} name two training sets; "
-          f"data.train replaces data.source: leave data.source at its default")
     return _dataset_sources(config)
-  if config.data.eval is not None:
-    raise DataConfigError(f"data.eval={config.data.eval!r} is for data.train; set data.train too")
   if config.data.source == "synthetic":
     train = synthetic_documents(num_docs=config.data.synthetic_docs, mean_len=config.data.synthetic_mean_len,
                                 vocab=config.data.synthetic_vocab, seed=config.data.seed)
@@ -283,14 +277,6 @@ def make_data(config: Any, *, batch_size: int, process_index: int,
       raise DataConfigError(
           f"data.train={config.data.train!r} is a mixture, which packs globally; set "
           f"packing.mode='global'")
-    if config.packing.balance != "none":
-      raise DataConfigError(
-          f"packing.balance={config.packing.balance!r} is for packing.mode='global' (minibatch mode keeps "
-          f"each step's examples as unpacked sampling draws them); set packing.balance='none'")
-    if config.packing.repack != "none":
-      raise DataConfigError(
-          f"packing.repack={config.packing.repack!r} is for packing.mode='global' (minibatch mode packs "
-          f"every minibatch afresh already); set packing.repack='none'")
     data = _minibatch_data(config, train_src, eval_rows, eval_batches,
                            dict(common, process_index=process_index, process_count=process_count),
                            batch_size=batch_size, vocab=vocab)
@@ -334,13 +320,6 @@ def _balance(config: Any, *, num_ranks: int) -> BalanceOptions | None:
 def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: Any,
                     common: dict[str, Any], *, batch_size: int, vocab: int) -> Data:
   """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
-  if config.packing.tokens_per_batch is not None and config.packing.tokens_per_batch // config.packing.seq_len != batch_size:
-    raise DataConfigError(
-        f"packing.tokens_per_batch={config.packing.tokens_per_batch} gives "
-        f"{config.packing.tokens_per_batch // config.packing.seq_len} rows of seq_len {config.packing.seq_len} per step, but "
-        f"train.batch_size={batch_size}; make them agree")
-  if config.packing.max_segments_per_row is not None:
-    raise DataConfigError("packing.max_segments_per_row is not supported with mode='minibatch'")
   train = pack_minibatches(
       train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
       examples_per_batch=config.packing.examples_per_batch, tokens_per_batch=config.packing.tokens_per_batch,

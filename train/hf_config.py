@@ -34,6 +34,7 @@ import os
 from typing import Any
 
 from segpack.errors import UserError
+from train import architecture as architecture_lib
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 CONFIG_NAME = "config.json"
@@ -48,12 +49,10 @@ _REFUSED = {
     "qwen3_moe": "mixture-of-experts feed-forward layers",
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-# The architecture keys `adopt` sets (top-level `model.*` keys; rope_scaling is a group).
-ARCH_KEYS = ("family", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads",
-             "head_dim", "d_ff", "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias",
-             "qk_norm", "sliding_window", "max_position_embeddings")
-SCALING_KEYS = ("type", "factor", "low_freq_factor", "high_freq_factor",
-                "original_max_position_embeddings")
+# The architecture keys `adopt` sets (top-level `model.*` keys; rope_scaling is a group of
+# SCALING_KEYS): `train.architecture` declares them.
+ARCH_KEYS = architecture_lib.checkpoint_keys()
+SCALING_KEYS = architecture_lib.scaling_keys()
 
 
 class HfModelError(UserError, ValueError):

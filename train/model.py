@@ -32,7 +32,9 @@ from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from train import layout as layout_lib
 from train import rope as rope_lib
 from train import sharding as sharding_lib
-from train.rope import ROPE_SCALINGS, RopeConfigError, RopeScaling
+from train.architecture import Architecture
+from train.architecture import RopeConfigError
+from train.architecture import RopeScaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -41,26 +43,16 @@ class ModelConfigError(UserError, ValueError):
   """The model hyper-parameters are inconsistent."""
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-  """Hyper-parameters of `Decoder` (plain, typed: no ml_collections in the model)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig(Architecture):
+  """Hyper-parameters of `Decoder`: the architecture (`train.architecture.Architecture`, whose
+  fields are the config's `model.*` keys) and the attention backend that runs it.
 
-  vocab_size: int
-  num_layers: int = 4
-  d_model: int = 256
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 64
-  d_ff: int = 704
-  rope_theta: float = 10_000.0
-  norm_eps: float = 1e-6
-  tie_embeddings: bool = False
-  init_std: float = 0.02
-  qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-  qk_norm: bool = False  # RMSNorm of every query and key head vector before RoPE (Qwen3)
-  rope_scaling: RopeScaling | None = None  # None: the plain frequencies of `rope_theta`
-  dtype: str = "float32"  # compute dtype of activations and matmuls
-  param_dtype: str = "float32"  # storage dtype of the parameters
+  Plain and typed (no ml_collections in the model). At construction `dtype="auto"` becomes the
+  platform's compute dtype and `attention_implementation=None` the platform's best backend, so
+  the layers never decide again; `vocab_size` must be given.
+  """
+
   # The backend; None: the best for the platform, resolved at construction (the field then holds
   # the concrete name, so the layers never decide again).
   attention_implementation: str | None = None
@@ -108,6 +100,11 @@ class DecoderConfig:
           "the static bound on segments per row (cuDNN's backward memory grows with it; row "
           "length is no usable default): build the model with the data's bound, "
           "`train.model.build(..., segment_bound=Data.segment_bound)`")
+    if self.dtype == "auto":  # resolved here, once
+      object.__setattr__(self, "dtype", default_compute_dtype())
+    if not isinstance(self.rope_scaling, RopeScaling):
+      raise ModelConfigError(
+          f"DecoderConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ModelConfigError(
@@ -347,22 +344,6 @@ def pallas_options(attention_cfg: Any) -> attention_lib.PallasOptions | None:
   return attention_lib.PallasOptions(interpret=True) if attention_cfg.interpret else None
 
 
-def rope_scaling(scaling_cfg: Any) -> RopeScaling | None:
-  """The config's `model.rope_scaling` group as a `RopeScaling` (None when its type is None)."""
-  if scaling_cfg.type is None:
-    return None
-  if scaling_cfg.type not in ROPE_SCALINGS:
-    raise ModelConfigError(f"model.rope_scaling.type must be None or one of {ROPE_SCALINGS}, "
-                           f"got {scaling_cfg.type!r}")
-  try:
-    return RopeScaling(kind=scaling_cfg.type, factor=float(scaling_cfg.factor),
-                       low_freq_factor=float(scaling_cfg.low_freq_factor),
-                       high_freq_factor=float(scaling_cfg.high_freq_factor),
-                       original_max_position=scaling_cfg.original_max_position_embeddings)
-  except RopeConfigError as e:
-    raise ModelConfigError(f"model.rope_scaling: {e}") from e
-
-
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
                    mesh: Any = None, cudnn_segment_bound: int | None = None) -> DecoderConfig:
   """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`.
@@ -375,13 +356,13 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
     cudnn_segment_bound: the cuDNN backend's static bound N on segments per row (None for the
       other backends, which refuse it).
   """
-  # The architecture keys are the model group's own names: read as declared in configs/packed.py.
-  same = {f.name: model_cfg[f.name] for f in dataclasses.fields(DecoderConfig)
-          if f.name in model_cfg and f.name not in ("vocab_size", "dtype", "rope_scaling")}
+  arch = {f.name: model_cfg[f.name] for f in dataclasses.fields(Architecture)}
+  try:
+    scaling = RopeScaling(**model_cfg.rope_scaling)
+  except RopeConfigError as e:
+    raise ModelConfigError(f"model.{e}") from e
   return DecoderConfig(
-      **same, vocab_size=vocab_size,
-      dtype=model_cfg.dtype if model_cfg.dtype != "auto" else default_compute_dtype(),
-      rope_scaling=rope_scaling(model_cfg.rope_scaling),
+      **dict(arch, vocab_size=vocab_size, rope_scaling=scaling),
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
       attention_pallas=pallas_options(attention_cfg),
       attention_cudnn_segment_bound=(None if cudnn_segment_bound is None

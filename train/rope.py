@@ -6,54 +6,11 @@ rotations do not depend on where it was packed (or on which decode step wrote it
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from segpack.errors import UserError
-
-
-class RopeConfigError(UserError, ValueError):
-  """A rotary scaling with an unknown kind or inconsistent factors."""
-
-
-# `RopeScaling.kind`: the rotary frequency scalings a `Decoder` computes (Hugging Face's
-# `rope_scaling.rope_type` values of the same names).
-ROPE_SCALINGS = ("linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """A rescaling of the rotary frequencies for contexts longer than pre-training's.
-
-  `kind="linear"`: every frequency divided by `factor` (positions interpolated). `kind="llama3"`
-  (Llama 3.1+): with `L = original_max_position`, frequencies whose wavelength is below
-  `L / high_freq_factor` stay, those above `L / low_freq_factor` are divided by `factor`, and the
-  ones between are interpolated smoothly between the two (`rope_inv_freq`).
-  """
-
-  kind: str
-  factor: float
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position: int | None = None
-
-  def __post_init__(self):
-    if self.kind not in ROPE_SCALINGS:
-      raise RopeConfigError(f"RopeScaling.kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
-    if not self.factor > 0:
-      raise RopeConfigError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
-    if self.kind == "llama3":
-      if not isinstance(self.original_max_position, int) or self.original_max_position < 1:
-        raise RopeConfigError(
-            "RopeScaling(kind='llama3') needs original_max_position, a positive int, got "
-            f"{self.original_max_position!r}")
-      if not self.high_freq_factor > self.low_freq_factor > 0:
-        raise RopeConfigError(
-            f"RopeScaling(kind='llama3') needs high_freq_factor > low_freq_factor > 0, got "
-            f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
+from train.architecture import RopeScaling
 
 
 def rope_inv_freq(*, head_dim: int, theta: float,
@@ -65,12 +22,12 @@ def rope_inv_freq(*, head_dim: int, theta: float,
   """
   exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
   inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponents)).astype(np.float32)
-  if scaling is None:
+  if scaling is None or scaling.type is None:
     return inv_freq
   factor = np.float32(scaling.factor)
-  if scaling.kind == "linear":
+  if scaling.type == "linear":
     return (inv_freq / factor).astype(np.float32)
-  old_len = np.float32(scaling.original_max_position)
+  old_len = np.float32(scaling.original_max_position_embeddings)
   low, high = np.float32(scaling.low_freq_factor), np.float32(scaling.high_freq_factor)
   wavelen = np.float32(2 * np.pi) / inv_freq
   scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq).astype(np.float32)
