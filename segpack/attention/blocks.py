@@ -55,10 +55,7 @@ def kv_block_ranges(
   """Query block ranges of every key/value block (for the dK/dV kernel).
 
   Args:
-    segment_ids_BxS: segment ids, S a multiple of `block_q` and `block_k`.
-    block_q: query block.
-    block_k: key/value block.
-    causal: whether keys after the query are hidden.
+    segment_ids_BxS, block_q, block_k, causal: as in `q_block_ranges`.
 
   Returns:
     int32 `[B, S // block_k, 4]`: `q_lo, q_hi` (the query blocks that see this key block) and
@@ -77,9 +74,7 @@ def _q_ranges(seg_q_BxQ: jax.Array, q_pos_BxQ: jax.Array, start_BxQ: jax.Array,
     q_pos_BxQ: int32 slot index of every query in the row of keys.
     start_BxQ: first slot of each query's segment run in the row of keys.
     end_BxQ: one past the last slot of that run.
-    block_q: query block.
-    block_k: key/value block.
-    causal: whether keys after the query are hidden.
+    block_q, block_k, causal: as in `q_block_ranges`.
 
   Returns:
     int32 `[B, Q // block_q, 4]` as `q_block_ranges`.
@@ -110,9 +105,7 @@ def _kv_ranges(seg_k_BxS: jax.Array, to_query: Callable[[jax.Array], jax.Array],
     seg_k_BxS: segment ids of the keys in row order, S a multiple of `block_k`.
     to_query: maps slot positions `[B, N]` to query indices: how many queries lie before each
       slot (the identity when the queries are the row itself).
-    block_q: query block.
-    block_k: key/value block.
-    causal: whether keys after the query are hidden.
+    block_q, block_k, causal: as in `q_block_ranges`.
 
   Returns:
     int32 `[B, S // block_k, 4]` as `kv_block_ranges`.
@@ -177,9 +170,7 @@ def slot_q_block_ranges(
     seg_q_BxQ: segment ids of the queries, Q a multiple of `block_q`.
     q_pos_BxQ: int32 slot index of every query in the row of keys.
     seg_k_BxS: segment ids of the keys in row order, S a multiple of `block_k`.
-    block_q: query block.
-    block_k: key/value block.
-    causal: whether keys after the query are hidden.
+    block_q, block_k, causal: as in `q_block_ranges`.
 
   Returns:
     int32 `[B, Q // block_q, 4]` as `q_block_ranges`.
@@ -209,9 +200,7 @@ def slot_kv_block_ranges(
     q_pos_BxQ: int32 slot index of every query, ascending per row (padding queries last, beyond
       the row).
     seg_k_BxS: segment ids of the keys in row order, S a multiple of `block_k`.
-    block_q: query block.
-    block_k: key/value block.
-    causal: whether keys after the query are hidden.
+    block_q, block_k, causal: as in `q_block_ranges`.
 
   Returns:
     int32 `[B, S // block_k, 4]` as `kv_block_ranges`.
