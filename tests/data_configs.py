@@ -22,3 +22,16 @@ def data_config(base: ml_collections.ConfigDict | None = None,
       raise KeyError(f"data_config: {name!r} is a key of {groups or 'no group'}")
     config[groups[0]][name] = value
   return config
+
+
+# The small built-in corpus read plainly: first-fit-decreasing, long documents split, BOS and
+# EOS, seed 0, no synthetic data.
+BUILTIN_KEYS = dict(source="builtin", size="small", cache_dir=None, strategy="ffd",
+                    long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True,
+                    seed=0, synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1)
+
+
+def builtin_data_config(**keys: Any) -> ml_collections.ConfigDict:
+  """`data_config` with `BUILTIN_KEYS` set, then `keys` (which name `seq_len`, and may name
+  `train` to read a dataset instead)."""
+  return data_config(**{**BUILTIN_KEYS, **keys})

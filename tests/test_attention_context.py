@@ -179,21 +179,23 @@ def test_pallas_slots_skip_blocks_of_other_documents():
   np.testing.assert_allclose(out, permute(want, mine), atol=2e-5)
 
 
-@pytest.fixture(scope="module")
-def case():
+def _case(seed, heads, kv_heads):
+  """`(seg, (q, k, v, dout), [out, dq, dk, dv] of the causal oracle)` on the rows of `rows()`."""
   seg = rows()
-  q, k, v, dout = random_inputs(21, 4, S, 4, 2, 16)
+  q, k, v, dout = random_inputs(seed, 4, S, heads, kv_heads, 16)
   want, grads = reference(q, k, v, seg, causal=True, dout=dout)
   return seg, (q, k, v, dout), [want, *grads]
+
+
+@pytest.fixture(scope="module")
+def case():
+  return _case(21, 4, 2)
 
 
 @pytest.fixture(scope="module")
 def small_case():
   """Fewer heads (H = 2, K = 1) for the slow Pallas interpret mode."""
-  seg = rows()
-  q, k, v, dout = random_inputs(22, 4, S, 2, 1, 16)
-  want, grads = reference(q, k, v, seg, causal=True, dout=dout)
-  return seg, (q, k, v, dout), [want, *grads]
+  return _case(22, 2, 1)
 
 
 def assert_matches(got, want):

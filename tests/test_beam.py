@@ -36,16 +36,6 @@ def cache(tmp_path_factory):
   return small_corpus.cache_dir(tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def texts():
-  return small_corpus.train_texts()
-
-
 _jsonl = small_corpus.write_jsonl
 
 

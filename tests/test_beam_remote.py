@@ -79,16 +79,6 @@ def _get(s3, key):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def texts():
-  return small_corpus.train_texts()
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory, s3, model, texts):
   """Three inputs (JSONL with an empty record, Parquet, gzipped JSONL) here and under s3://,
   and the model there too; listed order a.jsonl, c.parquet, sub/b.jsonl.gz."""

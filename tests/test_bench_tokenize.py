@@ -19,11 +19,6 @@ from segpack.bench import tokenize_baseline
 from segpack.text import dataset, encode, input_ranges
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
-
-
 def _documents(rng, count):
   sizes = rng.integers(0, 60, size=count)
   sizes[rng.random(count) < 0.2] = 0  # empty documents, here and there

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import small_corpus
 from segpack import shards
 from segpack.cli import main as cli_main
 from segpack.data import options
@@ -23,11 +22,6 @@ from train import saved_run
 from train import run_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
 
 
 def _texts(tmp_path: Path, count: int = 3) -> list[Path]:

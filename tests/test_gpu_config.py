@@ -1,14 +1,11 @@
 """`configs/packed.py:gpu` proven on the CPU: its size, its step lowered for `cuda` (Pallas through
 Triton), its memory against an 80 GB H100, and two training steps at reduced width.
 
-No real arrays of the full model are made: the state and the batch are `jax.ShapeDtypeStruct`s
-(as `train.train._abstract_state` builds them), so lowering and compiling cost seconds.
+No real arrays of the full model are made (tests/config_steps.py).
 """
 
-import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,33 +17,22 @@ from train import model as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
 
-VOCAB = 8192  # the full built-in corpus's tokenizer
-H100_BYTES = 80e9
+from config_steps import H100_BYTES
+from config_steps import VOCAB
+from config_steps import abstract_step
+from config_steps import cuda_text_with_triton_kernels
+from config_steps import extrapolate
+from config_steps import named_config
+from config_steps import step_memory_by_layers
+
 # Parameters of the gpu config (configs/packed.py:gpu docstring), and those in matmuls.
 PARAMS, MATMUL_PARAMS = 113_271_552, 106_954_752
-
-
-def _gpu_config(**overrides):
-  c = packed.get_config("gpu")
-  with c.unlocked():
-    for key, value in overrides.items():
-      group, name = key.split(".")
-      c[group][name] = value
-  return c
 
 
 def _abstract_step(config):
   """The trainer's jitted step on one device and abstract `(state, micro-batched batch)`."""
   mesh = sharding_lib.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
-  tx, schedule = train_lib.make_optimizer(config.train)
-  abstract_state = train_lib._abstract_state  # pylint: disable=protected-access
-  graphdef, abstract = abstract_state(config, VOCAB, tx, mesh)
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule,
-                                           accum=config.train.grad_accum_steps),
-                 donate_argnums=(0,))
-  rows = jax.ShapeDtypeStruct((config.train.batch_size, config.packing.seq_len), jnp.int32)
-  batch = dict(input_ids=rows, segment_ids=rows, segment_positions=rows, labels=rows)
-  return step.trace(abstract, batch), abstract
+  return abstract_step(config, mesh)
 
 
 def _count(tree, keep=lambda path: True):
@@ -69,12 +55,7 @@ def test_gpu_config_is_a_113m_bf16_pallas_decoder():
 def test_gpu_train_step_lowers_for_cuda_with_the_pallas_triton_kernels():
   c = packed.get_config("gpu")
   traced, _ = _abstract_step(c)
-  text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  calls = re.findall(r"custom_call @([\w$.]+)", text)
-  assert calls and set(calls) == {"__gpu$xla.gpu.triton"}, set(calls)
-  for kernel in ("segment_flash_fwd", "segment_flash_bwd_dq", "segment_flash_bwd_dkv"):
-    # Every layer's forward and backward kernels (the micro-batch scan body is lowered once).
-    assert len(re.findall(kernel + r"\b", text)) >= c.model.num_layers, kernel
+  text = cuda_text_with_triton_kernels(traced, num_layers=c.model.num_layers)
   assert "bf16" in text and "tensor<8x4096xi32>" in text  # 16 rows in 2 micro-batches of 8
 
 
@@ -105,19 +86,9 @@ def test_gpu_step_memory_fits_an_80gb_h100():
   Compiling 16 layers for the CPU takes ~40 s, so 1 and 2 layers are compiled and the memory is
   extrapolated linearly in L (checked once: 1, 2, 4 and 16 layers lie on one line to 0.1%).
   """
-  totals = {}
-  for layers in (1, 2):
-    c = _gpu_config(**{"model.num_layers": layers, "attention.interpret": True})
-    traced, abstract = _abstract_step(c)
-    mem = traced.lower().compile().memory_analysis()
-    # Arguments: float32 parameters and Adam's two moments (plus the batch and the step).
-    state_bytes = 3 * 4 * _count(abstract["params"])
-    assert state_bytes <= mem.argument_size_in_bytes <= state_bytes + 2**21
-    assert mem.alias_size_in_bytes >= state_bytes  # the donated state is updated in place
-    totals[layers] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                      - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+  totals = {n: total for n, (_, _, total) in step_memory_by_layers("gpu", _abstract_step).items()}
   c = packed.get_config("gpu")
-  xla_bytes = totals[1] + (c.model.num_layers - 1) * (totals[2] - totals[1])
+  xla_bytes = extrapolate(totals[1], totals[2], layers=c.model.num_layers)
   analytic = analytic_bytes(c, vocab=VOCAB)
   assert analytic["state"] == 20 * PARAMS
   print(f"gpu config step memory: XLA (CPU) {xla_bytes / 1e9:.1f} GB, analytic "
@@ -131,7 +102,7 @@ def test_gpu_config_trains_two_steps_at_reduced_width(tmp_path, capsys):
   """The gpu config's trainer path (bf16 compute, 2 micro-batches, startup leak check) at reduced
   width, sequence and data, with XLA attention (the Pallas model path against XLA is
   tests/test_model.py's): two finite steps, and the log's model FLOP/s and MFU."""
-  c = _gpu_config(**{
+  c = named_config("gpu", **{
       "data.source": "synthetic", "data.synthetic_docs": 200, "data.synthetic_mean_len": 30,
       "data.synthetic_vocab": 97, "packing.seq_len": 128, "model.num_layers": 2,
       "model.d_model": 64, "model.num_heads": 6, "model.num_kv_heads": 2, "model.head_dim": 16,

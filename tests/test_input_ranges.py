@@ -6,15 +6,9 @@ import gzip
 import json
 
 import pytest
-import small_corpus
 
 from segpack.bench.tokenize import same_bytes
 from segpack.text import dataset, input_ranges, inputs
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
 
 
 def _lines(records):

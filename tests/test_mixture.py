@@ -170,11 +170,8 @@ def test_trainer_mixture_keeps_every_source_held_out_apart(tmp_path):
                             metadata={"tokenizer": {"bos_id": BOS, "eos_id": EOS}}) as w:
       for doc in docs:
         w.write(doc)
-  spec = data_configs.data_config(
-      source="builtin", size="small", cache_dir=None, seq_len=SEQ_LEN, strategy="ffd",
-      long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
-      synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1, eval_share=0.2,
-      train=f"a={tmp_path / 's0'}:0.6,b={tmp_path / 's1'}:0.4")
+  spec = data_configs.builtin_data_config(
+      seq_len=SEQ_LEN, eval_share=0.2, train=f"a={tmp_path / 's0'}:0.6,b={tmp_path / 's1'}:0.4")
   data = data_lib.make_data(spec, batch_size=4, process_index=0, process_count=1)
 
   def docs_in(batches):

@@ -147,14 +147,10 @@ def test_shape_mismatch_is_refused():
           segment_positions=jnp.zeros((1, 5), jnp.int32))
 
 
-def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
-  """With Pallas attention and the trainer's mesh, the model's gradient lowers for `cuda` with the
-  Triton kernels (forward, dQ, dK/dV) inside `shard_map`, not on a gathered global batch."""
+def _grad_text(model, mesh, *, seq_len=256, lowering_platforms=None):
+  """The lowering of the gradient of `model`'s summed logits on 8 abstract rows of `seq_len`,
+  the rows sharded over the `data` and `fsdp` axes of `mesh`."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
-  model = _tiny(num_layers=1, head_dim=64, d_model=64, num_heads=2, num_kv_heads=1,
-                attention_implementation="pallas", attention_mesh=mesh)
   graphdef, params = nnx.split(model)
 
   def loss(p, ids_BxS, seg_BxS, pos_BxS):
@@ -162,9 +158,19 @@ def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
     return logits.sum()
 
   rows = NamedSharding(mesh, P(("data", "fsdp")))
-  ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
-  text = jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
-      params, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
+  ids = jax.ShapeDtypeStruct((8, seq_len), jnp.int32)
+  return jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
+      params, ids, ids, ids).lower(lowering_platforms=lowering_platforms).as_text()
+
+
+def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
+  """With Pallas attention and the trainer's mesh, the model's gradient lowers for `cuda` with the
+  Triton kernels (forward, dQ, dK/dV) inside `shard_map`, not on a gathered global batch."""
+  from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
+  model = _tiny(num_layers=1, head_dim=64, d_model=64, num_heads=2, num_kv_heads=1,
+                attention_implementation="pallas", attention_mesh=mesh)
+  text = _grad_text(model, mesh, lowering_platforms=("cuda",))
   assert text.count("xla.gpu.triton") >= 3  # forward, dQ and dK/dV
   assert "sdy.manual_computation" in text  # absent when the model is built without the mesh
 
@@ -172,7 +178,6 @@ def test_kernel_attention_runs_per_device_on_the_trainer_mesh():
 def _cudnn_model_cuda_text(segment_bound):
   """The `cuda` lowering of the gradient of a cuDNN-attention model built from a trainer config,
   with the data's most segments in a row `segment_bound` (the packing cap set apart)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from configs import packed  # pylint: disable=g-import-not-at-top
   from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
@@ -183,17 +188,8 @@ def _cudnn_model_cuda_text(segment_bound):
   mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
   model = model_lib.build(config, 0, vocab_size=VOCAB, mesh=mesh,
                           segment_bound=segment_bound)
-  graphdef, params = nnx.split(model)
-
-  def loss(p, ids_BxS, seg_BxS, pos_BxS):
-    logits = nnx.merge(graphdef, p)(ids_BxS, segment_ids=seg_BxS, segment_positions=pos_BxS)
-    return logits.sum()
-
-  rows = NamedSharding(mesh, P(("data", "fsdp")))
-  ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
-  text = jax.jit(jax.grad(loss), in_shardings=(None, rows, rows, rows)).trace(
-      params, ids, ids, ids).lower(lowering_platforms=("cuda",)).as_text()
-  return model.cfg.attention_cudnn_segment_bound, text
+  return model.cfg.attention_cudnn_segment_bound, _grad_text(model, mesh,
+                                                             lowering_platforms=("cuda",))
 
 
 def test_cudnn_attention_gets_the_data_bound_and_runs_on_the_trainer_mesh(monkeypatch):
@@ -292,19 +288,10 @@ def test_the_trainer_refuses_pallas_on_the_cpu_without_interpret_naming_the_keys
 def test_xla_attention_gets_no_mesh():
   """The model runs XLA attention without `shard_map` even when built with a mesh (the jit
   partitioner splits it); the kernel backends get the mesh (the tests above and below)."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   mesh = sharding_lib.make_mesh(data=4, fsdp=2, tensor=1)
   model = _tiny(num_layers=1, attention_implementation="xla", attention_mesh=mesh)
-  graphdef, params = nnx.split(model)
-
-  def loss(p, ids_BxS):
-    logits = nnx.merge(graphdef, p)(ids_BxS, segment_ids=ids_BxS, segment_positions=ids_BxS)
-    return logits.sum()
-
-  rows = NamedSharding(mesh, P(("data", "fsdp")))
-  ids = jax.ShapeDtypeStruct((8, 32), jnp.int32)
-  text = jax.jit(jax.grad(loss), in_shardings=(None, rows)).trace(params, ids).lower().as_text()
+  text = _grad_text(model, mesh, seq_len=32)
   assert "sdy.manual_computation" not in text
 
 

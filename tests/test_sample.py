@@ -64,6 +64,16 @@ def _training_logits(model, tokens):
   return np.asarray(logits_1xNxV[0])
 
 
+def one_step_run(config, workdir):
+  """Trains `config` for one step in `workdir`: no evaluation, batch log or attention self-check
+  (tests/test_sample_chat.py's run too)."""
+  config.train.num_steps = 1
+  config.train.eval_every = 0
+  config.train.log_batches = False
+  config.attention.self_check = False
+  train_lib.train_and_evaluate(config, str(workdir))
+
+
 def _run_cli(*args):
   return subprocess.run([sys.executable, "-m", "train.sample", *args], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
@@ -319,12 +329,7 @@ def test_an_empty_prompt_is_refused(synthetic_run):
 
 @pytest.mark.slow
 def test_cli_samples_text_from_a_builtin_smoke_run(tmp_path):
-  config = packed.get_config("smoke")
-  config.train.num_steps = 1
-  config.train.eval_every = 0
-  config.train.log_batches = False
-  config.attention.self_check = False
-  train_lib.train_and_evaluate(config, str(tmp_path))
+  one_step_run(packed.get_config("smoke"), tmp_path)
   proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=6")
   assert proc.returncode == 0, proc.stderr
   header, *text = proc.stdout.splitlines()

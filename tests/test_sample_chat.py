@@ -15,11 +15,11 @@ from configs import packed
 from configs import sft
 from segpack.text import chat
 from segpack.text import chat_corpus
+from test_sample import one_step_run
 from train import decode as decode_lib
 from train import sample as sample_lib
 from train import sample_bench
 from train import saved_run
-from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,12 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("chat_run")
-  config = sft.get_config("smoke")
-  config.train.num_steps = 1
-  config.train.eval_every = 0
-  config.train.log_batches = False
-  config.attention.self_check = False
-  train_lib.train_and_evaluate(config, str(workdir))
+  one_step_run(sft.get_config("smoke"), workdir)
   return str(workdir)
 
 

@@ -31,6 +31,17 @@ def _write(path, docs, *, vocab=1000, shard_tokens=100, **kw):
   return w
 
 
+def _killed_write(path, docs, *, tokenizer_fingerprint="sha256:test", **kw):
+  """Writes `docs` with a `ShardWriter` (vocabulary 1000, 100-token shards) that an exception
+  then interrupts, as in a killed run."""
+  with pytest.raises(RuntimeError, match="killed"):
+    with ShardWriter(path, vocab_size=1000, tokenizer_fingerprint=tokenizer_fingerprint,
+                     shard_tokens=100, **kw) as w:
+      for d in docs:
+        w.write(d)
+      raise RuntimeError("killed")
+
+
 @pytest.fixture
 def dataset(tmp_path):
   docs = _random_docs(60, 1000)
@@ -202,12 +213,7 @@ def test_exception_inside_writer_leaves_no_manifest_and_no_partial_shard(tmp_pat
 def test_resume_keeps_finished_shards_and_matches_a_single_run(tmp_path):
   docs = _random_docs(80, 1000, seed=5)
   _write(tmp_path / "ref", docs, resume_key="k")
-  with pytest.raises(RuntimeError):
-    with ShardWriter(tmp_path / "r", vocab_size=1000, tokenizer_fingerprint="sha256:test",
-                     shard_tokens=100, resume_key="k") as w:
-      for d in docs[:50]:
-        w.write(d)
-      raise RuntimeError("killed")
+  _killed_write(tmp_path / "r", docs[:50], resume_key="k")
   finished = sorted(p.name for p in (tmp_path / "r").glob("*.done.json"))
   assert len(finished) >= 2
   w = ShardWriter(tmp_path / "r", vocab_size=1000, tokenizer_fingerprint="sha256:test",
@@ -227,23 +233,13 @@ def test_resume_keeps_finished_shards_and_matches_a_single_run(tmp_path):
 
 def test_resume_with_another_key_or_corrupt_shard_starts_over(tmp_path):
   docs = _random_docs(80, 1000, seed=5)
-  with pytest.raises(RuntimeError):
-    with ShardWriter(tmp_path, vocab_size=1000, tokenizer_fingerprint="x", shard_tokens=100,
-                     resume_key="k") as w:
-      for d in docs:
-        w.write(d)
-      raise RuntimeError("killed")
+  _killed_write(tmp_path, docs, tokenizer_fingerprint="x", resume_key="k")
   w = ShardWriter(tmp_path, vocab_size=1000, tokenizer_fingerprint="x", shard_tokens=100,
                   resume_key="other")
   assert w.resumed_shards == 0 and w.resumed_inputs == 0
   assert not list(tmp_path.glob("shard-*"))
   w.abort()
-  with pytest.raises(RuntimeError):
-    with ShardWriter(tmp_path, vocab_size=1000, tokenizer_fingerprint="x", shard_tokens=100,
-                     resume_key="k") as w:
-      for d in docs:
-        w.write(d)
-      raise RuntimeError("killed")
+  _killed_write(tmp_path, docs, tokenizer_fingerprint="x", resume_key="k")
   with open(tmp_path / "shard-00001.tokens", "r+b") as f:  # Corrupt the second shard.
     f.write(b"\xff\xff")
   w = ShardWriter(tmp_path, vocab_size=1000, tokenizer_fingerprint="x", shard_tokens=100,

@@ -34,10 +34,7 @@ def write(path, lengths, value):
 
 
 def spec(train, **kw):
-  return data_configs.data_config(
-      source="builtin", size="small", cache_dir=None, seq_len=32, strategy="ffd",
-      long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
-      synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1, train=train, **kw)
+  return data_configs.builtin_data_config(seq_len=32, train=train, **kw)
 
 
 def make(train, **kw):

@@ -53,10 +53,7 @@ def _copied_cache(src, tmp_path):
 
 
 def spec(**kw):
-  base = dict(source="builtin", size="small", cache_dir=None, seq_len=256, strategy="ffd",
-              long_docs="split", max_segments_per_row=None, add_bos=True, add_eos=True, seed=0,
-              synthetic_docs=0, synthetic_mean_len=1, synthetic_vocab=1)
-  return data_configs.data_config(**{**base, **kw})
+  return data_configs.builtin_data_config(**{"seq_len": 256, **kw})
 
 
 def read_every_row(rows):

@@ -25,16 +25,6 @@ import small_corpus
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory):
-  return small_corpus.spm_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def texts():
-  return small_corpus.train_texts()
-
-
 _jsonl = small_corpus.write_jsonl
 
 

@@ -100,13 +100,7 @@ def validate_inputs(
   if kh == 0 or h % kh:
     raise AttentionInputError(
         f"segment_attention: query heads H={h} must be a multiple of key/value heads K={kh}")
-  if segment_ids_BxS.shape != (b, s):
-    raise AttentionInputError(
-        f"segment_attention: `segment_ids` shape {segment_ids_BxS.shape} must be [B, S] = "
-        f"[{b}, {s}]")
-  if not jnp.issubdtype(segment_ids_BxS.dtype, jnp.integer):
-    raise AttentionTypeError(
-        f"segment_attention: `segment_ids` must be an integer array, got {segment_ids_BxS.dtype}")
+  _check_ids("segment_ids", segment_ids_BxS, batch=b, seq_len=s)
   if d == 0 or s == 0:
     raise AttentionInputError(
         f"segment_attention: empty sequence or head dimension in `q` shape {q_BxSxHxD.shape}")
@@ -245,12 +239,21 @@ def validate_slot_index(slot_index_BxS: jax.Array, shape: AttentionShape) -> jax
     AttentionInputError: a shape other than `[B, S]`.
     AttentionTypeError: a non-integer dtype.
   """
-  expected = (shape.batch, shape.seq_len)
-  if tuple(slot_index_BxS.shape) != expected:
-    raise AttentionInputError(
-        f"segment_attention: `slot_index` shape {tuple(slot_index_BxS.shape)} must be [B, S] = "
-        f"{list(expected)}")
-  if not jnp.issubdtype(slot_index_BxS.dtype, jnp.integer):
-    raise AttentionTypeError(
-        f"segment_attention: `slot_index` must be an integer array, got {slot_index_BxS.dtype}")
+  _check_ids("slot_index", slot_index_BxS, batch=shape.batch, seq_len=shape.seq_len)
   return slot_index_BxS.astype(jnp.int32)
+
+
+def _check_ids(name: str, ids_BxS: jax.Array, *, batch: int, seq_len: int) -> None:
+  """Refuses the argument `name` unless it is an integer `[B, S]` array.
+
+  Raises:
+    AttentionInputError: a shape other than `[batch, seq_len]`.
+    AttentionTypeError: a non-integer dtype.
+  """
+  if tuple(ids_BxS.shape) != (batch, seq_len):
+    raise AttentionInputError(
+        f"segment_attention: `{name}` shape {tuple(ids_BxS.shape)} must be [B, S] = "
+        f"[{batch}, {seq_len}]")
+  if not jnp.issubdtype(ids_BxS.dtype, jnp.integer):
+    raise AttentionTypeError(
+        f"segment_attention: `{name}` must be an integer array, got {ids_BxS.dtype}")

@@ -17,8 +17,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from segpack.attention.pallas_fwd import KernelConfig, compiler_params, element_mask
-from segpack.attention.pallas_fwd import positions_args, query_positions, split_positions
+from segpack.attention.pallas_fwd import KernelConfig
+from segpack.attention.pallas_fwd import block_range
+from segpack.attention.pallas_fwd import compiler_params
+from segpack.attention.pallas_fwd import element_mask
+from segpack.attention.pallas_fwd import key_block_mask
+from segpack.attention.pallas_fwd import positions_args
+from segpack.attention.pallas_fwd import query_block_specs
+from segpack.attention.pallas_fwd import query_positions
+from segpack.attention.pallas_fwd import split_positions
+from segpack.attention.pallas_fwd import visit_blocks
 
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
@@ -47,8 +55,7 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   bk = cfg.block_k
   qpos_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = split_positions(refs, cfg)
   qi = pl.program_id(0)
-  kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
-  full_lo, full_hi = ranges_ref[qi, 2], ranges_ref[qi, 3]
+  ranges = block_range(ranges_ref, qi)
   q_QxD = q_ref[...]
   do_QxD = do_ref[...]
   lse_Q = lse_ref[...]
@@ -62,18 +69,12 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
     s_QxC = jnp.dot(q_QxD, k_CxD.T, preferred_element_type=jnp.float32) * cfg.scale
     p_QxC = jnp.exp(s_QxC - lse_Q[:, None])
     if masked:
-      seg_k_C = seg_k_ref[pl.ds(j * bk, bk)]
-      k_pos_C = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-      p_QxC = jnp.where(element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal), p_QxC, 0.0)
+      p_QxC = jnp.where(key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg), p_QxC, 0.0)
     dp_QxC = jnp.dot(do_QxD, v_CxD.T, preferred_element_type=jnp.float32)
     ds_QxC = p_QxC * (dp_QxC - delta_Q[:, None])
     return dq_QxD + jnp.dot(ds_QxC.astype(k_CxD.dtype), k_CxD, preferred_element_type=jnp.float32)
 
-  dq_QxD = jnp.zeros(q_QxD.shape, jnp.float32)
-  masked_body = functools.partial(body, masked=True)
-  dq_QxD = jax.lax.fori_loop(kv_lo, full_lo, masked_body, dq_QxD)
-  dq_QxD = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), dq_QxD)
-  dq_QxD = jax.lax.fori_loop(full_hi, kv_hi, masked_body, dq_QxD)
+  dq_QxD = visit_blocks(body, jnp.zeros(q_QxD.shape, jnp.float32), *ranges)
   dq_ref[...] = (dq_QxD * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -88,14 +89,8 @@ def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ
   q_spec = pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
   row_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, bi, hi: (bi, hi, i))
-  row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
-  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
-  in_specs = [
-      pl.BlockSpec((None, nq, 4), lambda i, bi, hi: (bi, 0, 0)),
-      row_q,
-      pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
-      *pos_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-  ]
+  lead_specs, pos_args = query_block_specs(q_pos_BxQ, num_blocks=nq, seq_len=s, cfg=cfg)
+  in_specs = [*lead_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   return pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(nq, b, h),
@@ -114,8 +109,7 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, grou
   qpos_ref, refs = split_positions(refs, cfg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
   kj = pl.program_id(0)
-  q_lo, q_hi = ranges_ref[kj, 0], ranges_ref[kj, 1]
-  full_lo, full_hi = ranges_ref[kj, 2], ranges_ref[kj, 3]
+  ranges = block_range(ranges_ref, kj)
   k_CxD = k_ref[...]
   v_CxD = v_ref[...]
   seg_k_C = seg_k_ref[...]
@@ -143,11 +137,7 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, grou
     return dk_CxD, dv_CxD
 
   def head(gi, carry):
-    masked_body = functools.partial(body, gi=gi, masked=True)
-    carry = jax.lax.fori_loop(q_lo, full_lo, masked_body, carry)
-    carry = jax.lax.fori_loop(
-        full_lo, full_hi, functools.partial(body, gi=gi, masked=False), carry)
-    return jax.lax.fori_loop(full_hi, q_hi, masked_body, carry)
+    return visit_blocks(functools.partial(body, gi=gi), carry, *ranges)
 
   zeros_CxD = jnp.zeros(k_CxD.shape, jnp.float32)
   dk_CxD, dv_CxD = jax.lax.fori_loop(0, group, head, (zeros_CxD, zeros_CxD))

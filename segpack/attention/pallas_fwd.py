@@ -85,12 +85,56 @@ def query_positions(qi, qpos_ref, cfg: KernelConfig) -> jax.Array:
   return qi * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_q,), 0)
 
 
+def key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg: KernelConfig) -> jax.Array:
+  """`element_mask` of a query block against key block `j` of the row's keys (`seg_k_ref`)."""
+  bk = cfg.block_k
+  seg_k_C = seg_k_ref[pl.ds(j * bk, bk)]
+  k_pos_C = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
+  return element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal)
+
+
+def block_range(ranges_ref, i) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`(lo, hi, full_lo, full_hi)` of block `i` (a row of `blocks.q_block_ranges` or
+  `blocks.kv_block_ranges`)."""
+  return ranges_ref[i, 0], ranges_ref[i, 1], ranges_ref[i, 2], ranges_ref[i, 3]
+
+
+def visit_blocks(body, carry, lo, hi, full_lo, full_hi):
+  """`body(j, carry, masked=...)` over the blocks `j` of `[lo, hi)`, in three loops: masked on
+  `[lo, full_lo)`, mask-free on `[full_lo, full_hi)`, masked on `[full_hi, hi)`; the last carry."""
+  masked_body = functools.partial(body, masked=True)
+  carry = jax.lax.fori_loop(lo, full_lo, masked_body, carry)
+  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+  return jax.lax.fori_loop(full_hi, hi, masked_body, carry)
+
+
+def query_block_specs(q_pos_BxQ, *, num_blocks: int, seq_len: int,
+                      cfg: KernelConfig) -> tuple[list, list]:
+  """`(in_specs, position args)` of the inputs that lead a kernel whose grid is `(query block,
+  B, H)`: its block ranges, the query block's segment ids, the row's key segment ids and (with
+  `cfg.q_positions`) the query block's positions.
+
+  Args:
+    q_pos_BxQ: int32 slot positions of the queries, read only with `cfg.q_positions`.
+    num_blocks: query blocks per row (the rows of the ranges input).
+    seq_len: keys per row.
+    cfg: the kernel config.
+  """
+  row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
+  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
+  return [
+      pl.BlockSpec((None, num_blocks, 4), lambda i, bi, hi: (bi, 0, 0)),
+      row_q,
+      pl.BlockSpec((None, seq_len), lambda i, bi, hi: (bi, 0)),
+      *pos_specs,
+  ], pos_args
+
+
 def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   bq, bk = cfg.block_q, cfg.block_k
   qpos_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_positions(refs, cfg)
   qi = pl.program_id(0)
-  kv_lo, kv_hi = ranges_ref[qi, 0], ranges_ref[qi, 1]
-  full_lo, full_hi = ranges_ref[qi, 2], ranges_ref[qi, 3]
+  ranges = block_range(ranges_ref, qi)
   q_QxD = q_ref[...]
   seg_q_Q = seg_q_ref[...]
   q_pos_Q = query_positions(qi, qpos_ref, cfg)
@@ -102,9 +146,7 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
     v_CxD = v_ref[pl.ds(j * bk, bk), :]
     s_QxC = jnp.dot(q_QxD, k_CxD.T, preferred_element_type=jnp.float32) * cfg.scale
     if masked:
-      seg_k_C = seg_k_ref[pl.ds(j * bk, bk)]
-      k_pos_C = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-      mask_QxC = element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal)
+      mask_QxC = key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg)
       s_QxC = jnp.where(mask_QxC, s_QxC, MASK_VALUE)
     m_new_Q = jnp.maximum(m_Q, s_QxC.max(axis=-1))
     alpha_Q = jnp.exp(m_Q - m_new_Q)
@@ -116,10 +158,7 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
 
   carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
            jnp.zeros((bq,), jnp.float32))
-  masked_body = functools.partial(body, masked=True)
-  carry = jax.lax.fori_loop(kv_lo, full_lo, masked_body, carry)
-  carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  acc_QxD, m_Q, l_Q = jax.lax.fori_loop(full_hi, kv_hi, masked_body, carry)
+  acc_QxD, m_Q, l_Q = visit_blocks(body, carry, *ranges)
   valid_Q = seg_q_Q != 0
   l_safe_Q = jnp.where(valid_Q, l_Q, 1.0)
   out_QxD = jnp.where(valid_Q[:, None], acc_QxD / l_safe_Q[:, None], 0.0)
@@ -152,13 +191,9 @@ def forward(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_
   s = k_BxSxKxD.shape[1]
   g = h // k_BxSxKxD.shape[2]
   nq = sq // cfg.block_q
-  row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
-  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
+  lead_specs, pos_args = query_block_specs(q_pos_BxQ, num_blocks=nq, seq_len=s, cfg=cfg)
   in_specs = [
-      pl.BlockSpec((None, nq, 4), lambda i, bi, hi: (bi, 0, 0)),
-      row_q,
-      pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
-      *pos_specs,
+      *lead_specs,
       pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),
       pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
       pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
-import json
 import os
 import pathlib
 import sys
@@ -40,6 +39,7 @@ from segpack.attention import blocks
 from segpack.attention import PallasOptions, segment_attention
 from segpack.attention.pallas import segment_attention_pallas
 from segpack.bench import attention_context
+from segpack.bench import tables
 from segpack.data import attention_cost
 from segpack import errors
 from segpack.files import atomic_write_bytes
@@ -226,19 +226,21 @@ def format_table(results: list[dict[str, Any]]) -> str:
   head = (f"{'S':>6} {'D':>4} {'blk':>4} {'computed':>9} {'dense':>9} {'ideal':>9} "
           f"{'comp/ideal':>10} {'dense/comp':>10} {'masked%':>7} | {'seg f+b ms':>12} "
           f"{'TFLOP/s':>12} {'x xla':>12} {'x dense':>12} {'x mha':>12}")
-  lines = [head, "-" * len(head)]
-  for r in results:
-    seg_ms = r.get("segment_fwdbwd_ms")
-    speed = lambda other: (_fmt(r[other] / seg_ms, ".2f") if isinstance(seg_ms, float)
-                           and isinstance(r.get(other), float) else NOT_MEASURED)
-    lines.append(
-        f"{r['seq_len']:>6} {r['head_dim']:>4} {r['block_q']:>4} {r['tiles_computed']:>9} "
-        f"{r['tiles_dense']:>9} {r['tiles_ideal']:>9} {r['computed_over_ideal']:>10.3f} "
-        f"{r['dense_over_computed']:>10.2f} "
-        f"{100 * r['tiles_masked'] / r['tiles_computed']:>7.1f} | {_fmt(seg_ms, '.3f'):>12} "
-        f"{_fmt(r.get('segment_fwdbwd_tflops'), '.1f'):>12} {speed('xla_dense_fwdbwd_ms'):>12} "
-        f"{speed('pallas_dense_fwdbwd_ms'):>12} {speed('jax_mha_fwdbwd_ms'):>12}")
-  return "\n".join(lines)
+  return tables.table(head, (_table_row(r) for r in results))
+
+
+def _table_row(r: dict[str, Any]) -> str:
+  """One config's line of `format_table`."""
+  seg_ms = r.get("segment_fwdbwd_ms")
+  speed = lambda other: (_fmt(r[other] / seg_ms, ".2f") if isinstance(seg_ms, float)
+                         and isinstance(r.get(other), float) else NOT_MEASURED)
+  return (
+      f"{r['seq_len']:>6} {r['head_dim']:>4} {r['block_q']:>4} {r['tiles_computed']:>9} "
+      f"{r['tiles_dense']:>9} {r['tiles_ideal']:>9} {r['computed_over_ideal']:>10.3f} "
+      f"{r['dense_over_computed']:>10.2f} "
+      f"{100 * r['tiles_masked'] / r['tiles_computed']:>7.1f} | {_fmt(seg_ms, '.3f'):>12} "
+      f"{_fmt(r.get('segment_fwdbwd_tflops'), '.1f'):>12} {speed('xla_dense_fwdbwd_ms'):>12} "
+      f"{speed('pallas_dense_fwdbwd_ms'):>12} {speed('jax_mha_fwdbwd_ms'):>12}")
 
 
 def plot(results: list[dict[str, Any]], path: str) -> None:
@@ -312,13 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return attention_context.main([a for a in argv if a != "--context"])
   args = parse_args(argv)
   results = run(args)
-  if args.json:
-    for r in results:
-      print(json.dumps(r))
-  else:
-    print(format_table(results))
-    if results and results[0].get("timings") == NOT_MEASURED:
-      print(f"\nGPU timings: {NOT_MEASURED} (backend: {jax.default_backend()}).")
+  tables.print_results(results, as_json=args.json, format_table=format_table)
+  if not args.json and results and results[0].get("timings") == NOT_MEASURED:
+    print(f"\nGPU timings: {NOT_MEASURED} (backend: {jax.default_backend()}).")
   if args.plot:
     plot(results, args.plot)
   return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 from typing import Any, Sequence
@@ -39,6 +38,7 @@ import numpy as np
 from segpack import packing
 from segpack.attention.context_parallel import context_comm_bytes
 from segpack.bench import context_step
+from segpack.bench import tables
 from segpack.data import context_order as order_lib
 
 NOT_MEASURED = context_step.NOT_MEASURED
@@ -163,14 +163,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
   head = (f"{'mean':>5} {'S':>8} {'cp':>3} {'rows':>4} | {'contiguous':>10} {'zigzag':>7} "
           f"{'documents':>9} {'worst doc':>9} | {'comm MiB':>9} {'order ms':>8} | "
           f"step ms: contiguous / zigzag / documents")
-  lines = [head, "-" * len(head)]
-  for r in results:
-    lines.append(
-        f"{r['mean']:>5.0f} {r['seq_len']:>8} {r['context_size']:>3} {r['rows']:>4} | "
-        f"{r['max_over_mean_none']:>10.3f} {r['max_over_mean_zigzag']:>7.3f} "
-        f"{r['max_over_mean_documents']:>9.3f} {r['worst_documents']:>9.3f} | "
-        f"{r['comm_bytes_per_layer'] / 2**20:>9.1f} {r['order_ms']:>8.1f} | {_steps(r)}")
-  return "\n".join(lines)
+  return tables.table(head, (
+      f"{r['mean']:>5.0f} {r['seq_len']:>8} {r['context_size']:>3} {r['rows']:>4} | "
+      f"{r['max_over_mean_none']:>10.3f} {r['max_over_mean_zigzag']:>7.3f} "
+      f"{r['max_over_mean_documents']:>9.3f} {r['worst_documents']:>9.3f} | "
+      f"{r['comm_bytes_per_layer'] / 2**20:>9.1f} {r['order_ms']:>8.1f} | {_steps(r)}"
+      for r in results))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -211,11 +209,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   results = run(args)
-  if args.json:
-    for r in results:
-      print(json.dumps(r))
-  else:
-    print(format_table(results))
+  tables.print_results(results, as_json=args.json, format_table=format_table)
+  if not args.json:
     print(f"\nmax / mean: the busiest device's causal attention cost over the mean, averaged over "
           f"the rows. comm: MiB each device receives per layer and row (all-gather CP, "
           f"K={KV_HEADS}, D={HEAD_DIM}, bf16). step ms: median forward + backward of "

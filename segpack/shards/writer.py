@@ -19,6 +19,13 @@ from segpack.shards.format import (
     mask_name, metadata_sha256, shard_names)
 
 
+def _close_synced(f: Any) -> None:
+  """Flushes the open file `f` to the disk (`os.fsync`) and closes it."""
+  f.flush()
+  os.fsync(f.fileno())
+  f.close()
+
+
 class ShardWriter:
   """Streams documents into the shards of a new dataset directory; a context manager.
 
@@ -298,9 +305,7 @@ class ShardWriter:
   def _finish_shard(self) -> None:
     assert self._open_shard is not None
     f, tmp = self._open_shard
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
+    _close_synced(f)
     self._open_shard = None
     index = len(self._records)
     tokens_name, offsets_name, done_name = shard_names(index)
@@ -310,9 +315,7 @@ class ShardWriter:
     if self.loss_mask:
       assert self._open_mask is not None
       mf, mtmp = self._open_mask
-      mf.flush()
-      os.fsync(mf.fileno())
-      mf.close()
+      _close_synced(mf)
       self._open_mask = None
       mask_file = mask_name(index)
       os.replace(mtmp, self.path / mask_file)
