@@ -100,8 +100,7 @@ class DecoderConfig(Architecture):
           "the static bound on segments per row (cuDNN's backward memory grows with it; row "
           "length is no usable default): build the model with the data's bound, "
           "`train.model.build(..., segment_bound=Data.segment_bound)`")
-    if self.dtype == "auto":  # resolved here, once
-      object.__setattr__(self, "dtype", default_compute_dtype())
+    object.__setattr__(self, "dtype", compute_dtype(self.dtype))  # "auto" resolved here, once
     if not isinstance(self.rope_scaling, RopeScaling):
       raise ModelConfigError(
           f"DecoderConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
@@ -336,6 +335,12 @@ def default_compute_dtype(platform: str | None = None) -> str:
   """`bfloat16` on GPU/TPU, `float32` on CPU."""
   platform = platform or jax.default_backend()
   return "float32" if platform == "cpu" else "bfloat16"
+
+
+def compute_dtype(dtype: str) -> str:
+  """The compute dtype `model.dtype` names: `dtype` itself, or for "auto" the platform's
+  (`default_compute_dtype`)."""
+  return default_compute_dtype() if dtype == "auto" else dtype
 
 
 def pallas_options(attention_cfg: Any) -> attention_lib.PallasOptions | None:

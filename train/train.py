@@ -207,11 +207,6 @@ def check_attention(attention_cfg: Any, *, platform: str) -> str:
         "attention.interpret=True)") from e
 
 
-def _compute_dtype(config: Any) -> str:
-  return (config.model.dtype if config.model.dtype != "auto"
-          else model_lib.default_compute_dtype())
-
-
 def check_attention_leaks(config: Any, *,
                           implementation: str) -> attention_lib.SelfCheckResult | None:
   """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
@@ -221,7 +216,8 @@ def check_attention_leaks(config: Any, *,
   if not a.self_check:
     return None
   return attention_lib.self_check(implementation=implementation,
-                                  pallas=model_lib.pallas_options(a), dtype=_compute_dtype(config))
+                                  pallas=model_lib.pallas_options(a),
+                                  dtype=model_lib.compute_dtype(config.model.dtype))
 
 
 def preflight(config: Any) -> None:
@@ -389,7 +385,7 @@ def _train_loop(run: Run, signals: run_guard.StopSignals) -> dict[str, Any]:
       flop_model=flops_lib.FlopModel.from_model_config(config.model,
                                                        vocab_size=run.vocab_size),
       peak_flops=flops_lib.peak_flops(t.peak_flops, devices=jax.devices(),
-                                      compute_dtype=_compute_dtype(config)))
+                                      compute_dtype=model_lib.compute_dtype(config.model.dtype)))
   window = []
   for step in range(run.start_step + 1, t.num_steps + 1):
     position = run.iterator.get_state() if batches_path else None
