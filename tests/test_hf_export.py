@@ -218,6 +218,7 @@ def test_config_json_keeps_the_rope_scaling_special_ids_and_tying(runs):
 
 
 def test_a_tied_model_stays_tied_and_a_listed_eos_is_kept(runs):
+  import transformers
   qwen2, qwen3 = runs("qwen2"), runs("qwen3")
   cfg = hf_models.read_json(f"{qwen2.out}/config.json")
   assert cfg["tie_word_embeddings"] is True and cfg["model_type"] == "qwen2"
@@ -228,7 +229,34 @@ def test_a_tied_model_stays_tied_and_a_listed_eos_is_kept(runs):
           f"{qwen2.source}/{name}"), name
   cfg3 = hf_models.read_json(f"{qwen3.out}/config.json")
   assert cfg3["eos_token_id"] == [2, 157] and cfg3["head_dim"] == hf_models.HEAD_DIM
-  assert hf_models.read_json(f"{qwen3.out}/generation_config.json")["eos_token_id"] == [2, 157]
+  # A chat run whose source already lists the template's end of turn (157) keeps its file as it
+  # was; so does a plain-text run. (A source without it gains it: test_hf_train's own-template
+  # walk and test_generation_config_gains_the_stop_ids_it_lacks.)
+  end = transformers.AutoTokenizer.from_pretrained(qwen3.out).convert_tokens_to_ids(
+      chat.DEFAULT_TEMPLATE.end_of_turn)
+  assert end == 157
+  assert transformers.GenerationConfig.from_pretrained(qwen3.out).eos_token_id == [2, 157]
+  for run in (qwen2, qwen3):
+    assert files.sha256_file(f"{run.out}/generation_config.json") == files.sha256_file(
+        f"{run.source}/generation_config.json")
+
+
+def test_generation_config_gains_the_stop_ids_it_lacks(tmp_path):
+  source, out = tmp_path / "source", tmp_path / "out"
+  source.mkdir()
+  out.mkdir()
+  ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+  hf_export.write_generation_config(out, source=None, ids=ids, stop_ids=())
+  assert hf_models.read_json(f"{out}/generation_config.json") == ids  # a plain-text run
+  hf_export.write_generation_config(out, source=None, ids=ids, stop_ids=(7, 2, 7))
+  assert hf_models.read_json(f"{out}/generation_config.json") == dict(ids, eos_token_id=[2, 7])
+  (source / "generation_config.json").write_text('{"eos_token_id": 5, "do_sample": true}')
+  hf_export.write_generation_config(out, source=source, ids=ids, stop_ids=(9,))
+  assert hf_models.read_json(f"{out}/generation_config.json") == dict(eos_token_id=[5, 9],
+                                                                     do_sample=True)
+  (source / "generation_config.json").write_text('{"eos_token_id": [5, 9]}\n')
+  hf_export.write_generation_config(out, source=source, ids=ids, stop_ids=(9,))
+  assert (out / "generation_config.json").read_text() == '{"eos_token_id": [5, 9]}\n'
 
 
 def test_bfloat16_parameters_are_written_as_bfloat16(runs):

@@ -225,9 +225,13 @@ def test_a_chat_model_with_its_own_template_fine_tunes_samples_and_exports(tmp_p
   lm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
                                                          dtype=torch.float32)
   stops = [exported.eos_token_id, exported.convert_tokens_to_ids("<|end|>")]
+  # The export's generation_config.json stops at the template's end of turn: `generate` is
+  # given no stop ids of its own.
+  generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+  assert set(stops) <= set(generation.eos_token_id), (stops, generation.eos_token_id)
   with torch.no_grad():
     new = lm.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                      eos_token_id=stops, pad_token_id=0, top_k=None, top_p=None,
+                      pad_token_id=0, top_k=None, top_p=None,
                       temperature=None)[0, len(prompt):].tolist()
   if new and new[-1] in stops:
     new = new[:-1]

@@ -64,7 +64,7 @@ def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
   config = packed.get_config("smoke")
   with pytest.raises(saved_run.SampleError, match=r"--chat needs a run on chat data .* this "
                      r"run's data is 'builtin'"):
-    sample_lib.chat_renderer(config, str(tmp_path), tokenizer=None)
+    sample_lib.chat_renderer(config, str(tmp_path))
 
 
 def test_the_benchmark_decodes_the_same_tokens_both_ways(capsys):

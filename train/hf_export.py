@@ -20,7 +20,8 @@ The other files (`write_files`): an imported model's config.json (`WORKDIR/hf_so
 architecture fields rewritten from the run config (`hf_config.to_hf_config`), its
 generation_config.json and tokenizer files as they were; a model trained from scratch gets a
 fresh config.json of its `model.family`, generation_config.json with the tokenizer's BOS / EOS /
-pad ids, and the run's tokenizer (`write_tokenizer`).
+pad ids, and the run's tokenizer (`write_tokenizer`). A run on chat data adds its template's end
+of turn to generation_config.json's EOS ids (`write_generation_config`).
 
 Tokenizer and chat template: `train.hf_export_tokenizer`.
 """
@@ -33,7 +34,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from train import hf_config
 from train import hf_init
 from train import hf_weights
 from train import hf_export_tokenizer as tokenizer_lib
+from train import run_tokenizer
 from train.hf_export_tokenizer import ExportError  # raised by both modules
 
 _LOG = logging.getLogger(__name__)
@@ -204,8 +206,29 @@ def write_files(directory: str, config: Any, workdir: str, *,
   except hf_config.HfModelError as e:
     raise ExportError(str(e)) from e
   tokenizer_lib.write_json(str(out / "config.json"), hf)
-  if source is not None and (source / "generation_config.json").is_file():
-    shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
-  else:
-    tokenizer_lib.write_json(str(out / "generation_config.json"), dict(ids))
+  renderer = run_tokenizer.data_chat_renderer(config)
+  write_generation_config(out, source=source, ids=ids,
+                          stop_ids=() if renderer is None else renderer.stop_ids)
   return names, template is not None
+
+
+def write_generation_config(out: Path, *, source: Path | None, ids: dict[str, Any],
+                            stop_ids: Sequence[int]) -> None:
+  """generation_config.json: an imported model's own (`source`), else the tokenizer's `ids`,
+  with `stop_ids` (a chat run's end of turn) added to its EOS ids.
+
+  `generate` then stops where the model was trained to end its turn. The source's file is copied
+  byte for byte when it already lists every stop id.
+  """
+  path = None if source is None else source / "generation_config.json"
+  kept = path is not None and path.is_file()
+  generation = tokenizer_lib._read_json(path) if kept else dict(ids)
+  eos = generation.get("eos_token_id")
+  eos = [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+  added = [int(i) for i in dict.fromkeys(stop_ids) if int(i) not in eos]
+  if kept and not added:
+    shutil.copyfile(path, out / "generation_config.json")
+    return
+  if added:
+    generation["eos_token_id"] = eos + added
+  tokenizer_lib.write_json(str(out / "generation_config.json"), generation)

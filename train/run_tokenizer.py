@@ -8,7 +8,9 @@ the manifest's fingerprint. The built-in corpora's tokenizers come from the cach
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 import ml_collections
 
@@ -18,10 +20,13 @@ from segpack.data.mixture import parse_data
 from segpack.data.options import PipelineConfigError
 from segpack.shards import staging
 from segpack.shards.format import read_manifest
+from segpack.text import chat
 from segpack.text import chat_corpus
 from segpack.text import corpus
+from segpack.text import hf_chat
 from segpack.text import tokenizer_spec
 from train import data as data_lib
+from train import hf_init
 from train.saved_run import NoTokenizerError, SampleError
 
 # `metadata.tokenizer.type` of a `segpack tokenize` manifest -> the kind of a tokenizer spec.
@@ -133,3 +138,44 @@ def special_ids(config: ml_collections.ConfigDict,
   bos = bos if config.data.add_bos and bos is not None and bos >= 0 else None
   eos = eos if config.data.add_eos and eos is not None and eos >= 0 else None
   return bos, eos
+
+
+def has_template(directory: str) -> bool:
+  """Whether a Hugging Face directory holds a chat template (its own file or in the config)."""
+  if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
+    return True
+  try:
+    with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+      return bool(json.load(f).get("chat_template"))
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+def data_chat_renderer(config: ml_collections.ConfigDict) -> Any:
+  """The chat template the run's data was rendered with, None for plain-text data: a chat
+  dataset's (`segpack.text.hf_chat.for_dataset`; the first chat source of a mixture), or the
+  built-in chat corpus's (`segpack.text.chat.ChatEncoder`). It has `prompt_ids` and `stop_ids`."""
+  if config.data.get("train"):
+    for directory in dataset_dirs(config):
+      try:
+        renderer = hf_chat.for_dataset(directory)
+      except ValueError as e:
+        raise SampleError(f"data.train={config.data.train!r}: {e}") from e
+      if renderer is not None:
+        return renderer
+    return None
+  if config.data.source == "builtin_chat":
+    return chat.ChatEncoder(tokenizer_for_run(config))
+  return None
+
+
+def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
+  """The run's chat template: its data's (`data_chat_renderer`), else an imported model's own
+  template (kept in the run's `hf_source`); None when there is neither."""
+  renderer = data_chat_renderer(config)
+  if renderer is not None:
+    return renderer
+  source = os.path.join(workdir, hf_init.SOURCE_DIR)  # an imported model's own files
+  if config.model.get("init_from") and has_template(source):
+    return hf_chat.HfChatTemplate(source)
+  return None

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,10 +28,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from segpack.text import chat
-from segpack.text import hf_chat
-from segpack.text import tokenizer_spec
 from train import decode as decode_lib
-from train import hf_init
 from train import run_tokenizer
 from train import saved_run
 from train.saved_run import Checkpoint, SampleError
@@ -71,37 +66,14 @@ def parse_ids(text: str) -> list[int]:
   return ids
 
 
-def _has_template(directory: str) -> bool:
-  """Whether a Hugging Face directory holds a chat template (its own file or in the config)."""
-  if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
-    return True
-  try:
-    with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
-      return bool(json.load(f).get("chat_template"))
-  except (OSError, ValueError, AttributeError):
-    return False
-
-
-def chat_renderer(config: ml_collections.ConfigDict, workdir: str,
-                  tokenizer: tokenizer_spec.Tokenizer) -> Any:
-  """The chat template the run's data was rendered with: the built-in chat corpus's, a chat
-  dataset's (`segpack.text.hf_chat.for_dataset`), else an imported model's own template."""
-  if config.data.get("train"):
-    for directory in run_tokenizer.dataset_dirs(config):
-      try:
-        renderer = hf_chat.for_dataset(directory)
-      except ValueError as e:
-        raise SampleError(f"--chat: {e}") from e
-      if renderer is not None:
-        return renderer
-  elif config.data.source == "builtin_chat":
-    return chat.ChatEncoder(tokenizer)
-  source = os.path.join(workdir, hf_init.SOURCE_DIR)  # an imported model's own files
-  if config.model.get("init_from") and _has_template(source):
-    return hf_chat.HfChatTemplate(source)
-  raise SampleError("--chat needs a run on chat data (data.source='builtin_chat', a dataset "
-                    "tokenized with --format chat) or an imported model with a chat template; "
-                    f"this run's data is {config.data.get('train') or config.data.source!r}")
+def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
+  """The run's chat template (`train.run_tokenizer.chat_renderer`); SampleError when it has none."""
+  renderer = run_tokenizer.chat_renderer(config, workdir)
+  if renderer is None:
+    raise SampleError("--chat needs a run on chat data (data.source='builtin_chat', a dataset "
+                      "tokenized with --format chat) or an imported model with a chat template; "
+                      f"this run's data is {config.data.get('train') or config.data.source!r}")
+  return renderer
 
 
 def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence[str],
@@ -127,7 +99,7 @@ def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence
   if not chat_mode:
     return ([begin + [int(i) for i in tokenizer.encode(t)] for t in texts], stops, tokenizer,
             len(begin))
-  renderer = chat_renderer(config, workdir, tokenizer)
+  renderer = chat_renderer(config, workdir)
   head = [{"role": "system", "content": system}] if system else []
   prompts = [renderer.prompt_ids(head + [{"role": "user", "content": t}]) for t in texts]
   if isinstance(renderer, chat.ChatEncoder):  # segpack's template: the pipeline added BOS
