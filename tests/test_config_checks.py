@@ -281,3 +281,23 @@ def test_a_key_minibatch_mode_does_not_combine_with_is_refused_before_any_work(k
     config_checks.check_config(config)
   config.packing.mode = "global"  # the same keys are fine with global packing
   config_checks.check_config(config)
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"num_kv_heads": 3}, r"^model.num_heads=4 must be a multiple of num_kv_heads=3$"),
+    ({"head_dim": 15}, r"^model.head_dim must be even for RoPE, got 15$"),
+    ({"d_ff": 0}, r"^model.d_ff must be a positive int, got 0$"),
+    ({"rope_scaling.type": "llama3", "rope_scaling.factor": 8.0},
+     r"^model.rope_scaling.type='llama3' needs model.rope_scaling.original_max_position_embeddings"),
+])
+def test_a_model_mistake_is_refused_before_any_work_naming_the_model_key(keys, match):
+  config = packed.get_config("smoke")
+  config_checks.check_config(config)  # the control
+  for key, value in keys.items():
+    group = config.model
+    *parents, name = key.split(".")
+    for parent in parents:
+      group = group[parent]
+    group[name] = value
+  with pytest.raises(ValueError, match=match):
+    config_checks.check_config(config)

@@ -170,6 +170,25 @@ def check_config(config: Any) -> None:
   check_data(config)
   check_minibatch(config)
   check_context(config)
+  check_model(config)
+
+
+def check_model(config: Any) -> None:
+  """Runs the model's own checks (`train.model.DecoderConfig`, `RopeScaling`) on the `model`
+  group before anything is built; the vocabulary size, known from the data only, stands in as 1
+  when unset (`check_vocab_size` checks it then).
+
+  Raises:
+    ModelConfigError: sizes that are not positive ints, heads that do not divide into KV heads,
+      an odd head size, a RoPE scaling without its factors.
+  """
+  try:
+    model_lib.DecoderConfig(
+        **dict(model_lib.architecture_fields(config.model),
+               vocab_size=config.model.vocab_size or 1),
+        attention_implementation="xla")
+  except model_lib.ModelConfigError as e:  # the fields are the config's model.* keys
+    raise model_lib.ModelConfigError(str(e).replace("DecoderConfig.", "model.")) from e
 
 
 def check_data(config: Any) -> None:

@@ -361,17 +361,23 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
     cudnn_segment_bound: the cuDNN backend's static bound N on segments per row (None for the
       other backends, which refuse it).
   """
-  arch = {f.name: model_cfg[f.name] for f in dataclasses.fields(Architecture)}
-  try:
-    scaling = RopeScaling(**model_cfg.rope_scaling)
-  except RopeConfigError as e:
-    raise ModelConfigError(f"model.{e}") from e
   return DecoderConfig(
-      **dict(arch, vocab_size=vocab_size, rope_scaling=scaling),
+      **dict(architecture_fields(model_cfg), vocab_size=vocab_size),
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
       attention_pallas=pallas_options(attention_cfg),
       attention_cudnn_segment_bound=(None if cudnn_segment_bound is None
                                      else int(cudnn_segment_bound)))
+
+
+def architecture_fields(model_cfg: Any) -> dict[str, Any]:
+  """The config's `model` group as `Architecture` keyword arguments (`rope_scaling` a checked
+  `RopeScaling`; ModelConfigError naming the `model.rope_scaling.*` key otherwise)."""
+  arch = {f.name: model_cfg[f.name] for f in dataclasses.fields(Architecture)}
+  try:
+    arch["rope_scaling"] = RopeScaling(**model_cfg.rope_scaling)
+  except RopeConfigError as e:
+    raise ModelConfigError(str(e).replace("rope_scaling.", "model.rope_scaling.")) from e
+  return arch
 
 
 def cudnn_bound(config: Any, segment_bound: int | None) -> int | None:
