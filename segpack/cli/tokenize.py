@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from segpack import errors
 from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
 from segpack.text.beam_remote import tokenize_remote
+from segpack.text.dataset import CHAT_TEMPLATES
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
 from segpack.text.remote_inputs import remote_flags
@@ -52,11 +53,16 @@ def _parser() -> argparse.ArgumentParser:
                  help=".jsonl: the field holding the text; .parquet, hf-disk: the column")
   p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
                  help="chat: .jsonl conversations with a loss mask, in the chat template of "
-                      "--tokenizer hf:DIR when DIR holds one (needs segpack[hf]), else segpack's; "
+                      "--tokenizer hf:DIR when DIR holds one (needs segpack[hf]), else segpack's "
+                      "(see --chat-template); "
                       "auto: chat when the first record has --messages-field and no --text-field")
   p.add_argument("--train-on", choices=("assistant", "last_assistant", "all"),
                  default="assistant", help="chat: which tokens carry loss")
   p.add_argument("--messages-field", default="messages", help="chat: the field of the messages")
+  p.add_argument("--chat-template", choices=CHAT_TEMPLATES, default="auto",
+                 help="chat: the template conversations are rendered with; auto: the chat "
+                      "template of --tokenizer hf:DIR when DIR holds one, else segpack's; own: "
+                      "DIR's (refused without one); segpack: segpack's even when DIR holds one")
   p.add_argument("--skip-bad-lines", action="store_true",
                  help="count and skip records without usable text (.jsonl lines that are not "
                       "JSON or lack the field, null or non-string cells; chat: conversations "
@@ -88,6 +94,10 @@ def _tokenize_urls(args: argparse.Namespace) -> list | None:
   docs/ingest.md; the local runner refuses URLs in one line); else None."""
   if not remote_flags(paths=[*args.input, args.output, args.spm_model, args.tokenizer]):
     return None
+  if args.chat_template != "auto":
+    raise errors.UsageError(f"--chat-template {args.chat_template!r} applies to chat data only "
+                            f"(--format chat); a run with a path at a URL tokenizes plain text "
+                            f"(--runner beam)")
   return [tokenize_remote(
       args.input, args.output, runner=args.runner, spm_model=args.spm_model,
       tokenizer=args.tokenizer, vocab_size=args.vocab_size, doc_separator=args.doc_separator,
@@ -137,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         skip_bad_lines=args.skip_bad_lines, workers=args.workers, shard_tokens=args.shard_tokens,
         progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
         input_format=args.format, train_on=args.train_on, messages_field=args.messages_field,
-        runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records)
+        runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records,
+        chat_template=args.chat_template)
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
     if not errors.is_user_error(e):
       raise  # a bug: `errors.command` prints its traceback and asks to report it

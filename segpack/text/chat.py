@@ -225,9 +225,10 @@ class ChatEncoder:
     return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
 
   def describe(self) -> dict[str, Any]:
-    """The manifest's `metadata.chat` for data rendered by this encoder."""
-    return {"template": dataclasses.asdict(self.template), "train_on": self.train_on,
-            "markers_are_symbols": self.markers_are_symbols}
+    """The manifest's `metadata.chat` for data rendered by this encoder (`"renderer": "segpack"`;
+    a manifest written before that key existed has none, read the same way)."""
+    return {"renderer": "segpack", "template": dataclasses.asdict(self.template),
+            "train_on": self.train_on, "markers_are_symbols": self.markers_are_symbols}
 
   def encode(self, messages: Sequence[Mapping[str, str]], *,
              where: str = "conversation") -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,10 @@
 The tokenizer is `--tokenizer spm:PATH | hf:PATH` (`tokenizer_spec.from_spec`), `--spm-model`
 (the same as `spm:`), or a SentencePiece model trained first (`--vocab-size`). Plain text goes
 through `encode.write_dataset` (worker processes, resumable); chat conversations
-(`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask;
+(`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask,
+rendered as `chat_template` (`--chat-template`, `CHAT_TEMPLATES`) says: `auto` the tokenizer's
+own chat template when it has one, else segpack's; `own` the tokenizer's own (refused without
+one); `segpack` segpack's `chat.ChatTemplate` even when the tokenizer has its own.
 `builtin[:small]` is the built-in corpus (`corpus.py`), written as DIR/train and DIR/eval with the
 SentencePiece model copied to DIR/spm.model. `runner="beam"` (`--runner beam`) writes plain text
 and the built-in corpus with an Apache Beam pipeline instead (`beam_pipeline`, docs/ingest.md).
@@ -40,7 +43,10 @@ from segpack.text import tokenizer_spec
 from segpack.text.inputs import (
     InputFormatError, ReadCounters, describe_inputs, expand_inputs, is_chat, iter_documents)
 
-__all__ = ["LOCK_NAME", "tokenize_files"]
+__all__ = ["CHAT_TEMPLATES", "LOCK_NAME", "tokenize_files"]
+
+# The values of `tokenize_files(chat_template=...)` (`--chat-template`); "auto" is the default.
+CHAT_TEMPLATES = ("auto", "own", "segpack")
 
 # Held by a local `segpack tokenize` run for its whole duration (see `_output_lock`).
 LOCK_NAME = ".segpack-tokenize.lock"
@@ -49,9 +55,9 @@ _LOG = logging.getLogger(__name__)
 
 
 def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
-                     workers: int, shard_tokens: int, runner: str) -> None:
-  """Refuses empty paths (they mean the current directory) and bad counts; warns about an input
-  given twice (its documents would be stored twice)."""
+                     workers: int, shard_tokens: int, runner: str, chat_template: str) -> None:
+  """Refuses empty paths (they mean the current directory), bad counts and choices; warns about an
+  input given twice (its documents would be stored twice)."""
   if not str(output).strip():
     raise InputFormatError(
         f"--output must name a directory, got {str(output)!r} (an empty path would write into "
@@ -72,6 +78,16 @@ def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.
     raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
   if runner not in ("local", "beam"):
     raise InputFormatError(f"--runner must be 'local' or 'beam', got {runner!r}")
+  if chat_template not in CHAT_TEMPLATES:
+    raise InputFormatError(f"--chat-template (chat_template) must be one of {CHAT_TEMPLATES}, got "
+                           f"{chat_template!r}")
+
+
+def _refuse_chat_template(chat_template: str, why: str) -> None:
+  """Refuses a `--chat-template` other than "auto" for inputs that are not chat (`why` says)."""
+  if chat_template != "auto":
+    raise InputFormatError(f"--chat-template {chat_template!r} applies to chat data only "
+                           f"(--format chat); {why}")
 
 
 def tokenize_files(
@@ -95,17 +111,20 @@ def tokenize_files(
     runner: str = "local",
     beam_options: str = "",
     unit_records: int = beam_pipeline.DEFAULT_UNIT_RECORDS,
+    chat_template: str = "auto",
 ) -> list[encode.Summary]:
   """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
 
   `tokenizer` (a spec, `"spm:PATH"` or `"hf:PATH/tokenizer.json"`), `spm_model` and `vocab_size`
-  exclude each other; the other arguments are the CLI's flags.
+  exclude each other; `chat_template` is `--chat-template` (one of `CHAT_TEMPLATES`: the renderer
+  of chat data, part of the resume key); the other arguments are the CLI's flags.
 
   Returns:
     One summary per dataset written (two for `builtin`: train and eval).
   """
   workers = (os.cpu_count() or 1) if workers is None else workers
-  _check_arguments(inputs, output, workers=workers, shard_tokens=shard_tokens, runner=runner)
+  _check_arguments(inputs, output, workers=workers, shard_tokens=shard_tokens, runner=runner,
+                   chat_template=chat_template)
   output = Path(output)
   with _output_lock(output, runner):
     given = _given_tokenizer(tokenizer, spm_model, vocab_size)
@@ -114,6 +133,7 @@ def tokenize_files(
       if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
         raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
                                f"{[str(p) for p in inputs]}")
+      _refuse_chat_template(chat_template, "--input builtin is plain text")
       return _tokenize_builtin(
           builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
           vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
@@ -130,7 +150,9 @@ def tokenize_files(
       return _said(inputs, files, skipped, None, [_tokenize_chat(
           files, output, given=given, vocab_size=vocab_size, train_on=train_on, spec=tokenizer,
           messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite,
-          skip_bad_lines=skip_bad_lines)])
+          skip_bad_lines=skip_bad_lines, chat_template=chat_template)])
+    _refuse_chat_template(chat_template, f"--format {input_format!r} reads the inputs as plain "
+                                         f"text")
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
     ident = {"inputs": [encode.file_identity(p) for p in files], **read}
     if given is not None:
@@ -318,13 +340,33 @@ def _chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | Non
   return tokenizer
 
 
-def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str,
-                  spec: str | None) -> chat.ChatEncoder | hf_chat.HfChatTemplate:
-  """The tokenizer's own chat template (a Hugging Face directory holding one), else segpack's
-  `ChatTemplate`."""
+def _no_own_template(given: tokenizer_spec.Tokenizer | None) -> InputFormatError:
+  """The refusal of `--chat-template own` for a tokenizer without a chat template of its own."""
+  if isinstance(given, hf_lib.HfTokenizer):
+    what = (f"the tokenizer directory {str(given.model_file.parent)!r} holds no chat template "
+            f"(chat_template.jinja, chat_template.json or chat_template in {hf_lib.CONFIG_NAME})")
+  else:
+    what = (f"the SentencePiece model {str(given.model_file)!r}" if given is not None else
+            "a SentencePiece model trained with --vocab-size") + (
+                " has no chat template (only a --tokenizer hf:DIR holds one)")
+  return InputFormatError(f"--chat-template own: {what}; pass --chat-template segpack (or auto) "
+                          f"to render with segpack's")
+
+
+def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: str | None,
+                  chat_template: str = "auto") -> chat.ChatEncoder | hf_chat.HfChatTemplate:
+  """The tokenizer's own chat template (a Hugging Face directory holding one) unless
+  `chat_template="segpack"`, else segpack's `ChatTemplate`; `"own"` refuses a tokenizer without
+  a template of its own."""
   directory = tokenizer.model_file.parent if isinstance(tokenizer, hf_lib.HfTokenizer) else None
-  if directory is None or hf_chat.template_file(directory) is None:
+  has_own = directory is not None and hf_chat.template_file(directory) is not None
+  if chat_template == "own" and not has_own:
+    raise _no_own_template(tokenizer)
+  if not has_own or chat_template == "segpack":
     encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
+    if has_own:
+      _LOG.info("--chat-template segpack: rendering conversations with segpack's chat template, "
+                "not the one of %s", directory)
     if not encoder.markers_are_symbols:
       _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
                    tokenizer.model_file)
@@ -350,9 +392,11 @@ def _chat_summary(output: Path, manifest: dict[str, Any], *, resumed: int, secon
 
 def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, train_on: str,
                    messages_field: str, shard_tokens: int, overwrite: bool,
-                   skip_bad_lines: bool = False, spec: str | None = None) -> encode.Summary:
+                   skip_bad_lines: bool = False, spec: str | None = None,
+                   chat_template: str = "auto") -> encode.Summary:
   """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`,
-  or `segpack.text.hf_chat` for a tokenizer with its own chat template)."""
+  or `segpack.text.hf_chat` for a tokenizer with its own chat template, as `chat_template`
+  picks)."""
   def conversations(skipped: chat.Skipped | None = None):
     for path in files:
       try:
@@ -365,11 +409,15 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
            "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
   if skip_bad_lines:
     ident["skip_bad_lines"] = True
+  if chat_template == "own" and not isinstance(given, hf_lib.HfTokenizer):
+    raise _no_own_template(given)
   tokenizer = _chat_tokenizer(
       lambda: conversations(chat.Skipped() if skip_bad_lines else None), output, given=given,
       vocab_size=vocab_size, ident=ident, overwrite=overwrite)
-  encoder = _chat_encoder(tokenizer, train_on=train_on, spec=spec)
+  encoder = _chat_encoder(tokenizer, train_on=train_on, spec=spec, chat_template=chat_template)
   own = isinstance(encoder, hf_chat.HfChatTemplate)
+  if chat_template != "auto":  # the choice is part of the key ("auto" keeps earlier keys)
+    ident["chat_template"] = chat_template
   if own:
     ident["template"] = encoder.describe()
   key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
