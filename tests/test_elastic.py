@@ -24,7 +24,6 @@ import pytest
 import segpack
 from segpack import packing
 from segpack.data.balance import BalanceOptions
-from segpack.data.options import PipelineConfigError
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
 from test_train import _synthetic
