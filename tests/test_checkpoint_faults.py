@@ -141,6 +141,34 @@ def test_a_save_that_fails_for_another_reason_keeps_its_traceback(trained, tmp_p
     checkpointer.maybe_save(2, state, data_state, trained["config_dict"])
 
 
+def _interrupted_digest(step_dir, step):
+  raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["orbax_save", "digest"])
+def test_a_second_ctrl_c_during_a_save_leaves_the_last_checkpoint_the_newest(trained, tmp_path,
+                                                                           monkeypatch, where):
+  """A KeyboardInterrupt (`run_guard.StopSignals`' second Ctrl-C) in orbax's save, or after it
+  renamed the step into place but before its digest is written, removes what the save left and
+  goes on: the rerun resumes from the checkpoint before, with no warning (a step without its
+  digest would be damaged, and the only one would stop the rerun)."""
+  workdir = _copy(trained["workdir"], tmp_path)
+  directory = workdir / "checkpoints"
+  state, data_state = trained["intact"][4]
+  checkpointer = ckpt_lib.Checkpointer(directory, every=2, max_to_keep=3)
+  assert checkpointer.restore_or_none(trained["abstract"], trained["config_dict"]).step == 4
+  if where == "orbax_save":
+    monkeypatch.setattr(ocp.CheckpointManager, "save", _failing_save(KeyboardInterrupt()))
+  else:
+    monkeypatch.setattr(digest_lib, "write", _interrupted_digest)
+  with pytest.raises(KeyboardInterrupt):
+    checkpointer.maybe_save(6, state, data_state, trained["config_dict"])
+  assert _entries(directory) == ["2", "4"]
+  monkeypatch.undo()
+  restored, warnings = _restore(workdir, trained["abstract"], trained["config_dict"])
+  assert restored.step == 4 and not warnings
+
+
 def test_too_little_free_space_for_the_next_save_is_one_line_and_writes_nothing(
     trained, tmp_path, monkeypatch):
   """Less free space than the newest verified checkpoint takes: refused before orbax writes."""

@@ -325,7 +325,9 @@ class Checkpointer:
     `data_state` is this process's iterator state; it must be the same on every process (a
     position in the global stream), checked by gathering them. After the save, process 0 records
     the checkpoint's digest (a failure is a warning: that checkpoint is not verified, and the
-    newest verified one is kept), then old checkpoints are rotated out.
+    newest verified one is kept), then old checkpoints are rotated out. A KeyboardInterrupt (a
+    second Ctrl-C) before the digest is written removes what the save wrote, a step without its
+    digest would stop the rerun, and is raised again: the newest verified checkpoint stays.
 
     Raises:
       DataStateError: the processes' data states differ.
@@ -344,18 +346,23 @@ class Checkpointer:
           f"saved: {states}")
     item = {"format": DATA_FORMAT, "iterator": data_state, "process_count": len(states)}
     check_data_item(item, where=f"step {step}: cannot save")
-    self._save(step, ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
-        meta=ocp.args.JsonSave({"config": config_dict, "step": step})))
-    recorded = True
-    if jax.process_index() == 0:
-      try:
-        digest_lib.write(os.path.join(self.directory, str(step)), step)
-      except OSError as e:
-        recorded = False
-        logging.warning("checkpoint %s/%d: its digest could not be recorded (%s); it is not "
-                        "verified, and rotation keeps the newest verified one", self.directory,
-                        step, e)
+    try:
+      self._save(step, ocp.args.Composite(
+          state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
+          meta=ocp.args.JsonSave({"config": config_dict, "step": step})))
+      recorded = True
+      if jax.process_index() == 0:
+        try:
+          digest_lib.write(os.path.join(self.directory, str(step)), step)
+        except OSError as e:
+          recorded = False
+          logging.warning("checkpoint %s/%d: its digest could not be recorded (%s); it is not "
+                          "verified, and rotation keeps the newest verified one", self.directory,
+                          step, e)
+    except KeyboardInterrupt:  # a second Ctrl-C (`run_guard.StopSignals`) stops the save at once
+      if jax.process_index() == 0:
+        digest_lib.remove_save(self.directory, step)
+      raise
     if jax.process_count() > 1:
       recorded = bool(multihost_utils.broadcast_one_to_all(np.int32(recorded)))
     if recorded:
@@ -390,9 +397,7 @@ class Checkpointer:
       line = self._write_failure(step, os.strerror(code), removed=True,  # free space before
                                  full=code in (errno.ENOSPC, errno.EDQUOT))  # the removal
       if jax.process_index() == 0:  # what the save left: orbax's temporary directory, or `step`
-        digest_lib.remove_unfinished(self.directory, [
-            n for n in os.listdir(self.directory) if n == str(step)
-            or (digest_lib.UNFINISHED_NAME.fullmatch(n) and n.split(".")[0] == str(step))])
+        digest_lib.remove_save(self.directory, step)
       raise CheckpointWriteError(line) from e
 
   def _write_failure(self, step: int, why: str, *, removed: bool, full: bool = True) -> str:

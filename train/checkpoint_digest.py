@@ -208,6 +208,18 @@ def remove_unfinished(directory: str, names: list[str]) -> list[str]:
   return failed
 
 
+def remove_save(directory: str, step: int) -> list[str]:
+  """Removes what a save of `step` that did not finish left in `directory`: orbax's temporary
+  directories of it, and `step` itself (renamed into place, its digest perhaps not written);
+  returns what could not be removed, as `remove_unfinished` does."""
+  try:
+    names = os.listdir(directory)
+  except OSError as e:
+    return [f"{directory} ({e.strerror or e})"]
+  return remove_unfinished(directory, [n for n in names if n == str(step) or (
+      UNFINISHED_NAME.fullmatch(n) and n.split(".")[0] == str(step))])
+
+
 def _regular_file(path: str) -> os.stat_result:
   """`os.stat(path)`, or OSError when `path` is not a regular file (a FIFO would block a read)."""
   st = os.stat(path)
