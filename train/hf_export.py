@@ -206,7 +206,7 @@ def write_files(directory: str, config: Any, workdir: str, *,
   except hf_config.HfModelError as e:
     raise ExportError(str(e)) from e
   tokenizer_lib.write_json(str(out / "config.json"), hf)
-  renderer = run_tokenizer.data_chat_renderer(config)
+  renderer = run_tokenizer.data_chat_renderer(config, stage=False)  # never a download
   write_generation_config(out, source=source, ids=ids,
                           stop_ids=() if renderer is None else renderer.stop_ids)
   return names, template is not None

@@ -61,13 +61,16 @@ def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
   return tokenizer
 
 
-def _local_copy(path: str, *, cache_dir: str | None) -> str:
-  """`path`, or for a URL the local copy the trainer read (staged now if it is gone)."""
+def _local_copy(path: str, *, cache_dir: str | None, stage: bool = True) -> str | None:
+  """`path`, or for a URL the local copy the trainer read (staged now if it is gone; None then
+  when `stage` is False)."""
   if not remote_files.is_url(path):
     return path
   folder = staging.staged_dir(url=path, cache_dir=cache_dir)
   if (folder / shards.MANIFEST_NAME).is_file():
     return str(folder)
+  if not stage:
+    return None
   try:
     return str(staging.stage_dataset(url=path, cache_dir=cache_dir, progress=False).path)
   except (OSError, shards.ShardFormatError) as e:
@@ -75,9 +78,10 @@ def _local_copy(path: str, *, cache_dir: str | None) -> str:
                       f"tokenizer: {e}") from e
 
 
-def dataset_dirs(config: ml_collections.ConfigDict) -> list[str]:
+def dataset_dirs(config: ml_collections.ConfigDict, *, stage: bool = True) -> list[str]:
   """The local directories of `data.train`: one dataset, every source of a mixture (the rule of
-  `segpack.data.mixture.parse_data`), URLs as their staged copies; [] without `data.train`."""
+  `segpack.data.mixture.parse_data`), URLs as their staged copies (staged now if gone, unless
+  `stage` is False: such a URL is then left out); [] without `data.train`."""
   spec = config.data.get("train")  # absent from older configs
   if not spec:
     return []
@@ -86,7 +90,8 @@ def dataset_dirs(config: ml_collections.ConfigDict) -> list[str]:
   except PipelineConfigError as e:
     raise SampleError(f"data.train={spec!r}: {e}") from e
   paths = [str(spec)] if mixture is None else [str(m.source) for m in mixture.sources]
-  return [_local_copy(p, cache_dir=None) for p in paths]
+  local = [_local_copy(p, cache_dir=None, stage=stage) for p in paths]
+  return [p for p in local if p is not None]
 
 
 def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Tokenizer:
@@ -151,12 +156,13 @@ def has_template(directory: str) -> bool:
     return False
 
 
-def data_chat_renderer(config: ml_collections.ConfigDict) -> Any:
+def data_chat_renderer(config: ml_collections.ConfigDict, *, stage: bool = True) -> Any:
   """The chat template the run's data was rendered with, None for plain-text data: a chat
   dataset's (`segpack.text.hf_chat.for_dataset`; the first chat source of a mixture), or the
-  built-in chat corpus's (`segpack.text.chat.ChatEncoder`). It has `prompt_ids` and `stop_ids`."""
+  built-in chat corpus's (`segpack.text.chat.ChatEncoder`). It has `prompt_ids` and `stop_ids`.
+  `stage=False` reads only local copies (a URL dataset not staged here is not fetched)."""
   if config.data.get("train"):
-    for directory in dataset_dirs(config):
+    for directory in dataset_dirs(config, stage=stage):
       try:
         renderer = hf_chat.for_dataset(directory)
       except ValueError as e:
