@@ -16,7 +16,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from segpack.errors import UserError
-from train import architecture
+from configs import architecture
 
 
 def declared_group(cls: type) -> ml_collections.ConfigDict:
@@ -43,7 +43,7 @@ def declared_group(cls: type) -> ml_collections.ConfigDict:
 
 def model_group() -> ml_collections.ConfigDict:
   """The `model` group: the decoder's architecture, whose keys are the fields of
-  `train.architecture.Architecture` (declared there, with their comments), and `init_from`."""
+  `configs.architecture.Architecture` (declared there, with their comments), and `init_from`."""
   m = declared_group(architecture.Architecture)
   # A Hugging Face model directory (config.json, *.safetensors, tokenizer files) to start from:
   # the architecture keys then come from its config.json (an override that contradicts it is

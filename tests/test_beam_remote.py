@@ -447,6 +447,6 @@ def test_training_on_a_url_without_apache_beam_is_one_line_exit_2(tmp_path, s3, 
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   lines = run.stderr.strip().splitlines()
   assert run.returncode == 2, run.stderr[-3000:]
-  assert "Traceback" not in run.stderr and lines[-1].startswith("train.main: "), lines
+  assert "Traceback" not in run.stderr and lines[-1].startswith("python -m train.main: error: "), lines
   assert remote_dataset in lines[-1] and "pip install 'segpack[beam]'" in lines[-1]
   assert not (cache / "staged").exists()

@@ -1,4 +1,4 @@
-"""`python -m train.bench_hf_import` at a tiny size: the checkpoint it writes loads in full, in its
+"""`python -m train.bench.hf_import` at a tiny size: the checkpoint it writes loads in full, in its
 own dtype, and the memory figures it prints are consistent (no timing or bound assertions: at
 20 MB the runtime's own few MB outweigh 10% of the largest tensor)."""
 
@@ -17,7 +17,7 @@ FIELDS = ("checkpoint_bytes", "file_bytes", "largest_tensor", "largest_tensor_by
 
 
 def _bench(*args, env=None):
-  proc = subprocess.run([sys.executable, "-m", "train.bench_hf_import", "--size-gb", "0.02",
+  proc = subprocess.run([sys.executable, "-m", "train.bench.hf_import", "--size-gb", "0.02",
                          *args], cwd=ROOT, capture_output=True, text=True, check=False,
                         env=None if env is None else dict(os.environ, **env))
   assert proc.returncode == 0, proc.stderr[-3000:]

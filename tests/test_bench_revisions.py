@@ -1,4 +1,4 @@
-"""train.bench_revisions: the comparison flags a changed loss bit or batch fingerprint and passes
+"""train.bench.revisions: the comparison flags a changed loss bit or batch fingerprint and passes
 equal runs whose times differ; a revision git does not know ends with one line, exit status 2.
 (The real comparison checks out two revisions and trains; it is not run here.)"""
 
@@ -6,7 +6,7 @@ import subprocess
 
 import numpy as np
 
-from train import bench_revisions as br
+from train.bench import revisions as br
 
 
 def _metrics(loss: float, wall: float) -> list[dict]:
@@ -95,7 +95,7 @@ def test_a_revision_git_does_not_know_is_one_line_and_status_2(capsys):
   assert br.main(["--before", "no-such-revision-of-segpack", "--after", "HEAD"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1, err
-  assert err[0].startswith("python -m train.bench_revisions: error: --before "
+  assert err[0].startswith("python -m train.bench.revisions: error: --before "
                            "'no-such-revision-of-segpack'"), err
   assert br.main(["--before", "HEAD", "--after=-p"]) == 2  # an option is no revision
   assert "--after '-p'" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from segpack.text import dataset  # noqa: E402
 from segpack.text import hf  # noqa: E402
 from segpack.text import hf_chat  # noqa: E402
 from segpack.text.inputs import InputFormatError  # noqa: E402
-from train import hf_export_tokenizer  # noqa: E402
+from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
 import hf_models  # noqa: E402
 
 OWN = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }} {{ m['content'] }} "

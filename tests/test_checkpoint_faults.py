@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from test_checkpoint_integrity import REPO, _copy, _restore, trained  # noqa: F401 (a fixture)
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
-from train import saved_run
+from train.runs import saved as saved_run
 from train import train as train_lib
 from segpack.errors import UserError
 
@@ -275,7 +275,7 @@ def test_cli_full_disk_exits_2_with_one_line_naming_the_free_space(mount):
   assert proc.returncode == 2, proc.stderr[-3000:]
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1, proc.stderr[-3000:]
-  assert lines[0].startswith(f"train.main: cannot save the checkpoint {disk}/checkpoints/4: not "
+  assert lines[0].startswith(f"python -m train.main: error: cannot save the checkpoint {disk}/checkpoints/4: not "
                              "enough space ("), lines
   assert "free of 16.0 MiB; a checkpoint of this run takes" in lines[0], lines
   assert _entries(disk / "checkpoints") == ["2"]

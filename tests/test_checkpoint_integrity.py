@@ -176,7 +176,7 @@ def test_cli_empty_step_directory_alone_exits_2_with_one_line(tmp_path):
   proc = _cli(tmp_path)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines() == [
-      f"train.main: no intact checkpoint in {tmp_path / 'checkpoints'} (99: the directory is "
+      f"python -m train.main: error: no intact checkpoint in {tmp_path / 'checkpoints'} (99: the directory is "
       "empty); move the damaged ones away (or use a new --workdir) to train from scratch"], (
           proc.stderr[-3000:])
   assert not (tmp_path / "metrics.jsonl").exists()  # no fresh start

@@ -15,7 +15,7 @@ from segpack.attention import resources as resources_lib
 from segpack.cli import main as cli_main
 from segpack.shards import ShardSource
 from segpack.text import corpus
-from train import bench as train_bench
+from train.bench import training as train_bench
 from train import plot as train_plot
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,10 +20,14 @@ from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardFormatError
 from segpack.text import spm
-from train import bench as train_bench
-from train import bench_hf_import
-from train import export as train_export
+from train.bench import training as train_bench
+from train.bench import hf_import as bench_hf_import
+from train.bench import revisions as bench_revisions
+from train.hf import export as train_export
+from train import main as train_main
 from train import plot as train_plot
+from train.sample import bench as sample_bench
+from train.sample import command as sample_command
 
 ENTRY_POINTS = {
     "segpack": cli_main.main, "segpack tokenize": tokenize_cli.main,
@@ -31,9 +35,36 @@ ENTRY_POINTS = {
     "segpack bench attention": bench_attention.main,
     "segpack bench gpu-report": bench_gpu_report.main,
     "python -m segpack.bench.verify": bench_verify.main, "python -m train.bench": train_bench.main,
-    "python -m train.plot": train_plot.main, "python -m train.export": train_export.main,
-    "python -m train.bench_hf_import": bench_hf_import.main,
+    "python -m train.plot": train_plot.main, "python -m train.hf.export": train_export.main,
+    "python -m train.bench.hf_import": bench_hf_import.main,
+    "python -m train.main": train_main.cli, "python -m train.sample": sample_command.cli,
+    "python -m train.sample.bench": sample_bench.main,
+    "python -m train.bench.revisions": bench_revisions.main,
 }
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _commands_in(package: str) -> set[str]:
+  """`python -m X` for every module of `package` that runs as a program (a `__main__.py` names
+  its package)."""
+  out = set()
+  for root, _, names in os.walk(os.path.join(REPO, package)):
+    for name in names:
+      path = os.path.join(root, name)
+      if not name.endswith(".py") or (name != "__main__.py" and '__name__ == "__main__"' not in
+                                      open(path, encoding="utf-8").read()):
+        continue
+      dotted = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+      out.add("python -m " + dotted.removesuffix(".__main__"))
+  return out
+
+
+def test_every_train_command_is_an_entry_point():
+  """Every `python -m train...` command ends through the shared wrapper (none is left out)."""
+  commands = _commands_in("train")
+  assert {"python -m train.main", "python -m train.sample", "python -m train.hf.export"} <= commands
+  assert commands <= set(ENTRY_POINTS), sorted(commands - set(ENTRY_POINTS))
+
 
 
 def _run(main, argv) -> int:

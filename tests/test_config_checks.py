@@ -88,7 +88,7 @@ def test_cli_override_with_a_bad_choice_is_refused(tmp_path):
   assert proc.returncode == 2, proc.stderr[-2000:]
   # One line, no traceback.
   assert proc.stderr.strip().splitlines() == [
-      "train.main: packing.mode must be one of ['global', 'minibatch'], got 'mini'"], proc.stderr
+      "python -m train.main: error: packing.mode must be one of ['global', 'minibatch'], got 'mini'"], proc.stderr
   assert not workdir.exists()
 
 
@@ -231,27 +231,27 @@ def _cli(*args, workdir):
 
 @pytest.mark.parametrize("args, line", [
     (["--config=configs/packed.py:nope"],
-     "train.main: --config=configs/packed.py:nope: unknown config variant 'nope': the variants are "
+     "python -m train.main: error: --config=configs/packed.py:nope: unknown config variant 'nope': the variants are "
      "['gpu', 'long', 'smoke'] (--config=FILE:VARIANT), or none"),
     (["--config=configs/sft.py:nope", "--config.train.num_steps=2"],
-     "train.main: --config=configs/sft.py:nope: unknown config variant 'nope': the variants are "
+     "python -m train.main: error: --config=configs/sft.py:nope: unknown config variant 'nope': the variants are "
      "['gpu', 'long', 'smoke'] (--config=FILE:VARIANT), or none"),
     (["--config", "configs/nope.py:smoke", "--config.train.num_steps=2"],
-     f"train.main: --config=configs/nope.py:smoke: no config file 'configs/nope.py' (from {REPO!r})"),
+     f"python -m train.main: error: --config=configs/nope.py:smoke: no config file 'configs/nope.py' (from {REPO!r})"),
     (["--config=configs/packed.py:smoke", "--config.train.num_stpes=2"],
-     "train.main: a --config.* override names no config key: 'num_stpes' Did you mean "
+     "python -m train.main: error: a --config.* override names no config key: 'num_stpes' Did you mean "
      "\"num_steps\" instead of \"num_stpes\"?"),
     (["--config=configs/packed.py:smoke", "--config.train.num_steps=abc"],
-     "train.main: flag --config.train.num_steps=abc: invalid literal for int() with base 10: 'abc'"),
+     "python -m train.main: error: flag --config.train.num_steps=abc: invalid literal for int() with base 10: 'abc'"),
     (["--config=configs/packed.py:smoke", "--config.train.max_checkpoints=0"],
-     "train.main: train.max_checkpoints must be a finite number >= 1, got 0"),
+     "python -m train.main: error: train.max_checkpoints must be a finite number >= 1, got 0"),
     (["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
       "--config.model.vocab_size=16"],
-     "train.main: model.vocab_size must be None (the data's) or at least the data's vocabulary "
+     "python -m train.main: error: model.vocab_size must be None (the data's) or at least the data's vocabulary "
      "size 512, got 16"),
     (["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
       f"--config.mesh.data={jax.device_count() + 1}"],
-     f"train.main: mesh: axes {{'data': {jax.device_count() + 1}, 'fsdp': 1, 'context': 1, "
+     f"python -m train.main: error: mesh: axes {{'data': {jax.device_count() + 1}, 'fsdp': 1, 'context': 1, "
      f"'tensor': 1}} need "
      f"{jax.device_count() + 1} devices, but there are {jax.device_count()}"),
 ], ids=["variant", "sft-variant", "missing-file", "key-typo", "bad-int", "max-checkpoints",

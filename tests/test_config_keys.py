@@ -2,7 +2,7 @@
 
 A key is declared either by an assignment in a declaring function of `configs/packed.py` (one
 that builds a group: `base_config`, `model_group`), or as a field of a dataclass that such a
-function turns into a group with `declared_group(cls)` (`train.architecture.Architecture` for the
+function turns into a group with `declared_group(cls)` (`configs.architecture.Architecture` for the
 `model` group). The checks, parsed from the source with `ast`:
 
 1. No key is assigned twice in the declaring functions.
@@ -214,7 +214,7 @@ def test_negative_controls_each_check_catches_its_mistake():
 
 def test_the_model_group_and_decoder_config_are_the_architecture_fields():
   """The declaration reaches both ends: the config's model group and `DecoderConfig`."""
-  architecture = importlib.import_module("train.architecture")
+  architecture = importlib.import_module("configs.architecture")
   model = importlib.import_module("train.model")
   fields = set(_fields_of(architecture.Architecture))
   assert fields <= set(packed.base_config().model.keys())

@@ -18,8 +18,8 @@ from segpack.shards import format as format_lib
 from segpack.text import dataset as dataset_lib
 from segpack.text import spm
 from configs import packed
-from train import saved_run
-from train import run_tokenizer
+from train.runs.errors import RunError
+from train.runs import tokenizer as run_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,5 +210,5 @@ def test_a_damaged_tokenizer_model_beside_a_dataset_is_refused_by_the_sampler(tm
       break
     except ValueError:
       continue
-  with pytest.raises(saved_run.SampleError, match=f"{model_file} is not the one"):
+  with pytest.raises(RunError, match=f"{model_file} is not the one"):
     run_tokenizer.tokenizer_for_run(config)

@@ -1,4 +1,4 @@
-"""`train.decode` on imported Hugging Face models against transformers' own `generate`: greedy
+"""`train.sample.decode` on imported Hugging Face models against transformers' own `generate`: greedy
 answers of several prompts of different lengths, decoded in one batch (one row each, and all
 packed into one row), equal `model.generate(do_sample=False)` on the left-padded batch, token for
 token; stopping at EOS agrees too."""
@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 import hf_models  # noqa: E402
 from configs import packed  # noqa: E402
-from train import decode as decode_lib  # noqa: E402
-from train import hf_config, hf_weights  # noqa: E402
+from train.sample import decode as decode_lib  # noqa: E402
+from train.hf import config as hf_config, hf_weights  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 
 NEW = 16

@@ -26,8 +26,8 @@ from test_train import REPO, _synthetic
 from configs import packed
 from train import context_batches as context_lib
 from train import data as data_lib
-from train import export as export_lib
-from train import hf_config
+from train.hf import export as export_lib
+from train.hf import config as hf_config
 from train import layout as layout_lib
 from train import metrics as metrics_lib
 from train import model as model_lib

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 import hf_models  # noqa: E402
 from configs import packed  # noqa: E402
 from test_hf_train import run_cli  # noqa: E402
-from train import hf_config, hf_init, hf_weights  # noqa: E402
+from train.hf import config as hf_config, hf_init, hf_weights  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 
 
@@ -154,7 +154,7 @@ def test_resuming_with_another_init_from_is_refused(tmp_path):
 
 def test_without_the_hf_extra_import_and_export_say_which_extra(tmp_path, tiny, monkeypatch):
   import sys as sys_module
-  from train import hf_export
+  from train.hf import export_files as hf_export
   monkeypatch.setitem(sys_module.modules, "safetensors", None)
   with pytest.raises(hf_config.HfModelError, match=r"pip install 'segpack\[hf\]'"):
     _load(_adopt(tiny))

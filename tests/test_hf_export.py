@@ -1,4 +1,4 @@
-"""`python -m train.export`: a run exported as a Hugging Face directory loads in transformers with
+"""`python -m train.hf.export`: a run exported as a Hugging Face directory loads in transformers with
 no missing or unexpected keys and gives the checkpoint's logits (1e-5), for imported models
 (Llama with llama3 RoPE scaling, tied Qwen2 on chat data, Qwen3) and a model trained from scratch
 on the built-in corpus; config.json round-trips to the run's model keys; the tokenizer encodes as
@@ -33,13 +33,13 @@ from segpack.text import chat_corpus  # noqa: E402
 from segpack.text import corpus  # noqa: E402
 from segpack.text import hf as hf_tokenizer  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train import export as export_lib  # noqa: E402
-from train import hf_config  # noqa: E402
-from train import hf_export  # noqa: E402
-from train import hf_export_tokenizer  # noqa: E402
-from train import hf_weights  # noqa: E402
-from train import run_tokenizer  # noqa: E402
-from train import saved_run  # noqa: E402
+from train.hf import export as export_lib  # noqa: E402
+from train.hf import config as hf_config  # noqa: E402
+from train.hf import export_files as hf_export  # noqa: E402
+from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.hf import weights as hf_weights  # noqa: E402
+from train.runs import tokenizer as run_tokenizer  # noqa: E402
+from train.runs import saved as saved_run  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -468,7 +468,7 @@ def test_shards_hold_at_most_max_shard_size_fetched_one_shard_at_a_time(runs, tm
 def _stderr_line(capsys):
   lines = capsys.readouterr().err.strip().splitlines()
   assert len(lines) == 1, lines
-  assert lines[0].startswith("python -m train.export: error: "), lines
+  assert lines[0].startswith("python -m train.hf.export: error: "), lines
   return lines[0]
 
 
@@ -570,7 +570,7 @@ def test_errors_are_one_line_naming_the_flag(runs, tmp_path, capsys, monkeypatch
 
 def test_the_command_runs_as_a_module(runs, tmp_path):
   run = runs("qwen3")
-  proc = run_cli("train.export", "--workdir", run.workdir, "--output", str(tmp_path / "out"),
+  proc = run_cli("train.hf.export", "--workdir", run.workdir, "--output", str(tmp_path / "out"),
                  "--max-shard-size", "60KB")
   assert proc.stdout.startswith(f"wrote {tmp_path / 'out'}: step 3,")
   assert os.path.isfile(tmp_path / "out" / hf_weights.INDEX_NAME)

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import hf_models  # noqa: E402
 from packing_oracles import naive_rows  # noqa: E402
 from configs import packed  # noqa: E402
-from train import hf_config, hf_weights  # noqa: E402
+from train.hf import config as hf_config, hf_weights  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 
 ATOL = 1e-4

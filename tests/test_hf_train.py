@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 import hf_models  # noqa: E402
 from configs import packed  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train import hf_config  # noqa: E402
+from train.hf import config as hf_config  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_d
                                                                         tmp_path, capsys):
   """160 embedding rows, 158 tokenizer ids: train.sample decodes with the dataset's copy of the
   model's tokenizer (it refused such a run as "not the run's tokenizer")."""
-  from train import sample as sample_lib
+  from train.sample import command as sample_lib
   config = _config(model_dir, text_data / "data")
   train_lib.train_and_evaluate(config, tmp_path / "run")
   answers = sample_lib.sample(str(tmp_path / "run"), prompts=["w1 w2 w3"], max_new_tokens=4,
@@ -214,7 +214,7 @@ def test_a_chat_model_with_its_own_template_fine_tunes_samples_and_exports(tmp_p
   out = run_cli("train.sample", f"--workdir={tmp_path / 'run'}", "--chat",
                 f"--prompt={question}", "--max_new_tokens=12")
   printed = out.stdout.splitlines()[1:]
-  run_cli("train.export", "--workdir", str(tmp_path / "run"), "--output", str(tmp_path / "out"))
+  run_cli("train.hf.export", "--workdir", str(tmp_path / "run"), "--output", str(tmp_path / "out"))
   exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
   prompt = exported.apply_chat_template([{"role": "user", "content": question}],
                                         add_generation_prompt=True, tokenize=True)

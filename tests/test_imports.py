@@ -36,7 +36,7 @@ import tokenize
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("segpack", "train")
+PACKAGES = ("segpack", "train", "configs")
 SIZED_PACKAGES = ("segpack", "train", "configs")
 REASON = re.compile(r"#\s*optional:\s*\S")
 MAX_MODULE_LINES = 450
@@ -53,8 +53,19 @@ FLOORS = (
     ("segpack.bench",),
     # tokenize_baseline is a command: `segpack tokenize` as it ran before (the benchmark's baseline)
     ("segpack.cli", "segpack.__main__", "segpack.bench.tokenize_baseline"),
-    ("train", "configs"),
+    # configs declare the keys (and the model's architecture); the trainer reads them
+    ("configs",),
+    # the trainer: its loop, model, data, checkpoints, and the Hugging Face config and weights
+    # that `model.init_from` reads while the run starts
+    ("train", "train.hf"),
+    # a finished run read back: checkpoint, config, tokenizer, chat template
+    ("train.runs",),
+    # what reads finished runs: the sampler and the export to a Hugging Face directory
+    ("train.sample", "train.hf.export", "train.hf.export_files", "train.hf.export_tokenizer"),
+    ("train.bench",),
 )
+# The most modules (`.py` files but `__init__.py`, which only re-exports) one folder may hold.
+MAX_FOLDER_MODULES = 20
 
 
 def module_files(packages: tuple[str, ...] = PACKAGES) -> dict[str, pathlib.Path]:
@@ -335,8 +346,9 @@ def floor_of(module: str) -> int:
 
 def test_floor_of_takes_the_longest_prefix():
   assert floor_of("segpack.errors") == 0 and floor_of("segpack.data.packed") == 5
-  assert floor_of("segpack") == 5 and floor_of("train.model") == 8
-  assert floor_of("segpack.packing.permutation") == 4
+  assert floor_of("segpack") == 5 and floor_of("train.model") == 9
+  assert floor_of("segpack.packing.permutation") == 4 and floor_of("configs.packed") == 8
+  assert floor_of("train.hf.weights") == 9 and floor_of("train.hf.export") == 11
 
 
 def test_no_module_imports_a_higher_floor():
@@ -349,9 +361,31 @@ def test_no_module_imports_a_higher_floor():
 
 
 def test_the_floor_check_sees_an_upward_import():
-  """The negative control: an import of the data floor from the packing floor is one."""
-  graph = {"segpack.packing.planner": {"segpack.data.options"}}
-  assert [b for a, bs in graph.items() for b in bs if floor_of(b) > floor_of(a)]
+  """The negative controls: an import of the data floor from the packing floor is one, and so
+  is a config importing the trainer (the arrow `configs.packed -> train.architecture` was)."""
+  graph = {"segpack.packing.planner": {"segpack.data.options"},
+           "configs.packed": {"train.model"}, "train.runs.saved": {"train.sample.decode"}}
+  assert len([b for a, bs in graph.items() for b in bs if floor_of(b) > floor_of(a)]) == 3
+
+
+def folder_sizes(packages: tuple[str, ...] = SIZED_PACKAGES) -> dict[str, int]:
+  """Folder (relative to the repository) -> the modules directly inside it."""
+  sizes = {}
+  for package in packages:
+    for folder in [REPO / package, *(p for p in (REPO / package).rglob("*") if p.is_dir())]:
+      count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
+      if count:
+        sizes[str(folder.relative_to(REPO))] = count
+  return sizes
+
+
+def test_no_folder_holds_too_many_modules():
+  """A folder of over `MAX_FOLDER_MODULES` modules is a flat room that wants wings (train/ had
+  33 before it was split into hf/, runs/, sample/ and bench/)."""
+  sizes = folder_sizes()
+  assert sizes["train"] >= 10 and sizes["train/hf"] >= 3  # the walk is real
+  crowded = {f: n for f, n in sizes.items() if n > MAX_FOLDER_MODULES}
+  assert not crowded, f"folders over {MAX_FOLDER_MODULES} modules (give them wings): {crowded}"
 
 
 def architecture_listing() -> set[str]:
@@ -378,4 +412,4 @@ def test_docs_architecture_has_a_line_for_every_module_and_none_stale():
   missing = sorted(p for p in actual - listed if not p.endswith("__init__.py"))
   assert not missing, f"modules without a line in docs/architecture.md: {missing}"
   assert not listed - actual, f"stale lines: {sorted(listed - actual)}"
-  assert "segpack/errors.py" in listed and "train/decode.py" in listed  # the parser reads it
+  assert "segpack/errors.py" in listed and "train/sample/decode.py" in listed  # the parser reads it

@@ -111,7 +111,7 @@ def test_cli_exits_2_with_one_line(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr[-3000:]
   lines = proc.stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith("train.main: step "), proc.stderr[-3000:]
-  bad = int(ERROR.match(lines[0][len("train.main: "):]).group(1))
+  assert len(lines) == 1 and lines[0].startswith("python -m train.main: error: step "), proc.stderr[-3000:]
+  bad = int(ERROR.match(lines[0][len("python -m train.main: error: "):]).group(1))
   saved = [int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()]
   assert all(s < bad for s in saved), (saved, lines)

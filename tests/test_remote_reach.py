@@ -39,7 +39,7 @@ def test_a_refused_endpoint_ends_in_one_line_within_the_bound(tmp_path):
   elapsed = time.perf_counter() - start
   lines = run.stderr.strip().splitlines()
   assert run.returncode == 2, run.stderr[-3000:]
-  assert "Traceback" not in run.stderr and lines[-1].startswith("train.main: "), lines
+  assert "Traceback" not in run.stderr and lines[-1].startswith("python -m train.main: error: "), lines
   assert "s3://no-such-bucket/data" in lines[-1] and "cannot be reached" in lines[-1]
   assert elapsed < 120  # bounded: the 8 s wait plus start-up, not the client's minutes
 

@@ -26,7 +26,7 @@ import pytest
 from train import checkpoint_digest as digest_lib
 from train import metrics as metrics_lib
 from train import run_guard
-from train import saved_run
+from train.runs import saved as saved_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
@@ -90,7 +90,7 @@ NUM_STEPS = 8
 # Where a signal's delay is counted from: the start of the process (imports, data setup), the
 # first line of the loop (handlers installed: the initial eval, compilation), the first step.
 ANCHORS = {"start": None, "loop": "workdir ", "step 1": "step      1 |"}
-INTERRUPTED = "train.main: interrupted; resume from the newest checkpoint with the same command"
+INTERRUPTED = "python -m train.main: interrupted; resume from the newest checkpoint with the same command"
 TRAIN_KEYS = ("loss", "grad_norm", "lr", "slot_utilization")  # the deterministic ones
 EVAL_KEYS = ("eval_loss", "eval_tokens")
 
@@ -280,8 +280,8 @@ def _check_stop(sent, rc, out, err, checkpoints):
   name = signal.Signals(sent[0]).name
   handled = f"{name} received: saving a checkpoint at the end of this step" in out
   again = signal.SIGINT in sent[1:]  # a second Ctrl-C stops at once, wherever it lands
-  own = [line for line in err.splitlines() if line.startswith("train.main: ")]
-  stopped = re.fullmatch(rf"train\.main: stopped by {name} at step (\d+); checkpoint saved in "
+  own = [line for line in err.splitlines() if line.startswith("python -m train.main: ")]
+  stopped = re.fullmatch(rf"python -m train\.main: stopped by {name} at step (\d+); checkpoint saved in "
                          rf"{re.escape(str(checkpoints))}/(\d+); run the same command to resume",
                          own[-1] if own else "")
   if stopped:  # the last line, the exit code 128 + signal, the checkpoint intact

@@ -23,11 +23,12 @@ from segpack.text import spm
 from test_train import _synthetic
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
-from train import decode as decode_lib
-from train import decode_reference as reference
-from train import run_tokenizer
-from train import sample as sample_lib
-from train import saved_run
+from train.sample import decode as decode_lib
+from train.sample import reference
+from train.runs import tokenizer as run_tokenizer
+from train.sample import command as sample_lib
+from train.runs import saved as saved_run
+from train.runs.errors import RunError
 from train import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,7 +250,7 @@ def test_tokenizer_of_a_tokenized_dataset(tmp_path):
   assert got.fingerprint == tok.fingerprint and got.vocab_size == 320
   (tmp_path / "data" / "manifest.json").write_text(json.dumps(
       {"metadata": {"tokenizer": {"type": "bpe?", "model_file": "x"}}}))
-  with pytest.raises(saved_run.SampleError, match=r"data.train=.* type 'bpe\?'"):
+  with pytest.raises(RunError, match=r"data.train=.* type 'bpe\?'"):
     run_tokenizer.tokenizer_for_run(config)
 
 
@@ -275,7 +276,7 @@ def test_the_tokenizer_of_a_mixture_and_of_a_url_run(tmp_path, monkeypatch):
     config.data.train = f"x={a}:0.6,y={b}:0.4"
   assert run_tokenizer.tokenizer_for_run(config).fingerprint == tok.fingerprint
   config.data.train = f"x={a},z={c}"
-  with pytest.raises(saved_run.SampleError, match="tokenized with different tokenizers"):
+  with pytest.raises(RunError, match="tokenized with different tokenizers"):
     run_tokenizer.tokenizer_for_run(config)
   monkeypatch.setenv("SEGPACK_CACHE", str(tmp_path / "cache"))
   url = "s3://bucket/datasets/c"
@@ -321,9 +322,9 @@ def test_cli_refuses_a_workdir_without_checkpoints(tmp_path, make_checkpoints_di
 
 
 def test_an_empty_prompt_is_refused(synthetic_run):
-  with pytest.raises(saved_run.SampleError, match="--prompt_ids holds no token id, got ''"):
+  with pytest.raises(sample_lib.SampleError, match="--prompt_ids holds no token id, got ''"):
     sample_lib.sample(synthetic_run, prompt_ids=[""])
-  with pytest.raises(saved_run.SampleError, match="give --prompt .* one of the two"):
+  with pytest.raises(sample_lib.SampleError, match="give --prompt .* one of the two"):
     sample_lib.sample(synthetic_run)
 
 
@@ -394,7 +395,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(synthetic_run,
   warnings = [line for line in proc.stderr.splitlines() if "damaged checkpoint" in line]
   assert len(warnings) == 1, proc.stderr
   assert f"{damaged}/checkpoints/4: {flipped} differs from its sha256" in warnings[0]
-  assert warnings[0].endswith(f"sampling from the newest intact one, {damaged}/checkpoints/2")
+  assert warnings[0].endswith(f"reading the newest intact one, {damaged}/checkpoints/2")
   header, line = proc.stdout.strip().splitlines()
   assert header == "=== prompt 1, sample 1/1 (greedy) from step 2 ==="
   assert line == sample_lib.sample(str(older), prompt_ids=["5,6,7"], max_new_tokens=6)[0].text
@@ -408,20 +409,20 @@ def test_a_lone_damaged_checkpoint_is_refused_in_one_line(synthetic_run, tmp_pat
   assert proc.returncode == 2 and not proc.stdout
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1, proc.stderr
-  assert lines[0].startswith(f"train.sample: --workdir {str(tmp_path)!r} holds no intact "
+  assert lines[0].startswith(f"python -m train.sample: error: --workdir {str(tmp_path)!r} holds no intact "
                              f"checkpoint ({tmp_path}/checkpoints/4: {flipped} differs from its "
                              "sha256 digest)")
   assert _snapshot(tmp_path) == before
-  with pytest.raises(saved_run.SampleError, match="holds no intact checkpoint"):
+  with pytest.raises(RunError, match="holds no intact checkpoint"):
     saved_run.load_run(str(tmp_path))
 
 
-def test_unreadable_or_missing_checkpoints_are_sample_errors(synthetic_run, tmp_path):
+def test_unreadable_or_missing_checkpoints_are_run_errors(synthetic_run, tmp_path):
   """A checkpoints path that is a file; a checkpoint that matches its (rewritten) digest but
-  whose `meta` item orbax cannot parse: one SampleError naming the path, not a traceback."""
+  whose `meta` item orbax cannot parse: one RunError naming the path, not a traceback."""
   (tmp_path / "file_run").mkdir()
   (tmp_path / "file_run" / "checkpoints").write_text("not a directory")
-  with pytest.raises(saved_run.SampleError, match="checkpoints is not a directory"):
+  with pytest.raises(RunError, match="checkpoints is not a directory"):
     saved_run.choose_checkpoint(str(tmp_path / "file_run"))
   run = tmp_path / "bad_meta"
   run.mkdir()
@@ -430,5 +431,5 @@ def test_unreadable_or_missing_checkpoints_are_sample_errors(synthetic_run, tmp_
   (step_dir / "meta" / "metadata").write_text('{"config": {')
   digest_lib.write(str(step_dir), 4)  # the digest now matches the unparsable file
   assert saved_run.choose_checkpoint(str(run)).step == 4
-  with pytest.raises(saved_run.SampleError, match=f"cannot read {step_dir}: "):
+  with pytest.raises(RunError, match=f"cannot read {step_dir}: "):
     saved_run.run_config(str(run))

@@ -16,10 +16,10 @@ from configs import sft
 from segpack.text import chat
 from segpack.text import chat_corpus
 from test_sample import one_step_run
-from train import decode as decode_lib
-from train import sample as sample_lib
-from train import sample_bench
-from train import saved_run
+from train.sample import decode as decode_lib
+from train.sample import command as sample_lib
+from train.sample import bench as sample_bench
+from train.runs import saved as saved_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +62,7 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
 def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
   """A plain-text run (the built-in corpus) has no chat template: `--chat` says what would."""
   config = packed.get_config("smoke")
-  with pytest.raises(saved_run.SampleError, match=r"--chat needs a run on chat data .* this "
+  with pytest.raises(sample_lib.SampleError, match=r"--chat needs a run on chat data .* this "
                      r"run's data is 'builtin'"):
     sample_lib.chat_renderer(config, str(tmp_path))
 

@@ -7,7 +7,7 @@ import pytest
 
 import small_corpus
 from segpack.cli import tokenize as tokenize_cli
-from train import run_tokenizer
+from train.runs import tokenizer as run_tokenizer
 
 
 def test_spm_model_is_copied_and_the_dataset_survives_its_removal(tmp_path_factory, tmp_path):

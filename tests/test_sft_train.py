@@ -88,7 +88,7 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
 def test_sft_bench_padding_and_minibatch_take_the_same_steps(spec, capsys):
   import json  # pylint: disable=g-import-not-at-top
 
-  from train import bench  # pylint: disable=g-import-not-at-top
+  from train.bench import training as bench  # pylint: disable=g-import-not-at-top
 
   _, _, cache = spec
   assert bench.main(["sft", "--max-train", "40", "--seq-len", "256", "--examples-per-batch",

@@ -242,7 +242,7 @@ def test_cli_refuses_a_config_typo_and_names_the_default_workdir():
 def test_bench_json_compares_packed_and_padded_on_the_same_tokens(capsys):
   """`python -m train.bench packed --json` prints one object with both real-token rates, measured on
   exactly the same documents (equal real tokens), packing taking no more steps than padding."""
-  from train import bench  # pylint: disable=g-import-not-at-top
+  from train.bench import training as bench  # pylint: disable=g-import-not-at-top
   assert bench.main(["packed", "--size", "small", "--docs", "12", "--seq-len", "128",
                      "--batch-size", "8", "--json"]) == 0
   out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -28,8 +28,8 @@ from segpack.data.packed import REPACK_MODES
 from segpack.errors import UserError
 from segpack.text import chat
 from segpack.text import corpus
-from train import architecture
-from train import hf_config
+from configs import architecture
+from train.hf import config as hf_config
 from train import model as model_lib
 
 # `data.source`: the built-in text corpus, the built-in chat corpus, or random documents.

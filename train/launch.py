@@ -1,7 +1,7 @@
 """What `python -m train.main` does around `train.train_and_evaluate`: flags parsed with every
 mistake one line (exit code 2), the default workdir, a Hugging Face config adopted, and how a run
-ends (a `segpack.errors.UserError` in one line, exit 2; a signal after its checkpoint, 128 + the
-signal; a second Ctrl-C at once, 130).
+ends (a `segpack.errors.UserError` in one line, exit 2, through `segpack.errors.command` as every
+command; a signal after its checkpoint, 128 + the signal; a second Ctrl-C at once, 130).
 """
 
 import hashlib
@@ -16,7 +16,7 @@ from absl import flags, logging
 
 from segpack import errors
 from train import checkpoint as ckpt_lib
-from train import hf_config
+from train.hf import config as hf_config
 from train import run_guard
 from train import train
 
@@ -36,9 +36,11 @@ def default_workdir(config_path: str, overrides: dict[str, Any] | None = None) -
   return os.path.join("runs", name)
 
 
+PROG = "python -m train.main"
+
+
 def _fail(message: str) -> None:
-  print(f"train.main: {message}", file=sys.stderr)
-  sys.exit(2)
+  raise errors.UsageError(message)
 
 
 def _config_argument(argv: list[str]) -> str | None:
@@ -60,7 +62,7 @@ def _root_cause(error: BaseException) -> BaseException:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, every error one line with exit code 2: a missing config file, a
+  """absl's flag parsing, every error a `UsageError` (one line, exit code 2): a missing config file, a
   `get_config` that refuses its argument (`configs/packed.py`'s `UnknownVariantError`: the
   message of its first exception), an unknown flag or config key, a bad override value.
 
@@ -89,7 +91,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filename: str,
-        overrides: dict[str, Any], distributed: bool) -> None:
+        overrides: dict[str, Any], distributed: bool) -> int:
   """Trains `config` in `workdir` (None: `default_workdir`), ending as the module docstring says.
 
   Args:
@@ -98,6 +100,10 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
     config_filename: `--config`'s value (names the default workdir).
     overrides: the `--config.*` overrides given (`config_flags.get_override_values`).
     distributed: call `jax.distributed.initialize()` first.
+
+  Returns:
+    The exit status: 0, 128 + the signal that stopped the run, or 130 for a second Ctrl-C (a
+    `UserError` propagates, to `segpack.errors.command`).
   """
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
@@ -107,12 +113,11 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
   try:
     hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
     train.train_and_evaluate(config, workdir)
-  except errors.UserError as e:
-    _fail(str(e))
   except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
-    print(f"train.main: {e}", file=sys.stderr, flush=True)
-    sys.exit(128 + e.signum)
+    print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+    return 128 + e.signum
   except KeyboardInterrupt:  # a second Ctrl-C: stop at once, the newest checkpoint stays
-    print("train.main: interrupted; resume from the newest checkpoint with the same command",
+    print(f"{PROG}: interrupted; resume from the newest checkpoint with the same command",
           file=sys.stderr, flush=True)
-    sys.exit(130)
+    return 130
+  return 0

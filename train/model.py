@@ -32,9 +32,9 @@ from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from train import layout as layout_lib
 from train import rope as rope_lib
 from train import sharding as sharding_lib
-from train.architecture import Architecture
-from train.architecture import RopeConfigError
-from train.architecture import RopeScaling
+from configs.architecture import Architecture
+from configs.architecture import RopeConfigError
+from configs.architecture import RopeScaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -45,7 +45,7 @@ class ModelConfigError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(Architecture):
-  """Hyper-parameters of `Decoder`: the architecture (`train.architecture.Architecture`, whose
+  """Hyper-parameters of `Decoder`: the architecture (`configs.architecture.Architecture`, whose
   fields are the config's `model.*` keys) and the attention backend that runs it.
 
   Plain and typed (no ml_collections in the model). At construction `dtype="auto"` becomes the

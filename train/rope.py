@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.architecture import RopeScaling
+from configs.architecture import RopeScaling
 
 
 def rope_inv_freq(*, head_dim: int, theta: float,

@@ -36,7 +36,7 @@ from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
-from train import hf_init
+from train.hf import init_from as hf_init
 from train import layout as layout_lib
 from train import metrics as metrics_lib
 from train import model as model_lib

@@ -2,7 +2,7 @@
 
 Their fields, defaults and comments are the trainer config's `model.*` keys: `configs/packed.py`
 builds its `model` group from them (`declared_group`), `train.model.DecoderConfig` extends
-`Architecture` with the attention backend, `train.hf_config` reads a Hugging Face config.json into
+`Architecture` with the attention backend, `train.hf.config` reads a Hugging Face config.json into
 the fields a checkpoint sets (`checkpoint_keys`), and export writes them back. A key is added here,
 with its comment, and read where it is used; nothing else lists it.
 

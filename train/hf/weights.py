@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from train import hf_config
+from train.hf import config as hf_config
 from train import model as model_lib
 from train import sharding as sharding_lib
 

@@ -1,6 +1,6 @@
-"""Host memory of importing a Hugging Face checkpoint: `python -m train.bench_hf_import [--json]`.
+"""Host memory of importing a Hugging Face checkpoint: `python -m train.bench.hf_import [--json]`.
 
-The import (`train.hf_weights.load_params`) reads tensors through memory-mapped safetensors one
+The import (`train.hf.weights.load_params`) reads tensors through memory-mapped safetensors one
 at a time and places each straight onto the mesh with its sharding, in the checkpoint's dtype.
 Its host memory above the process's baseline must stay within the largest tensor plus 10%,
 beyond the parameters themselves. This command measures that on a Llama-family checkpoint of at
@@ -24,13 +24,13 @@ Algorithm:
      (hidden, heads, intermediate and vocabulary are halved while one layer overshoots a small
      size).
   2. Write `config.json` (`model_type` "llama"), one safetensors file per group of
-     `train.hf_weights.tensor_map`'s tensors (the embedding; each layer; the final norm and
+     `train.hf.weights.tensor_map`'s tensors (the embedding; each layer; the final norm and
      `lm_head`) and `model.safetensors.index.json`, generating each file's random tensors just
      before writing it, so the writer holds one file at a time (numpy and safetensors only).
   3. In a fresh process (one CPU device, `JAX_PLATFORMS=cpu`): import JAX and the trainer, adopt
      the config and build the abstract model once (`nnx.eval_shape`), then record the baseline
      RSS (`/proc/self/status` VmRSS) and reset the peak to it (`/proc/self/clear_refs`).
-  4. Load with `train.hf_weights.load_decoder` on the default mesh, wait for every parameter
+  4. Load with `train.hf.weights.load_decoder` on the default mesh, wait for every parameter
      (`jax.block_until_ready`), and read the peak RSS (VmHWM since the reset) and the RSS.
      `getrusage`'s `ru_maxrss` is reported beside it; it cannot be reset, and Linux carries the
      starting process's peak into it across `exec`, so it can only be higher.
@@ -67,8 +67,8 @@ from safetensors.numpy import save_file
 
 from configs import packed
 from segpack import errors
-from train import hf_config
-from train import hf_weights
+from train.hf import config as hf_config
+from train.hf import weights as hf_weights
 from train import model as model_lib
 from train import sharding as sharding_lib
 
@@ -113,7 +113,7 @@ def flax_shapes(s: Shapes) -> dict[str, tuple[int, ...]]:
 
 def file_groups(s: Shapes) -> list[dict[str, tuple[int, ...]]]:
   """The checkpoint's files (step 2): each a dict of Hugging Face tensor name -> torch shape
-  (`[out, in]` for a Linear weight), in `train.hf_weights.tensor_map`'s names."""
+  (`[out, in]` for a Linear weight), in `train.hf.weights.tensor_map`'s names."""
   names = hf_weights.tensor_map(num_layers=s.layers, qkv_bias=False, qk_norm=False,
                                 tie_embeddings=False)
   groups: list[dict[str, tuple[int, ...]]] = [{} for _ in range(s.layers + 2)]
@@ -237,7 +237,7 @@ def measure_in_subprocess(model_dir: str) -> dict[str, Any]:
   env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-  proc = subprocess.run([sys.executable, "-m", "train.bench_hf_import", "--measure", model_dir],
+  proc = subprocess.run([sys.executable, "-m", "train.bench.hf_import", "--measure", model_dir],
                         env=env, cwd=root, capture_output=True, text=True, check=False)
   if proc.returncode != 0:
     raise RuntimeError(f"the measuring process ended with status {proc.returncode}:\n"
@@ -300,8 +300,8 @@ def _table(r: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  """The `python -m train.bench_hf_import` parser."""
-  parser = argparse.ArgumentParser(prog="python -m train.bench_hf_import", description=__doc__,
+  """The `python -m train.bench.hf_import` parser."""
+  parser = argparse.ArgumentParser(prog="python -m train.bench.hf_import", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--size-gb", type=errors.at_least(0.001, float), default=1.2,
                       help="the checkpoint's least size, in GB (10^9 bytes)")
@@ -315,9 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-@errors.command("python -m train.bench_hf_import")
+@errors.command("python -m train.bench.hf_import")
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs `python -m train.bench_hf_import ...`; returns the exit status."""
+  """Runs `python -m train.bench.hf_import ...`; returns the exit status."""
   args = build_parser().parse_args(argv)
   if args.measure is not None:
     print(json.dumps(measure(args.measure)))

@@ -34,7 +34,7 @@ import os
 from typing import Any
 
 from segpack.errors import UserError
-from train import architecture as architecture_lib
+from configs import architecture as architecture_lib
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 CONFIG_NAME = "config.json"
@@ -50,7 +50,7 @@ _REFUSED = {
 }
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 # The architecture keys `adopt` sets (top-level `model.*` keys; rope_scaling is a group of
-# SCALING_KEYS): `train.architecture` declares them.
+# SCALING_KEYS): `configs.architecture` declares them.
 ARCH_KEYS = architecture_lib.checkpoint_keys()
 SCALING_KEYS = architecture_lib.scaling_keys()
 

@@ -1,7 +1,7 @@
-"""Decoding speed: the KV-cache decoder (`train.decode`) beside the full-forward one
-(`train.decode_reference`), side by side in one run.
+"""Decoding speed: the KV-cache decoder (`train.sample.decode`) beside the full-forward one
+(`train.sample.reference`), side by side in one run.
 
-  python -m train.sample_bench [--workdir W] [--new-tokens 256] [--batches 1,8] [--json]
+  python -m train.sample.bench [--workdir W] [--new-tokens 256] [--batches 1,8] [--json]
   python -m train.sample --benchmark            # the same, with the defaults
 
 Algorithm:
@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from segpack import errors
 from configs import packed as packed_config
-from train import decode as decode_lib
-from train import decode_reference as reference
+from train.sample import decode as decode_lib
+from train.sample import reference
 from train import model as model_lib
-from train import saved_run
+from train.runs import saved as saved_run
 
 
 def _model(workdir: str | None, vocab: int) -> tuple[model_lib.Decoder, str]:
@@ -106,10 +107,12 @@ def run(*, workdir: str | None = None, new_tokens: int = 256, batches: Sequence[
   return rows
 
 
-def main(argv: Sequence[str] | None = None, *, workdir: str | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m train.sample_bench", description=__doc__.split(
+@errors.command("python -m train.sample.bench")
+def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the benchmark (`python -m train.sample --benchmark` passes its `--workdir`)."""
+  p = argparse.ArgumentParser(prog="python -m train.sample.bench", description=__doc__.split(
       "\n")[0])
-  p.add_argument("--workdir", default=workdir, help="a run to load (default: a random model)")
+  p.add_argument("--workdir", default=None, help="a run to load (default: a random model)")
   p.add_argument("--new-tokens", type=int, default=256, help="new tokens per prompt")
   p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
   p.add_argument("--repeats", type=int, default=2, help="KV-cache timings, best kept")
@@ -122,7 +125,8 @@ def main(argv: Sequence[str] | None = None, *, workdir: str | None = None) -> No
     p.error(f"--batches must be comma-separated ints, got {args.batches!r}")
   run(workdir=args.workdir, new_tokens=args.new_tokens, batches=batches, repeats=args.repeats,
       vocab=args.vocab, as_json=args.json)
+  return 0
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  sys.exit(main(sys.argv[1:]))

@@ -12,7 +12,7 @@ Works for every run the trainer makes: the built-in corpora, a dataset or a mixt
 model. Prompts begin as the run's documents began (BOS when `data.add_bos`); `--chat` renders the
 prompt as a user turn with the run's chat template (segpack's, or the model's own for data
 rendered by it) and prints the assistant's answer, stopping at the end of its turn. All prompts
-and samples decode together in one jitted loop (`train.decode`): several share one packed row
+and samples decode together in one jitted loop (`train.sample.decode`): several share one packed row
 (`--rows`), and each answer is the one it would get alone.
 """
 
@@ -27,11 +27,21 @@ from typing import Any
 import ml_collections
 from absl import app, flags, logging
 
+from segpack.errors import UserError
+from segpack import errors
 from segpack.text import chat
-from train import decode as decode_lib
-from train import run_tokenizer
-from train import saved_run
-from train.saved_run import Checkpoint, SampleError
+from train.sample import decode as decode_lib
+from train.runs import tokenizer as run_tokenizer
+from train.runs import saved as saved_run
+from train.runs.errors import NoTokenizerError
+from train.runs.saved import Checkpoint
+
+PROG = "python -m train.sample"
+
+
+class SampleError(UserError, ValueError):
+  """A prompt or setting that cannot be sampled with (printed as one line, exit code 2); a run
+  that cannot be read back is a `train.runs.errors.RunError`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +77,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
-  """The run's chat template (`train.run_tokenizer.chat_renderer`); SampleError when it has none."""
+  """The run's chat template (`train.runs.tokenizer.chat_renderer`); SampleError when it has none."""
   renderer = run_tokenizer.chat_renderer(config, workdir)
   if renderer is None:
     raise SampleError("--chat needs a run on chat data (data.source='builtin_chat', a dataset "
@@ -86,9 +96,9 @@ def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence
                       f"two, got --prompt={list(texts)!r} and --prompt_ids={list(ids)!r}")
   try:
     tokenizer = run_tokenizer.tokenizer_for_run(config)
-  except saved_run.NoTokenizerError:
+  except NoTokenizerError as e:
     if texts:
-      raise
+      raise SampleError(f"{e}: give the prompt as token ids, --prompt_ids=5,6,7") from e
     tokenizer = None
   bos, eos = run_tokenizer.special_ids(config, tokenizer)
   begin, stops = ([] if bos is None else [bos]), ([] if eos is None else [eos])
@@ -131,7 +141,7 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
     system: with `chat_mode`, a system message before the user turn.
     num_samples: draws per prompt (greedy decoding gives one).
     max_new_tokens: the most new tokens per answer.
-    sampling: greedy or a draw (`train.decode.Sampling`).
+    sampling: greedy or a draw (`train.sample.decode.Sampling`).
     seed: the seed of the draws.
     rows: rows the prompts and samples are packed into (None: one row each).
     checkpoint: the checkpoint to read (None: `choose_checkpoint(workdir)`).
@@ -186,7 +196,7 @@ def define_flags() -> dict[str, Any]:
       rows=flags.DEFINE_integer("rows", None, "Rows to pack the prompts and samples into "
                                 "(default: one each)."),
       benchmark=flags.DEFINE_bool("benchmark", False, "Print tokens/s of the KV-cache decoder "
-                                  "beside the full-forward one (train.sample_bench) and exit."))
+                                  "beside the full-forward one (train.sample.bench) and exit."))
 
 
 def _run(values: dict[str, Any]) -> None:
@@ -209,23 +219,34 @@ def _run(values: dict[str, Any]) -> None:
     print(a.text)
 
 
-def main(argv, *, holders: dict[str, Any]) -> None:
+def main(argv: Sequence[str], *, holders: dict[str, Any]) -> None:
+  """Runs the command on absl's parsed flags (`argv`: what absl left, the program first)."""
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise errors.UsageError(f"unexpected arguments: {list(argv[1:])}")
   values = {name: holder.value for name, holder in holders.items()}
   if values["benchmark"]:
-    from train import sample_bench  # optional: the benchmark's imports only when asked for
-    sample_bench.main(workdir=values["workdir"])
+    from train.sample import bench as sample_bench  # optional: the benchmark's imports only when asked for
+    workdir = values["workdir"]
+    status = sample_bench.main(["--workdir", workdir] if workdir else [])
+    if status:
+      raise SystemExit(status)
     return
   if not values["workdir"]:
-    print("train.sample: give --workdir (a run directory), or --benchmark", file=sys.stderr)
-    sys.exit(2)
+    raise errors.UsageError("give --workdir (a run directory), or --benchmark")
+  _run(values)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with a mistake (an unknown flag, a bad value) as a `UsageError`."""
   try:
-    _run(values)
-  except SampleError as e:
-    print(f"train.sample: {e}", file=sys.stderr)
-    sys.exit(2)
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise errors.UsageError(str(e).strip().splitlines()[0]) from e
 
 
-if __name__ == "__main__":
-  app.run(functools.partial(main, holders=define_flags()))
+@errors.command(PROG)
+def cli(argv: Sequence[str] | None = None) -> int:
+  """`python -m train.sample`: absl's flags, then `main`, ending as `segpack.errors.command`
+  says (a mistake in one line, exit code 2)."""
+  app.run(functools.partial(main, holders=define_flags()), argv=argv, flags_parser=parse_flags)
+  return 0

@@ -1,11 +1,11 @@
-"""The full-forward decoder: the oracle of `train.decode` and the baseline of its benchmark.
+"""The full-forward decoder: the oracle of `train.sample.decode` and the baseline of its benchmark.
 
 Every new token recomputes the whole forward pass over the prompt and the tokens so far, as the
 trainer computes it (`Decoder.__call__`, segment attention on one document), with no cache. The
 row is `prompt + new tokens` as segment 1 at positions `0..n-1`, padded with segment 0 to a power
-of two (`train.decode.bucket_length`) so that `jax.jit` compiles once per length bucket; the model
+of two (`train.sample.decode.bucket_length`) so that `jax.jit` compiles once per length bucket; the model
 is causal and segment-masked, so the padding changes no logit of the document. Tokens are chosen
-by `train.decode.choose` with the same per-prompt keys, so both decoders draw the same tokens
+by `train.sample.decode.choose` with the same per-prompt keys, so both decoders draw the same tokens
 from the same logits.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train import decode as decode_lib
+from train.sample import decode as decode_lib
 from train import model as model_lib
 
 
@@ -65,8 +65,8 @@ def generate(model: model_lib.Decoder, prompt: Sequence[int], *, max_new_tokens:
     model: the decoder.
     prompt: token ids (BOS included if the run's documents began with one).
     max_new_tokens: the most tokens to add.
-    sampling: as `train.decode.decode`.
-    seed: as `train.decode.decode`.
+    sampling: as `train.sample.decode.decode`.
+    seed: as `train.sample.decode.decode`.
     prompt_index: the prompt's index in a `decode` call (its draws' key).
     stop_ids: stop after one of these.
     max_len: prompt and new tokens never exceed it.

@@ -1,7 +1,7 @@
 r"""Exports a run's newest intact checkpoint as a Hugging Face model directory.
 
-  python -m train.export --workdir runs/sft_hf --output exported
-  python -m train.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
+  python -m train.hf.export --workdir runs/sft_hf --output exported
+  python -m train.hf.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
 
 The directory loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)`: config.json (RoPE settings where transformers 4.x and 5.x
@@ -10,11 +10,11 @@ index, generation_config.json, the tokenizer files and, for a run on chat data, 
 the data was rendered with. A run fine-tuned from a Hugging Face model (`model.init_from`) keeps
 its source's config.json fields, special ids, generation config and tokenizer files
 (`WORKDIR/hf_source`); a run trained from scratch is written as its `model.family` (a Llama by
-default) with the run's tokenizer (`train.hf_export` converts segpack's SentencePiece models).
+default) with the run's tokenizer (`train.hf.export_files` converts segpack's SentencePiece models).
 
 Algorithm:
   1. The checkpoint: the newest one of `WORKDIR/checkpoints` matching its digest, and the config
-     that wrote it (`train.saved_run.choose_checkpoint`, `run_config`).
+     that wrote it (`train.runs.saved.choose_checkpoint`, `run_config`).
   2. The output: its parent must be a writable directory; `.NAME.export-lock` beside it is locked
      (`segpack.files.file_lock`, so two exports never write one directory); an existing non-empty
      `--output` is refused unless `--overwrite`; leftovers of a killed export are removed.
@@ -57,15 +57,15 @@ from flax import nnx
 
 from segpack import files
 from segpack import errors
-from train import hf_export
-from train import hf_weights
+from train.hf import export_files as hf_export
+from train.hf import weights as hf_weights
 from train import model as model_lib
-from train import saved_run
+from train.runs import saved as saved_run
 from train import sharding as sharding_lib
-from train.hf_export import ExportError
+from train.hf.export_files import ExportError
 
 _LOG = logging.getLogger(__name__)
-PROG = "python -m train.export"
+PROG = "python -m train.hf.export"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,12 +147,9 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def _checkpoint_and_config(workdir: str) -> tuple[saved_run.Checkpoint, Any, int]:
-  """Step 1 (a missing or damaged checkpoint is an ExportError naming `--workdir`)."""
-  try:
-    checkpoint = saved_run.choose_checkpoint(workdir)
-    config, step = saved_run.run_config(workdir, checkpoint=checkpoint)
-  except saved_run.SampleError as e:
-    raise ExportError(str(e).replace("nothing to sample from", "nothing to export")) from e
+  """Step 1 (a missing or damaged checkpoint is a `RunError` naming `--workdir`)."""
+  checkpoint = saved_run.choose_checkpoint(workdir)
+  config, step = saved_run.run_config(workdir, checkpoint=checkpoint)
   return checkpoint, config, step
 
 
@@ -181,8 +178,9 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
     What was written (`ExportResult`).
 
   Raises:
-    ExportError: no intact checkpoint, an unusable `output` (see `check_output`), a locked
-      output, or a model / tokenizer with no Hugging Face equivalent.
+    RunError: no intact checkpoint, or one that cannot be read (`train.runs.errors`).
+    ExportError: an unusable `output` (see `check_output`), a locked output, or a model /
+      tokenizer with no Hugging Face equivalent.
   """
   if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
       max_shard_bytes < 1):
@@ -231,29 +229,26 @@ def _make_staging(staging: Path, output: str) -> None:
 def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   """Step 3: `({parameter path: array split over all devices}, vocabulary)` of the checkpoint.
 
-  The checkpoint is read as `train.saved_run.load_run` reads it (its `_restore`, the vocabulary of
+  The checkpoint is read as `train.runs.saved.load_run` reads it (its `_restore`, the vocabulary of
   the saved embedding, the model built with XLA attention), but onto a mesh of every device with
   the parameters split over it (`fsdp`) instead of onto one device.
   """
   # pylint: disable=protected-access
   where = f"{checkpoint.directory}/{checkpoint.step}"
-  try:
-    vocab = saved_run.saved_vocab_size(
-        saved_run.restore_item(checkpoint, "item_metadata")["state"], where=where)
-    abstract = nnx.eval_shape(lambda: model_lib.build(
-        saved_run.sampling_config(config), config.train.seed, vocab_size=vocab))
-    _, abstract_params = nnx.split(abstract)
-    mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
-    shardings = sharding_lib.param_shardings(abstract_params, mesh)
-    target = {"params": jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
-        shardings)}
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-    restored = saved_run.restore_item(checkpoint, "restore", args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                     partial_restore=True)))
-  except saved_run.SampleError as e:
-    raise ExportError(str(e)) from e
+  vocab = saved_run.saved_vocab_size(
+      saved_run.restore_item(checkpoint, "item_metadata")["state"], where=where)
+  abstract = nnx.eval_shape(lambda: model_lib.build(
+      saved_run.sampling_config(config), config.train.seed, vocab_size=vocab))
+  _, abstract_params = nnx.split(abstract)
+  mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
+  shardings = sharding_lib.param_shardings(abstract_params, mesh)
+  target = {"params": jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
+      shardings)}
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+  restored = saved_run.restore_item(checkpoint, "restore", args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                   partial_restore=True)))
   flat = {}
   jax.tree_util.tree_map_with_path(
       lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), restored["state"]["params"])
@@ -261,7 +256,7 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  """The `python -m train.export` parser."""
+  """The `python -m train.hf.export` parser."""
 
   def size(text: str) -> int:
     try:
@@ -284,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @errors.command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs `python -m train.export ...`; returns the exit status."""
+  """Runs `python -m train.hf.export ...`; returns the exit status."""
   args = build_parser().parse_args(argv)
   absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about a read-only manager
   if args.distributed:

@@ -15,7 +15,7 @@ Usage:
   python -m train.bench sft                    # small chat corpus, about a minute on 2 cores
   python -m train.bench sft --size full --max-train 1500 --json   # one JSON object instead
 
-`train/bench.py` declares the `sft` subcommand with this module's `add_arguments` and runs `run`.
+`train/bench/training.py` declares the `sft` subcommand with this module's `add_arguments` and runs `run`.
 
 Tokens/s counts real (non-padding) slots over the training wall time after the first step of each
 batch shape (compilation excluded); it measures this machine, not a GPU.

@@ -1,5 +1,5 @@
 """A run directory as the tools that read it see it: its newest intact checkpoint, the config
-that wrote it, and its model with the saved parameters (`train.sample`, `train.export`).
+that wrote it, and its model with the saved parameters (`train.sample`, `train.hf.export`).
 
 The checkpoint chosen is the one the trainer would resume from (`checkpoint_digest.scan` and
 `problem`, newest first); nothing in the workdir is moved or written.
@@ -17,22 +17,14 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
-
-
-class SampleError(UserError, ValueError):
-  """A workdir, run or prompt that cannot be sampled from (printed as one line, exit code 2)."""
-
-
-class NoTokenizerError(SampleError):
-  """The run's data has no tokenizer (`data.source="synthetic"`): prompts must be token ids."""
+from train.runs.errors import RunError
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-  """`directory/step`, the checkpoint to sample from (`choose_checkpoint`); `skipped`: one line
+  """`directory/step`, the checkpoint read (`choose_checkpoint`); `skipped`: one line
   naming the damaged newer ones passed over and the first bad file of each (None: none was)."""
   directory: str
   step: int
@@ -45,7 +37,7 @@ def choose_checkpoint(workdir: str) -> Checkpoint:
   naming the damaged newer ones passed over (first bad file) and any entry that is no step.
 
   Raises:
-    SampleError: `workdir` has no checkpoint, or none matches its digest (naming each one's
+    RunError: `workdir` has no checkpoint, or none matches its digest (naming each one's
       problem).
   """
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -53,24 +45,23 @@ def choose_checkpoint(workdir: str) -> Checkpoint:
   if not steps:
     why = ("has no step directory" if os.path.isdir(directory) else "is not a directory"
            if os.path.lexists(directory) else "does not exist")
-    raise SampleError(f"--workdir {workdir!r} holds no checkpoint ({directory} {why})")
+    raise RunError(f"--workdir {workdir!r} holds no checkpoint ({directory} {why})")
   damaged = []
   for step in steps:
     bad = digest_lib.problem(os.path.join(directory, str(step)), step)
     if bad is None:
       logging.log_if(logging.WARNING, "%s", listing.other, listing.skipped_line())
-      skipped = (f"damaged checkpoint skipped: {'; '.join(damaged)}; sampling from the newest "
+      skipped = (f"damaged checkpoint skipped: {'; '.join(damaged)}; reading the newest "
                  f"intact one, {directory}/{step}") if damaged else None
       logging.log_if(logging.WARNING, "%s", bool(damaged), skipped)
       return Checkpoint(directory=directory, step=step, skipped=skipped)
     damaged.append(f"{directory}/{step}: {' '.join(bad.split())}")
-  raise SampleError(f"--workdir {workdir!r} holds no intact checkpoint ({'; '.join(damaged)}); "
-                    "nothing to sample from")
+  raise RunError(f"--workdir {workdir!r} holds no intact checkpoint ({'; '.join(damaged)})")
 
 
 def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
   """`CheckpointManager.<method>(step, **kwargs)` of a manager that only reads; orbax's errors
-  (a checkpoint that matches its digest but that it cannot read) become a SampleError."""
+  (a checkpoint that matches its digest but that it cannot read) become a RunError."""
   with ocp.CheckpointManager(
       checkpoint.directory, options=ocp.CheckpointManagerOptions(create=False),
       item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
@@ -78,14 +69,14 @@ def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
     try:
       return getattr(manager, method)(checkpoint.step, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
-      raise SampleError(f"cannot read {checkpoint.directory}/{checkpoint.step}: "
+      raise RunError(f"cannot read {checkpoint.directory}/{checkpoint.step}: "
                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
 
 
 def run_config(workdir: str, *,
                checkpoint: Checkpoint | None = None) -> tuple[ml_collections.ConfigDict, int]:
   """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
-  step. Raises SampleError when `workdir` has no intact checkpoint."""
+  step. Raises RunError when `workdir` has no intact checkpoint."""
   checkpoint = checkpoint or choose_checkpoint(workdir)
   meta = restore_item(checkpoint, "restore",
                   args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -106,7 +97,7 @@ def saved_vocab_size(state_metadata: Any, *, where: str) -> int:
   if isinstance(node, dict) or hasattr(node, "keys"):
     node = node["value"]
   if len(getattr(node, "shape", ())) != 2:
-    raise SampleError(f"{where}: params.embed.embedding has no [V, E] shape: {node!r}")
+    raise RunError(f"{where}: params.embed.embedding has no [V, E] shape: {node!r}")
   return int(node.shape[0])
 
 
@@ -117,7 +108,7 @@ def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
   The model is `train.model.build` of the saved config with `attention.implementation="xla"`
   and the vocabulary size of the saved embedding table (the trainer's, whatever
   `model.vocab_size` says); only the parameters are read, onto the first device. `checkpoint`
-  is as in `sample`; raises SampleError when `workdir` has no intact checkpoint.
+  is as in `sample`; raises RunError when `workdir` has no intact checkpoint.
   """
   checkpoint = checkpoint or choose_checkpoint(workdir)
   config, step = run_config(workdir, checkpoint=checkpoint)

@@ -1,5 +1,5 @@
 r"""The tokenizer and chat-template files of a Hugging Face directory that `python -m
-train.export` writes (`train.hf_export` writes the weights and config.json).
+train.hf.export` writes (`train.hf.export_files` writes the weights and config.json).
 
 Tokenizer: a SentencePiece model is written as `tokenizer.model` plus a `tokenizer.json` built
 with the `tokenizers` library (`spm_tokenizer`: a Unigram model of the pieces and scores, byte
@@ -51,9 +51,9 @@ from segpack.text import hf_chat
 from segpack.text import spm
 from segpack.text import spm_proto
 from train import data as data_lib
-from train import hf_init
-from train import saved_run
-from train import run_tokenizer
+from train.hf import init_from as hf_init
+from train.runs.errors import NoTokenizerError
+from train.runs import tokenizer as run_tokenizer
 
 _LOG = logging.getLogger(__name__)
 # `run_chat_template`'s name of a dataset rendered with the tokenizer's own chat template.
@@ -248,7 +248,7 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
   """The tokenizer files and the special ids config.json gets.
 
   An imported model's files come from `source` (`WORKDIR/hf_source`) and its ids from its
-  config.json / generation_config.json; otherwise the run's tokenizer (`train.run_tokenizer.
+  config.json / generation_config.json; otherwise the run's tokenizer (`train.runs.tokenizer.
   tokenizer_for_run`): a SentencePiece model converted (`spm_tokenizer`), a Hugging
   Face tokenizer.json copied, or none for synthetic data (its ids only).
   """
@@ -260,15 +260,13 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
     return _copy_tokenizer(directory, names, jinja), _special_ids(source)
   try:
     tokenizer = run_tokenizer.tokenizer_for_run(config)
-  except saved_run.NoTokenizerError as e:
+  except NoTokenizerError:
     if config.data.get("train"):  # a dataset whose manifest names no tokenizer file
-      raise ExportError(str(e).split(": give the prompt")[0]) from e
+      raise
     _LOG.warning("data.source=%r has no tokenizer: no tokenizer files are written",
                  config.data.source)
     return [], dict(bos_token_id=data_lib.SYNTHETIC_BOS, eos_token_id=data_lib.SYNTHETIC_EOS,
                     pad_token_id=0)
-  except saved_run.SampleError as e:
-    raise ExportError(str(e)) from e
   ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
   ids = {k: int(v) for k, v in ids.items() if v is not None and v >= 0}
   add_bos = add_bos and "bos_token_id" in ids

@@ -1,4 +1,4 @@
-"""Two revisions side by side in one run: `python -m train.bench_revisions --before REV`.
+"""Two revisions side by side in one run: `python -m train.bench.revisions --before REV`.
 
 `... --before e083c31 [--after HEAD] [--repeats N] [--json] [--only packing,train,bench]` checks
 out both revisions of this module's repository and runs the same workloads in each, to show that
@@ -12,7 +12,7 @@ a change left every result as it was:
 - `train`: `python -m train.main --config=configs/packed.py:smoke` for `TRAIN_STEPS` steps: the
   per-step batch fingerprints (`WORKDIR/batches*.jsonl`), every record of
   `WORKDIR/metrics.jsonl` and the sha256 of every parameter array of the final checkpoint
-  (read back by `train.saved_run.load_run`).
+  (read back by `train.runs.saved.load_run`).
 - `bench`: `python -m train.bench packed --json` (`BENCH_FLAGS`): the documents, and the steps,
   tokens, utilization and final loss of the packed and the padded run.
 
@@ -60,7 +60,7 @@ from typing import Any
 
 from segpack import errors
 
-PROG = "python -m train.bench_revisions"
+PROG = "python -m train.bench.revisions"
 MODULE_DIR = pathlib.Path(__file__).resolve().parent
 # Keys of measured values, at any depth: seconds, rates, RSS (and what is derived from RSS).
 MEASURED = re.compile(r"seconds|_s$|per_s|rss|peak|over_grain|speedup|mfu|draw_bytes")
@@ -93,7 +93,7 @@ PARAMS_PROBE = """
 import hashlib, json, sys
 import jax, numpy as np
 from flax import nnx
-from train import saved_run
+from train.runs import saved as saved_run
 _, model, step = saved_run.load_run(sys.argv[1])
 leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
 print(json.dumps({"step": step, "arrays": {

@@ -26,8 +26,8 @@ from segpack.text import corpus
 from segpack.text import hf_chat
 from segpack.text import tokenizer_spec
 from train import data as data_lib
-from train import hf_init
-from train.saved_run import NoTokenizerError, SampleError
+from train.hf import init_from as hf_init
+from train.runs.errors import NoTokenizerError, RunError
 
 # `metadata.tokenizer.type` of a `segpack tokenize` manifest -> the kind of a tokenizer spec.
 MANIFEST_TOKENIZER_KINDS = {"sentencepiece": "spm", "hf": "hf"}
@@ -39,22 +39,21 @@ def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
   try:
     described = read_manifest(path).get("metadata", {}).get("tokenizer") or {}
   except (OSError, ValueError, AttributeError) as e:
-    raise SampleError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
+    raise RunError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
   kind = MANIFEST_TOKENIZER_KINDS.get(described.get("type"))
   if kind is None or not described.get("model_file"):
     raise NoTokenizerError(
         f"data.train={dataset_dir!r}: {path} names no tokenizer this can load (metadata."
         f"tokenizer type {described.get('type')!r}, model_file {described.get('model_file')!r};"
-        f" types: {sorted(MANIFEST_TOKENIZER_KINDS)}): give the prompt as token ids, "
-        f"--prompt_ids=5,6,7")
+        f" types: {sorted(MANIFEST_TOKENIZER_KINDS)})")
   model_file = os.path.abspath(os.path.join(dataset_dir, described["model_file"]))
   try:
     tokenizer = tokenizer_spec.from_spec(f"{kind}:{model_file}")
   except (OSError, ValueError, ImportError) as e:
-    raise SampleError(f"data.train={dataset_dir!r}: its tokenizer {model_file}: {e}") from e
+    raise RunError(f"data.train={dataset_dir!r}: its tokenizer {model_file}: {e}") from e
   want = described.get("fingerprint")
   if want is not None and tokenizer.fingerprint != want:
-    raise SampleError(
+    raise RunError(
         f"data.train={dataset_dir!r}: its tokenizer {model_file} is not the one the dataset was "
         f"tokenized with (fingerprint {tokenizer.fingerprint}, {path} says {want}): damaged or "
         f"replaced")
@@ -74,7 +73,7 @@ def _local_copy(path: str, *, cache_dir: str | None, stage: bool = True) -> str 
   try:
     return str(staging.stage_dataset(url=path, cache_dir=cache_dir, progress=False).path)
   except (OSError, shards.ShardFormatError) as e:
-    raise SampleError(f"data.train={path!r}: cannot stage the run's dataset to read its "
+    raise RunError(f"data.train={path!r}: cannot stage the run's dataset to read its "
                       f"tokenizer: {e}") from e
 
 
@@ -88,7 +87,7 @@ def dataset_dirs(config: ml_collections.ConfigDict, *, stage: bool = True) -> li
   try:
     mixture = parse_data(str(spec))
   except PipelineConfigError as e:
-    raise SampleError(f"data.train={spec!r}: {e}") from e
+    raise RunError(f"data.train={spec!r}: {e}") from e
   paths = [str(spec)] if mixture is None else [str(m.source) for m in mixture.sources]
   local = [_local_copy(p, cache_dir=None, stage=stage) for p in paths]
   return [p for p in local if p is not None]
@@ -102,7 +101,7 @@ def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Token
 
   Raises:
     NoTokenizerError: `data.source="synthetic"` (random ids, no text).
-    SampleError: a dataset's manifest names no loadable tokenizer, or a mixture's sources were
+    RunError: a dataset's manifest names no loadable tokenizer, or a mixture's sources were
       tokenized differently.
   """
   dirs = dataset_dirs(config)
@@ -110,7 +109,7 @@ def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Token
     tokenizers = [_dataset_tokenizer(d) for d in dirs]
     differ = {t.fingerprint for t in tokenizers}
     if len(differ) > 1:
-      raise SampleError(f"data.train={config.data.train!r}: the sources were tokenized with "
+      raise RunError(f"data.train={config.data.train!r}: the sources were tokenized with "
                         f"different tokenizers ({sorted(differ)}); which one the model reads "
                         f"is unknown")
     return tokenizers[0]
@@ -121,10 +120,8 @@ def tokenizer_for_run(config: ml_collections.ConfigDict) -> tokenizer_spec.Token
   if source == "builtin_chat":
     return chat_corpus.chat_tokenizer(size=size, cache_dir=cache_dir)
   if source == "synthetic":
-    raise NoTokenizerError(
-        f"data.source={source!r} has no tokenizer: give the prompt as token ids, "
-        f"--prompt_ids=5,6,7")
-  raise SampleError(f"data.source={source!r} is not a source this can sample from")
+    raise NoTokenizerError(f"data.source={source!r} has no tokenizer (random token ids)")
+  raise RunError(f"data.source={source!r} is not a source with a tokenizer")
 
 
 def special_ids(config: ml_collections.ConfigDict,
@@ -166,7 +163,7 @@ def data_chat_renderer(config: ml_collections.ConfigDict, *, stage: bool = True)
       try:
         renderer = hf_chat.for_dataset(directory)
       except ValueError as e:
-        raise SampleError(f"data.train={config.data.train!r}: {e}") from e
+        raise RunError(f"data.train={config.data.train!r}: {e}") from e
       if renderer is not None:
         return renderer
     return None

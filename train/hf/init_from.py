@@ -23,8 +23,8 @@ from typing import Any, Callable
 import jax
 
 from segpack.text import hf as hf_tokenizer
-from train import hf_config
-from train import hf_weights
+from train.hf import config as hf_config
+from train.hf import weights as hf_weights
 
 SOURCE_DIR = "hf_source"
 # The files of a model directory that describe it besides its weights (copied when present).
@@ -43,7 +43,7 @@ def check_adopted(config: Any) -> None:
     key, ours, theirs = diffs[0]
     raise hf_config.HfModelError(
         f"model.{key}={ours!r} differs from {where} ({theirs!r}): call "
-        f"train.hf_config.adopt(config) before train_and_evaluate (python -m train.main does)")
+        f"train.hf.config.adopt(config) before train_and_evaluate (python -m train.main does)")
   hf_config.check_window(config.model, config.packing.seq_len)
 
 

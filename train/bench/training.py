@@ -1,7 +1,7 @@
 """Training benchmarks: `python -m train.bench packed|sft [--json]` (`--help` after either).
 
 `packed`: packed vs padded training on the same documents (this module).
-`sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/sft_bench.py`, docs/sft.md).
+`sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/bench/sft.py`, docs/sft.md).
 
 `packed`, algorithm:
   1. Sample `--docs` documents (seeded) from the built-in corpus's training split.
@@ -39,7 +39,7 @@ from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.text import corpus
 from train import model as model_lib
-from train import sft_bench
+from train.bench import sft as sft_bench
 from train import sharding as sharding_lib
 from train import train as train_lib
 
@@ -167,7 +167,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                  batch_size=args.batch_size, seed=args.seed)
   print(json.dumps(result, sort_keys=True) if args.json else _table(result))
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,6 +1,6 @@
-r"""The pieces of a Hugging Face model directory that `python -m train.export` writes.
+r"""The pieces of a Hugging Face model directory that `python -m train.hf.export` writes.
 
-Weights: every parameter becomes the tensor `train.hf_weights.tensor_map` names (transposed back
+Weights: every parameter becomes the tensor `train.hf.weights.tensor_map` names (transposed back
 where the map says so), in the parameters' dtype, in safetensors files of at most
 `max_shard_bytes` each (a single tensor larger than that gets a file of its own):
 `model.safetensors` when one file holds them all, else `model-00001-of-0000N.safetensors`, ...
@@ -23,7 +23,7 @@ fresh config.json of its `model.family`, generation_config.json with the tokeniz
 pad ids, and the run's tokenizer (`write_tokenizer`). A run on chat data adds its template's end
 of turn to generation_config.json's EOS ids (`write_generation_config`).
 
-Tokenizer and chat template: `train.hf_export_tokenizer`.
+Tokenizer and chat template: `train.hf.export_tokenizer`.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ from jax.experimental import multihost_utils
 import ml_dtypes
 import numpy as np
 
-from train import hf_config
-from train import hf_init
-from train import hf_weights
-from train import hf_export_tokenizer as tokenizer_lib
-from train import run_tokenizer
-from train.hf_export_tokenizer import ExportError  # raised by both modules
+from train.hf import config as hf_config
+from train.hf import init_from as hf_init
+from train.hf import weights as hf_weights
+from train.hf import export_tokenizer as tokenizer_lib
+from train.runs import tokenizer as run_tokenizer
+from train.hf.export_tokenizer import ExportError  # raised by both modules
 
 _LOG = logging.getLogger(__name__)
 SHARD_METADATA = {"format": "pt"}
@@ -187,7 +187,7 @@ def write_files(directory: str, config: Any, workdir: str, *,
                 vocab_size: int) -> tuple[list[str], bool]:
   """Everything but the weights: the tokenizer files, config.json, generation_config.json.
 
-  `workdir`'s `hf_source` (an imported model's files, `train.hf_init.keep_source_files`) is the
+  `workdir`'s `hf_source` (an imported model's files, `train.hf.init_from.keep_source_files`) is the
   base of config.json, generation_config.json and the tokenizer; without it config.json is a
   fresh one of `model.family` and the tokenizer the run's (`write_tokenizer`).
 
