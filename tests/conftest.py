@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402  (imports after the device flags)
 
-import small_corpus  # noqa: E402
+from support import small_corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """GPU correctness checks of the attention backends, shared by the `gpu` tests and the report.
 
-`tests/test_gpu.py` (marked `gpu`) and `segpack bench gpu-report` run the same checks, on the
+`tests/attention/test_gpu.py` (marked `gpu`) and `segpack bench gpu-report` run the same checks, on the
 grid and the rows of `segpack.bench.gpu_cases` (the cuDNN memory check is
 `segpack.bench.gpu_memory`'s):
 

@@ -4,7 +4,7 @@
                              [--no-bench]            # or python -m segpack.bench.gpu_report
 
 On a CUDA GPU it runs every check of `segpack.bench.gpu_checks` over the grid of the `gpu` tests
-(`segpack.bench.gpu_cases`, `tests/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory
+(`segpack.bench.gpu_cases`, `tests/attention/test_gpu.py`; `--quick`: a 32-point subset), the cuDNN memory
 check at N = 32 (`segpack.bench.gpu_memory`), and the attention benchmark
 (`segpack.bench.attention` at its default sizes; `--quick`: S = 4096 and 8192, D = 128), and,
 with more than one GPU, the context-parallel step times (`context_parallel`: forward + backward

@@ -1,6 +1,6 @@
 """A mixture epoch drawn as before the draw wrote into compact arrays (commit 8471066): the
 baseline of the `mixture` section of `segpack bench packing` (`--mixture-before`) and of
-tests/test_mixture_draw.py. The pipeline never runs it.
+tests/data/test_mixture_draw.py. The pipeline never runs it.
 
 Before, every cycle of a source, whole or not, was a seeded permutation of all its documents
 (`default_rng([seed, epoch, source, cycle]).permutation(N)`, int64), the cycles were

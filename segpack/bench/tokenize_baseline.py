@@ -1,5 +1,5 @@
 """`segpack tokenize` as it was before it wrote whole chunks (commit 8471066): the baseline of
-`segpack bench tokenize` and of tests/test_bench_tokenize.py. `segpack tokenize` never runs it.
+`segpack bench tokenize` and of tests/bench/test_bench_tokenize.py. `segpack tokenize` never runs it.
 
 What the command did then, and this module does again:
 

@@ -48,7 +48,7 @@ def assign_rows(costs_R: np.ndarray, *, num_ranks: int) -> np.ndarray:
 
   The result depends on the costs only (deterministic). With two rows per rank it pairs the
   largest with the smallest row, which is optimal; in general it is a heuristic whose largest
-  sum stays close to the optimum (tests/test_balance.py compares it with exhaustive search).
+  sum stays close to the optimum (tests/data/test_balance.py compares it with exhaustive search).
   The sums are exact for integer costs below 2**53.
 
   Args:

@@ -235,7 +235,7 @@ def measure_in_subprocess(model_dir: str) -> dict[str, Any]:
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
   proc = subprocess.run([sys.executable, "-m", "train.bench.hf_import", "--measure", model_dir],
                         env=env, cwd=root, capture_output=True, text=True, check=False)

@@ -93,7 +93,10 @@ PARAMS_PROBE = """
 import hashlib, json, sys
 import jax, numpy as np
 from flax import nnx
-from train.runs import saved as saved_run
+try:
+  from train.runs import saved as saved_run
+except ImportError:  # a revision from before train/ had wings
+  from train import saved_run
 _, model, step = saved_run.load_run(sys.argv[1])
 leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
 print(json.dumps({"step": step, "arrays": {

@@ -1,0 +1,48 @@
+"""Small trainer configs and runs shared by the trainer tests: a smoke config on synthetic
+documents, a one-step run, a `python -m` command of this checkout."""
+
+import os
+import subprocess
+import sys
+
+from configs import packed
+from support.paths import REPO
+from train import train as train_lib
+
+
+def synthetic_config(**overrides):
+  """A smoke config on synthetic documents (no corpus build), unlocked for the overrides."""
+  c = packed.get_config("smoke")
+  with c.unlocked():
+    c.data.source = "synthetic"
+    c.data.synthetic_docs = 300
+    c.data.synthetic_mean_len = 30
+    c.data.synthetic_vocab = 97
+    c.packing.seq_len = 64
+    c.model.d_model = 32
+    c.model.head_dim = 8
+    c.model.d_ff = 64
+    c.train.eval_batches = 1
+    for key, value in overrides.items():
+      group, name = key.split(".")
+      c[group][name] = value
+  return c
+
+
+def one_step_run(config, workdir):
+  """Trains `config` for one step in `workdir`: no evaluation, batch log or attention self-check
+  (tests/train/sample/test_sample_chat.py's run too)."""
+  config.train.num_steps = 1
+  config.train.eval_every = 0
+  config.train.log_batches = False
+  config.attention.self_check = False
+  train_lib.train_and_evaluate(config, str(workdir))
+
+
+def run_cli(*args, cwd=REPO, check=True):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=900)
+  if check:
+    assert out.returncode == 0, out.stderr[-3000:]
+  return out

@@ -1,0 +1,41 @@
+"""`--beam-options` as the README and docs/ingest.md write it: a value that starts with
+`--runner=` is Beam's runner, not segpack's `--runner`; an unknown Beam runner is one line."""
+
+import pytest
+
+pytest.importorskip("apache_beam")
+
+from support import small_corpus  # noqa: E402
+from segpack.cli import tokenize as tokenize_cli  # noqa: E402
+from segpack.shards import ShardSource  # noqa: E402
+
+
+def test_join_keeps_every_other_argument():
+  argv = ["--input", "x", "--runner", "beam", "--beam-options", "--runner=DirectRunner --a=1",
+          "--output", "o"]
+  assert tokenize_cli.join_beam_options(argv) == [
+      "--input", "x", "--runner", "beam", "--beam-options=--runner=DirectRunner --a=1",
+      "--output", "o"]
+  assert tokenize_cli.join_beam_options(["--beam-options=--x", "a"]) == ["--beam-options=--x", "a"]
+
+
+def test_the_documented_spelling_runs_on_beams_runner(tmp_path_factory, tmp_path):
+  model = small_corpus.spm_model(tmp_path_factory)
+  docs = small_corpus.write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in small_corpus.train_texts()[:40]])
+  rc = tokenize_cli.main(["--input", str(docs), "--spm-model", str(model), "--runner", "beam",
+                          "--beam-options", "--runner=DirectRunner --direct_num_workers=1",
+                          "--output", str(tmp_path / "out"), "--no-progress"])
+  assert rc == 0
+  assert len(ShardSource(tmp_path / "out")) == 40
+
+
+def test_an_unknown_beam_runner_is_one_line(tmp_path_factory, tmp_path, capsys):
+  model = small_corpus.spm_model(tmp_path_factory)
+  docs = small_corpus.write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in small_corpus.train_texts()[:5]])
+  rc = tokenize_cli.main(["--input", str(docs), "--spm-model", str(model), "--runner", "beam",
+                          "--beam-options=--runner=NoSuchRunner", "--output",
+                          str(tmp_path / "out"), "--no-progress"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert rc == 2 and "Traceback" not in "\n".join(err)
+  assert "runner 'NoSuchRunner' is not one Beam can run here" in err[-1]
+  assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,0 +1,80 @@
+"""`train.sample --chat` on a chat run, and the decoding benchmark's table.
+
+The chat prompt is the conversation the run's template renders up to the assistant's turn, the
+answer stops at the template's end of turn and is printed without it; the benchmark decodes the
+same tokens with the KV cache and the full forward pass and says so."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import packed
+from configs import sft
+from segpack.text import chat
+from segpack.text import chat_corpus
+from support.train_configs import one_step_run
+from train.sample import decode as decode_lib
+from train.sample import command as sample_lib
+from train.sample import bench as sample_bench
+from train.runs import saved as saved_run
+from support import paths
+
+REPO = str(paths.REPO)
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("chat_run")
+  one_step_run(sft.get_config("smoke"), workdir)
+  return str(workdir)
+
+
+@pytest.mark.slow
+def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(chat_run):
+  config, _ = saved_run.run_config(chat_run)
+  tok = chat_corpus.chat_tokenizer(size=config.data.size, cache_dir=config.data.cache_dir)
+  encoder = chat.ChatEncoder(tok)
+  question = "What does `zip` do?"
+  # Oracle: the encoding of the conversation with an empty answer, cut before the answer's
+  # content (the template's pieces: user turn, assistant marker, separator).
+  ids, mask = encoder.encode([{"role": "user", "content": question},
+                              {"role": "assistant", "content": ""}])
+  want = [tok.bos_id] + list(ids[:list(mask).index(1)])
+  end = encoder.stop_ids
+  answers = sample_lib.sample(chat_run, prompts=[question], chat_mode=True, max_new_tokens=12)
+  (answer,) = answers
+  _, model, _ = saved_run.load_run(chat_run)
+  (free,) = decode_lib.decode(model, [want], max_new_tokens=12)  # no stop ids
+  cut = next((i + 1 for i, t in enumerate(free) if t in end or t == tok.eos_id), len(free))
+  assert list(answer.new_ids) == free[:cut]
+  shown = free[:cut - 1] if free[cut - 1:cut] and free[cut - 1] in set(end) | {tok.eos_id} \
+      else free[:cut]
+  assert answer.text == tok.decode(shown)
+  proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",
+                         f"--prompt={question}", "--max_new_tokens=12"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines()[1:] == answer.text.splitlines()
+
+
+def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
+  """A plain-text run (the built-in corpus) has no chat template: `--chat` says what would."""
+  config = packed.get_config("smoke")
+  with pytest.raises(sample_lib.SampleError, match=r"--chat needs a run on chat data .* this "
+                     r"run's data is 'builtin'"):
+    sample_lib.chat_renderer(config, str(tmp_path))
+
+
+def test_the_benchmark_decodes_the_same_tokens_both_ways(capsys):
+  rows = sample_bench.run(new_tokens=5, batches=(1, 3), repeats=1, vocab=64, as_json=True)
+  printed = json.loads(capsys.readouterr().out)
+  assert [r["batch"] for r in printed["results"]] == [1, 3] == [r["batch"] for r in rows]
+  for r in rows:
+    assert r["same_tokens"] is True and r["new_tokens"] == 5
+    assert r["kv_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0
+    assert r["speedup"] == pytest.approx(r["full_seconds"] / r["kv_seconds"])
+  table = sample_bench.table(rows, model="m")
+  assert "KV cache tok/s" in table and table.count("yes") == 2

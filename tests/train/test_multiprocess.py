@@ -1,0 +1,87 @@
+"""Two local CPU processes (jax.distributed, gloo collectives) train like one process.
+
+Each process owns 2 CPU devices and reads its own block of every global batch of the row stream.
+Their rows must be disjoint, together be exactly the single process's rows, and the loss of every
+step must equal the loss of one 4-device process on the same global batch. (Resuming on another
+process count: tests/train/test_elastic.py.)
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import portpicker
+import pytest
+from support import paths
+
+REPO = str(paths.REPO)
+
+_CHILD = """
+import json, os, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+workdir, port = sys.argv[1], sys.argv[4]
+num_processes, process_id = int(sys.argv[2]), int(sys.argv[3])
+if num_processes > 1:
+  jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                             num_processes=num_processes, process_id=process_id)
+from train import train as T
+from support.train_configs import synthetic_config
+c = synthetic_config(**{"train.num_steps": 3, "train.eval_every": 3, "train.checkpoint_every": 0})
+summary = T.train_and_evaluate(c, workdir)
+print("DEVICES", jax.device_count(), jax.local_device_count())
+print(json.dumps(summary))
+"""
+
+
+def _spawn(workdir, num_processes, process_id, port):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+             XLA_FLAGS="--xla_force_host_platform_device_count=" + ("2" if num_processes > 1
+                                                                      else "4"),
+             JAX_PLATFORMS="cpu")
+  return subprocess.Popen(
+      [sys.executable, "-c", _CHILD, str(workdir), str(num_processes), str(process_id), str(port)],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+  try:
+    out, err = proc.communicate(timeout=300)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+  assert proc.returncode == 0, err[-4000:]
+  return out
+
+
+def _lines(path, kind=None):
+  with open(path) as f:
+    rows = [json.loads(line) for line in f]
+  return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+  port = portpicker.pick_unused_port()
+  multi = tmp_path / "multi"
+  single = tmp_path / "single"
+  procs = [_spawn(multi, 2, i, port) for i in range(2)] + [_spawn(single, 1, 0, 0)]
+  outs = [_finish(p) for p in procs]
+  assert "DEVICES 4 2" in outs[0] and "DEVICES 4 4" in outs[2]
+
+  rows = [_lines(multi / f"batches.p{i}.jsonl") for i in range(2)]
+  whole = _lines(single / "batches.jsonl")
+  for step in range(3):
+    a, b = set(rows[0][step]["rows"]), set(rows[1][step]["rows"])
+    assert len(a) == len(b) == 4 and not a & b  # disjoint halves
+    assert a | b == set(whole[step]["rows"])  # together: the single process's global batch
+
+  want = [r["loss"] for r in _lines(single / "metrics.jsonl", "train")]
+  got = [r["loss"] for r in _lines(multi / "metrics.jsonl", "train")]
+  assert len(want) == 3
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  want_eval = _lines(single / "metrics.jsonl", "eval")[-1]["eval_loss"]
+  got_eval = _lines(multi / "metrics.jsonl", "eval")[-1]["eval_loss"]
+  np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
