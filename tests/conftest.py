@@ -1,12 +1,29 @@
-"""Test setup: force 8 CPU devices before JAX is imported anywhere; the small built-in corpus's
-fixtures shared by the tokenizer tests."""
+"""Test setup: force 8 CPU devices before JAX is imported anywhere; one XLA compilation cache for
+the whole run; the small built-in corpus's fixtures shared by the tokenizer tests.
+
+The compilation cache: the first process of a run (pytest itself, or the xdist controller, before
+it starts its workers) makes a fresh temporary directory and names it in
+`JAX_COMPILATION_CACHE_DIR`, which the workers and every command a test runs (`python -m
+train.main ...`) inherit, so that a program compiled once (the smoke model's step, the attention
+kernels in interpret mode) is read back by the next process instead of compiled again. The
+directory is removed when the run ends; a `JAX_COMPILATION_CACHE_DIR` set by the caller is used
+as it is and kept.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_XLA_CACHE = None
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="segpack-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
+  # programs that compile in under 0.2 s are cheaper to compile again than to read back
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import pytest  # noqa: E402  (imports after the device flags)
 
@@ -23,3 +40,9 @@ def model(tmp_path_factory):
 def texts():
   """The first 120 documents of the small built-in corpus's train split."""
   return small_corpus.train_texts()
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  """Removes the compilation cache this run made (not one the caller named)."""
+  if _OWN_XLA_CACHE is not None:
+    shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)

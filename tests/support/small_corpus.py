@@ -3,13 +3,16 @@ the same cache as tests/text/test_corpus.py) and a JSONL writer."""
 
 import gzip
 import json
+import os
 
 from segpack.text import corpus
 
 
 def cache_dir(tmp_path_factory):
-  """The session's small built-in corpus cache, built on first use."""
-  cache = tmp_path_factory.getbasetemp() / "segpack-cache"
+  """The run's small built-in corpus cache, built on first use; one for all xdist workers (their
+  base temporary directories share a parent; `ensure_builtin` builds under a lock)."""
+  base = tmp_path_factory.getbasetemp()
+  cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "segpack-cache"
   corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
   return cache
 
