@@ -16,7 +16,6 @@ The rules about backends are written here and nowhere else (the trainer calls th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
 import jax
@@ -151,14 +150,14 @@ def backend_mesh(*, implementation: str | None,
 
 def _backend(impl: str, *, slots: bool, pallas: PallasOptions | None,
              cudnn_segment_bound: int | None, check_segments: bool):
-  """The backend function and its keyword settings; `slots`: the slot-placed variant (XLA and
-  Pallas only)."""
+  """The backend function and its keyword settings (Pallas gets its `PallasOptions` whole);
+  `slots`: the slot-placed variant (XLA and Pallas only)."""
   if impl == "xla":
     return (segment_attention_xla_slots if slots else segment_attention_xla), {}
   if impl == "pallas":
     fn = (pallas_lib.segment_attention_pallas_slots if slots
           else pallas_lib.segment_attention_pallas)
-    return fn, dataclasses.asdict(PallasOptions() if pallas is None else pallas)
+    return fn, dict(pallas=pallas)
   return cudnn.segment_attention_cudnn, dict(cudnn_segment_bound=cudnn_segment_bound,
                                              check_segments=check_segments)
 

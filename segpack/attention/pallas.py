@@ -186,30 +186,35 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def kernel_settings(
-    *, dtype, head_dim: int, group: int, seq_len: int, smem_bytes: int | None = None,
-    block_q: int | Auto | None = AUTO, block_k: int | Auto | None = AUTO,
-    block_q_bwd: int | Auto | None = AUTO, block_k_bwd: int | Auto | None = AUTO,
-    num_warps: int | Auto | None = AUTO, num_stages: int | Auto | None = AUTO,
+    *, dtype, head_dim: int, group: int, seq_len: int, pallas: PallasOptions,
 ) -> tuple[KernelSettings, KernelSettings]:
   """The forward and the backward (dQ, dK/dV, delta) settings `segment_attention_pallas` uses.
 
-  Explicit values are validated and kept (refused if the shared-memory model says they do not
-  fit); "auto" (or None) ones come from `resources.resolve`. `num_warps` and `num_stages`, when
-  explicit, apply to every kernel.
+  Explicit values of `pallas` are validated and kept (refused if the shared-memory model says
+  they do not fit); "auto" (or None) ones come from `resources.resolve`. `num_warps` and
+  `num_stages`, when explicit, apply to every kernel.
+
+  Args:
+    dtype: dtype of the queries, keys and values.
+    head_dim: D, before padding.
+    group: query heads per key/value head.
+    seq_len: slots of the queries.
+    pallas: the settings (`PallasOptions`; its `smem_bytes` None: the local GPU's).
 
   Returns:
     `(forward, backward)`.
   """
   explicit = dict(
-      block_q=_auto("block_q", block_q, 16, pow2=True),
-      block_k=_auto("block_k", block_k, 16, pow2=True),
-      block_q_bwd=_auto("block_q_bwd", block_q_bwd, 16, pow2=True),
-      block_k_bwd=_auto("block_k_bwd", block_k_bwd, 16, pow2=True),
-      num_warps=_auto("num_warps", num_warps, 1, pow2=True),
-      num_stages=_auto("num_stages", num_stages, 1, pow2=False))
+      block_q=_auto("block_q", pallas.block_q, 16, pow2=True),
+      block_k=_auto("block_k", pallas.block_k, 16, pow2=True),
+      block_q_bwd=_auto("block_q_bwd", pallas.block_q_bwd, 16, pow2=True),
+      block_k_bwd=_auto("block_k_bwd", pallas.block_k_bwd, 16, pow2=True),
+      num_warps=_auto("num_warps", pallas.num_warps, 1, pow2=True),
+      num_stages=_auto("num_stages", pallas.num_stages, 1, pow2=False))
+  smem_bytes = resources.device_smem_bytes() if pallas.smem_bytes is None else pallas.smem_bytes
   common = dict(dtype=dtype, head_dim=head_dim, group=group, seq_len=seq_len,
-                smem_bytes=resources.device_smem_bytes() if smem_bytes is None else smem_bytes,
-                num_warps=explicit["num_warps"], num_stages=explicit["num_stages"])
+                smem_bytes=smem_bytes, num_warps=explicit["num_warps"],
+                num_stages=explicit["num_stages"])
   fwd = resources.resolve(kernel="forward", block_q=explicit["block_q"],
                           block_k=explicit["block_k"], **common)
   bwd = resources.resolve(kernel="dkv", block_q=explicit["block_q_bwd"],
@@ -225,15 +230,8 @@ def segment_attention_pallas(
     *,
     causal: bool,
     scale: float,
-    block_q: int | Auto | None = AUTO,
-    block_k: int | Auto | None = AUTO,
-    block_q_bwd: int | Auto | None = AUTO,
-    block_k_bwd: int | Auto | None = AUTO,
-    interpret: bool = False,
+    pallas: PallasOptions | None = None,
     skip_blocks: bool = True,
-    num_warps: int | Auto | None = AUTO,
-    num_stages: int | Auto | None = AUTO,
-    smem_bytes: int | None = None,
 ) -> jax.Array:
   """Segment flash attention (forward and backward in Pallas), with native grouped-query heads.
 
@@ -242,10 +240,10 @@ def segment_attention_pallas(
   two (>= 16) is zero-padded to the next one, which leaves the logits unchanged; head dims above
   256 are refused.
 
-  Kernel settings: "auto" (or None) values come from the shared-memory model of `resources.py`
-  (the first candidate that fits, with a margin); explicit ones are kept and refused before
-  compiling when the model says they exceed `smem_bytes`. The choice is the same in interpret
-  mode as on the GPU it targets.
+  Kernel settings (`pallas`): "auto" (or None) values come from the shared-memory model of
+  `resources.py` (the first candidate that fits, with a margin); explicit ones are kept and
+  refused before compiling when the model says they exceed `smem_bytes`. The choice is the same
+  in interpret mode as on the GPU it targets.
 
   Args:
     q_BxSxHxD: queries.
@@ -254,38 +252,30 @@ def segment_attention_pallas(
     segment_ids_BxS: contiguous segment ids, 0 = padding.
     causal: hide keys after the query.
     scale: logit scale.
-    block_q: forward query block, a power of two >= 16, or "auto".
-    block_k: forward key/value block, a power of two >= 16, or "auto".
-    block_q_bwd: query block of the backward kernels (delta, dQ, dK/dV), or "auto".
-    block_k_bwd: key/value block of the backward kernels, or "auto".
-    interpret: run the kernels in interpret mode (CPU).
+    pallas: the kernel settings (blocks, warps, stages, shared memory, interpret mode); None:
+      `PallasOptions()`, every setting "auto".
     skip_blocks: False gives the dense-mask kernel of the same family (benchmark baseline).
-    num_warps: Triton warps of every kernel, or "auto" (per kernel).
-    num_stages: Triton pipeline stages of every kernel, or "auto" (per kernel).
-    smem_bytes: shared memory per block of the target GPU; None: the local GPU's, or an H100's
-      (232,448) when JAX has no GPU.
 
   Returns:
     `out_BxSxHxD`.
   """
   s, d = q_BxSxHxD.shape[1], q_BxSxHxD.shape[3]
+  pallas = PallasOptions() if pallas is None else pallas
   cfg, multiple = _kernel_config(
-      q_BxSxHxD, k_BxSxKxD, seq_len=s, causal=causal, scale=scale, interpret=interpret,
-      skip_blocks=skip_blocks, q_positions=False, block_q=block_q, block_k=block_k,
-      block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, num_warps=num_warps,
-      num_stages=num_stages, smem_bytes=smem_bytes)
+      q_BxSxHxD, k_BxSxKxD, seq_len=s, causal=causal, scale=scale, pallas=pallas,
+      skip_blocks=skip_blocks, q_positions=False)
   s_pad = -(-s // multiple) * multiple
   pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, resources.padded_head_dim(d) - d))
   q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
   seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
-  seg_p = cpu_guard(seg_p, interpret=interpret)
+  seg_p = cpu_guard(seg_p, interpret=pallas.interpret)
   out = _flash(q_p, k_p, v_p, seg_p, seg_p, None, cfg)
   return out[:, :s, :, :d]
 
 
 def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: float,
-                   interpret: bool, skip_blocks: bool, q_positions: bool,
-                   smem_bytes: int | None, **settings) -> tuple[KernelConfig, int]:
+                   pallas: PallasOptions, skip_blocks: bool,
+                   q_positions: bool) -> tuple[KernelConfig, int]:
   """The kernels' static config and the multiple that every padded length must be."""
   h, d = q_BxQxHxD.shape[2], q_BxQxHxD.shape[3]
   if d > MAX_HEAD_DIM:
@@ -293,10 +283,10 @@ def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: f
         f"segment_attention(implementation='pallas'): head dim D={d} is above {MAX_HEAD_DIM}")
   fwd, bwd = kernel_settings(
       dtype=q_BxQxHxD.dtype, head_dim=d, group=h // k_BxSxKxD.shape[2], seq_len=seq_len,
-      smem_bytes=smem_bytes, **settings)
+      pallas=pallas)
   cfg = KernelConfig(
       causal=causal, scale=scale, block_q=fwd.block_q, block_k=fwd.block_k,
-      block_q_bwd=bwd.block_q, block_k_bwd=bwd.block_k, interpret=interpret,
+      block_q_bwd=bwd.block_q, block_k_bwd=bwd.block_k, interpret=pallas.interpret,
       skip_blocks=skip_blocks, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
       num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages, q_positions=q_positions)
   return cfg, max(fwd.block_q, fwd.block_k, bwd.block_q, bwd.block_k)
@@ -313,9 +303,7 @@ def segment_attention_pallas_slots(
     *,
     causal: bool,
     scale: float,
-    interpret: bool = False,
-    smem_bytes: int | None = None,
-    **settings: int | Auto | None,
+    pallas: PallasOptions | None = None,
 ) -> jax.Array:
   """Segment flash attention of `Q` queries over a whole row of `S` keys, placed by slot index.
 
@@ -338,19 +326,17 @@ def segment_attention_pallas_slots(
     slot_k_BxS: int32 slot indices of the keys, a permutation of `0..S-1` per row.
     causal: hide keys whose slot index is above the query's.
     scale: logit scale.
-    interpret: run the kernels in interpret mode (CPU).
-    smem_bytes: shared memory per block of the target GPU (as `segment_attention_pallas`).
-    **settings: `block_q`, `block_k`, `block_q_bwd`, `block_k_bwd`, `num_warps`, `num_stages`
-      (as `segment_attention_pallas`).
+    pallas: the kernel settings, as `segment_attention_pallas`.
 
   Returns:
     `out_BxQxHxD`; zeros at padding queries.
   """
   sq, d = q_BxQxHxD.shape[1], q_BxQxHxD.shape[3]
   s = k_BxSxKxD.shape[1]
+  pallas = PallasOptions() if pallas is None else pallas
   cfg, multiple = _kernel_config(
-      q_BxQxHxD, k_BxSxKxD, seq_len=sq, causal=causal, scale=scale, interpret=interpret,
-      skip_blocks=True, q_positions=True, smem_bytes=smem_bytes, **settings)
+      q_BxQxHxD, k_BxSxKxD, seq_len=sq, causal=causal, scale=scale, pallas=pallas,
+      skip_blocks=True, q_positions=True)
   to_row, _ = row_order(slot_k_BxS)
   k_nat, v_nat, seg_nat_BxS = (to_row(x) for x in (k_BxSxKxD, v_BxSxKxD,
                                                    seg_k_BxS.astype(jnp.int32)))
@@ -360,7 +346,7 @@ def segment_attention_pallas_slots(
   k_p, v_p = (jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
               for x in (k_nat, v_nat))
   seg_q_p = cpu_guard(jnp.pad(seg_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq))),
-                      interpret=interpret)
+                      interpret=pallas.interpret)
   seg_k_p = jnp.pad(seg_nat_BxS, ((0, 0), (0, s_pad - s)))
   # Padding queries sit after every key, so they stay last in the ascending order.
   pos_q_p = jnp.pad(slot_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)),

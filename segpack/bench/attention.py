@@ -139,8 +139,8 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
           q, k, v, seg, implementation="pallas",
           pallas=PallasOptions(block_q=block, block_k=block, interpret=interpret)),
       "pallas_dense": lambda q, k, v, seg: segment_attention_pallas(
-          q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, block_q=block, block_k=block,
-          skip_blocks=False, interpret=interpret),
+          q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, skip_blocks=False,
+          pallas=PallasOptions(block_q=block, block_k=block, interpret=interpret)),
       "xla_dense": lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla"),
       "jax_mha": jax_mha,
       "cudnn": lambda q, k, v, seg: segment_attention(

@@ -173,7 +173,7 @@ def test_pallas_slots_skip_blocks_of_other_documents():
   out = segment_attention_pallas_slots(
       permute(q, mine), permute(k, slot), permute(v, slot), permute(seg, mine), permute(seg, slot),
       jnp.asarray(mine, jnp.int32), jnp.asarray(slot, jnp.int32), causal=True, scale=0.25,
-      interpret=True, block_q=16, block_k=16)  # keys as gathered: in device order
+      pallas=PallasOptions(interpret=True, block_q=16, block_k=16))  # keys in device order
   want, _ = reference(q, k, jnp.nan_to_num(v), seg, causal=True, scale=0.25)
   assert np.all(np.isfinite(out))
   np.testing.assert_allclose(out, permute(want, mine), atol=2e-5)

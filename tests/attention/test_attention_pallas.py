@@ -112,7 +112,8 @@ def test_pallas_skips_blocks_of_other_documents():
   seg = jnp.asarray(np.repeat([[1, 2]], 128, axis=1))  # two documents of 128 slots
   q, k, v, _ = random_inputs(3, 1, 256, 2, 2, 64)
   v = v.at[0, 128:192].set(jnp.nan)  # a block of document 2
-  common = dict(causal=False, scale=0.125, block_q=64, block_k=64, interpret=True)
+  common = dict(causal=False, scale=0.125,
+                pallas=PallasOptions(block_q=64, block_k=64, interpret=True))
   out = segment_attention_pallas(q, k, v, seg, **common)
   dense = segment_attention_pallas(q, k, v, seg, skip_blocks=False, **common)
   assert np.all(np.isfinite(out[0, :128]))
@@ -125,8 +126,8 @@ def test_dense_kernel_of_same_family_is_correct():
   seg = jnp.asarray(layouts(S))
   q, k, v, dout = random_inputs(5, 4, S, 2, 2, 64)
   fn = lambda q, k, v, seg: segment_attention_pallas(
-      q, k, v, seg, causal=True, scale=0.125, block_q=BLOCK, block_k=BLOCK, interpret=True,
-      skip_blocks=False)
+      q, k, v, seg, causal=True, scale=0.125,
+      pallas=PallasOptions(block_q=BLOCK, block_k=BLOCK, interpret=True), skip_blocks=False)
   out, grads = jax.jit(lambda *a: _fwd_bwd(fn, *a))(q, k, v, seg, dout)
   want, grads_want = reference(q, k, v, seg, causal=True, scale=0.125, dout=dout)
   np.testing.assert_allclose(out, want, atol=2e-5)

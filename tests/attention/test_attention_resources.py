@@ -110,11 +110,13 @@ def test_auto_settings_are_the_fastest_candidates():
 
 
 def test_partly_explicit_settings_fill_in_what_fits():
-  common = dict(dtype=jnp.float32, head_dim=128, group=1, seq_len=4096, smem_bytes=H100)
-  fwd, bwd = kernel_settings(block_q=128, block_k=128, **common)
+  common = dict(dtype=jnp.float32, head_dim=128, group=1, seq_len=4096)
+  fwd, bwd = kernel_settings(pallas=PallasOptions(block_q=128, block_k=128, smem_bytes=H100),
+                             **common)
   assert fwd == KernelSettings(128, 128, 1, 8)  # 2 stages would need 262,656 bytes
   assert bwd == KernelSettings(64, 64, 2, 8)
-  fwd, bwd = kernel_settings(num_stages=1, num_warps=4, block_q_bwd=None, **common)
+  fwd, bwd = kernel_settings(
+      pallas=PallasOptions(num_stages=1, num_warps=4, block_q_bwd=None, smem_bytes=H100), **common)
   assert fwd == KernelSettings(128, 128, 1, 4) and bwd == KernelSettings(64, 64, 1, 4)
 
 
