@@ -83,7 +83,8 @@ class Data:
     eval: finite `StreamBatches` of held-out batches (one pass; this process's rows of each global
       batch, the last one filled up with padding rows).
     vocab_size: tokenizer vocabulary size.
-    train_rows_per_epoch: rows of one training epoch over all processes.
+    train_rows_in_epoch0: rows of the first training epoch over all processes (every epoch's
+      unless a mixture, whose epochs each have their own: `train.rows_in_epoch(e)`).
     description: a one-line summary for the log.
     segment_bound: the most segments (documents or chunks) any train or eval row can hold,
       the same on every process: the plans' exact most in global mode; in minibatch mode with
@@ -103,7 +104,7 @@ class Data:
   train: StreamBatches | MinibatchPackedDataset
   eval: grain.MapDataset | None  # None: no held-out data (data.eval_share=0, no data.eval)
   vocab_size: int
-  train_rows_per_epoch: int
+  train_rows_in_epoch0: int
   description: str
   segment_bound: int | None = None
   source_names: tuple[str, ...] = ()
@@ -295,10 +296,10 @@ def make_data(config: Any, *, batch_size: int, process_index: int,
       by_source[name] = StreamBatches(rows, **layout)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
-      train_rows_per_epoch=train_rows.rows_per_epoch,
+      train_rows_in_epoch0=train_rows.rows_in_epoch(0),
       description=(f"{data_name(config)}{f' (mixture: {train_src.shares()})' if names else ''}, "
                    f"{config.packing.strategy} packing, seq_len {config.packing.seq_len}: "
-                   f"{train_rows.rows_per_epoch} train rows/epoch, {_eval_rows(eval_rows)}, "
+                   f"{train_rows.rows_in_epoch(0)} train rows/epoch, {_eval_rows(eval_rows)}, "
                    f"vocab {vocab}"),
       segment_bound=max(train_rows.segment_bound,
                         eval_rows.segment_bound if eval_rows else 0),
@@ -309,7 +310,7 @@ def make_data(config: Any, *, batch_size: int, process_index: int,
 
 def _eval_rows(eval_rows: Any) -> str:
   return ("no held-out data (data.eval_share=0): evaluation is off" if eval_rows is None
-          else f"{eval_rows.rows_per_epoch} eval rows")
+          else f"{eval_rows.rows_in_epoch(0)} eval rows")
 
 
 def _balance(config: Any, *, num_ranks: int) -> BalanceOptions | None:
@@ -336,7 +337,7 @@ def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: A
                 eval_rows.segment_bound if eval_rows else 0)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab, context=context_order(config),
-      train_rows_per_epoch=steps * batch_size, segment_bound=bound,
+      train_rows_in_epoch0=steps * batch_size, segment_bound=bound,
       description=(f"{data_name(config)}, minibatch {config.packing.strategy} packing of "
                    f"{config.packing.examples_per_batch or config.packing.tokens_per_batch} "
                    f"{'examples' if config.packing.examples_per_batch else 'tokens'} per step into "

@@ -67,14 +67,14 @@ class PackedDataset(grain.MapDataset):
     self._seed = seed
     self._shuffle = shuffle
     self._num_epochs = num_epochs
-    self._rows_per_epoch = self._builder.num_rows
+    self._fixed_rows = self._builder.num_rows  # every epoch's rows unless a mixture
     self._segment_bound = int(segment_bound)
     self._costs: dict[int, np.ndarray] = {}
     self._starts = [0]  # C_e of the epochs counted so far (a mixture's, lazily)
     if num_epochs is None:
-      self._length = sys.maxsize if self._rows_per_epoch else 0
+      self._length = sys.maxsize if self._fixed_rows else 0
     elif builders.same_rows:
-      self._length = num_epochs * self._rows_per_epoch
+      self._length = num_epochs * self._fixed_rows
     else:
       self._length = self.epoch_start(num_epochs)
     self._perms: dict[int, np.ndarray] = {}
@@ -89,23 +89,19 @@ class PackedDataset(grain.MapDataset):
     return self._builder.seq_len
 
   @property
-  def rows_per_epoch(self) -> int:
-    """Rows of epoch 0: the plan's rows, every epoch's unless a mixture (`rows_in_epoch`)."""
-    return self._rows_per_epoch
-
-  @property
   def same_rows(self) -> bool:
-    """Whether every epoch has `rows_per_epoch` rows (not so for a mixture)."""
+    """Whether every epoch has the plan's rows, `rows_in_epoch(0)` (not so for a mixture)."""
     return self._builders.same_rows
 
   def rows_in_epoch(self, epoch: int) -> int:
-    """Rows of epoch `epoch` (plans a mixture's epoch if needed)."""
+    """Rows of epoch `epoch`: the plan's rows, the same for every epoch unless a mixture, whose
+    epochs each have their own (plans a mixture's epoch if needed)."""
     return self._builders.rows_in_epoch(int(epoch))
 
   def epoch_start(self, epoch: int) -> int:
     """`C_e`: the elements before epoch `epoch` (a mixture plans the epochs before it)."""
     if self._builders.same_rows:
-      return int(epoch) * self._rows_per_epoch
+      return int(epoch) * self._fixed_rows
     while len(self._starts) <= epoch:
       e = len(self._starts) - 1
       self._starts.append(self._starts[-1] + self.rows_in_epoch(e))
@@ -115,7 +111,7 @@ class PackedDataset(grain.MapDataset):
     """int64 `(epoch, index in the epoch)` of element indices (after wrapping a finite dataset)."""
     idx = self._wrap(indices)
     if self._builders.same_rows:
-      return np.divmod(idx, self._rows_per_epoch)
+      return np.divmod(idx, self._fixed_rows)
     if idx.size:
       while self.epoch_start(len(self._starts) - 1) <= idx.max():
         self.epoch_start(len(self._starts))
@@ -165,7 +161,7 @@ class PackedDataset(grain.MapDataset):
     return self._length
 
   def __str__(self) -> str:
-    return (f"PackedDataset(seq_len={self.seq_len}, rows_per_epoch={self._rows_per_epoch}, "
+    return (f"PackedDataset(seq_len={self.seq_len}, rows_in_epoch(0)={self._fixed_rows}, "
             f"num_epochs={self._num_epochs})")
 
   def _permutation(self, epoch: int) -> np.ndarray:
@@ -341,7 +337,7 @@ def pack_dataset(
       plan, `segpack.packing.plan(..., tie_seed=(seed, e))` (equal-length chunks in a seeded
       order), so documents meet other neighbours every epoch (docs/packing.md, "A fresh plan
       every epoch"). Its rows have the same lengths as the fixed plan's (epoch 0), so the row
-      count, `len()`, `rows_per_epoch` and `segment_bound` do not change. Only for
+      count (`rows_in_epoch(e)`), `len()` and `segment_bound` do not change. Only for
       `segpack.packing.planner.TIE_SEED_STRATEGIES` ("ffd", "bfd", "sorted_pad") and without
       `max_segments_per_row`; each epoch's plan is computed (not cached) in a background
       thread while the previous epoch is read.

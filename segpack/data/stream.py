@@ -101,7 +101,6 @@ class StreamBatches(grain.MapDataset):
       balance.check(global_batch_size=self._batch, process_count=self._count,
                     fn="StreamBatches")
     self._balance = balance
-    self._rows_per_epoch = rows.rows_per_epoch
     if (not isinstance(start, StreamPosition)
         or not 0 <= start.index < rows.rows_in_epoch(start.epoch)):
       raise PipelineConfigError(
@@ -110,14 +109,9 @@ class StreamBatches(grain.MapDataset):
     self._start = rows.epoch_start(start.epoch) + start.index
     self._end = sys.maxsize if rows.num_epochs is None else len(rows)
 
-  @property
-  def rows_per_epoch(self) -> int:
-    """Rows of one epoch of the stream (the plan's rows, over all processes; a mixture's
-    epoch 0's, see `rows_in_epoch`)."""
-    return self._rows_per_epoch
-
   def rows_in_epoch(self, epoch: int) -> int:
-    """Rows of epoch `epoch` of the stream."""
+    """Rows of epoch `epoch` of the stream, over all processes (`PackedDataset.rows_in_epoch`:
+    the plan's rows, the same for every epoch unless a mixture)."""
     return self._rows.rows_in_epoch(epoch)
 
   @property

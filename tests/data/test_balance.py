@@ -187,7 +187,7 @@ def test_stream_ranks_get_the_optimal_split_of_the_same_rows():
   plain = [batches(rows, batch=12, index=p, count=2) for p in range(2)]
   balanced = [batches(rows, batch=12, index=p, count=2, balance=options) for p in range(2)]
   steps = len(plain[0])
-  assert steps >= 8 and len(balanced[0]) == steps and rows.rows_per_epoch % 12
+  assert steps >= 8 and len(balanced[0]) == steps and rows.rows_in_epoch(0) % 12
   improved = 0
   for step in range(steps):
     global_rows = {k: np.concatenate([b[step][k] for b in balanced]) for k in FEATURES}

@@ -91,7 +91,7 @@ def test_every_drawn_document_once_per_draw_with_the_token_shares(tokens_per_epo
 def test_rows_differ_per_epoch_and_batches_cross_epochs_exactly():
   ds = pack(num_epochs=None)
   counts = [ds.rows_in_epoch(e) for e in range(4)]
-  assert ds.rows_per_epoch == counts[0] and ds.epoch_start(3) == sum(counts[:3])
+  assert ds.rows_in_epoch(0) == counts[0] and ds.epoch_start(3) == sum(counts[:3])
   epoch, index = ds.locate(np.array([counts[0] - 1, counts[0], counts[0] + counts[1]]))
   assert epoch.tolist() == [0, 1, 2] and index.tolist() == [counts[0] - 1, 0, 0]
   whole = ds.get_batch(np.arange(counts[0] - 3, counts[0] + 3))  # straddles the boundary
@@ -181,7 +181,7 @@ def test_trainer_mixture_keeps_every_source_held_out_apart(tmp_path):
       found |= set(ids.tolist())
     return found
 
-  trained = docs_in(data.train[k] for k in range(3 * data.train_rows_per_epoch // 4))
+  trained = docs_in(data.train[k] for k in range(3 * data.train_rows_in_epoch0 // 4))
   held = docs_in(data.eval[k] for k in range(len(data.eval)))
   assert held and trained and not trained & held
   assert {t // STRIDE for t in held - {BASE}} >= {0} and any(t >= BASE + STRIDE for t in held)

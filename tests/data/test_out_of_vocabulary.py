@@ -95,7 +95,7 @@ def test_ids_past_the_vocabulary_in_the_cached_corpus_stop_the_trainer(tmp_path_
   data = data_lib.make_data(spec(cache_dir=str(cache)), batch_size=8, process_index=0,
                             process_count=1)
   with pytest.raises(shards.ShardFormatError) as e:
-    for k in range(data.train_rows_per_epoch // 8 + 1):
+    for k in range(data.train_rows_in_epoch0 // 8 + 1):
       data.train[k]
   message = str(e.value)
   assert "\n" not in message
@@ -141,7 +141,7 @@ def test_a_lowered_vocab_size_stops_the_trainer_and_a_mixture(dataset, tmp_path)
   data = data_lib.make_data(spec(train=str(dataset), seq_len=64), batch_size=4,
                             process_index=0, process_count=1)
   with pytest.raises(shards.ShardFormatError, match="is >= vocab_size 1024"):
-    for k in range(data.train_rows_per_epoch // 4 + 1):
+    for k in range(data.train_rows_in_epoch0 // 4 + 1):
       data.train[k]
   with pytest.raises(shards.ShardFormatError, match="is >= vocab_size 1024"):
     for k in range(len(data.eval)):

@@ -87,7 +87,7 @@ def check_row(row, seq_len, *, overlap=0, add_bos=True):
 
 
 def epoch_rows(ds, epoch=0):
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   return [ds[i] for i in range(epoch * n, (epoch + 1) * n)]
 
 
@@ -118,7 +118,7 @@ def test_every_token_once_in_order(strategy, seq_len, overlap, add_bos, add_eos)
             add_eos=add_eos, num_epochs=1)
   assert isinstance(ds, grain.MapDataset)
   rows = list(ds)
-  assert len(rows) == len(ds) == ds.rows_per_epoch
+  assert len(rows) == len(ds) == ds.rows_in_epoch(0)
   got = []
   for row in rows:
     check_row(row, seq_len, overlap=overlap, add_bos=add_bos)
@@ -171,7 +171,7 @@ def test_determinism_and_seeds():
 def test_epochs_are_bounded_permutations():
   docs = make_docs(50, seed=6)
   ds = pack(docs, seq_len=32, num_epochs=3, seed=1)
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   assert len(ds) == 3 * n
   epochs = [[row_key(ds[i]) for i in range(e * n, (e + 1) * n)] for e in range(3)]
   for e in range(3):
@@ -190,7 +190,7 @@ def test_stream_batches_split_every_global_batch_over_processes(count, batch):
   (oracle: the dataset's own elements, read one by one)."""
   docs = make_docs(61, seed=count)
   whole = pack(docs, seq_len=32, seed=3, num_epochs=2)
-  n = whole.rows_per_epoch
+  n = whole.rows_in_epoch(0)
   procs = [segpack.StreamBatches(whole, global_batch_size=batch, process_index=p,
                                  process_count=count) for p in range(count)]
   assert all(len(b) == -(-2 * n // batch) for b in procs)
@@ -308,7 +308,7 @@ def test_bad_inputs():
     with pytest.raises(pipeline.PipelineConfigError, match=f"{name} must .*got True"):
       pack(docs, seq_len=32, **{name: True})  # a bool is not taken for the int 1
   ok = pack(docs, seq_len=32, add_bos=False, add_eos=False, bos_id=None, eos_id=None)
-  assert ok.rows_per_epoch >= 1
+  assert ok.rows_in_epoch(0) >= 1
 
 
 def test_long_documents_each_mode():

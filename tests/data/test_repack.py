@@ -32,7 +32,7 @@ def _pack(docs, **kwargs):
 
 
 def _epoch_rows(ds, epoch):
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   return ds.get_batch(np.arange(epoch * n, (epoch + 1) * n))
 
 
@@ -54,7 +54,7 @@ def test_every_epoch_holds_every_document_once_and_plans_differ():
   ds = _pack(docs, repack="epoch")
   fixed = _pack(docs)
   assert len(ds) == len(fixed)
-  assert ds.rows_per_epoch == fixed.rows_per_epoch
+  assert ds.rows_in_epoch(0) == fixed.rows_in_epoch(0)
   epoch_pairs = []
   for epoch in range(4):
     rows = _pieces(_epoch_rows(ds, epoch))
@@ -91,7 +91,7 @@ def test_tie_seed_keeps_row_lengths_and_changes_pieces():
 def test_resume_mid_epoch_two_replays_exactly():
   docs = _docs(300)
   ds = _pack(docs, repack="epoch")
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   it = iter(ds.to_iter_dataset())
   for _ in range(2 * n + n // 2):
     next(it)
@@ -107,7 +107,7 @@ def test_resume_mid_epoch_two_replays_exactly():
 
 def test_batches_across_epochs_match_single_rows():
   ds = _pack(_docs(200), repack="epoch")
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   idx = np.arange(n - 3, n + 3)
   batch = ds.get_batch(idx)
   fresh = _pack(_docs(200), repack="epoch")
@@ -121,7 +121,7 @@ def test_default_path_unchanged():
   docs = _docs(200)
   ds = _pack(docs)
   plan = packing.plan(np.array([len(d) for d in docs]), SEQ_LEN)
-  n = ds.rows_per_epoch
+  n = ds.rows_in_epoch(0)
   for epoch in range(2):
     rows = _pieces(_epoch_rows(ds, epoch))
     order = segpack.packing.permutation.epoch_permutation(plan.num_rows, seed=5, epoch=epoch)

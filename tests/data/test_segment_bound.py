@@ -68,7 +68,7 @@ def _spec(**overrides):
 
 def test_trainer_data_bound_global_mode():
   data = data_lib.make_data(_spec(), batch_size=4, process_index=0, process_count=1)
-  train_rows = data.train_rows_per_epoch
+  train_rows = data.train_rows_in_epoch0
   batches = [data.train[i] for i in range(-(-train_rows // 4))]
   evals = [data.eval[i] for i in range(len(data.eval))]
   want = max(_runs(r) for b in batches + evals for r in b["segment_ids"])

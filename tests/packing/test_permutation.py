@@ -30,7 +30,7 @@ def test_rows_of_an_epoch_are_the_plan_rows_in_that_order():
   kw = dict(seq_len=32, num_epochs=2, special_tokens=SpecialTokens(bos_id=1, eos_id=2))
   plain = segpack.pack_dataset(docs, shuffle=False, **kw)
   shuffled = segpack.pack_dataset(docs, seed=5, **kw)
-  n = plain.rows_per_epoch
+  n = plain.rows_in_epoch(0)
   for epoch in range(2):
     for j, r in enumerate(recipe(n, 5, epoch).tolist()):
       got, want = shuffled[epoch * n + j], plain[r]

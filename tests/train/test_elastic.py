@@ -82,8 +82,8 @@ class Counter:
     self.counts = collections.Counter()
     self._oracle = {}
 
-  def rows_per_epoch(self):
-    return len(self.oracle(0))
+  def rows_in_epoch(self, epoch):
+    return len(self.oracle(epoch))
 
   def oracle(self, epoch):
     if epoch not in self._oracle:
@@ -98,7 +98,7 @@ class Counter:
 
   def check_epochs(self, num_epochs):
     """Epochs < num_epochs: every plan row exactly once; later epochs: at most once."""
-    rows = self.rows_per_epoch()
+    rows = self.rows_in_epoch(0)
     for e in range(num_epochs):
       got = {r: self.counts[e, r] for r in range(rows)}
       assert set(got.values()) == {1}, (e, {r: c for r, c in got.items() if c != 1})
@@ -141,8 +141,8 @@ def test_resume_on_another_process_count_consumes_every_row_once(before, after, 
   docs = make_docs()
   counter = Counter(docs, repack=repack)
   stream = make_stream(docs, repack=repack)
-  rows = counter.rows_per_epoch()
-  assert stream.rows_per_epoch == rows  # the stream has no padding rows
+  rows = counter.rows_in_epoch(0)
+  assert stream.rows_in_epoch(0) == rows  # the stream has no padding rows
   (p, b1), (q, b2) = before, after
   steps1 = rows // b1 + 2  # into epoch 1, mid-epoch
   state = run_processes(stream, counter, count=p, batch=b1, steps=steps1,
@@ -183,7 +183,7 @@ def test_bad_arguments_and_states_are_refused_by_name():
     StreamBatches(stream, global_batch_size=8, process_index=0, process_count=2,
                   balance=BalanceOptions(num_ranks=3))
   it = StreamBatches(stream, global_batch_size=4, process_index=0, process_count=1).iterator()
-  rows = stream.rows_per_epoch
+  rows = stream.rows_in_epoch(0)
   state = dict(version=1, unit="rows", epoch=0, index=0)
   with pytest.raises(StreamStateError, match=f"epoch_length={rows + 1}, but epoch 0 .* {rows}"):
     it.set_state({**state, "epoch_length": rows + 1})

@@ -57,7 +57,7 @@ def test_held_out_documents_never_reach_a_training_row(tmp_path):
   lengths = write_named_docs(tmp_path / "ds", 400)
   data = data_lib.make_data(spec(train=str(tmp_path / "ds"), eval_share=0.1), batch_size=8,
                             process_index=0, process_count=1)
-  epoch = -(-data.train_rows_per_epoch // 8)
+  epoch = -(-data.train_rows_in_epoch0 // 8)
   trained = docs_in(data.train[k] for k in range(2 * epoch))  # two epochs
   held = docs_in(data.eval[k] for k in range(len(data.eval)))
   want_held = set(np.flatnonzero(subset.held_out_mask(400, share=0.1)).tolist())
@@ -99,7 +99,7 @@ def test_eval_share_zero_trains_on_every_document_without_evaluation(tmp_path):
   write_named_docs(tmp_path / "ds", 50)
   data = data_lib.make_data(spec(train=str(tmp_path / "ds"), eval_share=0.0), batch_size=8,
                             process_index=0, process_count=1)
-  epoch = -(-data.train_rows_per_epoch // 8)
+  epoch = -(-data.train_rows_in_epoch0 // 8)
   assert data.eval is None and "evaluation is off" in data.description
   assert docs_in(data.train[k] for k in range(epoch)) == set(range(50))
 
@@ -176,7 +176,7 @@ def test_chat_dataset_trains_only_the_masked_tokens(tmp_path):
   data = data_lib.make_data(spec(train=str(tmp_path / "ds"), seq_len=256), batch_size=1,
                             process_index=0, process_count=1)
   trained = sum(int((data.train[k]["labels"] != -100).sum())  # exactly one epoch
-                for k in range(data.train_rows_per_epoch))
+                for k in range(data.train_rows_in_epoch0))
   train_part, _ = subset.held_out_split(str(tmp_path / "ds"), share=0.02)
   counts = {}
   for mask in (True, False):

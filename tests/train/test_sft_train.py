@@ -30,7 +30,7 @@ def test_sft_config_trains_minibatches_of_conversations(spec):
   train_dir = chat_corpus.ensure_builtin_chat(size="small", cache_dir=cache).train_dir
   n = len(shards.ShardSource(train_dir))
   # One step per minibatch of 4 conversations: the step count of unpacked training.
-  assert data.train_rows_per_epoch == math.ceil(n / 4) * config.train.batch_size
+  assert data.train_rows_in_epoch0 == math.ceil(n / 4) * config.train.batch_size
   batch = data.train[0]
   assert batch["input_ids"].shape == (config.train.batch_size, config.packing.seq_len)
   labels = batch["labels"]
