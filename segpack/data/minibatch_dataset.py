@@ -124,11 +124,6 @@ class MinibatchPackedDataset(grain.MapDataset):
   def seq_len(self) -> int:
     return self._planner.seq_len
 
-  @property
-  def local_rows_per_batch(self) -> int:
-    """Rows of each element on this process."""
-    return self.rows_per_batch // self._process_count
-
   def _epoch(self, epoch: int) -> MinibatchPlan:
     with self._lock:
       plan = self._epochs.get(epoch)

@@ -129,8 +129,10 @@ class StreamBatches(grain.MapDataset):
 
   @property
   def local_batch_size(self) -> int:
-    """Rows of every element on this process."""
-    return self._batch // self._count
+    """Rows of every element on this process: the length of its `process_block`."""
+    block = processes.process_block(self._batch, process_index=self._index,
+                                    process_count=self._count)
+    return block.stop - block.start
 
   @property
   def start(self) -> StreamPosition:

@@ -88,6 +88,8 @@ def test_the_processes_blocks_in_order_are_the_global_batch(stream, count):
     got = [part[k] for part in parts]
     assert all(g["input_ids"].shape == (local, SEQ_LEN) for g in got)
     assert_batch(joined(got), global_batch(stream, docs, k), label=f"{stream} {count} {k}")
+  if stream == "rows":  # the rows of an element, as `process_block` gives them
+    assert [part.local_batch_size for part in parts] == [local] * count
   if stream == "steps":
     rows = local * count
     for p, part in enumerate(parts):  # the plan rows: process p's block of the step's rows
