@@ -147,6 +147,14 @@ def _open_dataset(key: str, path: str) -> shards.ShardSource:
     raise DataConfigError(f"{key}={path!r} could not be opened as a dataset: {e}") from e
 
 
+def _pad_id(source: Any) -> dict[str, int]:
+  """`{"pad_id": id}` when the record of the dataset `source` reads gives a pad id (its
+  tokenizer's), else {}."""
+  record = sources_lib.dataset_record(source)
+  pad = None if record is None else record.special_id("pad_id")
+  return {} if pad is None else dict(pad_id=int(pad))
+
+
 def _mixture(config: Any) -> Mixture | None:
   """`data.train` as a `Mixture`, or None for one dataset (`segpack.data.mixture.parse_data`)."""
   try:
@@ -183,9 +191,7 @@ def _mixture_sources(config: Any,
   train = Mixture(sources=tuple(dataclasses.replace(m, source=part)
                                 for m, part in zip(mixture.sources, train_parts)),
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
-  tokenizer = opened[0].manifest.get("metadata", {}).get("tokenizer", {})
-  ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
-  return (train, held_out, max(int(src.vocab_size) for src in opened), ids,
+  return (train, held_out, max(int(src.vocab_size) for src in opened), _pad_id(opened[0]),
           opened[0].tokenizer_fingerprint)
 
 
@@ -209,10 +215,8 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
       train, held_out = subset.held_out_split(train, share=config.data.eval_share)
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
-  tokenizer = train.manifest.get("metadata", {}).get("tokenizer", {})
-  ids = {} if tokenizer.get("pad_id") is None else dict(pad_id=int(tokenizer["pad_id"]))
-  # BOS/EOS: from the manifest
-  return train, held_out, int(train.vocab_size), ids, train.tokenizer_fingerprint
+  # BOS/EOS: from the manifest's record, read by the pipeline
+  return train, held_out, int(train.vocab_size), _pad_id(train), train.tokenizer_fingerprint
 
 
 def _sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str | None]:

@@ -158,7 +158,7 @@ def versions() -> dict[str, Any]:
   """Python, jax, jaxlib, segpack, and the installed CUDA plugin and cuDNN packages (or None)."""
   found: dict[str, dict[str, str]] = {"cuda_plugin": {}, "cudnn": {}}
   for dist in importlib.metadata.distributions():
-    name = dist.metadata["Name"] or ""
+    name = dist.name or ""
     norm = name.lower().replace("_", "-")
     if norm.startswith("jax-cuda"):
       found["cuda_plugin"][name] = dist.version

@@ -11,6 +11,7 @@ import numpy as np
 
 from segpack import shards
 from segpack.data.options import PipelineConfigError, SpecialTokens
+from segpack.shards.record import DatasetRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,25 @@ def open_source(source: Any, *, fn: str = "pack_dataset") -> Any:
   return source
 
 
+def dataset_record(source: Any) -> DatasetRecord | None:
+  """The record of the dataset `source` reads (`ShardSource.record`, or the record of a source's
+  `manifest` dict, such as a document subset's); None for a source without a manifest.
+
+  Raises:
+    ShardFormatError: a manifest whose metadata has a field of the wrong type (naming it).
+  """
+  record = getattr(source, "record", None)
+  if isinstance(record, DatasetRecord):
+    return record
+  manifest = getattr(source, "manifest", None)
+  if not isinstance(manifest, dict):
+    return None
+  path = getattr(source, "path", None)
+  where = (os.path.join(os.fspath(path), shards.MANIFEST_NAME) if path is not None
+           else f"{type(source).__name__}.manifest")
+  return DatasetRecord.from_manifest(manifest, where=where)
+
+
 def _chat_flags(source: Any) -> set[bool]:
   """Whether each dataset under `source` (itself, a document subset's parents or a mixture's
   sources) says that packing adds no BOS/EOS (manifest `metadata.chat.add_bos_eos: false`)."""
@@ -81,10 +101,8 @@ def _chat_flags(source: Any) -> set[bool]:
       getattr(m, "source", None) for m in getattr(source, "sources", None) or ()]  # a Mixture
   if parents:
     return set().union(*(_chat_flags(p) for p in parents))
-  manifest = getattr(source, "manifest", None)
-  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
-  described = metadata.get("chat") if isinstance(metadata, dict) else None
-  return {isinstance(described, dict) and described.get("add_bos_eos") is False}
+  record = dataset_record(source)
+  return {record is not None and record.chat is not None and not record.chat.adds_bos_eos}
 
 
 def template_writes_special_tokens(source: Any, *, fn: str = "pack_dataset") -> bool:
@@ -128,20 +146,17 @@ def document_lengths(source: Any, *, fn: str = "pack_dataset") -> np.ndarray:
 
 def _source_special_id(source: Any, name: str) -> int | None:
   """`name` ("bos_id"/"eos_id") as the source carries it: an attribute, a `tokenizer` attribute
-  or dict, or the shard manifest's metadata (top level or its "tokenizer" dict)."""
+  or dict, or the dataset's record (`DatasetRecord.special_id`)."""
   value = getattr(source, name, None)
   if value is not None:
     return value
-  places = [getattr(source, "tokenizer", None)]
-  manifest = getattr(source, "manifest", None)
-  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
-  if isinstance(metadata, dict):
-    places += [metadata, metadata.get("tokenizer")]
-  for place in places:
-    value = place.get(name) if isinstance(place, dict) else getattr(place, name, None)
-    if value is not None:
-      return value
-  return None
+  tokenizer = getattr(source, "tokenizer", None)
+  value = (tokenizer.get(name) if isinstance(tokenizer, dict)
+           else getattr(tokenizer, name, None))
+  if value is not None:
+    return value
+  record = dataset_record(source)
+  return None if record is None else record.special_id(name)
 
 
 def special_id(source: Any, name: str, given: int | None, needed: bool, *,

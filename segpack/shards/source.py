@@ -18,8 +18,9 @@ from segpack.errors import ArgumentError, ArgumentTypeError
 from segpack.shards import staging
 from segpack.shards import verified
 from segpack.shards.format import (
-    FORMAT_VERSION, HASH_BLOCK, OFFSET_DTYPE, ShardFormatError, check_offsets, load_manifest,
-    require)
+    FORMAT_VERSION, HASH_BLOCK, MANIFEST_NAME, OFFSET_DTYPE, ShardFormatError, check_offsets,
+    load_manifest, require)
+from segpack.shards.record import DatasetRecord
 
 VERIFY_MODES = ("once", "always", "never")
 
@@ -66,6 +67,8 @@ class ShardSource:
       path = staging.stage_dataset(url=os.fspath(path)).path
     self.path = Path(path)
     self.manifest = load_manifest(self.path)
+    # What the dataset's metadata says (tokenizer, chat template); a wrong-typed field is refused.
+    self.record = DatasetRecord.from_manifest(self.manifest, where=self.path / MANIFEST_NAME)
     self.vocab_size: int = self.manifest["vocab_size"]
     self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
     self.tokenizer_fingerprint: str = self.manifest["tokenizer_fingerprint"]

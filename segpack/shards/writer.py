@@ -17,6 +17,7 @@ from segpack.errors import ArgumentError, ArgumentTypeError
 from segpack.shards.format import (
     FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, OFFSET_DTYPE, OWNED_FILE, dtype_for_vocab,
     mask_name, metadata_sha256, shard_names)
+from segpack.shards.record import stored_metadata
 
 
 def _close_synced(f: Any) -> None:
@@ -75,7 +76,9 @@ class ShardWriter:
       vocab_size: tokens must lie in [0, vocab_size); also picks the dtype (`dtype_for_vocab`).
       tokenizer_fingerprint: identifies the tokenizer (e.g. the SHA-256 of its model file).
       shard_tokens: a shard is finished once it holds this many tokens (default 2**27).
-      metadata: JSON-serialisable extra information stored in the manifest.
+      metadata: JSON-serialisable extra information stored in the manifest, through its record
+        (`segpack.shards.record.stored_metadata`: a known field of the wrong type is refused
+        here, before any shard is written). `metadata` may be replaced until `close`.
       resume_key: when given, keep the finished shards of an interrupted writer with the same key
         (see `resumed_inputs`); when None, start from scratch.
       loss_mask: every document comes with a per-token loss mask (`write(doc, loss_mask=...)`),
@@ -91,7 +94,7 @@ class ShardWriter:
     self.dtype = dtype_for_vocab(vocab_size)
     self.tokenizer_fingerprint = tokenizer_fingerprint
     self.shard_tokens = int(shard_tokens)
-    self.metadata = dict(metadata or {})
+    self.metadata = stored_metadata(metadata, where=self.path / MANIFEST_NAME)
     json.dumps(self.metadata)  # Fails early when not serialisable.
     self.resume_key = resume_key
     self.loss_mask = bool(loss_mask)
@@ -367,6 +370,7 @@ class ShardWriter:
     keys = ("tokens", "offsets", "num_documents", "num_tokens", "sha256", "max_token") + (
         ("mask",) if self.loss_mask else ())
     shards = [{k: r[k] for k in keys} for r in self._records]
+    metadata = stored_metadata(self.metadata, where=self.path / MANIFEST_NAME)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -379,8 +383,8 @@ class ShardWriter:
         "skipped_empty": self.skipped_empty,
         "inputs": self.inputs,
         "resume_key": self.resume_key,
-        "metadata": self.metadata,
-        "metadata_sha256": metadata_sha256(json.loads(json.dumps(self.metadata))),
+        "metadata": metadata,
+        "metadata_sha256": metadata_sha256(json.loads(json.dumps(metadata))),
         "shards": shards,
     }
     if self.loss_mask:

@@ -55,6 +55,7 @@ from segpack import remote_files
 from segpack import shards as shards_lib
 from segpack.errors import ArgumentError
 from segpack.shards.format import OFFSET_DTYPE, OWNED_FILE, metadata_sha256
+from segpack.shards.record import stored_metadata
 from segpack.text import beam_driver
 from segpack.text import corpus
 from segpack.text import encode
@@ -304,8 +305,9 @@ def write_dataset_beam(
       "format": shards_lib.FORMAT_NAME, "format_version": shards_lib.FORMAT_VERSION,
       "dtype": dtype.name, "byte_order": "little", "vocab_size": tokenizer.vocab_size,
       "tokenizer_fingerprint": tokenizer.fingerprint, "resume_key": resume_key,
-      "metadata": dict(metadata or {}, tokenizer=tokenizer.describe(), runner="beam",
-                       unit_records=unit_records)}
+      "metadata": stored_metadata(
+          metadata, where=remote_files.join(output, shards_lib.MANIFEST_NAME),
+          tokenizer=tokenizer.describe(), runner="beam", unit_records=unit_records)}
   # As `ShardWriter` writes it; also fails early when the metadata is not serialisable.
   header["metadata_sha256"] = metadata_sha256(json.loads(json.dumps(header["metadata"])))
   kept_units = frozenset(tuple(r["unit"]) for r in kept)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from segpack import shards
+from segpack.shards.record import stored_metadata
 from segpack.errors import ArgumentError, UserError
 
 __all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
@@ -355,9 +356,9 @@ def write_chat_dataset(
     encoder: a `ChatEncoder` or a `segpack.text.hf_chat.HfChatTemplate` (`encode_counted`,
       `describe`, `tokenizer`).
 
-  The manifest's metadata gets `chat`: the encoder's `describe()` plus `trained_tokens_by_role`
-  and `skipped_conversations`, and `tokenizer` (the tokenizer's `describe()`, where
-  `pack_dataset` finds the BOS/EOS ids) when the tokenizer has one.
+  The manifest's record (`segpack.shards.record`) gets `chat`: the encoder's `describe()` plus
+  `trained_tokens_by_role` and `skipped_conversations`, and `tokenizer` (the tokenizer's
+  `describe()`, where `pack_dataset` finds the BOS/EOS ids) when the tokenizer has one.
   """
   manifest_path = Path(output) / shards.MANIFEST_NAME
   if resume_key is not None and manifest_path.exists():
@@ -368,10 +369,11 @@ def write_chat_dataset(
     if isinstance(old, dict) and old.get("resume_key") == resume_key:
       return old  # Already complete with these inputs and settings.
   tok = encoder.tokenizer
-  meta = dict(metadata or {})
-  meta["chat"] = encoder.describe()
+  described = encoder.describe()
+  parts: dict[str, Any] = {"chat": described}
   if hasattr(tok, "describe"):
-    meta["tokenizer"] = tok.describe()
+    parts["tokenizer"] = tok.describe()
+  meta = stored_metadata(metadata, where=manifest_path, **parts)
   counts: dict[str, int] = {}
   with shards.ShardWriter(output, vocab_size=int(tok.vocab_size),
                           tokenizer_fingerprint=str(getattr(tok, "fingerprint", "")),
@@ -391,6 +393,7 @@ def write_chat_dataset(
       written += 1
       if written > writer.resumed_inputs:  # else: already in a kept shard
         writer.write(ids, loss_mask=mask)
-    writer.metadata["chat"] = dict(meta["chat"], trained_tokens_by_role=counts,
-                                   skipped_conversations=skipped.count if skipped else 0)
+    writer.metadata = stored_metadata(writer.metadata, where=manifest_path, chat=dict(
+        described, trained_tokens_by_role=counts,
+        skipped_conversations=skipped.count if skipped else 0))
   return json.loads((Path(output) / shards.MANIFEST_NAME).read_text("utf-8"))

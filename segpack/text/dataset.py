@@ -383,11 +383,13 @@ def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: s
 def _chat_summary(output: Path, manifest: dict[str, Any], *, resumed: int, seconds: float,
                   text_bytes: int) -> encode.Summary:
   """The summary of a chat dataset: skipped conversations and trained tokens by role too."""
-  described = manifest.get("metadata", {}).get("chat", {})
+  described = shards_lib.DatasetRecord.from_manifest(
+      manifest, where=output / shards_lib.MANIFEST_NAME).chat or shards_lib.ChatRecord()
+  by_role = described.trained_tokens_by_role
   return dataclasses.replace(
       encode.summarize(output, manifest, resumed=resumed, seconds=seconds, text_bytes=text_bytes,
-                       bad_lines=int(described.get("skipped_conversations", 0))),
-      trained_by_role=described.get("trained_tokens_by_role"))
+                       bad_lines=described.skipped_conversations or 0),
+      trained_by_role=None if by_role is None else dict(by_role))
 
 
 def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, train_on: str,

@@ -35,6 +35,7 @@ import tqdm
 
 from segpack import shards as shards_lib
 from segpack.shards.format import OFFSET_DTYPE, load_manifest, read_manifest
+from segpack.shards.record import stored_metadata
 from segpack.text import input_ranges, tokenizer_spec
 from segpack.text.inputs import InputFormatError
 
@@ -306,7 +307,7 @@ def write_dataset(
   finished = finished_dataset(output, resume_key, overwrite=overwrite)
   if finished is not None:
     return finished, len(finished["shards"]), 0
-  metadata = dict(metadata or {}, tokenizer=tokenizer.describe())
+  metadata = stored_metadata(metadata, where=manifest_path, tokenizer=tokenizer.describe())
   writer = shards_lib.ShardWriter(
       output, vocab_size=tokenizer.vocab_size, tokenizer_fingerprint=tokenizer.fingerprint,
       shard_tokens=shard_tokens, metadata=metadata, resume_key=resume_key)

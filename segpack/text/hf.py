@@ -219,7 +219,8 @@ class HfTokenizer:
     return None
 
   def describe(self) -> dict[str, Any]:
-    """JSON-ready description (stored as the shard manifest's `metadata["tokenizer"]`)."""
+    """JSON-ready description (the shard manifest's `metadata.tokenizer`, read back as a
+    `segpack.shards.record.TokenizerRecord`)."""
     return {"type": "hf", "model_file": self.model_file.name,
             "config_file": None if self.config_file is None else self.config_file.name,
             "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,

@@ -131,7 +131,8 @@ class SpmTokenizer:
     return self._user_defined.get(piece)
 
   def describe(self) -> dict[str, Any]:
-    """JSON-ready description (stored as the shard manifest's `metadata["tokenizer"]`)."""
+    """JSON-ready description (the shard manifest's `metadata.tokenizer`, read back as a
+    `segpack.shards.record.TokenizerRecord`)."""
     return {"type": "sentencepiece", "model_file": self.model_file.name,
             "fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
             "pad_id": self.pad_id, "unk_id": self.unk_id, "bos_id": self.bos_id,

@@ -57,7 +57,7 @@ class Tokenizer(Protocol):
     ...
 
   def describe(self) -> dict[str, Any]:
-    """JSON-ready description for the manifest's `metadata["tokenizer"]`: `type`, `model_file`,
+    """JSON-ready description for the manifest's `metadata.tokenizer`: `type`, `model_file`,
     `fingerprint`, `vocab_size`, `pad_id`, `unk_id`, `bos_id`, `eos_id`."""
     ...
 

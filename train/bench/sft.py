@@ -56,8 +56,8 @@ class SubsetSource:
     self.lengths = np.asarray(source.lengths[:self._n])
     self.has_loss_mask = source.has_loss_mask
     self.vocab_size = source.vocab_size
-    self.bos_id = source.manifest["metadata"]["tokenizer"]["bos_id"]
-    self.eos_id = source.manifest["metadata"]["tokenizer"]["eos_id"]
+    self.bos_id = source.record.special_id("bos_id")
+    self.eos_id = source.record.special_id("eos_id")
 
   def __len__(self) -> int:
     return self._n
