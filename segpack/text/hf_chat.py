@@ -29,15 +29,18 @@ from segpack import files
 from segpack import shards
 from segpack.errors import ArgumentError, UserError
 from segpack.shards.format import read_manifest
+from segpack.shards.record import DatasetRecord, TokenizerRecord
 from segpack.text import chat
 from segpack.text import chat_layout
 from segpack.text import hf
 from segpack.text import tokenizer_spec
 from segpack.text.chat import ChatFormatError
 
-__all__ = ["COPY_NAMES", "DatasetRendererError", "HfChatTemplate", "for_dataset",
-           "template_file", "validate_hf_messages"]
+__all__ = ["COPY_NAMES", "DatasetRendererError", "HfChatTemplate", "TEMPLATE_FILES", "for_dataset",
+           "has_template", "template_file", "validate_hf_messages"]
 
+# The files of a tokenizer directory that hold only a chat template (`template_file`).
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # The tokenizer and template files a dataset keeps copies of (those present in the source).
 COPY_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -67,19 +70,35 @@ def _sha256(path: Path) -> str:
   return "sha256:" + files.sha256_file(path)
 
 
-def template_file(directory: str | Path) -> Path | None:
-  """The file holding the chat template transformers reads from `directory` (its own file
-  first, as transformers prefers it), or None when there is none."""
-  directory = Path(directory)
-  for name in ("chat_template.jinja", "chat_template.json"):
-    if (directory / name).is_file():
-      return directory / name
-  config = directory / hf.CONFIG_NAME
+def _json_template(path: Path, key: str = "chat_template") -> Any:
+  """The `key` of the JSON object in `path` (None when unreadable, not an object or absent)."""
   try:
-    found = json.loads(config.read_text("utf-8")).get("chat_template")
-  except (OSError, ValueError, AttributeError):
+    found = json.loads(path.read_text("utf-8"))
+  except (OSError, ValueError):
     return None
-  return config if found else None
+  return found.get(key) if isinstance(found, dict) else None
+
+
+def template_file(directory: str | Path) -> Path | None:
+  """The file holding the chat template of the tokenizer directory `directory`, or None when
+  there is none: the one rule of "this directory holds a chat template".
+
+  In order: `chat_template.jinja` (transformers' own file, which it prefers),
+  `chat_template.json` (`{"chat_template": "..."}`, as transformers saves a processor's),
+  `tokenizer_config.json` holding a `chat_template`.
+  """
+  jinja, in_json = (Path(directory) / name for name in TEMPLATE_FILES)
+  if jinja.is_file():
+    return jinja
+  for path in (in_json, Path(directory) / hf.CONFIG_NAME):
+    if _json_template(path):
+      return path
+  return None
+
+
+def has_template(directory: str | Path) -> bool:
+  """Whether the tokenizer directory `directory` holds a chat template (`template_file`)."""
+  return template_file(directory) is not None
 
 
 def validate_hf_messages(messages: Any, *, where: str, train_on: str = "assistant",
@@ -173,8 +192,8 @@ class HfChatTemplate:
     self.directory = Path(directory)
     source = template_file(self.directory)
     if source is None:
-      raise ArgumentError(f"{self.directory}: no chat template (chat_template.jinja, or "
-                       f"chat_template in {hf.CONFIG_NAME})")
+      raise ArgumentError(f"{self.directory}: no chat template (chat_template.jinja, "
+                          f"chat_template.json, or chat_template in {hf.CONFIG_NAME})")
     transformers, self._utils = _transformers()
     try:
       self._hf = transformers.AutoTokenizer.from_pretrained(str(self.directory),
@@ -182,6 +201,8 @@ class HfChatTemplate:
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ArgumentError(f"{self.directory}: transformers cannot load the tokenizer: "
                        f"{' '.join(str(e).split())}") from e
+    if source.name == TEMPLATE_FILES[1]:  # transformers reads it for processors, not tokenizers
+      self._hf.chat_template = _json_template(source)
     self.tokenizer = hf.HfTokenizer(self.directory)
     self.train_on = train_on
     self.template = self._hf.get_chat_template()
@@ -358,14 +379,15 @@ def _check_copies(directory: Path, recorded: Mapping[str, str]) -> None:
                                  f"{want}); re-tokenize the dataset with --overwrite")
 
 
-def _dataset_tokenizer(directory: Path, described: Any) -> tokenizer_spec.Tokenizer:
+def _dataset_tokenizer(directory: Path,
+                       described: TokenizerRecord | None) -> tokenizer_spec.Tokenizer:
   """The tokenizer a segpack-template chat dataset names (in it, or beside it for the built-in
   chat corpus), checked against the manifest's fingerprint."""
-  described = described if isinstance(described, dict) else {}
-  kind, name = _KINDS.get(described.get("type")), described.get("model_file")
-  if kind is None or not isinstance(name, str):
+  described = described or TokenizerRecord()
+  kind, name = _KINDS.get(described.type), described.model_file
+  if kind is None or name is None:
     raise DatasetRendererError(f"{directory / shards.MANIFEST_NAME}: metadata.tokenizer names no "
-                               f"tokenizer file (type {described.get('type')!r}, model_file "
+                               f"tokenizer file (type {described.type!r}, model_file "
                                f"{name!r})")
   path = next((p for p in (directory / name, directory.parent / name) if p.is_file()),
               directory / name)
@@ -373,9 +395,9 @@ def _dataset_tokenizer(directory: Path, described: Any) -> tokenizer_spec.Tokeni
     tokenizer = tokenizer_spec.from_spec(f"{kind}:{path.resolve()}")
   except (OSError, ValueError) as e:
     raise DatasetRendererError(f"{path}: the dataset's tokenizer cannot be loaded: {e}") from e
-  if described.get("fingerprint") not in (None, tokenizer.fingerprint):
+  if described.fingerprint not in (None, tokenizer.fingerprint):
     raise DatasetRendererError(f"{path}: damaged or replaced (fingerprint {tokenizer.fingerprint};"
-                               f" the manifest records {described['fingerprint']})")
+                               f" the manifest records {described.fingerprint})")
   return tokenizer
 
 
@@ -394,29 +416,28 @@ def for_dataset(dataset_dir: str | Path) -> chat.ChatEncoder | HfChatTemplate | 
   directory = Path(dataset_dir)
   path = directory / shards.MANIFEST_NAME
   try:
-    manifest = read_manifest(path)
+    record = DatasetRecord.from_manifest(read_manifest(path), where=path)
   except shards.ShardFormatError as e:
     raise DatasetRendererError(str(e)) from e
-  metadata = manifest.get("metadata") if isinstance(manifest, dict) else None
-  described = metadata.get("chat") if isinstance(metadata, dict) else None
-  if not isinstance(described, dict) or not described:
+  described = record.chat
+  if described is None or not described.to_dict():
     return None
-  train_on = described.get("train_on", "assistant")
-  if described.get("renderer") == "hf":
-    _check_copies(directory, described.get("files") or {})
+  train_on = described.train_on or "assistant"
+  if described.own_template:
+    _check_copies(directory, described.files or {})
     try:
       renderer = HfChatTemplate(directory, train_on=train_on)
     except (OSError, ValueError) as e:
       raise DatasetRendererError(f"{directory}: its chat template cannot be loaded: {e}") from e
-    recorded = described.get("template_text_sha256")
+    recorded = described.template_text_sha256
     if recorded is not None and renderer.describe()["template_text_sha256"] != recorded:
       raise DatasetRendererError(f"{directory / renderer.template_file}: its chat template is not "
                                  f"the one the dataset was rendered with ({recorded})")
     return renderer
   try:
-    template = chat.ChatTemplate(**described.get("template", {}))
+    template = chat.ChatTemplate(**(described.template or {}))
   except (TypeError, ValueError) as e:
     raise DatasetRendererError(f"{path}: metadata.chat.template is not a chat template: "
                                f"{e}") from e
-  tokenizer = _dataset_tokenizer(directory, metadata.get("tokenizer"))
+  tokenizer = _dataset_tokenizer(directory, record.tokenizer)
   return chat.ChatEncoder(tokenizer, template=template, train_on=train_on)

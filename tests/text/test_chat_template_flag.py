@@ -29,6 +29,7 @@ from segpack.text import hf  # noqa: E402
 from segpack.text import hf_chat  # noqa: E402
 from segpack.text.inputs import InputFormatError  # noqa: E402
 from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from support import hf_models  # noqa: E402
 
 OWN = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }} {{ m['content'] }} "
@@ -118,7 +119,8 @@ def test_segpack_renders_with_segpacks_template_though_the_tokenizer_has_its_own
   assert isinstance(hf_chat.for_dataset(out), chat.ChatEncoder)
   config = packed.get_config("smoke")
   config.data.train = str(out)
-  assert hf_export_tokenizer.run_chat_template(config) == chat.DEFAULT_TEMPLATE
+  renderer = run_tokenizer.chat_renderer(config, str(tmp_path), stage=False)
+  assert hf_export_tokenizer.exported_template(renderer) == chat.DEFAULT_TEMPLATE
 
 
 @pytest.mark.parametrize("choice", ["auto", "own"])

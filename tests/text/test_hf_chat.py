@@ -35,6 +35,7 @@ from segpack.text import spm  # noqa: E402
 from segpack.text.chat import ChatFormatError  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from support import data_configs  # noqa: E402
 
 LLAMA31 = """{{- bos_token }}
@@ -609,7 +610,9 @@ def test_export_keeps_the_tokenizers_own_template(base_tokenizer, tmp_path):
                          tokenizer=f"hf:{source}", input_format="chat")
   config = packed.get_config("smoke")
   config.data.train = str(out)
-  template = hf_export_tokenizer.run_chat_template(config)
+  renderer = run_tokenizer.chat_renderer(config, str(tmp_path), stage=False)
+  assert isinstance(renderer, hf_chat.HfChatTemplate)
+  template = hf_export_tokenizer.exported_template(renderer)
   assert template is None  # nothing of segpack's to write over the model's own
   (tmp_path / "exported").mkdir()
   names, _ = hf_export_tokenizer.write_tokenizer(tmp_path / "exported", config, source=None,

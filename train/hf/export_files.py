@@ -194,10 +194,11 @@ def write_files(directory: str, config: Any, workdir: str, *,
   Returns:
     `(tokenizer file names, whether a chat template was written)`.
   """
+  renderer = run_tokenizer.chat_renderer(config, workdir, stage=False)  # never a download
   out = Path(directory)
   source = Path(workdir) / hf_init.SOURCE_DIR
   source = source if (source / "config.json").is_file() else None
-  template = tokenizer_lib.run_chat_template(config)
+  template = tokenizer_lib.exported_template(renderer)
   names, ids = tokenizer_lib.write_tokenizer(out, config, source=source, template=template)
   base = tokenizer_lib._read_json(source / "config.json") if source is not None else None
   try:
@@ -206,7 +207,6 @@ def write_files(directory: str, config: Any, workdir: str, *,
   except hf_config.HfModelError as e:
     raise ExportError(str(e)) from e
   tokenizer_lib.write_json(str(out / "config.json"), hf)
-  renderer = run_tokenizer.data_chat_renderer(config, stage=False)  # never a download
   write_generation_config(out, source=source, ids=ids,
                           stop_ids=() if renderer is None else renderer.stop_ids)
   return names, template is not None

@@ -17,9 +17,10 @@ Algorithm of `write_tokenizer`:
      config.json and generation_config.json (never a tokenizer default).
   2. Else the run's SentencePiece model: `tokenizer.model`, the converted `tokenizer.json`,
      `tokenizer_config.json`; the ids are the SentencePiece model's.
-  3. The chat template the data was rendered with (`run_chat_template`), when the data is chat:
-     into `tokenizer_config.json` and `chat_template.jinja`; data rendered with the tokenizer's
-     own template (`segpack.text.hf_chat`) keeps that template's files as they are.
+  3. The run's chat template (`train.runs.tokenizer.chat_renderer`, as `train.sample --chat`
+     reads it), when it has one: segpack's (`exported_template`) into `tokenizer_config.json`
+     and `chat_template.jinja`; the tokenizer's own (data rendered by `segpack.text.hf_chat`, or
+     an imported model's) keeps that template's files as they are.
 
 Chat template: `chat_template_jinja` renders a conversation exactly as
 `segpack.text.chat.ChatTemplate.render` does, after the BOS the pipeline puts first.
@@ -41,10 +42,7 @@ from typing import Any
 import sentencepiece
 
 from segpack import files
-from segpack import shards
-from segpack.data.mixture import Mixture
 from segpack.errors import UserError
-from segpack.shards.format import read_manifest
 from segpack.text import chat
 from segpack.text import hf as hf_tokenizer
 from segpack.text import hf_chat
@@ -56,8 +54,6 @@ from train.runs.errors import NoTokenizerError
 from train.runs import tokenizer as run_tokenizer
 
 _LOG = logging.getLogger(__name__)
-# `run_chat_template`'s name of a dataset rendered with the tokenizer's own chat template.
-_OWN_TEMPLATE = "the tokenizer's own chat template"
 # Texts on which a converted SentencePiece tokenizer must give SentencePiece's own ids.
 PROBE_TEXTS = ("Hello world", " leading space", "two  spaces and\ta tab", "line\nbreak\n\n  x",
                "trailing ", "def f(x):\n    return x + 1\n", "ｆｕｌｌｗｉｄｔｈ ﬁ ①",
@@ -175,34 +171,11 @@ def _read_json(path: Path) -> dict[str, Any]:
   return value
 
 
-def run_chat_template(config: Any) -> Any:
-  """The `segpack.text.chat.ChatTemplate` the run's data was rendered with, None for plain text:
-  the template a chat dataset's manifest records (`metadata.chat.template`; every chat source of
-  a mixture must agree), or the default one for `data.source="builtin_chat"`."""
-  train = config.data.get("train")
-  if not train:
-    return chat.DEFAULT_TEMPLATE if config.data.source == "builtin_chat" else None
-  templates = set()
-  for source in Mixture.parse(str(train), tokens_per_epoch=None).sources:
-    path = str(source.source)
-    if "://" in path:
-      _LOG.warning("data.train source %s is a URL: its manifest is not read, so a chat template "
-                   "it records is not exported", path)
-      continue
-    try:
-      manifest = read_manifest(Path(path) / shards.MANIFEST_NAME)
-    except shards.ShardFormatError as e:
-      raise ExportError(f"data.train={train!r}: {e}") from e
-    recorded = (manifest.get("metadata") or {}).get("chat") or {}
-    if recorded.get("renderer") == "hf":  # the tokenizer's own template: its files are kept
-      templates.add(_OWN_TEMPLATE)
-    elif recorded.get("template"):
-      templates.add(chat.ChatTemplate(**recorded["template"]))
-  if len(templates) > 1:
-    raise ExportError(f"data.train={train!r}: its chat sources were rendered with different "
-                      f"templates ({sorted(map(repr, templates))}); a model has one")
-  found = templates.pop() if templates else None
-  return None if found == _OWN_TEMPLATE else found
+def exported_template(renderer: Any) -> chat.ChatTemplate | None:
+  """The template export writes as Jinja for the run's chat renderer (`train.runs.tokenizer.
+  chat_renderer`): segpack's `ChatTemplate`; None for plain text and for a tokenizer's own
+  template, whose files are copied as they are."""
+  return renderer.template if isinstance(renderer, chat.ChatEncoder) else None
 
 
 def _special_ids(source: Path) -> dict[str, Any]:
@@ -235,7 +208,7 @@ def _copy_tokenizer(directory: Path, names: Sequence[tuple[Path, str]],
   by `jinja` when there is one."""
   written = []
   for path, name in names:
-    if jinja is not None and name in ("chat_template.jinja", "chat_template.json"):
+    if jinja is not None and name in hf_chat.TEMPLATE_FILES:
       continue
     shutil.copyfile(path, directory / name)
     written.append(name)
@@ -261,7 +234,7 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
   try:
     tokenizer = run_tokenizer.tokenizer_for_run(config)
   except NoTokenizerError:
-    if config.data.get("train"):  # a dataset whose manifest names no tokenizer file
+    if config.data.train:  # a dataset whose manifest names no tokenizer file
       raise
     _LOG.warning("data.source=%r has no tokenizer: no tokenizer files are written",
                  config.data.source)

@@ -1,18 +1,23 @@
-"""The tokenizer (and chat renderer) of a run, found from its saved config.
+"""The tokenizer and chat template of a run, found from its saved config.
 
 `data.train` may be one dataset, a mixture (`name=path:weight,...`, the rule of
 `segpack.data.mixture.parse_data`) or a URL (read from its staged local copy, as the trainer
-read it); the tokenizer is the copy inside the dataset that its manifest names, checked against
-the manifest's fingerprint. The built-in corpora's tokenizers come from the cache.
+read it); the tokenizer is the copy inside the dataset that its manifest's record names
+(`segpack.shards.record.DatasetRecord`), checked against the record's fingerprint. The built-in
+corpora's tokenizers come from the cache.
+
+`chat_renderer` is the one answer to "which chat template does this run's model speak", for
+`train.sample --chat` and `train.hf.export` alike: the template its chat data was rendered with
+(every chat source of a mixture must have been rendered alike), else an imported model's own.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from segpack import remote_files
 from segpack import shards
@@ -20,6 +25,7 @@ from segpack.data.mixture import parse_data
 from segpack.data.options import PipelineConfigError
 from segpack.shards import staging
 from segpack.shards.format import read_manifest
+from segpack.shards.record import ChatRecord, DatasetRecord, TokenizerRecord
 from segpack.text import chat
 from segpack.text import chat_corpus
 from segpack.text import corpus
@@ -33,25 +39,31 @@ from train.runs.errors import NoTokenizerError, RunError
 MANIFEST_TOKENIZER_KINDS = {"sentencepiece": "spm", "hf": "hf"}
 
 
+def _dataset_record(dataset_dir: str) -> DatasetRecord:
+  """The record of a `segpack tokenize` dataset's manifest (its tokenizer, its chat template)."""
+  path = os.path.join(dataset_dir, shards.MANIFEST_NAME)
+  try:
+    return DatasetRecord.from_manifest(read_manifest(path), where=path)
+  except (OSError, ValueError) as e:
+    raise RunError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
+
+
 def _dataset_tokenizer(dataset_dir: str) -> tokenizer_spec.Tokenizer:
   """The tokenizer recorded in a `segpack tokenize` dataset's manifest (`metadata.tokenizer`)."""
   path = os.path.join(dataset_dir, shards.MANIFEST_NAME)
-  try:
-    described = read_manifest(path).get("metadata", {}).get("tokenizer") or {}
-  except (OSError, ValueError, AttributeError) as e:
-    raise RunError(f"data.train={dataset_dir!r}: cannot read {path}: {e}") from e
-  kind = MANIFEST_TOKENIZER_KINDS.get(described.get("type"))
-  if kind is None or not described.get("model_file"):
+  described = _dataset_record(dataset_dir).tokenizer or TokenizerRecord()
+  kind = MANIFEST_TOKENIZER_KINDS.get(described.type)
+  if kind is None or not described.model_file:
     raise NoTokenizerError(
         f"data.train={dataset_dir!r}: {path} names no tokenizer this can load (metadata."
-        f"tokenizer type {described.get('type')!r}, model_file {described.get('model_file')!r};"
+        f"tokenizer type {described.type!r}, model_file {described.model_file!r};"
         f" types: {sorted(MANIFEST_TOKENIZER_KINDS)})")
-  model_file = os.path.abspath(os.path.join(dataset_dir, described["model_file"]))
+  model_file = os.path.abspath(os.path.join(dataset_dir, described.model_file))
   try:
     tokenizer = tokenizer_spec.from_spec(f"{kind}:{model_file}")
   except (OSError, ValueError, ImportError) as e:
     raise RunError(f"data.train={dataset_dir!r}: its tokenizer {model_file}: {e}") from e
-  want = described.get("fingerprint")
+  want = described.fingerprint
   if want is not None and tokenizer.fingerprint != want:
     raise RunError(
         f"data.train={dataset_dir!r}: its tokenizer {model_file} is not the one the dataset was "
@@ -69,6 +81,8 @@ def _local_copy(path: str, *, cache_dir: str | None, stage: bool = True) -> str 
   if (folder / shards.MANIFEST_NAME).is_file():
     return str(folder)
   if not stage:
+    logging.warning("data.train source %s is a URL not staged on this machine: its manifest is "
+                    "not read (a chat template it records is left out)", path)
     return None
   try:
     return str(staging.stage_dataset(url=path, cache_dir=cache_dir, progress=False).path)
@@ -81,7 +95,7 @@ def dataset_dirs(config: ml_collections.ConfigDict, *, stage: bool = True) -> li
   """The local directories of `data.train`: one dataset, every source of a mixture (the rule of
   `segpack.data.mixture.parse_data`), URLs as their staged copies (staged now if gone, unless
   `stage` is False: such a URL is then left out); [] without `data.train`."""
-  spec = config.data.get("train")  # absent from older configs
+  spec = config.data.train
   if not spec:
     return []
   try:
@@ -129,10 +143,9 @@ def special_ids(config: ml_collections.ConfigDict,
   """`(bos_id, eos_id)` as the run's documents carried them (None where `data.add_bos` /
   `data.add_eos` is off or the tokenizer has none)."""
   dirs = dataset_dirs(config)
-  if tokenizer is None and dirs:  # a dataset without a tokenizer file: its manifest's ids
-    described = read_manifest(os.path.join(dirs[0], shards.MANIFEST_NAME)).get("metadata", {})
-    bos, eos = (described.get("tokenizer") or {}).get("bos_id"), (
-        described.get("tokenizer") or {}).get("eos_id")
+  if tokenizer is None and dirs:  # a dataset without a tokenizer file: its record's ids
+    record = _dataset_record(dirs[0])
+    bos, eos = record.special_id("bos_id"), record.special_id("eos_id")
   elif tokenizer is None:
     bos, eos = data_lib.SYNTHETIC_BOS, data_lib.SYNTHETIC_EOS
   else:
@@ -142,43 +155,74 @@ def special_ids(config: ml_collections.ConfigDict,
   return bos, eos
 
 
-def has_template(directory: str) -> bool:
-  """Whether a Hugging Face directory holds a chat template (its own file or in the config)."""
-  if os.path.isfile(os.path.join(directory, "chat_template.jinja")):
-    return True
+def _chat_part(record: DatasetRecord) -> ChatRecord | None:
+  """The record's chat rendering; None for plain text (no `metadata.chat`, or an empty one)."""
+  return record.chat if record.chat is not None and record.chat.to_dict() else None
+
+
+def _rendered(described: ChatRecord) -> str:
+  """How a dataset was rendered, in a few words (`_dataset_chat_renderer`'s refusal)."""
+  if described.own_template:
+    return (f"its tokenizer's own template {described.template_file} "
+            f"({described.template_text_sha256 or described.template_sha256})")
+  fields = dict(described.template or {})
   try:
-    with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
-      return bool(json.load(f).get("chat_template"))
-  except (OSError, ValueError, AttributeError):
-    return False
+    default = chat.ChatTemplate(**fields) == chat.DEFAULT_TEMPLATE
+  except (TypeError, ValueError):  # not a template: named by its fields
+    default = False
+  return "segpack's template" if default else f"segpack's template {fields}"
 
 
-def data_chat_renderer(config: ml_collections.ConfigDict, *, stage: bool = True) -> Any:
-  """The chat template the run's data was rendered with, None for plain-text data: a chat
-  dataset's (`segpack.text.hf_chat.for_dataset`; the first chat source of a mixture), or the
-  built-in chat corpus's (`segpack.text.chat.ChatEncoder`). It has `prompt_ids` and `stop_ids`.
-  `stage=False` reads only local copies (a URL dataset not staged here is not fetched)."""
-  if config.data.get("train"):
-    for directory in dataset_dirs(config, stage=stage):
-      try:
-        renderer = hf_chat.for_dataset(directory)
-      except ValueError as e:
-        raise RunError(f"data.train={config.data.train!r}: {e}") from e
-      if renderer is not None:
-        return renderer
+def _dataset_chat_renderer(config: ml_collections.ConfigDict, dirs: list[str]) -> Any:
+  """The renderer of the chat sources among `dirs` (None: none is chat); every one must have
+  been rendered alike (`ChatRecord.rendering`: the same template, whatever its `train_on`)."""
+  chats = [(d, found) for d in dirs if (found := _chat_part(_dataset_record(d))) is not None]
+  if not chats:
     return None
-  if config.data.source == "builtin_chat":
-    return chat.ChatEncoder(tokenizer_for_run(config))
-  return None
+  if len({described.rendering for _, described in chats}) > 1:
+    each = "; ".join(f"{d}: {_rendered(described)}" for d, described in chats)
+    raise RunError(f"data.train={config.data.train!r}: its chat sources were rendered with "
+                   f"different chat templates ({each}); a model speaks one")
+  try:
+    return hf_chat.for_dataset(chats[0][0])
+  except ValueError as e:
+    raise RunError(f"data.train={config.data.train!r}: {e}") from e
 
 
-def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
-  """The run's chat template: its data's (`data_chat_renderer`), else an imported model's own
-  template (kept in the run's `hf_source`); None when there is neither."""
-  renderer = data_chat_renderer(config)
+def chat_renderer(config: ml_collections.ConfigDict, workdir: str, *,
+                  stage: bool = True) -> Any:
+  """The run's chat template, for sampling (`train.sample --chat`) and export alike; None when
+  it has none.
+
+  In order: the template its data was rendered with, a chat dataset's
+  (`segpack.text.hf_chat.for_dataset`: segpack's template, or the tokenizer's own) or the
+  built-in chat corpus's (`segpack.text.chat.ChatEncoder`); else an imported model's own
+  template (`WORKDIR/hf_source` holding one, `segpack.text.hf_chat.has_template`). The result
+  has `prompt_ids` and `stop_ids`.
+
+  Args:
+    config: the run's saved config.
+    workdir: the run's directory (its `hf_source`).
+    stage: False reads only local copies: a URL dataset not staged here is left out, not
+      fetched (export).
+
+  Raises:
+    RunError: the chat sources of a mixture were rendered with different templates (naming
+      `data.train` and each source's), or a dataset's renderer cannot be loaded.
+  """
+  if config.data.train:
+    renderer = _dataset_chat_renderer(config, dataset_dirs(config, stage=stage))
+  elif config.data.source == "builtin_chat":
+    renderer = chat.ChatEncoder(tokenizer_for_run(config))
+  else:
+    renderer = None
   if renderer is not None:
     return renderer
   source = os.path.join(workdir, hf_init.SOURCE_DIR)  # an imported model's own files
-  if config.model.get("init_from") and has_template(source):
+  if not config.model.init_from or not hf_chat.has_template(source):
+    return None
+  try:
     return hf_chat.HfChatTemplate(source)
-  return None
+  except (OSError, ValueError) as e:
+    raise RunError(f"{source}: the imported model's chat template cannot be loaded: "
+                   f"{' '.join(str(e).split())}") from e

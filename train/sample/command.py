@@ -82,7 +82,7 @@ def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
   if renderer is None:
     raise SampleError("--chat needs a run on chat data (data.source='builtin_chat', a dataset "
                       "tokenized with --format chat) or an imported model with a chat template; "
-                      f"this run's data is {config.data.get('train') or config.data.source!r}")
+                      f"this run's data is {config.data.train or config.data.source!r}")
   return renderer
 
 

@@ -319,8 +319,10 @@ def test_builtin_chat_template_equals_the_chat_encoder(tmp_path):
   import transformers
   config = packed.get_config("smoke")
   config.data.source = "builtin_chat"
+  template = hf_export_tokenizer.exported_template(
+      run_tokenizer.chat_renderer(config, str(tmp_path), stage=False))
   names, ids = hf_export_tokenizer.write_tokenizer(tmp_path, config, source=None,
-                                         template=hf_export_tokenizer.run_chat_template(config))
+                                                   template=template)
   assert "chat_template.jinja" in names and ids == dict(bos_token_id=2, eos_token_id=3,
                                                         pad_token_id=0)
   tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
