@@ -17,8 +17,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from configs import packed as declared_configs
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
+from train.checkpoint import flatten
 from train.runs.errors import RunError
 
 
@@ -73,13 +75,38 @@ def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
 
 
+def missing_keys(saved: dict[str, Any]) -> list[str]:
+  """The dotted keys every config declares (`configs.packed.base_config`) that the saved config
+  `saved` lacks. A key is there when `saved` holds it, a group under it, or a value in place of
+  the group holding it."""
+  have = flatten(saved)
+
+  def there(key: str) -> bool:
+    parts = key.split(".")
+    return (any(".".join(parts[:i]) in have for i in range(1, len(parts) + 1))
+            or any(k.startswith(key + ".") for k in have))
+
+  return [k for k in flatten(declared_configs.base_config().to_dict()) if not there(k)]
+
+
 def run_config(workdir: str, *,
                checkpoint: Checkpoint | None = None) -> tuple[ml_collections.ConfigDict, int]:
   """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
-  step. Raises RunError when `workdir` has no intact checkpoint."""
+  step. A saved config is complete or refused: its keys are read as they are, never defaulted.
+
+  Raises:
+    RunError: `workdir` has no intact checkpoint, or its config lacks a key every config
+      declares (naming the checkpoint and the keys).
+  """
   checkpoint = checkpoint or choose_checkpoint(workdir)
   meta = restore_item(checkpoint, "restore",
                   args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  missing = missing_keys(meta["config"])
+  if missing:
+    raise RunError(f"{checkpoint.directory}/{checkpoint.step}: the run's saved config has no "
+                   f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''} "
+                   f"({len(missing)} of the keys every config declares); a run is read back "
+                   f"from a complete config only")
   return ml_collections.ConfigDict(meta["config"]), checkpoint.step
 
 
@@ -91,9 +118,10 @@ def sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   return copy
 
 
-def saved_vocab_size(state_metadata: Any, *, where: str) -> int:
-  """Rows of the checkpoint's embedding table: the vocabulary the run trained with."""
-  node = state_metadata["params"]["embed"]["embedding"]
+def saved_vocab_size(state_tree: Any, *, where: str) -> int:
+  """Rows of the checkpoint's embedding table (in `state_tree`, orbax's tree of the saved state's
+  shapes): the vocabulary the run trained with."""
+  node = state_tree["params"]["embed"]["embedding"]
   if isinstance(node, dict) or hasattr(node, "keys"):
     node = node["value"]
   if len(getattr(node, "shape", ())) != 2:
