@@ -6,6 +6,20 @@ echoes the value. Each project error class derives from it and from the builtin 
 (`ValueError`, `TypeError`, `OSError`), so `except ValueError` keeps working; a bare argument
 check raises `ArgumentError` / `ArgumentTypeError`. Everything else is a bug.
 
+A message names what its caller wrote:
+
+- A library function names its own arguments as Python spells them, with the value as
+  `name=value` where it echoes one: `workers must be a positive int, got 0`,
+  `chat_template='own'`. It never names a command-line flag alone.
+- Where a command hands a flag straight to a library argument (`segpack tokenize` runs
+  `segpack.text.dataset.tokenize_files`, one flag per argument), the library's message names
+  both, the flag in parentheses after the argument: `workers (--workers) must be a positive
+  int, got 0`, `chat_template='own' (--chat-template)`, `pass overwrite=True (--overwrite)`. One
+  element of a list argument is named by its value, then the argument and the flag:
+  `input 'a.txt' (inputs, --input)`.
+- The command prints the library's message as it is (no re-wording, no mapping of names); the
+  command's own checks (`segpack/cli`, argparse) name its flags only.
+
 `command(prog)` wraps a command-line `main`:
 
 - A `UserError`, or an `OSError` (the operating system names the file), ends with one line on

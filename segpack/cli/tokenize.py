@@ -26,6 +26,7 @@ from segpack import errors
 from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
 from segpack.text.beam_remote import tokenize_remote
 from segpack.text.dataset import CHAT_TEMPLATES
+from segpack.text.dataset import refuse_chat_template
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
 from segpack.text.remote_inputs import remote_flags
@@ -94,10 +95,8 @@ def _tokenize_urls(args: argparse.Namespace) -> list | None:
   docs/ingest.md; the local runner refuses URLs in one line); else None."""
   if not remote_flags(paths=[*args.input, args.output, args.spm_model, args.tokenizer]):
     return None
-  if args.chat_template != "auto":
-    raise errors.UsageError(f"--chat-template {args.chat_template!r} applies to chat data only "
-                            f"(--format chat); a run with a path at a URL tokenizes plain text "
-                            f"(--runner beam)")
+  refuse_chat_template(args.chat_template, why="a run with a path at a URL tokenizes plain "
+                                                "text, runner='beam' (--runner)")
   return [tokenize_remote(
       args.input, args.output, runner=args.runner, spm_model=args.spm_model,
       tokenizer=args.tokenizer, vocab_size=args.vocab_size, doc_separator=args.doc_separator,

@@ -53,7 +53,7 @@ def hf_disk_files(spec: str) -> list[Path]:
   `hf-disk:PATH/SPLIT`.
   """
   root = Path(spec[len(HF_DISK_PREFIX):] if spec.startswith(HF_DISK_PREFIX) else spec)
-  arg = f"--input {HF_DISK_PREFIX}{root}"
+  arg = f"input {HF_DISK_PREFIX}{root} (inputs, --input)"
   if not root.is_dir():
     raise InputFormatError(f"{arg}: no such directory")
   if (root / "dataset_dict.json").is_file():
@@ -101,7 +101,7 @@ def _column_values(pa, column, first_row: int, batch_rows: int) -> Iterator[tupl
 def _check_column(path: Path, names: list[str], text_field: str) -> int:
   if text_field not in names:
     raise InputFormatError(f"{path}: no column {text_field!r} (found: {sorted(names)[:20]}); "
-                           f"pass --text-field")
+                           f"pass text_field (--text-field)")
   return names.index(text_field)
 
 

@@ -90,24 +90,24 @@ def finished_manifest(output: str, resume_key: str, overwrite: bool) -> dict[str
   manifest_path = remote_files.join(output, shards_lib.MANIFEST_NAME)
   if overwrite or not remote_files.exists(manifest_path):
     return None
-  where = f"--output {output!r}"
+  where = f"output={output!r} (--output)"
   with tempfile.TemporaryDirectory(prefix="segpack-manifest-") as tmp:
     local = Path(tmp) / shards_lib.MANIFEST_NAME  # Errors name the URL, not this copy.
     try:
       old = _copy_manifest(manifest_path, local)
     except shards_lib.ShardFormatError as e:
       raise InputFormatError(f"{where}: the manifest is unreadable: "
-                             f"{str(e).replace(str(local), manifest_path)}; pass --overwrite to "
-                             f"rebuild the dataset") from e
+                             f"{str(e).replace(str(local), manifest_path)}; pass overwrite=True "
+                             f"(--overwrite) to rebuild the dataset") from e
     if not isinstance(old, dict) or old.get("resume_key") != resume_key:
       raise InputFormatError(f"{where} already holds a dataset made from other inputs or "
-                             f"settings; pass --overwrite to replace it")
+                             f"settings; pass overwrite=True (--overwrite) to replace it")
     try:
       manifest = load_manifest(Path(tmp))
     except shards_lib.ShardFormatError as e:
       raise InputFormatError(f"{where} holds a finished dataset that is damaged: "
-                             f"{str(e).replace(str(local), manifest_path)}; pass --overwrite to "
-                             f"rebuild it") from e
+                             f"{str(e).replace(str(local), manifest_path)}; pass overwrite=True "
+                             f"(--overwrite) to rebuild it") from e
   itemsize = np.dtype(manifest["dtype"]).itemsize
   listed = {_name(p): size for p, size in remote_files.list_files(output).items()}
   bad = []
@@ -121,7 +121,7 @@ def finished_manifest(output: str, resume_key: str, overwrite: bool) -> dict[str
         bad.append(f"{name} ({listed[name]} bytes, expected {size})")
   if bad:
     raise InputFormatError(f"{where} holds a finished dataset with missing or damaged files: "
-                           f"{', '.join(bad)}; pass --overwrite to rebuild it")
+                           f"{', '.join(bad)}; pass overwrite=True (--overwrite) to rebuild it")
   return manifest
 
 
@@ -157,7 +157,7 @@ def pipeline_options(beam_options: str):
   try:
     flags = shlex.split(beam_options)
   except ValueError as e:
-    raise InputFormatError(f"--beam-options {beam_options!r}: {e}") from e
+    raise InputFormatError(f"beam_options={beam_options!r} (--beam-options): {e}") from e
   options = PipelineOptions(flags=["--default_sdk_harness_log_level=WARNING", *flags])
   _check_runner(options, beam_options)
   FileSystems.set_options(options)  # The driver's own reads and writes of URLs use them too.
@@ -175,8 +175,8 @@ def _check_runner(options: Any, beam_options: str) -> None:
   try:
     runner_lib.create_runner(name)
   except (ValueError, ImportError) as e:
-    raise InputFormatError(f"--beam-options {beam_options!r}: runner {name!r} is not one Beam "
-                           f"can run here ({' '.join(str(e).split())[:300]})") from e
+    raise InputFormatError(f"beam_options={beam_options!r} (--beam-options): runner {name!r} is "
+                           f"not one Beam can run here ({' '.join(str(e).split())[:300]})") from e
 
 
 def import_beam():
@@ -188,8 +188,8 @@ def import_beam():
   try:
     import apache_beam  # optional: the extra segpack[beam], needed only for --runner beam
   except ImportError as e:
-    raise InputFormatError(f"--runner beam needs Apache Beam: pip install 'segpack[beam]' "
-                           f"({e})") from e
+    raise InputFormatError(f"runner='beam' (--runner) needs Apache Beam: pip install "
+                           f"'segpack[beam]' ({e})") from e
   finally:
     root.setLevel(level)
   return apache_beam

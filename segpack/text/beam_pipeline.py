@@ -292,7 +292,8 @@ def write_dataset_beam(
   if (files_in is None) == (documents is None):
     raise ArgumentError("write_dataset_beam: pass exactly one of files_in and documents")
   if not isinstance(unit_records, int) or unit_records < 1:
-    raise InputFormatError(f"--unit-records must be a positive int, got {unit_records!r}")
+    raise InputFormatError(
+        f"unit_records (--unit-records) must be a positive int, got {unit_records!r}")
   beam = beam_driver.import_beam()
   options = beam_driver.pipeline_options(beam_options)  # Also configures Beam's filesystems.
   output = str(output) if remote_files.is_url(output) else str(Path(output).resolve())

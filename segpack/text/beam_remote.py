@@ -37,28 +37,30 @@ def _check_flags(inputs: Sequence[str], remote: list[str], *, runner: str,
                  vocab_size: int | None, input_format: str) -> None:
   """One-line refusals of what the URL path does not do."""
   if runner != "beam":
-    raise InputFormatError(f"{remote[0]!r} is a URL: the local runner reads and writes local "
-                           f"paths only; pass --runner beam to read and write URLs "
+    raise InputFormatError(f"{remote[0]!r} is a URL: runner={runner!r} (--runner) reads and "
+                           f"writes local paths only; pass runner='beam' to read and write URLs "
                            f"(docs/ingest.md)")
   if any(str(p) == "builtin" or str(p).startswith(("builtin:", "hf-disk:")) for p in inputs):
-    raise InputFormatError(f"--input {[str(p) for p in inputs]}: builtin and hf-disk: inputs are "
-                           f"local; with URLs give files or prefixes of files")
+    raise InputFormatError(f"inputs={[str(p) for p in inputs]} (--input): builtin and hf-disk: "
+                           f"inputs are local; with URLs give files or prefixes of files")
   if vocab_size is not None:
-    raise InputFormatError(f"--vocab-size {vocab_size} trains a model on this machine from local "
-                           f"inputs; with URLs pass --spm-model or --tokenizer (a URL too)")
+    raise InputFormatError(f"vocab_size={vocab_size} (--vocab-size) trains a model on this "
+                           f"machine from local inputs; with URLs pass spm_model (--spm-model) "
+                           f"or tokenizer (--tokenizer), a URL too")
   if input_format == "chat":
-    raise InputFormatError("--runner beam tokenizes plain text; chat inputs (--format chat) run "
-                           "with the local runner")
+    raise InputFormatError("runner='beam' (--runner) tokenizes plain text; chat inputs, "
+                           "input_format='chat' (--format), run with runner='local'")
 
 
 def _tokenizer(spm_model: str | None, tokenizer: str | None, cache_dir: str | None
                ) -> tuple[tokenizer_spec.Tokenizer, str, str]:
   """(tokenizer from a local copy, the spec workers rebuild it from, its file's path or URL)."""
   if spm_model is not None and tokenizer is not None:
-    raise InputFormatError(f"pass one of --tokenizer, --spm-model, got --tokenizer {tokenizer!r}, "
-                           f"--spm-model {spm_model!r}")
+    raise InputFormatError(f"pass one of tokenizer (--tokenizer), spm_model (--spm-model), got "
+                           f"tokenizer={tokenizer!r}, spm_model={spm_model!r}")
   if spm_model is None and tokenizer is None:
-    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE or --spm-model FILE")
+    raise InputFormatError("pass tokenizer='hf:FILE'|'spm:FILE' (--tokenizer) or spm_model=FILE "
+                           "(--spm-model)")
   spec = f"spm:{spm_model}" if spm_model is not None else str(tokenizer)
   kind, path = tokenizer_spec.split_spec(spec)
   if not remote_files.is_url(path):
@@ -67,7 +69,7 @@ def _tokenizer(spm_model: str | None, tokenizer: str | None, cache_dir: str | No
   try:
     tok = tokenizer_spec.from_spec(remote_inputs.local_tokenizer_spec(spec, cache_dir=cache_dir))
   except (ValueError, TypeError, OSError, ImportError) as e:
-    raise InputFormatError(f"tokenizer {spec!r}: {e}") from e
+    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {e}") from e
   return tok, spec, path
 
 
@@ -109,7 +111,8 @@ def tokenize_remote(
   _check_flags(inputs, remote or [str(output)], runner=runner, vocab_size=vocab_size,
                input_format=input_format)
   if not isinstance(shard_tokens, int) or shard_tokens < 1:
-    raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
+    raise InputFormatError(
+        f"shard_tokens (--shard-tokens) must be a positive int, got {shard_tokens!r}")
   start = time.perf_counter()
   beam_driver.import_beam()
   beam_driver.pipeline_options(beam_options)  # Configures Beam's filesystems for the listing.

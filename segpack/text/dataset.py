@@ -43,7 +43,7 @@ from segpack.text import tokenizer_spec
 from segpack.text.inputs import (
     InputFormatError, ReadCounters, describe_inputs, expand_inputs, is_chat, iter_documents)
 
-__all__ = ["CHAT_TEMPLATES", "LOCK_NAME", "tokenize_files"]
+__all__ = ["CHAT_TEMPLATES", "LOCK_NAME", "refuse_chat_template", "tokenize_files"]
 
 # The values of `tokenize_files(chat_template=...)` (`--chat-template`); "auto" is the default.
 CHAT_TEMPLATES = ("auto", "own", "segpack")
@@ -53,6 +53,9 @@ LOCK_NAME = ".segpack-tokenize.lock"
 
 _LOG = logging.getLogger(__name__)
 
+_NO_TOKENIZER = ("pass tokenizer='hf:FILE'|'spm:FILE' (--tokenizer), spm_model=FILE (--spm-model) "
+                 "or vocab_size=N (--vocab-size, to train a model first)")
+
 
 def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
                      workers: int, shard_tokens: int, runner: str, chat_template: str) -> None:
@@ -60,34 +63,36 @@ def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.
   input given twice (its documents would be stored twice)."""
   if not str(output).strip():
     raise InputFormatError(
-        f"--output must name a directory, got {str(output)!r} (an empty path would write into "
-        f"the current directory)")
+        f"output (--output) must name a directory, got {str(output)!r} (an empty path would "
+        f"write into the current directory)")
   if any(not str(p).strip() for p in inputs):
     raise InputFormatError(
-        f"--input must not be an empty path (it would read the current directory), got "
-        f"{[str(p) for p in inputs]}")
+        f"inputs (--input) must not hold an empty path (it would read the current directory), "
+        f"got {[str(p) for p in inputs]}")
   seen = set()
   for p in inputs:
     key = os.path.abspath(os.fspath(p))
     if key in seen:
-      _LOG.warning("--input %s is given twice: its documents are tokenized twice", p)
+      _LOG.warning("inputs (--input) name %s twice: its documents are tokenized twice", p)
     seen.add(key)
   if not isinstance(workers, int) or workers < 1:
-    raise InputFormatError(f"--workers must be a positive int, got {workers!r}")
+    raise InputFormatError(f"workers (--workers) must be a positive int, got {workers!r}")
   if not isinstance(shard_tokens, int) or shard_tokens < 1:
-    raise InputFormatError(f"--shard-tokens must be a positive int, got {shard_tokens!r}")
+    raise InputFormatError(
+        f"shard_tokens (--shard-tokens) must be a positive int, got {shard_tokens!r}")
   if runner not in ("local", "beam"):
-    raise InputFormatError(f"--runner must be 'local' or 'beam', got {runner!r}")
+    raise InputFormatError(f"runner (--runner) must be 'local' or 'beam', got {runner!r}")
   if chat_template not in CHAT_TEMPLATES:
-    raise InputFormatError(f"--chat-template (chat_template) must be one of {CHAT_TEMPLATES}, got "
-                           f"{chat_template!r}")
+    raise InputFormatError(f"chat_template (--chat-template) must be one of {CHAT_TEMPLATES}, "
+                           f"got {chat_template!r}")
 
 
-def _refuse_chat_template(chat_template: str, why: str) -> None:
-  """Refuses a `--chat-template` other than "auto" for inputs that are not chat (`why` says)."""
+def refuse_chat_template(chat_template: str, *, why: str) -> None:
+  """Refuses `chat_template` other than "auto" for inputs that are not chat (`why` says why they
+  are plain text): the one check of `tokenize_files` and of `segpack tokenize` with URLs."""
   if chat_template != "auto":
-    raise InputFormatError(f"--chat-template {chat_template!r} applies to chat data only "
-                           f"(--format chat); {why}")
+    raise InputFormatError(f"chat_template={chat_template!r} (--chat-template) applies to chat "
+                           f"data only, input_format='chat' (--format); {why}")
 
 
 def tokenize_files(
@@ -131,9 +136,9 @@ def tokenize_files(
     builtin = [s for s in map(str, inputs) if s == "builtin" or s.startswith("builtin:")]
     if builtin:
       if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
-        raise InputFormatError(f"--input builtin[:full|:small] must be the only input, got "
-                               f"{[str(p) for p in inputs]}")
-      _refuse_chat_template(chat_template, "--input builtin is plain text")
+        raise InputFormatError(f"inputs (--input) holding builtin[:full|:small] must hold it "
+                               f"alone, got {[str(p) for p in inputs]}")
+      refuse_chat_template(chat_template, why=f"inputs={builtin} (--input) are plain text")
       return _tokenize_builtin(
           builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
           vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
@@ -143,16 +148,16 @@ def tokenize_files(
     skipped: collections.Counter[str] = collections.Counter()
     files = expand_inputs(inputs, skipped=skipped)
     if not files:
-      raise InputFormatError("--input: no input files given")
+      raise InputFormatError("inputs (--input): no input files given")
     if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
       if runner == "beam":
-        raise InputFormatError("--runner beam tokenizes plain text; run chat inputs locally")
+        raise InputFormatError("runner='beam' (--runner) tokenizes plain text; run chat locally")
       return _said(inputs, files, skipped, None, [_tokenize_chat(
           files, output, given=given, vocab_size=vocab_size, train_on=train_on, spec=tokenizer,
           messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite,
           skip_bad_lines=skip_bad_lines, chat_template=chat_template)])
-    _refuse_chat_template(chat_template, f"--format {input_format!r} reads the inputs as plain "
-                                         f"text")
+    refuse_chat_template(chat_template, why=f"input_format={input_format!r} (--format) reads "
+                                            f"the inputs as plain text")
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
     ident = {"inputs": [encode.file_identity(p) for p in files], **read}
     if given is not None:
@@ -162,8 +167,7 @@ def tokenize_files(
           iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
           protect=[output], overwrite=overwrite, progress=progress)
     else:
-      raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
-                             "--vocab-size N (to train a model first)")
+      raise InputFormatError(_NO_TOKENIZER)
     if runner == "beam":
       summary = beam_pipeline.tokenize_files_beam(
           files, output, tokenizer=tokenizer, read=read, ident=ident,
@@ -213,8 +217,8 @@ def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
   """The one-line refusal of inputs that give no document, naming them and what was read."""
   bad = f"; {bad_lines:,} records without usable text skipped" if bad_lines else ""
   return InputFormatError(
-      f"--input {[str(p) for p in inputs]}: no documents to tokenize ({report}{bad}); a dataset "
-      f"needs at least one document with text")
+      f"inputs={[str(p) for p in inputs]} (--input): no documents to tokenize ({report}{bad}); "
+      f"a dataset needs at least one document with text")
 
 
 def _said(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],
@@ -242,8 +246,8 @@ def _output_lock(output: Path, runner: str) -> Iterator[None]:
       yield
   except LockHeldError as e:
     raise InputFormatError(
-        f"--output {str(output)!r} is in use by another segpack tokenize run ({e.owner}; lock "
-        f"file {e.path}); wait for it to finish or stop it") from None
+        f"output={str(output)!r} (--output) is in use by another segpack tokenize run "
+        f"({e.owner}; lock file {e.path}); wait for it to finish or stop it") from None
 
 
 def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,
@@ -252,8 +256,8 @@ def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,
                       overwrite: bool) -> list[encode.Summary]:
   """`--input builtin[:size]`: the built-in corpus's train and eval splits under `output`."""
   if given is not None and not isinstance(given, spm_lib.SpmTokenizer):
-    raise InputFormatError(f"--tokenizer {tokenizer!r}: --input builtin takes a SentencePiece "
-                           f"model only (spm:PATH or --spm-model)")
+    raise InputFormatError(f"tokenizer={tokenizer!r} (--tokenizer): inputs=['builtin'] (--input) "
+                           f"take a SentencePiece model only: spm:PATH or spm_model (--spm-model)")
   if given is not None:
     model = given
   elif vocab_size is not None:
@@ -276,11 +280,12 @@ def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,
 def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
                      vocab_size: int | None) -> tokenizer_spec.Tokenizer | None:
   """The tokenizer of `--tokenizer` or `--spm-model` (None: neither); at most one of the three."""
-  flags = [(flag, value) for flag, value in (("--tokenizer", spec), ("--spm-model", spm_model),
-                                             ("--vocab-size", vocab_size)) if value is not None]
-  if len(flags) > 1:
-    raise InputFormatError("pass one of --tokenizer, --spm-model, --vocab-size, got " +
-                           ", ".join(f"{flag} {value!r}" for flag, value in flags))
+  given = [(arg, value) for arg, value in (("tokenizer", spec), ("spm_model", spm_model),
+                                           ("vocab_size", vocab_size)) if value is not None]
+  if len(given) > 1:
+    raise InputFormatError(
+        "pass one of tokenizer (--tokenizer), spm_model (--spm-model), vocab_size "
+        "(--vocab-size), got " + ", ".join(f"{arg}={value!r}" for arg, value in given))
   if spm_model is not None:
     return spm_lib.SpmTokenizer(spm_model)
   if spec is None:
@@ -288,7 +293,7 @@ def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
   try:
     return tokenizer_spec.from_spec(spec)
   except (ValueError, TypeError, OSError, ImportError) as e:
-    raise InputFormatError(f"--tokenizer {spec!r}: {e}") from e
+    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {e}") from e
 
 
 def keep_tokenizer(tokenizer: tokenizer_spec.Tokenizer, output: Path) -> None:
@@ -320,8 +325,7 @@ def _chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | Non
   if given is not None:
     return given
   if vocab_size is None:
-    raise InputFormatError("pass --tokenizer hf:FILE|spm:FILE, --spm-model FILE or "
-                           "--vocab-size N (to train a model first)")
+    raise InputFormatError(_NO_TOKENIZER)
   texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
            for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
   model_file = output / "spm.model"
@@ -347,10 +351,10 @@ def _no_own_template(given: tokenizer_spec.Tokenizer | None) -> InputFormatError
             f"(chat_template.jinja, chat_template.json or chat_template in {hf_lib.CONFIG_NAME})")
   else:
     what = (f"the SentencePiece model {str(given.model_file)!r}" if given is not None else
-            "a SentencePiece model trained with --vocab-size") + (
-                " has no chat template (only a --tokenizer hf:DIR holds one)")
-  return InputFormatError(f"--chat-template own: {what}; pass --chat-template segpack (or auto) "
-                          f"to render with segpack's")
+            "a SentencePiece model trained with vocab_size (--vocab-size)") + (
+                " has no chat template (only tokenizer='hf:DIR' (--tokenizer) holds one)")
+  return InputFormatError(f"chat_template='own' (--chat-template): {what}; pass "
+                          f"chat_template='segpack' (or 'auto') to render with segpack's")
 
 
 def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: str | None,
@@ -365,8 +369,8 @@ def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: s
   if not has_own or chat_template == "segpack":
     encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
     if has_own:
-      _LOG.info("--chat-template segpack: rendering conversations with segpack's chat template, "
-                "not the one of %s", directory)
+      _LOG.info("chat_template='segpack' (--chat-template): rendering conversations with "
+                "segpack's chat template, not the one of %s", directory)
     if not encoder.markers_are_symbols:
       _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
                    tokenizer.model_file)
@@ -374,7 +378,7 @@ def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: s
   try:
     encoder = hf_chat.HfChatTemplate(directory, train_on=train_on)
   except (ImportError, OSError, ValueError) as e:
-    raise InputFormatError(f"--tokenizer {spec!r}: {' '.join(str(e).split())}") from e
+    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {' '.join(str(e).split())}") from e
   _LOG.info("rendering conversations with the chat template of %s (%s)", directory,
             encoder.template_file)
   return encoder
@@ -434,8 +438,8 @@ def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tr
         resume_key=key, skipped=skipped,
         metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
     if skipped is not None and skipped.count:
-      _LOG.warning("--skip-bad-lines: %d conversation(s) skipped; the first: %s", skipped.count,
-                   skipped.first)
+      _LOG.warning("skip_bad_lines (--skip-bad-lines): %d conversation(s) skipped; the first: "
+                   "%s", skipped.count, skipped.first)
     seconds, text_bytes, resumed = (time.perf_counter() - start,
                                     sum(p.stat().st_size for p in files), 0)
   else:

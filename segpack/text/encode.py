@@ -316,7 +316,8 @@ def write_dataset(
     for _ in range(writer.resumed_inputs):
       if next(texts, None) is None:
         raise InputFormatError(f"{output}: the kept shards hold {writer.resumed_inputs} input "
-                               f"documents but the input has fewer; rerun with --overwrite")
+                               f"documents but the input has fewer; rerun with overwrite=True "
+                               f"(--overwrite)")
   seconds = dict.fromkeys(STAGES, 0.0)
   text_bytes = tokens = 0
   with _progress(f"tokenize {output.name}", progress) as bar:
@@ -402,25 +403,25 @@ def finished_dataset(output: Path, resume_key: str, *, overwrite: bool) -> dict[
   manifest_path = output / shards_lib.MANIFEST_NAME
   if overwrite or not (manifest_path.exists() or manifest_path.is_symlink()):
     return None
-  where = f"--output {str(output)!r}"
+  where = f"output={str(output)!r} (--output)"
   try:
     old = read_manifest(manifest_path)
   except shards_lib.ShardFormatError as e:
-    raise InputFormatError(f"{where}: the manifest is unreadable: {e}; pass --overwrite to "
-                           f"rebuild the dataset") from e
+    raise InputFormatError(f"{where}: the manifest is unreadable: {e}; pass overwrite=True "
+                           f"(--overwrite) to rebuild the dataset") from e
   if not isinstance(old, dict) or old.get("resume_key") != resume_key:
     raise InputFormatError(f"{where} already holds a dataset made from other inputs or "
-                           f"settings; pass --overwrite to replace it")
+                           f"settings; pass overwrite=True (--overwrite) to replace it")
   try:
     manifest = load_manifest(output)
     bad = _missing_or_resized(output, manifest)
     if bad:
       raise InputFormatError(f"{where} holds a finished dataset with missing or damaged files: "
-                             f"{', '.join(bad)}; pass --overwrite to rebuild it")
+                             f"{', '.join(bad)}; pass overwrite=True (--overwrite) to rebuild it")
     shards_lib.ShardSource(output)
   except shards_lib.ShardFormatError as e:
     raise InputFormatError(f"{where} holds a finished dataset that is damaged: {e}; pass "
-                           f"--overwrite to rebuild it") from e
+                           f"overwrite=True (--overwrite) to rebuild it") from e
   return manifest
 
 

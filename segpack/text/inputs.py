@@ -54,7 +54,7 @@ _ARROW_SUFFIXES = (".parquet",)
 # What `--input` files and directories may hold (`.arrow` files come from `hf-disk:` only).
 SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _ARROW_SUFFIXES
 _READ_BYTES = 1 << 20
-_SKIP_HINT = "(pass --skip-bad-lines to count and skip such records)"
+_SKIP_HINT = "(pass skip_bad_lines=True (--skip-bad-lines) to count and skip such records)"
 
 
 class _CorruptStream(Exception):
@@ -117,15 +117,17 @@ def expand_inputs(paths: Sequence[str | os.PathLike[str]], *,
       others = collections.Counter(kind_of(p) for p in every if not p.name.endswith(SUFFIXES))
       if not found:
         raise InputFormatError(
-            f"--input {str(path)!r}: directory holds no {', '.join(SUFFIXES)} files"
+            f"input {str(path)!r} (inputs, --input): directory holds no "
+            f"{', '.join(SUFFIXES)} files"
             + (f" (it holds {_counted(others, 'file')})" if others else " (it holds no files)"))
       skipped.update(others)
       files.extend(found)
     elif not path.exists():
-      raise InputFormatError(f"--input {str(path)!r}: no such file or directory")
+      raise InputFormatError(f"input {str(path)!r} (inputs, --input): no such file or "
+                             f"directory")
     elif not path.name.endswith(SUFFIXES):
-      raise InputFormatError(f"--input {str(path)!r}: unsupported file type (expected "
-                             f"{', '.join(SUFFIXES)}, a directory or hf-disk:PATH)")
+      raise InputFormatError(f"input {str(path)!r} (inputs, --input): unsupported file type "
+                             f"(expected {', '.join(SUFFIXES)}, a directory or hf-disk:PATH)")
     else:
       files.append(path)
   return files
@@ -345,8 +347,8 @@ def iter_file_records(
     may be empty (the shard writer counts and skips those).
   """
   if doc_separator not in ("file", "blank-line"):
-    raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
-                           f"{doc_separator!r}")
+    raise InputFormatError(f"doc_separator (--doc-separator) must be 'file' or 'blank-line', "
+                           f"got {doc_separator!r}")
   path = Path(path)
   counters = counters if counters is not None else ReadCounters()
   if span is not None:
@@ -381,8 +383,8 @@ def iter_documents(
   """
   counters = counters if counters is not None else ReadCounters()
   if doc_separator not in ("file", "blank-line"):
-    raise InputFormatError(f"--doc-separator must be 'file' or 'blank-line', got "
-                           f"{doc_separator!r}")
+    raise InputFormatError(f"doc_separator (--doc-separator) must be 'file' or 'blank-line', "
+                           f"got {doc_separator!r}")
   for path in files:
     kind = kind_of(path)
     for _, text in iter_file_records(path, doc_separator=doc_separator, text_field=text_field,
@@ -397,12 +399,13 @@ def is_chat(files: Sequence[Path], input_format: str, *, text_field: str,
   """Whether the inputs are chat conversations (`--format auto`: the first JSONL record has
   `messages_field` and no `text_field`)."""
   if input_format not in ("auto", "text", "chat"):
-    raise InputFormatError(f"--format must be auto, text or chat, got {input_format!r}")
+    raise InputFormatError(f"input_format (--format) must be auto, text or chat, got "
+                           f"{input_format!r}")
   if input_format != "auto":
     if input_format == "chat" and any(not p.name.endswith((".jsonl", ".jsonl.gz"))
                                       for p in files):
-      raise InputFormatError(f"--format chat reads .jsonl[.gz] files only, got "
-                             f"{[str(p) for p in files]}")
+      raise InputFormatError(f"input_format='chat' (--format) reads .jsonl[.gz] files only, "
+                             f"got {[str(p) for p in files]}")
     return input_format == "chat"
   first = files[0]
   if not first.name.endswith((".jsonl", ".jsonl.gz")):

@@ -43,14 +43,14 @@ def expand_remote_inputs(paths: Sequence[str]) -> list[str]:
   for raw in map(str, paths):
     if raw.endswith(SUFFIXES):
       if not remote_files.exists(raw):
-        raise InputFormatError(f"--input {raw!r}: no such file")
+        raise InputFormatError(f"input {raw!r} (inputs, --input): no such file")
       out.append(raw)
       continue
     found = [p for p in remote_files.list_files(raw.rstrip("/"), recursive=True)
              if p.endswith(SUFFIXES)]
     if not found:
-      raise InputFormatError(f"--input {raw!r}: no {', '.join(SUFFIXES)} files under it (a file "
-                             f"URL must end in one of these suffixes)")
+      raise InputFormatError(f"input {raw!r} (inputs, --input): no {', '.join(SUFFIXES)} files "
+                             f"under it (a file URL must end in one of these suffixes)")
     out.extend(found)
   return out
 

@@ -40,9 +40,9 @@ def refuse_to_replace_model(model_file: Path, datasets: Sequence[Path], *,
   for dataset in datasets:
     if (dataset / shards_lib.MANIFEST_NAME).exists():
       raise InputFormatError(
-          f"--output {str(dataset)!r} already holds a dataset made from other inputs or "
-          f"settings (its tokenizer {str(model_file)!r} would be replaced); pass --overwrite to "
-          f"replace it")
+          f"output={str(dataset)!r} (--output) already holds a dataset made from other inputs "
+          f"or settings (its tokenizer {str(model_file)!r} would be replaced); pass "
+          f"overwrite=True (--overwrite) to replace it")
 
 
 def trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int,

@@ -13,8 +13,8 @@ from segpack.text import corpus
 def test_empty_paths_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)  # an empty path would mean this directory
   (tmp_path / "a.txt").write_text("some text\n")
-  for argv, name in ((["--input", "a.txt", "--output", ""], "--output"),
-                     (["--input", "", "--output", "out"], "--input")):
+  for argv, name in ((["--input", "a.txt", "--output", ""], "output (--output)"),
+                     (["--input", "", "--output", "out"], "inputs (--input)")):
     assert cli_main.main(["tokenize", *argv, "--vocab-size", "50"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and name in err[0] and "empty path" in err[0], err
@@ -28,7 +28,8 @@ def test_an_input_given_twice_warns_and_is_stored_twice(tmp_path, caplog):
     rc = cli_main.main(["tokenize", "--input", str(text), str(text), "--output",
                         str(tmp_path / "out"), "--vocab-size", "300", "--no-progress"])
   assert rc == 0
-  assert any("given twice" in r.getMessage() for r in caplog.records)
+  assert any(r.getMessage() == f"inputs (--input) name {text} twice: its documents are "
+             "tokenized twice" for r in caplog.records)
   assert len(shards.ShardSource(str(tmp_path / "out"))) == 2  # one document per file, twice
 
 

@@ -200,12 +200,15 @@ def test_complete_dataset_is_kept_and_other_settings_need_overwrite(tmp_path, mo
 
 def test_errors_name_the_flag_and_the_extra(tmp_path, model, monkeypatch):
   inp = _jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
-  with pytest.raises(inputs.InputFormatError, match="--runner must be 'local' or 'beam', got 'x'"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"^runner \(--runner\) must be 'local' or 'beam', got 'x'$"):
     dataset.tokenize_files([inp], tmp_path / "o", spm_model=model, runner="x")
-  with pytest.raises(inputs.InputFormatError, match="--unit-records must be a positive int, got 0"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"^unit_records \(--unit-records\) must be a positive int, got 0$"):
     dataset.tokenize_files([inp], tmp_path / "o", spm_model=model, runner="beam", unit_records=0)
   chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-  with pytest.raises(inputs.InputFormatError, match="--runner beam tokenizes plain text"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"runner='beam' \(--runner\) tokenizes plain text"):
     dataset.tokenize_files([chat], tmp_path / "o", spm_model=model, runner="beam")
   monkeypatch.setitem(sys.modules, "apache_beam", None)  # As when the extra is not installed.
   with pytest.raises(inputs.InputFormatError, match=r"segpack\[beam\]"):
@@ -228,5 +231,6 @@ def test_bad_record_is_one_line_error_without_traceback(tmp_path, model, mode):
   assert "Traceback" not in run.stderr
   ours = [line for line in run.stderr.splitlines() if line.startswith("segpack")]
   assert ours == [f"segpack tokenize: error: {bad}:2: field 'text' is int, not a string: 5 "
-                  f"(pass --skip-bad-lines to count and skip such records)"]
+                  f"(pass skip_bad_lines=True (--skip-bad-lines) to count and skip such "
+                  f"records)"]
   assert not (out / "manifest.json").exists() and not (out / beam_pipeline.ERRORS_FILE).exists()

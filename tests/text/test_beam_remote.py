@@ -148,7 +148,8 @@ def test_local_runner_refuses_urls_in_one_line(tmp_path, model, capsys):
                             "--spm-model", str(model), "--no-progress"])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1, err
-  assert err[0].startswith("segpack tokenize: error: 's3://") and "--runner beam" in err[0]
+  assert err[0].startswith("segpack tokenize: error: 's3://")
+  assert "runner='local' (--runner) reads and writes local paths only" in err[0]
   assert not (tmp_path / "o").exists()
 
 
@@ -313,7 +314,8 @@ def test_finished_local_beam_dataset_is_checked_on_rerun_and_rebuilt_with_overwr
   assert code == 2 and len(err) == 1, err
   assert (f"holds a finished dataset with missing or damaged files: {first['tokens']} (missing), "
           f"{second['offsets']} ({len(original[second['offsets']]) - 8} bytes, expected "
-          f"{len(original[second['offsets']])}); pass --overwrite to rebuild it") in err[0]
+          f"{len(original[second['offsets']])}); pass overwrite=True (--overwrite) to rebuild "
+          f"it") in err[0]
   assert not (out / first["tokens"]).exists()  # Refused: nothing changed.
   # Same sizes, other bytes: the checksum names the file.
   (out / first["tokens"]).write_bytes(original[first["tokens"]])
@@ -358,9 +360,9 @@ def test_finished_s3_dataset_is_checked_on_rerun_and_rebuilt_with_overwrite(
   s3.client.put_object(Bucket=BUCKET, Key=f"fin/{second['offsets']}", Body=b"\0" * 8)
   code, err = _one_line_error(args, capsys)
   assert code == 2 and len(err) == 1, err
-  assert (f"--output '{url}' holds a finished dataset with missing or damaged files: "
+  assert (f"output='{url}' (--output) holds a finished dataset with missing or damaged files: "
           f"{first['tokens']} (missing), {second['offsets']} (8 bytes, expected "
-          f"{before['fin/' + second['offsets']]}); pass --overwrite") in err[0]
+          f"{before['fin/' + second['offsets']]}); pass overwrite=True (--overwrite)") in err[0]
   edited = json.loads(manifest_bytes)
   edited["metadata"]["tokenizer"]["eos_id"] += 1
   s3.client.put_object(Bucket=BUCKET, Key="fin/manifest.json", Body=json.dumps(edited).encode())

@@ -142,13 +142,15 @@ def test_own_without_a_template_is_one_line_naming_the_flag_and_directory(
     plain, chats, tmp_path, capsys):
   assert tokenize(chats, tmp_path / "a", plain, "--chat-template", "own") == 2
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and "--chat-template own" in err and repr(plain) in err
+  assert err.count("\n") == 1 and "chat_template='own' (--chat-template)" in err
+  assert repr(plain) in err
   assert not (tmp_path / "a" / "manifest.json").exists()
   # A SentencePiece model has none either: refused before one is trained.
   rc = tokenize_cli.main(["--input", str(chats), "--output", str(tmp_path / "b"),
                           "--vocab-size", "40", "--chat-template", "own", "--no-progress"])
   err = capsys.readouterr().err
-  assert rc == 2 and err.count("\n") == 1 and "--chat-template own" in err
+  assert rc == 2 and err.count("\n") == 1 and "chat_template='own' (--chat-template)" in err
+  assert "vocab_size (--vocab-size)" in err
   assert not (tmp_path / "b" / "spm.model").exists()
   # auto and segpack render it with segpack's template.
   assert tokenize(chats, tmp_path / "c", plain, "--chat-template", "segpack") == 0
@@ -181,17 +183,21 @@ def test_a_chat_template_for_plain_text_is_refused(model, tmp_path, capsys, flag
   text.write_text(json.dumps({"text": "w1 w2"}) + "\n", "utf-8")
   assert tokenize(text, tmp_path / "out", model, "--chat-template", "segpack", *flags) == 2
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and "--chat-template 'segpack'" in err and "chat data" in err
+  assert err.count("\n") == 1
+  assert "chat_template='segpack' (--chat-template) applies to chat data only" in err
+  assert "(--format) reads the inputs as plain text" in err
   assert not (tmp_path / "out" / "manifest.json").exists()
-  for argv in (["--input", "builtin"], ["--input", "gs://bucket/docs.jsonl"]):
+  for argv, why in ((["--input", "builtin"], "inputs=['builtin'] (--input) are plain text"),
+                    (["--input", "gs://bucket/docs.jsonl"], "a run with a path at a URL")):
     assert tokenize_cli.main([*argv, "--output", str(tmp_path / "b"), "--chat-template", "own",
                               "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--chat-template 'own'" in err
+    assert err.count("\n") == 1 and "chat_template='own' (--chat-template)" in err and why in err
 
 
 def test_the_library_argument_is_checked_by_name(chats, tmp_path, capsys):
-  with pytest.raises(InputFormatError, match=r"chat_template.*'ChatML'") as e:
+  with pytest.raises(InputFormatError,
+                     match=r"^chat_template \(--chat-template\) must be one of .*'ChatML'$") as e:
     dataset.tokenize_files([chats], tmp_path / "out", vocab_size=40, chat_template="ChatML")
   assert isinstance(e.value, UserError)
   with pytest.raises(SystemExit) as e:

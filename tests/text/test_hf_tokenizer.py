@@ -227,7 +227,7 @@ def test_errors_name_the_flag_and_the_value(tmp_path, bpe, capsys):
   err = _cli_error(tmp_path, capsys, "--tokenizer", f"hf:{tmp_path / 'text.json'}")
   assert "not a Hugging Face tokenizer.json" in err
   err = _cli_error(tmp_path, capsys, "--tokenizer", f"bpe:{bpe}")
-  assert f"--tokenizer 'bpe:{bpe}'" in err and "hf:PATH" in err
+  assert f"tokenizer='bpe:{bpe}' (--tokenizer)" in err and "hf:PATH" in err
   (tmp_path / "empty_model").mkdir()
   err = _cli_error(tmp_path, capsys, "--tokenizer", f"hf:{tmp_path / 'empty_model'}")
   assert "is a directory without a tokenizer.json" in err and "empty_model" in err
@@ -235,9 +235,11 @@ def test_errors_name_the_flag_and_the_value(tmp_path, bpe, capsys):
     tokenize_cli.main(["--input", "x", "--output", "o", "--tokenizer", f"hf:{bpe}",
                        "--vocab-size", "300"])
   assert "not allowed with" in capsys.readouterr().err
-  with pytest.raises(ValueError, match="--tokenizer .* --spm-model"):
+  with pytest.raises(ValueError, match=r"pass one of tokenizer \(--tokenizer\), spm_model "
+                     r"\(--spm-model\), .* got tokenizer='hf:.*', spm_model='m.model'$"):
     dataset.tokenize_files(["x"], tmp_path / "o", tokenizer=f"hf:{bpe}", spm_model="m.model")
-  with pytest.raises(ValueError, match="--input builtin takes a SentencePiece model only"):
+  with pytest.raises(ValueError, match=r"\(--tokenizer\): inputs=\['builtin'\] \(--input\) "
+                     r"take a SentencePiece model only"):
     dataset.tokenize_files(["builtin"], tmp_path / "o", tokenizer=f"hf:{bpe}")
 
 

@@ -145,7 +145,8 @@ def test_hf_disk_dataset_dict_needs_a_split(tmp_path):
                              "validation": datasets.Dataset.from_dict({"text": TEXTS[5:7]})})
   dd.save_to_disk(str(tmp_path / "dd"))
   with pytest.raises(inputs.InputFormatError,
-                     match=r"hf-disk:.*dd: a DatasetDict with splits \['train', 'validation'\]; "
+                     match=r"input hf-disk:.*dd \(inputs, --input\): a DatasetDict with splits "
+                           r"\['train', 'validation'\]; "
                            r"pass hf-disk:.*dd/train"):
     inputs.expand_inputs([f"hf-disk:{tmp_path / 'dd'}"])
   files = inputs.expand_inputs([f"hf-disk:{tmp_path / 'dd' / 'validation'}"])
@@ -153,7 +154,8 @@ def test_hf_disk_dataset_dict_needs_a_split(tmp_path):
 
 
 def test_hf_disk_bad_directories_and_truncated_arrow_files(tmp_path):
-  with pytest.raises(inputs.InputFormatError, match=r"hf-disk:.*nope: no such directory"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"input hf-disk:.*nope \(inputs, --input\): no such directory"):
     inputs.expand_inputs([f"hf-disk:{tmp_path / 'nope'}"])
   with pytest.raises(inputs.InputFormatError, match=r"not a datasets save_to_disk directory"):
     inputs.expand_inputs([f"hf-disk:{tmp_path}"])

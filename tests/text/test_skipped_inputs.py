@@ -74,7 +74,8 @@ def test_a_directory_without_inputs_names_what_it_holds(tmp_path, model, capsys,
   rc, out, err, _ = tokenize(["--input", str(docs), "--output", str(tmp_path / "out")], model,
                              capsys, caplog)
   assert rc == 2 and out == "" and err.count("\n") == 1
-  assert f"--input '{docs}': directory holds no .txt" in err and "(it holds .rst 3 files)" in err
+  assert f"input '{docs}' (inputs, --input): directory holds no .txt" in err
+  assert "(it holds .rst 3 files)" in err
 
 
 @pytest.mark.parametrize("content, skip, detail", [
@@ -93,7 +94,8 @@ def test_a_dataset_without_documents_is_refused_naming_the_inputs(tmp_path, mode
                              model, capsys, caplog)
   assert rc == 2 and out == "", (rc, out, err)
   assert err.count("\n") == 1
-  assert err == (f"segpack tokenize: error: --input ['{empty}']: no documents to tokenize "
+  assert err == (f"segpack tokenize: error: inputs=['{empty}'] (--input): no documents to "
+                 f"tokenize "
                  f"({detail}); a dataset needs at least one document with text\n")
   assert not (tmp_path / "out" / "manifest.json").exists()
 
@@ -104,7 +106,7 @@ def test_an_empty_chat_file_is_refused(tmp_path, model, capsys, caplog):
   rc, out, err, _ = tokenize(["--input", str(empty), "--output", str(tmp_path / "out"),
                               "--format", "chat"], model, capsys, caplog)
   assert rc == 2 and out == "" and err.count("\n") == 1, err
-  assert f"--input ['{empty}']: no documents to tokenize (read .jsonl 1 file)" in err
+  assert f"inputs=['{empty}'] (--input): no documents to tokenize (read .jsonl 1 file)" in err
 
 
 def test_the_library_refuses_too(tmp_path, model):

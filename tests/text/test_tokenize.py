@@ -218,20 +218,25 @@ def test_corrupt_gzip(tmp_path, model):
 
 
 def test_bad_files_and_arguments(tmp_path, model):
-  with pytest.raises(inputs.InputFormatError, match="'.*missing.txt': no such file"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"^input '.*missing.txt' \(inputs, --input\): no such file"):
     dataset.tokenize_files([tmp_path / "missing.txt"], tmp_path / "o", spm_model=model)
   (tmp_path / "x.csv").write_text("a")
-  with pytest.raises(inputs.InputFormatError, match="x.csv': unsupported file type"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"x.csv' \(inputs, --input\): unsupported file type"):
     dataset.tokenize_files([tmp_path / "x.csv"], tmp_path / "o", spm_model=model)
   (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
   with pytest.raises(inputs.InputFormatError, match="latin.txt: not UTF-8"):
     dataset.tokenize_files([tmp_path / "latin.txt"], tmp_path / "o", spm_model=model, workers=1)
   (tmp_path / "a.txt").write_text("a")
-  with pytest.raises(inputs.InputFormatError, match="--spm-model FILE or --vocab-size N"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"spm_model=FILE \(--spm-model\) or vocab_size=N \(--vocab-size"):
     dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o")
-  with pytest.raises(inputs.InputFormatError, match="--workers must be a positive int, got 0"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"^workers \(--workers\) must be a positive int, got 0$"):
     dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=model, workers=0)
-  with pytest.raises(inputs.InputFormatError, match="builtin.* must be the only input"):
+  with pytest.raises(inputs.InputFormatError,
+                     match=r"inputs \(--input\) holding builtin.* must hold it alone"):
     dataset.tokenize_files(["builtin", tmp_path / "a.txt"], tmp_path / "o")
   with pytest.raises(FileNotFoundError, match="nope.model"):
     dataset.tokenize_files([tmp_path / "a.txt"], tmp_path / "o", spm_model=tmp_path / "nope.model")
