@@ -46,7 +46,7 @@ def copy_checkpoints(workdir, target):
   return target
 
 
-def _ours(records):
+def own_warnings(records):
   """The messages of the warnings `train.checkpoint` logged (not orbax's own logs)."""
   return [r.getMessage() for r in records
           if r.levelno >= logging.WARNING and r.pathname == ckpt_lib.__file__]
@@ -61,7 +61,7 @@ def restore(workdir, abstract, config_dict):
   logger.addHandler(handler)
   checkpointer = ckpt_lib.Checkpointer(workdir / "checkpoints", every=2, max_to_keep=3)
   try:
-    return checkpointer.restore_or_none(abstract, config_dict), _ours(records)
+    return checkpointer.restore_or_none(abstract, config_dict), own_warnings(records)
   finally:
     logger.removeHandler(handler)
     checkpointer.close()

@@ -19,7 +19,7 @@ from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train import train as train_lib
 from segpack.errors import UserError
-from support.checkpoints import BASE, copy_checkpoints, restore, trained  # noqa: F401 (a fixture)
+from support.checkpoints import BASE, copy_checkpoints, own_warnings, restore, trained  # noqa: F401 (a fixture)
 from support import paths
 
 REPO = str(paths.REPO)
@@ -68,7 +68,7 @@ def test_damaged_newest_falls_back_to_the_older_checkpoint_saying_so(trained, tm
     logging.getLogger("absl").removeHandler(handler)
   run.checkpointer.close()
   assert run.start_step == 2
-  warnings = " | ".join(_ours(records))
+  warnings = " | ".join(own_warnings(records))
   assert f"checkpoint {workdir / 'checkpoints'}/4 is damaged: {path}" in warnings, warnings
   assert f"newest intact checkpoint {workdir / 'checkpoints'}/2 instead" in warnings, warnings
   assert not (workdir / "checkpoints" / "4").exists()  # moved aside, named in the warning

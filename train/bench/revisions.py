@@ -90,13 +90,11 @@ print(json.dumps({"segpack": segpack.__file__, "vocab_size": int(built.vocab_siz
 """
 # Run inside a checkout with a workdir: the sha256 of each parameter array of its last checkpoint.
 PARAMS_PROBE = """
-import hashlib, json, sys
+import hashlib, importlib, importlib.util, json, sys
 import jax, numpy as np
 from flax import nnx
-try:
-  from train.runs import saved as saved_run
-except ImportError:  # a revision from before train/ had wings
-  from train import saved_run
+saved_run = importlib.import_module(  # train/runs/saved.py, train/saved_run.py before it
+    "train.runs.saved" if importlib.util.find_spec("train.runs") else "train.saved_run")
 _, model, step = saved_run.load_run(sys.argv[1])
 leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
 print(json.dumps({"step": step, "arrays": {
