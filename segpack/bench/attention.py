@@ -134,13 +134,12 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
     return jax_attention.mha(q, k, v, seg, sm_scale=q.shape[-1]**-0.5, causal=True,
                              block_sizes=sizes, interpret=interpret)
 
+  pallas = PallasOptions(block_q=block, block_k=block, interpret=interpret)  # both Pallas kernels
   return {
       "segment": lambda q, k, v, seg: segment_attention(
-          q, k, v, seg, implementation="pallas",
-          pallas=PallasOptions(block_q=block, block_k=block, interpret=interpret)),
+          q, k, v, seg, implementation="pallas", pallas=pallas),
       "pallas_dense": lambda q, k, v, seg: segment_attention_pallas(
-          q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, skip_blocks=False,
-          pallas=PallasOptions(block_q=block, block_k=block, interpret=interpret)),
+          q, k, v, seg, causal=True, scale=q.shape[-1]**-0.5, pallas=pallas, skip_blocks=False),
       "xla_dense": lambda q, k, v, seg: segment_attention(q, k, v, seg, implementation="xla"),
       "jax_mha": jax_mha,
       "cudnn": lambda q, k, v, seg: segment_attention(
