@@ -499,7 +499,7 @@ def test_a_killed_export_leaves_no_output_and_a_rerun_cleans_up(runs, tmp_path):
   out = tmp_path / "out"
   child = (
       "import os, signal, sys\n"
-      "from train import export, hf_export\n"
+      "from train.hf import export, export_files as hf_export\n"
       "save = hf_export.save_shard\n"
       "def killing(tensors, path):\n"
       "  save(tensors, path)\n"
