@@ -26,6 +26,7 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import pytest  # noqa: E402  (imports after the device flags)
+from absl import logging as absl_logging  # noqa: E402
 
 from support import small_corpus  # noqa: E402
 
@@ -40,6 +41,15 @@ def model(tmp_path_factory):
 def texts():
   """The first 120 documents of the small built-in corpus's train split."""
   return small_corpus.train_texts()
+
+
+@pytest.fixture(autouse=True)
+def _absl_verbosity():
+  """Puts absl's verbosity back after each test: a command run in-process (`train.hf.export`
+  sets ERROR) must not hide the warnings a later test of the same worker reads."""
+  verbosity = absl_logging.get_verbosity()
+  yield
+  absl_logging.set_verbosity(verbosity)
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
