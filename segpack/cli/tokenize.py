@@ -29,6 +29,7 @@ from segpack.text.dataset import CHAT_TEMPLATES
 from segpack.text.dataset import refuse_chat_template
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
+from segpack.text.hf_chat.options import DEFAULT_DATE, REASONING, TURNS, ChatOptions
 from segpack.text.remote_inputs import remote_flags
 
 
@@ -64,6 +65,23 @@ def _parser() -> argparse.ArgumentParser:
                  help="chat: the template conversations are rendered with; auto: the chat "
                       "template of --tokenizer hf:DIR when DIR holds one, else segpack's; own: "
                       "DIR's (refused without one); segpack: segpack's even when DIR holds one")
+  own = p.add_argument_group("chat in a tokenizer's own template (docs/sft.md)")
+  own.add_argument("--turns", choices=TURNS, default="auto",
+                   help="auto: a conversation whose template renders earlier turns otherwise "
+                        "once later ones follow (Qwen3's reasoning, Mistral's system prompt) is "
+                        "stored as one sample per assistant turn, each as the model sees it "
+                        "when it answers; others whole; expand: always per turn; whole: refuse "
+                        "what cannot be kept whole")
+  own.add_argument("--reasoning", choices=REASONING, default="train",
+                   help="train or mask an assistant turn's reasoning block (reasoning_content "
+                        "as the template writes it, e.g. <think>...</think>)")
+  own.add_argument("--chat-date", default=DEFAULT_DATE, metavar="YYYY-MM-DD",
+                   help=f"the date templates read (Llama's date_string, strftime_now), recorded "
+                        f"in the manifest (default {DEFAULT_DATE})")
+  own.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="render with this Jinja chat template instead of the tokenizer's own "
+                        "(e.g. a training template with {%% generation %%} markers); the dataset "
+                        "keeps it as chat_template.jinja")
   p.add_argument("--skip-bad-lines", action="store_true",
                  help="count and skip records without usable text (.jsonl lines that are not "
                       "JSON or lack the field, null or non-string cells; chat: conversations "
@@ -96,7 +114,8 @@ def _tokenize_urls(args: argparse.Namespace) -> list | None:
   if not remote_flags(paths=[*args.input, args.output, args.spm_model, args.tokenizer]):
     return None
   refuse_chat_template(args.chat_template, why="a run with a path at a URL tokenizes plain "
-                                                "text, runner='beam' (--runner)")
+                                                "text, runner='beam' (--runner)",
+                       options=_chat_options(args))
   return [tokenize_remote(
       args.input, args.output, runner=args.runner, spm_model=args.spm_model,
       tokenizer=args.tokenizer, vocab_size=args.vocab_size, doc_separator=args.doc_separator,
@@ -130,6 +149,13 @@ def _say_segpack_lines() -> None:
     ours.setLevel(logging.INFO)
 
 
+def _chat_options(args: argparse.Namespace) -> ChatOptions | None:
+  """The flags of rendering in a tokenizer's own template (None when all are the defaults)."""
+  options = ChatOptions(turns=args.turns, reasoning=args.reasoning, date=args.chat_date,
+                        template_file=args.chat_template_file)
+  return None if options == ChatOptions() else options
+
+
 @errors.command("segpack tokenize")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the CLI; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
@@ -147,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress, overwrite=args.overwrite, cache_dir=args.cache_dir,
         input_format=args.format, train_on=args.train_on, messages_field=args.messages_field,
         runner=args.runner, beam_options=args.beam_options, unit_records=args.unit_records,
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, chat_options=_chat_options(args))
   except (ValueError, OSError) as e:  # InputFormatError, ShardFormatError, missing files.
     if not errors.is_user_error(e):
       raise  # a bug: `errors.command` prints its traceback and asks to report it

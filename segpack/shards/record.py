@@ -197,8 +197,16 @@ class ChatRecord(_Record):
     generation_markers: "hf": whether the template marks what to train (`{% generation %}`).
     add_bos_eos: "hf": false: the template writes BOS and end of turn, packing adds neither.
     files: "hf": `{name: "sha256:<hex>"}` of the tokenizer and template copies in the dataset.
+    turns, reasoning, date: "hf": the rendering choices (`segpack.text.hf_chat.ChatOptions`:
+      whole conversations or one sample per assistant turn, reasoning trained or masked, the
+      date the template read).
     trained_tokens_by_role: `{role: trained tokens}` of the whole dataset.
     skipped_conversations: conversations skipped as bad (`--skip-bad-lines`).
+    conversations, samples, expanded_conversations: conversations stored, the samples they gave,
+      and how many were expanded into one sample per assistant turn.
+    stored_tokens, whole_tokens: the tokens stored, and those of the conversations rendered
+      whole once (their ratio is the cost of expansion).
+    empty_think_turns: trained turns into which the template wrote an empty reasoning block.
     extra: keys the record does not know, as read.
   """
 
@@ -207,7 +215,10 @@ class ChatRecord(_Record):
       "renderer": "str", "train_on": "str", "template": "strings", "markers_are_symbols": "bool",
       "template_file": "str", "template_sha256": "str", "template_text_sha256": "str",
       "generation_markers": "bool", "add_bos_eos": "bool", "files": "strings",
-      "trained_tokens_by_role": "counts", "skipped_conversations": "int"}
+      "turns": "str", "reasoning": "str", "date": "str",
+      "trained_tokens_by_role": "counts", "skipped_conversations": "int", "conversations": "int",
+      "samples": "int", "expanded_conversations": "int", "stored_tokens": "int",
+      "whole_tokens": "int", "empty_think_turns": "int"}
 
   renderer: str | None = None
   train_on: str | None = None
@@ -219,10 +230,26 @@ class ChatRecord(_Record):
   generation_markers: bool | None = None
   add_bos_eos: bool | None = None
   files: Mapping[str, str] | None = None
+  turns: str | None = None
+  reasoning: str | None = None
+  date: str | None = None
   trained_tokens_by_role: Mapping[str, int] | None = None
   skipped_conversations: int | None = None
+  conversations: int | None = None
+  samples: int | None = None
+  expanded_conversations: int | None = None
+  stored_tokens: int | None = None
+  whole_tokens: int | None = None
+  empty_think_turns: int | None = None
   extra: Mapping[str, Any] = _none()
   order: tuple[str, ...] = _keep()
+
+  @property
+  def expansion_overhead(self) -> float | None:
+    """Stored tokens over the tokens of the conversations rendered whole (1.0: no expansion)."""
+    if not self.stored_tokens or not self.whole_tokens:
+      return None
+    return self.stored_tokens / self.whole_tokens
 
   @property
   def own_template(self) -> bool:
@@ -240,7 +267,7 @@ class ChatRecord(_Record):
     tokenizer's own template by its text's hash, segpack's by its fields (`train_on` and the
     counts decide only the loss mask, and are left out)."""
     if self.own_template:
-      return ("hf", self.template_text_sha256 or self.template_sha256)
+      return ("hf", self.template_text_sha256 or self.template_sha256, self.date)
     return ("segpack", tuple(sorted((self.template or {}).items())))
 
 

@@ -5,27 +5,22 @@ of a JSONL file). `ChatEncoder` renders it through a `ChatTemplate` into token i
 the same length (1 = the token is trained as a prediction target). The mask is stored beside the
 tokens in the shards (`segpack.shards.ShardWriter(loss_mask=True)`, docs/format.md) and the
 packing pipeline turns mask 0 into label -100 (docs/packing.md, "Loss masks"). Conversations in a
-tokenizer's own chat template are `segpack.text.hf_chat`'s.
+tokenizer's own chat template are `segpack.text.hf_chat`'s; files of conversations are read and
+written by `segpack.text.chat_files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from segpack import shards
-from segpack.shards.record import stored_metadata
 from segpack.errors import ArgumentError, UserError
 
-__all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "DEFAULT_TEMPLATE", "ROLES",
-           "Skipped", "TRAIN_ON", "read_conversations", "validate_messages", "write_chat_dataset"]
+__all__ = ["ChatEncoder", "ChatFormatError", "ChatTemplate", "Conversation", "DEFAULT_TEMPLATE",
+           "Encoded", "ROLES", "Skipped", "TRAIN_ON", "validate_messages"]
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
@@ -50,6 +45,47 @@ class Skipped:
     self.count += 1
     if self.first is None:
       self.first = str(error)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+  """A conversation read with the tools offered to the model in it (a record's `tools` field).
+
+  `read_conversations` yields one for a record that has `tools`, and the plain messages for one
+  that has not; encoders take either.
+
+  Attributes:
+    messages: the value of the record's messages field (validated by the encoder).
+    tools: the value of its `tools` field: a list of JSON schemas (validated by the encoder).
+  """
+
+  messages: Any
+  tools: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+  """One conversation encoded: the samples stored for it and what they cost.
+
+  Attributes:
+    samples: `(int64 token ids, uint8 loss mask)` of each stored sample: one for a conversation
+      kept whole, one per trained assistant turn for one expanded per turn.
+    trained_by_role: trained tokens per role, over the samples.
+    whole_tokens: the tokens of the whole conversation rendered once.
+    expanded: whether the conversation was expanded into one sample per trained turn.
+    empty_think_turns: trained turns into which the template wrote an empty reasoning block
+      where the message has no reasoning.
+  """
+
+  samples: list[tuple[np.ndarray, np.ndarray]]
+  trained_by_role: dict[str, int]
+  whole_tokens: int
+  expanded: bool = False
+  empty_think_turns: int = 0
+
+  @property
+  def stored_tokens(self) -> int:
+    return sum(int(ids.size) for ids, _ in self.samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +304,22 @@ class ChatEncoder:
       counts[message["role"]] += every * (head.size + tail.size) + on * body.size
     return np.concatenate(ids), np.concatenate(mask), counts
 
+  def encode_conversation(self, conversation: Any, *, where: str = "conversation") -> Encoded:
+    """One conversation (its messages, or a `Conversation`) as one sample (`encode_counted`).
+
+    Raises:
+      ChatFormatError: as `encode_counted`, or a conversation with tools (segpack's template
+        has no place for their schemas).
+    """
+    if isinstance(conversation, Conversation):
+      if conversation.tools is not None:
+        raise ChatFormatError(f"{where}: the conversation has tools, which segpack's chat template "
+                              f"cannot render; use a tokenizer with its own chat template "
+                              f"(tokenizer='hf:DIR' (--tokenizer))")
+      conversation = conversation.messages
+    ids, mask, counts = self.encode_counted(conversation, where=where)
+    return Encoded(samples=[(ids, mask)], trained_by_role=counts, whole_tokens=int(ids.size))
+
   def prompt_ids(self, messages: Sequence[Mapping[str, str]], *,
                  where: str = "prompt") -> list[int]:
     """The ids of `messages` followed by the assistant marker and `after_marker` (what the model
@@ -294,106 +346,3 @@ class ChatEncoder:
     out = ([int(end[0])] if end.size == 1 else []) + (
         [int(eos)] if eos is not None and eos >= 0 else [])
     return tuple(dict.fromkeys(out))
-
-
-def _record(raw: bytes, where: str, messages_field: str) -> Any:
-  """The messages of one JSONL line; raises ChatFormatError naming `where`."""
-  try:
-    record = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ChatFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
-  if not isinstance(record, dict) or messages_field not in record:
-    found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-    raise ChatFormatError(f"{where}: no field {messages_field!r} (found: {found})")
-  return record[messages_field]
-
-
-def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "messages",
-                       skipped: Skipped | None = None) -> Iterator[tuple[str, Any]]:
-  """Yields (where, messages) for every non-blank line of a `.jsonl` / `.jsonl.gz` file.
-
-  `where` is "file:line"; the messages are not validated here (`ChatEncoder.encode` does).
-  With `skipped` (`--skip-bad-lines`), a bad line is counted there and skipped.
-
-  Raises:
-    ChatFormatError: a line is not a JSON object with `messages_field`.
-  """
-  path = Path(path)
-  opener = gzip.open if path.name.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        messages = _record(raw, where, messages_field)
-      except ChatFormatError as e:
-        if skipped is None:
-          raise
-        skipped.add(e)
-        continue
-      yield where, messages
-
-
-def write_chat_dataset(
-    conversations: Iterable[tuple[str, Any]],
-    output: str | os.PathLike[str],
-    *,
-    encoder: Any,
-    shard_tokens: int = 1 << 27,
-    metadata: Mapping[str, Any] | None = None,
-    resume_key: str | None = None,
-    skipped: Skipped | None = None,
-) -> dict[str, Any]:
-  """Encodes `(where, messages)` pairs into a shard dataset with a loss mask; returns the manifest.
-
-  With a `resume_key`, a complete dataset with that key is returned as is, and the finished
-  shards of an interrupted run with that key are kept (their conversations are encoded again, to
-  count them, but not written). With `skipped`, a conversation the encoder refuses is counted
-  there and skipped instead of stopping the run.
-
-  Args:
-    encoder: a `ChatEncoder` or a `segpack.text.hf_chat.HfChatTemplate` (`encode_counted`,
-      `describe`, `tokenizer`).
-
-  The manifest's record (`segpack.shards.record`) gets `chat`: the encoder's `describe()` plus
-  `trained_tokens_by_role` and `skipped_conversations`, and `tokenizer` (the tokenizer's
-  `describe()`, where `pack_dataset` finds the BOS/EOS ids) when the tokenizer has one.
-  """
-  manifest_path = Path(output) / shards.MANIFEST_NAME
-  if resume_key is not None and manifest_path.exists():
-    try:
-      old = json.loads(manifest_path.read_text("utf-8"))
-    except ValueError:
-      old = None
-    if isinstance(old, dict) and old.get("resume_key") == resume_key:
-      return old  # Already complete with these inputs and settings.
-  tok = encoder.tokenizer
-  described = encoder.describe()
-  parts: dict[str, Any] = {"chat": described}
-  if hasattr(tok, "describe"):
-    parts["tokenizer"] = tok.describe()
-  meta = stored_metadata(metadata, where=manifest_path, **parts)
-  counts: dict[str, int] = {}
-  with shards.ShardWriter(output, vocab_size=int(tok.vocab_size),
-                          tokenizer_fingerprint=str(getattr(tok, "fingerprint", "")),
-                          shard_tokens=shard_tokens, metadata=meta, resume_key=resume_key,
-                          loss_mask=True) as writer:
-    written = 0
-    for where, messages in conversations:
-      try:
-        ids, mask, roles = encoder.encode_counted(messages, where=where)
-      except ChatFormatError as e:
-        if skipped is None:
-          raise
-        skipped.add(e)
-        continue
-      for role, n in roles.items():
-        counts[role] = counts.get(role, 0) + n
-      written += 1
-      if written > writer.resumed_inputs:  # else: already in a kept shard
-        writer.write(ids, loss_mask=mask)
-    writer.metadata = stored_metadata(writer.metadata, where=manifest_path, chat=dict(
-        described, trained_tokens_by_role=counts,
-        skipped_conversations=skipped.count if skipped else 0))
-  return json.loads((Path(output) / shards.MANIFEST_NAME).read_text("utf-8"))

@@ -24,6 +24,7 @@ from segpack import shards
 from segpack.errors import ArgumentError
 from segpack.shards.format import read_manifest
 from segpack.text import chat
+from segpack.text import chat_files
 from segpack.text import corpus
 from segpack.text import spm
 
@@ -233,8 +234,8 @@ def ensure_builtin_chat(
       out = root / f"{split}-{train_on}"
       key = f"{_cache_key(size)}|{tok.fingerprint}|{train_on}|{split}"
       if not _cached(out, key):
-        chat.write_chat_dataset(
-            chat.read_conversations(jsonl), out, encoder=encoder, resume_key=key,
+        chat_files.write_chat_dataset(
+            chat_files.read_conversations(jsonl), out, encoder=encoder, resume_key=key,
             metadata={"source": f"builtin-chat:{size}", "split": split, "python": sys.version})
       dirs[split] = out
   return BuiltinChatDataset(train_dir=dirs["train"], eval_dir=dirs["eval"], spm_model=root /

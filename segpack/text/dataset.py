@@ -3,7 +3,7 @@
 The tokenizer is `--tokenizer spm:PATH | hf:PATH` (`tokenizer_spec.from_spec`), `--spm-model`
 (the same as `spm:`), or a SentencePiece model trained first (`--vocab-size`). Plain text goes
 through `encode.write_dataset` (worker processes, resumable); chat conversations
-(`--format chat`, or detected) through `chat.write_chat_dataset` with a per-token loss mask,
+(`--format chat`, or detected) through `chat_files.write_chat_dataset` with a per-token loss mask,
 rendered as `chat_template` (`--chat-template`, `CHAT_TEMPLATES`) says: `auto` the tokenizer's
 own chat template when it has one, else segpack's; `own` the tokenizer's own (refused without
 one); `segpack` segpack's `chat.ChatTemplate` even when the tokenizer has its own.
@@ -16,25 +16,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from segpack import files
-from segpack import remote_files
-from segpack import shards as shards_lib
-from segpack.files import LockHeldError, atomic_write_json, file_lock
+from segpack.files import LockHeldError, file_lock
 from segpack.text import beam_pipeline
-from segpack.text import chat
+from segpack.text import chat_tokenize
 from segpack.text import corpus
 from segpack.text import encode
-from segpack.text import hf as hf_lib
 from segpack.text import hf_chat
 from segpack.text import input_ranges
 from segpack.text import spm as spm_lib
@@ -52,9 +45,6 @@ CHAT_TEMPLATES = ("auto", "own", "segpack")
 LOCK_NAME = ".segpack-tokenize.lock"
 
 _LOG = logging.getLogger(__name__)
-
-_NO_TOKENIZER = ("pass tokenizer='hf:FILE'|'spm:FILE' (--tokenizer), spm_model=FILE (--spm-model) "
-                 "or vocab_size=N (--vocab-size, to train a model first)")
 
 
 def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str], *,
@@ -87,12 +77,17 @@ def _check_arguments(inputs: Sequence[str | os.PathLike[str]], output: str | os.
                            f"got {chat_template!r}")
 
 
-def refuse_chat_template(chat_template: str, *, why: str) -> None:
-  """Refuses `chat_template` other than "auto" for inputs that are not chat (`why` says why they
-  are plain text): the one check of `tokenize_files` and of `segpack tokenize` with URLs."""
+def refuse_chat_template(chat_template: str, *, why: str,
+                         options: hf_chat.ChatOptions | None = None) -> None:
+  """Refuses `chat_template` other than "auto", and rendering `options` other than the defaults,
+  for inputs that are not chat (`why` says why they are not)."""
   if chat_template != "auto":
     raise InputFormatError(f"chat_template={chat_template!r} (--chat-template) applies to chat "
                            f"data only, input_format='chat' (--format); {why}")
+  if options is not None and options != hf_chat.ChatOptions():
+    raise InputFormatError(f"chat_options={options!r} (--turns, --reasoning, --chat-date, "
+                           f"--chat-template-file) apply to chat data only, input_format='chat' "
+                           f"(--format); {why}")
 
 
 def tokenize_files(
@@ -117,12 +112,15 @@ def tokenize_files(
     beam_options: str = "",
     unit_records: int = beam_pipeline.DEFAULT_UNIT_RECORDS,
     chat_template: str = "auto",
+    chat_options: hf_chat.ChatOptions | None = None,
 ) -> list[encode.Summary]:
   """The CLI as a function: tokenizes `inputs` into `output` (or its train/ and eval/).
 
   `tokenizer` (a spec, `"spm:PATH"` or `"hf:PATH/tokenizer.json"`), `spm_model` and `vocab_size`
   exclude each other; `chat_template` is `--chat-template` (one of `CHAT_TEMPLATES`: the renderer
-  of chat data, part of the resume key); the other arguments are the CLI's flags.
+  of chat data, part of the resume key); `chat_options` are the choices of rendering with a
+  tokenizer's own chat template (`--turns`, `--reasoning`, `--chat-date`,
+  `--chat-template-file`); the other arguments are the CLI's flags.
 
   Returns:
     One summary per dataset written (two for `builtin`: train and eval).
@@ -138,7 +136,8 @@ def tokenize_files(
       if len(inputs) != 1 or builtin[0] not in ("builtin", "builtin:full", "builtin:small"):
         raise InputFormatError(f"inputs (--input) holding builtin[:full|:small] must hold it "
                                f"alone, got {[str(p) for p in inputs]}")
-      refuse_chat_template(chat_template, why=f"inputs={builtin} (--input) are plain text")
+      refuse_chat_template(chat_template, why=f"inputs={builtin} (--input) are plain text",
+                           options=chat_options)
       return _tokenize_builtin(
           builtin[0].partition(":")[2] or "full", output, given=given, tokenizer=tokenizer,
           vocab_size=vocab_size, cache_dir=cache_dir, runner=runner, workers=workers,
@@ -152,12 +151,12 @@ def tokenize_files(
     if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
       if runner == "beam":
         raise InputFormatError("runner='beam' (--runner) tokenizes plain text; run chat locally")
-      return _said(inputs, files, skipped, None, [_tokenize_chat(
+      return _said(inputs, files, skipped, None, [chat_tokenize.tokenize_chat(
           files, output, given=given, vocab_size=vocab_size, train_on=train_on, spec=tokenizer,
           messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite,
-          skip_bad_lines=skip_bad_lines, chat_template=chat_template)])
+          skip_bad_lines=skip_bad_lines, chat_template=chat_template, options=chat_options)])
     refuse_chat_template(chat_template, why=f"input_format={input_format!r} (--format) reads "
-                                            f"the inputs as plain text")
+                                            f"the inputs as plain text", options=chat_options)
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
     ident = {"inputs": [encode.file_identity(p) for p in files], **read}
     if given is not None:
@@ -167,14 +166,14 @@ def tokenize_files(
           iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
           protect=[output], overwrite=overwrite, progress=progress)
     else:
-      raise InputFormatError(_NO_TOKENIZER)
+      raise InputFormatError(chat_tokenize.NO_TOKENIZER)
     if runner == "beam":
       summary = beam_pipeline.tokenize_files_beam(
           files, output, tokenizer=tokenizer, read=read, ident=ident,
-          metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+          metadata={"inputs": [str(p) for p in files], **tokenizer_cache.model_entry(tokenizer), **read},
           shard_tokens=shard_tokens, unit_records=unit_records, beam_options=beam_options,
           overwrite=overwrite)
-      keep_tokenizer(tokenizer, output)
+      tokenizer_cache.keep_tokenizer(tokenizer, output)
       return _said(inputs, files, skipped, None, [summary])
     return _tokenize_local(inputs, files, skipped, output, tokenizer=tokenizer, read=read,
                            ident=ident, workers=workers, shard_tokens=shard_tokens,
@@ -204,9 +203,9 @@ def _tokenize_local(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Pa
       tokenizer=tokenizer, resume_key=encode.resume_key(dict(
           ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens)),
       workers=workers, shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-      metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer), **read},
+      metadata={"inputs": [str(p) for p in files], **tokenizer_cache.model_entry(tokenizer), **read},
       stage_seconds=stages)
-  keep_tokenizer(tokenizer, output)
+  tokenizer_cache.keep_tokenizer(tokenizer, output)
   return _said(inputs, files, skipped, documents or None, [encode.summarize(
       output, manifest, resumed=resumed, bad_lines=counters.bad_lines,
       seconds=time.perf_counter() - start, text_bytes=nbytes, stages=stages or None)])
@@ -294,157 +293,3 @@ def _given_tokenizer(spec: str | None, spm_model: str | os.PathLike[str] | None,
     return tokenizer_spec.from_spec(spec)
   except (ValueError, TypeError, OSError, ImportError) as e:
     raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {e}") from e
-
-
-def keep_tokenizer(tokenizer: tokenizer_spec.Tokenizer, output: Path) -> None:
-  """Copies the tokenizer's files (a SentencePiece model; a `tokenizer.json` and the
-  `tokenizer_config.json` beside it) into the finished dataset under the names its manifest
-  records (`metadata.tokenizer.model_file`, `config_file`), so that training, sampling and export
-  never depend on a path outside the dataset. Atomic per file; a copy already equal is kept."""
-  if remote_files.is_url(str(output)):
-    return  # a dataset at a URL: its tokenizer stays where --tokenizer / --spm-model named it
-  sources = [getattr(tokenizer, "model_file", None), getattr(tokenizer, "config_file", None)]
-  for src in (Path(p) for p in sources if p is not None):
-    dest = output / src.name
-    if dest.exists() and (dest.resolve() == src.resolve()
-                          or files.sha256_file(dest) == files.sha256_file(src)):
-      continue
-    files.atomic_write_bytes(dest, src.read_bytes())
-
-
-def _model_entry(tokenizer: tokenizer_spec.Tokenizer) -> dict[str, str]:
-  """The manifest metadata entry naming the tokenizer's file."""
-  key = "spm_model" if isinstance(tokenizer, spm_lib.SpmTokenizer) else "tokenizer_file"
-  return {key: str(getattr(tokenizer, "model_file", tokenizer.spec))}
-
-
-def _chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | None,
-                    ident: dict[str, Any], overwrite: bool) -> tokenizer_spec.Tokenizer:
-  """The tokenizer of `--format chat`: the one given, or a SentencePiece model trained on the
-  contents with segpack's chat markers as symbols (kept and reused under the same key)."""
-  if given is not None:
-    return given
-  if vocab_size is None:
-    raise InputFormatError(_NO_TOKENIZER)
-  texts = (m.get("content", "") for _, ms in conversations() if isinstance(ms, list)
-           for m in ms if isinstance(m, dict) and isinstance(m.get("content"), str))
-  model_file = output / "spm.model"
-  key_hash = encode.resume_key(dict(ident, vocab_size=vocab_size))
-  record = model_file.with_suffix(".json")
-  try:
-    ok = json.loads(record.read_text("utf-8")).get("key") == key_hash
-  except (OSError, ValueError):
-    ok = False
-  if ok and model_file.exists():
-    return spm_lib.SpmTokenizer(model_file)
-  tokenizer_cache.refuse_to_replace_model(model_file, [output], overwrite=overwrite)
-  tokenizer = spm_lib.train_spm(texts, model_file, vocab_size=vocab_size,
-                                user_defined_symbols=list(chat.DEFAULT_TEMPLATE.markers))
-  atomic_write_json(record, {"key": key_hash, "fingerprint": tokenizer.fingerprint})
-  return tokenizer
-
-
-def _no_own_template(given: tokenizer_spec.Tokenizer | None) -> InputFormatError:
-  """The refusal of `--chat-template own` for a tokenizer without a chat template of its own."""
-  if isinstance(given, hf_lib.HfTokenizer):
-    what = (f"the tokenizer directory {str(given.model_file.parent)!r} holds no chat template "
-            f"(chat_template.jinja, chat_template.json or chat_template in {hf_lib.CONFIG_NAME})")
-  else:
-    what = (f"the SentencePiece model {str(given.model_file)!r}" if given is not None else
-            "a SentencePiece model trained with vocab_size (--vocab-size)") + (
-                " has no chat template (only tokenizer='hf:DIR' (--tokenizer) holds one)")
-  return InputFormatError(f"chat_template='own' (--chat-template): {what}; pass "
-                          f"chat_template='segpack' (or 'auto') to render with segpack's")
-
-
-def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: str | None,
-                  chat_template: str = "auto") -> chat.ChatEncoder | hf_chat.HfChatTemplate:
-  """The tokenizer's own chat template (a Hugging Face directory holding one) unless
-  `chat_template="segpack"`, else segpack's `ChatTemplate`; `"own"` refuses a tokenizer without
-  a template of its own."""
-  directory = tokenizer.model_file.parent if isinstance(tokenizer, hf_lib.HfTokenizer) else None
-  has_own = directory is not None and hf_chat.template_file(directory) is not None
-  if chat_template == "own" and not has_own:
-    raise _no_own_template(tokenizer)
-  if not has_own or chat_template == "segpack":
-    encoder = chat.ChatEncoder(tokenizer, train_on=train_on)
-    if has_own:
-      _LOG.info("chat_template='segpack' (--chat-template): rendering conversations with "
-                "segpack's chat template, not the one of %s", directory)
-    if not encoder.markers_are_symbols:
-      _LOG.warning("%s has no chat markers as special symbols; they are encoded as text",
-                   tokenizer.model_file)
-    return encoder
-  try:
-    encoder = hf_chat.HfChatTemplate(directory, train_on=train_on)
-  except (ImportError, OSError, ValueError) as e:
-    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {' '.join(str(e).split())}") from e
-  _LOG.info("rendering conversations with the chat template of %s (%s)", directory,
-            encoder.template_file)
-  return encoder
-
-
-def _chat_summary(output: Path, manifest: dict[str, Any], *, resumed: int, seconds: float,
-                  text_bytes: int) -> encode.Summary:
-  """The summary of a chat dataset: skipped conversations and trained tokens by role too."""
-  described = shards_lib.DatasetRecord.from_manifest(
-      manifest, where=output / shards_lib.MANIFEST_NAME).chat or shards_lib.ChatRecord()
-  by_role = described.trained_tokens_by_role
-  return dataclasses.replace(
-      encode.summarize(output, manifest, resumed=resumed, seconds=seconds, text_bytes=text_bytes,
-                       bad_lines=described.skipped_conversations or 0),
-      trained_by_role=None if by_role is None else dict(by_role))
-
-
-def _tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, train_on: str,
-                   messages_field: str, shard_tokens: int, overwrite: bool,
-                   skip_bad_lines: bool = False, spec: str | None = None,
-                   chat_template: str = "auto") -> encode.Summary:
-  """`--format chat`: conversations to tokens + loss mask (single process; `segpack.text.chat`,
-  or `segpack.text.hf_chat` for a tokenizer with its own chat template, as `chat_template`
-  picks)."""
-  def conversations(skipped: chat.Skipped | None = None):
-    for path in files:
-      try:
-        yield from chat.read_conversations(path, messages_field=messages_field, skipped=skipped)
-      except (OSError, EOFError, zlib.error) as e:  # Corrupt or truncated gzip, I/O errors.
-        raise InputFormatError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
-
-  ident = {"inputs": [encode.file_identity(p) for p in files], "format": "chat",
-           "messages_field": messages_field, "train_on": train_on,
-           "template": dataclasses.asdict(chat.DEFAULT_TEMPLATE)}
-  if skip_bad_lines:
-    ident["skip_bad_lines"] = True
-  if chat_template == "own" and not isinstance(given, hf_lib.HfTokenizer):
-    raise _no_own_template(given)
-  tokenizer = _chat_tokenizer(
-      lambda: conversations(chat.Skipped() if skip_bad_lines else None), output, given=given,
-      vocab_size=vocab_size, ident=ident, overwrite=overwrite)
-  encoder = _chat_encoder(tokenizer, train_on=train_on, spec=spec, chat_template=chat_template)
-  own = isinstance(encoder, hf_chat.HfChatTemplate)
-  if chat_template != "auto":  # the choice is part of the key ("auto" keeps earlier keys)
-    ident["chat_template"] = chat_template
-  if own:
-    ident["template"] = encoder.describe()
-  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
-  finished = encode.finished_dataset(output, key, overwrite=overwrite)
-  if finished is None:
-    if overwrite:  # `write_chat_dataset` would return a finished dataset with the same key as is.
-      (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
-    start = time.perf_counter()
-    skipped = chat.Skipped() if skip_bad_lines else None
-    finished = chat.write_chat_dataset(
-        conversations(skipped), output, encoder=encoder, shard_tokens=shard_tokens,
-        resume_key=key, skipped=skipped,
-        metadata={"inputs": [str(p) for p in files], **_model_entry(tokenizer)})
-    if skipped is not None and skipped.count:
-      _LOG.warning("skip_bad_lines (--skip-bad-lines): %d conversation(s) skipped; the first: "
-                   "%s", skipped.count, skipped.first)
-    seconds, text_bytes, resumed = (time.perf_counter() - start,
-                                    sum(p.stat().st_size for p in files), 0)
-  else:
-    seconds, text_bytes, resumed = 0.0, 0, len(finished["shards"])
-  keep_tokenizer(tokenizer, output)
-  if own:
-    encoder.keep_files(output)
-  return _chat_summary(output, finished, resumed=resumed, seconds=seconds, text_bytes=text_bytes)

@@ -71,6 +71,7 @@ class Summary:
   seconds: float
   text_bytes: int
   trained_by_role: dict[str, int] | None = None  # chat: trained tokens of each role
+  chat_turns: str | None = None  # chat: samples per conversation, expansion cost, empty reasoning
   stages: dict[str, float] | None = None
 
   def table(self) -> str:
@@ -92,6 +93,8 @@ class Summary:
     if self.trained_by_role is not None:
       rows.insert(-1, ("trained tokens by role", ", ".join(
           f"{role} {n:,}" for role, n in self.trained_by_role.items()) or "none"))
+    if self.chat_turns is not None:
+      rows.insert(-1, ("samples", self.chat_turns))
     if self.stages:
       rows.append(("time by stage", ", ".join(f"{k} {v:.2f} s" for k, v in self.stages.items())))
     width = max(len(k) for k, _ in rows)

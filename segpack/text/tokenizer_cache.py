@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from segpack import files
+from segpack import remote_files
 from segpack import shards as shards_lib
 from segpack.text import spm as spm_lib
+from segpack.text import tokenizer_spec
 from segpack.text.encode import counted, resume_key, say
 from segpack.text.inputs import InputFormatError
 
-__all__ = ["copy_model", "refuse_to_replace_model", "trained_tokenizer"]
+__all__ = ["copy_model", "keep_tokenizer", "model_entry", "refuse_to_replace_model",
+           "trained_tokenizer"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -88,3 +91,25 @@ def copy_model(tokenizer: spm_lib.SpmTokenizer, output: Path, *,
   output.mkdir(parents=True, exist_ok=True)
   files.atomic_write_bytes(target, tokenizer.model_file.read_bytes())
   return spm_lib.SpmTokenizer(target)
+
+
+def keep_tokenizer(tokenizer: tokenizer_spec.Tokenizer, output: Path) -> None:
+  """Copies the tokenizer's files (a SentencePiece model; a `tokenizer.json` and the
+  `tokenizer_config.json` beside it) into the finished dataset under the names its manifest
+  records (`metadata.tokenizer.model_file`, `config_file`), so that training, sampling and export
+  never depend on a path outside the dataset. Atomic per file; a copy already equal is kept."""
+  if remote_files.is_url(str(output)):
+    return  # a dataset at a URL: its tokenizer stays where --tokenizer / --spm-model named it
+  sources = [getattr(tokenizer, "model_file", None), getattr(tokenizer, "config_file", None)]
+  for src in (Path(p) for p in sources if p is not None):
+    dest = output / src.name
+    if dest.exists() and (dest.resolve() == src.resolve()
+                          or files.sha256_file(dest) == files.sha256_file(src)):
+      continue
+    files.atomic_write_bytes(dest, src.read_bytes())
+
+
+def model_entry(tokenizer: tokenizer_spec.Tokenizer) -> dict[str, str]:
+  """The manifest metadata entry naming the tokenizer's file."""
+  key = "spm_model" if isinstance(tokenizer, spm_lib.SpmTokenizer) else "tokenizer_file"
+  return {key: str(getattr(tokenizer, "model_file", tokenizer.spec))}

@@ -9,6 +9,7 @@ import pytest
 from segpack.cli import tokenize as tokenize_cli
 from segpack.text import dataset
 from segpack.text import chat
+from segpack.text import chat_files
 from segpack.text import chat_corpus
 from segpack import shards
 from segpack.text import spm
@@ -134,7 +135,7 @@ def test_all_mode_accepts_a_conversation_without_assistant():
 def test_read_conversations_names_file_and_line(tmp_path):
   path = tmp_path / "c.jsonl"
   path.write_text(json.dumps({"messages": CONV}) + "\n\n" + '{"text": "x"}\n')
-  it = chat.read_conversations(path)
+  it = chat_files.read_conversations(path)
   where, messages = next(it)
   assert where == f"{path}:1" and messages == CONV
   with pytest.raises(chat.ChatFormatError, match=r"c.jsonl:3: no field 'messages'"):
@@ -143,13 +144,13 @@ def test_read_conversations_names_file_and_line(tmp_path):
   bad.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
   enc = chat.ChatEncoder(CharTokenizer())
   with pytest.raises(chat.ChatFormatError, match=r"d.jsonl:1: no assistant message"):
-    chat.write_chat_dataset(chat.read_conversations(bad), tmp_path / "out", encoder=enc)
+    chat_files.write_chat_dataset(chat_files.read_conversations(bad), tmp_path / "out", encoder=enc)
 
 
 def test_shards_carry_the_mask(tmp_path):
   enc = chat.ChatEncoder(CharTokenizer())
   convs = [CONV, CONV[1:3], CONV[:3]]
-  chat.write_chat_dataset(((f"c{i}", c) for i, c in enumerate(convs)), tmp_path / "ds",
+  chat_files.write_chat_dataset(((f"c{i}", c) for i, c in enumerate(convs)), tmp_path / "ds",
                           encoder=enc, shard_tokens=40)
   src = shards.ShardSource(tmp_path / "ds")
   assert src.has_loss_mask and len(src) == 3 and src.num_shards >= 2
@@ -260,15 +261,15 @@ def test_masked_writer_resumes_byte_identically(tmp_path):
       yield item
 
   with pytest.raises(KeyboardInterrupt):
-    chat.write_chat_dataset(failing(), tmp_path / "a", encoder=enc, shard_tokens=100,
+    chat_files.write_chat_dataset(failing(), tmp_path / "a", encoder=enc, shard_tokens=100,
                             resume_key="k")
   kept = sorted(p.name for p in (tmp_path / "a").glob("shard-*.mask"))
   assert kept  # finished shards (with their masks) survive the interruption
   stamps = {n: (tmp_path / "a" / n).stat().st_mtime_ns for n in kept}
-  chat.write_chat_dataset(iter(convs), tmp_path / "a", encoder=enc, shard_tokens=100,
+  chat_files.write_chat_dataset(iter(convs), tmp_path / "a", encoder=enc, shard_tokens=100,
                           resume_key="k")
   assert stamps == {n: (tmp_path / "a" / n).stat().st_mtime_ns for n in kept}  # not rewritten
-  chat.write_chat_dataset(iter(convs), tmp_path / "b", encoder=enc, shard_tokens=100,
+  chat_files.write_chat_dataset(iter(convs), tmp_path / "b", encoder=enc, shard_tokens=100,
                           resume_key="k")
   a, b = shards.ShardSource(tmp_path / "a"), shards.ShardSource(tmp_path / "b")
   assert a.fingerprint == b.fingerprint and a.num_shards > len(kept)

@@ -1,5 +1,5 @@
-"""Chat data rendered with a tokenizer's own chat template (segpack/text/hf_chat.py,
-segpack/text/chat_layout.py): masks, refusals, the tokenize CLI, datasets that carry their
+"""Chat data rendered with a tokenizer's own chat template (segpack/text/hf_chat/): masks of
+conversations kept whole (`turns="whole"`), refusals, the tokenize CLI, datasets that carry their
 template, packing without added BOS/EOS, the renderer API the sampler calls.
 
 Every tokenizer is built here (a byte-level BPE trained on a few lines, the templates' special
@@ -239,6 +239,8 @@ CONVERSATIONS = {
 # ending there is not how the whole conversation begins.
 # ChatML writes "\n" before the content: the answer's leading newlines merge with it, so the
 # generation prompt's last token is not the conversation's there.
+# Conversations kept whole: what cannot be is refused (tests/text/test_chat_turns.py expands).
+WHOLE = hf_chat.ChatOptions(turns="whole")
 MERGES = "not prefix-stable in tokens: the generation prompt of messages\\[1\\]"
 REFUSED = {
     "qwen25": {"newlines": MERGES},
@@ -290,7 +292,7 @@ def templates(base_tokenizer, tmp_path_factory):
   out = {}
   for name, (template, bos, eos, _, _) in TEMPLATES.items():
     save_tokenizer(root / name, base_tokenizer, template, bos=bos, eos=eos)
-    out[name] = hf_chat.HfChatTemplate(root / name)
+    out[name] = hf_chat.HfChatTemplate(root / name, options=WHOLE)
   return out
 
 
@@ -373,7 +375,7 @@ def test_the_prefix_method_equals_transformers_on_the_same_template_without_mark
 @pytest.mark.parametrize("name", ["llama31", "qwen25", "generation"])
 def test_train_on_last_assistant_and_all(templates, name):
   directory = templates[name].directory
-  last = hf_chat.HfChatTemplate(directory, train_on="last_assistant")
+  last = hf_chat.HfChatTemplate(directory, train_on="last_assistant", options=WHOLE)
   every = hf_chat.HfChatTemplate(directory, train_on="all")
   for key in ("multi", "two_assistants", "tool", "long"):
     messages = CONVERSATIONS[key]
@@ -400,10 +402,11 @@ def test_trained_tokens_are_counted_by_role(templates):
 
 
 @pytest.mark.parametrize("template, match", [
-    (COUNTING, r"messages\[:1\]"), (DROPS_THINKING, r"messages\[:2\]")])
+    (COUNTING, r"messages\[1\] answered alone"), (DROPS_THINKING, r"messages\[1\] answered")])
 def test_templates_that_rewrite_earlier_text_are_refused_not_mis_masked(
     base_tokenizer, tmp_path, template, match):
-  renderer = hf_chat.HfChatTemplate(save_tokenizer(tmp_path / "t", base_tokenizer, template))
+  renderer = hf_chat.HfChatTemplate(save_tokenizer(tmp_path / "t", base_tokenizer, template),
+                                    options=WHOLE)
   thinking = [U("q"), A("<think>\nhmm\n</think>\n\nfirst"), U("q2"), A("second")]
   with pytest.raises(ChatFormatError, match=r"chats\.jsonl:7: the chat template is not "
                                             r"prefix-stable here: " + match):
@@ -561,7 +564,7 @@ def test_skip_bad_lines_counts_refused_conversations(base_tokenizer, tmp_path, c
   bad = [U("q"), A("<think>\nhmm\n</think>\n\nfirst"), U("q2"), A("second")]
   jsonl = _chat_jsonl(tmp_path / "chats.jsonl", good[:2] + [bad] + good[2:], ["{not json"])
   args = ["--input", str(jsonl), "--tokenizer", f"hf:{source}", "--format", "chat",
-          "--no-progress"]
+          "--no-progress", "--turns", "whole"]
   rc = tokenize_cli.main(args + ["--output", str(tmp_path / "strict")])
   err = capsys.readouterr().err
   assert rc == 2 and err.count("\n") == 1

@@ -1,6 +1,6 @@
 """Where each message and each trained span lies in a conversation rendered by a chat template.
 
-This is the template-agnostic half of `segpack.text.hf_chat.HfChatTemplate`: it works on the
+This is the template-agnostic half of `segpack.text.hf_chat.template.HfChatTemplate`: it works on the
 texts a template renders (prefixes of the conversation, and the prompts that ask for an assistant
 turn) and on token offsets, never on the template itself. `layout` checks that the template is
 *prefix-stable* (adding a message only appends text) and finds the trained character spans;
@@ -20,7 +20,8 @@ import numpy as np
 
 from segpack.text.chat import ChatFormatError
 
-__all__ = ["TEMPLATE_ROLE", "Layout", "layout", "overlap_mask", "region_mask", "role_counts"]
+__all__ = ["TEMPLATE_ROLE", "Layout", "layout", "locate", "overlap_mask", "region_mask",
+           "role_counts"]
 
 # The role of the text a template writes before the first message (a BOS, a default system block).
 TEMPLATE_ROLE = "template"
@@ -57,7 +58,7 @@ def _cut(text: str, width: int = 60) -> str:
   return repr(text if len(text) <= width else "..." + text[-width:])
 
 
-def _locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[str] | None,
+def locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[str] | None,
             at: str) -> tuple[int, int] | None:
   """The trained span of one assistant message within `added`, the text its render adds.
 
@@ -68,7 +69,9 @@ def _locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[
   where, size = (added.rfind(content), len(content)) if content else (-1, 0)
   if where < 0 and content.strip():
     where, size = added.rfind(content.strip()), len(content.strip())
-    if where < 0:
+    if where < 0 and from_prompt:  # all of `added` is trained: the content only bounds nothing
+      where, size = 0, 0
+    elif where < 0:
       raise ChatFormatError(
           f"{at}: its content {content!r:.60} is not in the text the chat template renders for "
           f"it ({added!r:.120}); the template changes contents, so the trained tokens cannot be "
@@ -132,7 +135,7 @@ def layout(renders: Sequence[str], prompts: Mapping[int, str | None],
       begin = len(prompt)
       prefixes.append((f"the generation prompt of messages[{k}]", prompt))
     content = messages[k].get("content") or ""
-    span = _locate(renders[k][begin:], content, from_prompt=from_prompt, markers=markers,
+    span = locate(renders[k][begin:], content, from_prompt=from_prompt, markers=markers,
                    at=f"{where}: messages[{k}] (role 'assistant')")
     if span is not None:
       spans.append((begin + span[0], begin + span[1]))
