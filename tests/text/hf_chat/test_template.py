@@ -239,7 +239,7 @@ CONVERSATIONS = {
 # ending there is not how the whole conversation begins.
 # ChatML writes "\n" before the content: the answer's leading newlines merge with it, so the
 # generation prompt's last token is not the conversation's there.
-# Conversations kept whole: what cannot be is refused (tests/text/test_chat_turns.py expands).
+# Conversations kept whole: what cannot be is refused (tests/text/hf_chat/test_turns.py expands).
 WHOLE = hf_chat.ChatOptions(turns="whole")
 MERGES = "not prefix-stable in tokens: the generation prompt of messages\\[1\\]"
 REFUSED = {
