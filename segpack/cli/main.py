@@ -2,7 +2,7 @@
 
   segpack tokenize --input builtin --output data/builtin     # text to a shard dataset
   segpack stats --data data/builtin/train --compare           # packing statistics
-  segpack bench packing | attention | tokenize | gpu-report [--json]    # benchmarks
+  segpack bench packing | attention | tokenize | gpu-report | chat-turns [--json]  # benchmarks
 
 Each subcommand takes the flags of its module's `main` (`segpack tokenize --help`). A
 subcommand's module is imported only when it runs, so `segpack tokenize` starts without JAX and
@@ -33,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                            "where its time goes"),
     "gpu-report": ("segpack.bench.gpu_report", "on a GPU: every backend vs a float32 reference, "
                                                "timings, one JSON file"),
+    "chat-turns": ("segpack.bench.chat_turns", "chat stored one sample per assistant turn: "
+                                               "tokens against the whole conversation"),
 }
 
 
