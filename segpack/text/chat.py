@@ -75,6 +75,8 @@ class Encoded:
     expanded: whether the conversation was expanded into one sample per trained turn.
     empty_think_turns: trained turns into which the template wrote an empty reasoning block
       where the message has no reasoning.
+    sample_turns: the message indices of the assistant turns each sample trains (empty where
+      not tracked: segpack's template, `train_on="all"`).
   """
 
   samples: list[tuple[np.ndarray, np.ndarray]]
@@ -82,6 +84,7 @@ class Encoded:
   whole_tokens: int
   expanded: bool = False
   empty_think_turns: int = 0
+  sample_turns: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
   @property
   def stored_tokens(self) -> int:

@@ -57,8 +57,10 @@ class HfChatTemplate(TemplateRenderer):
        (`turns.turn_start`; before the message when the template cannot render `P_k`).
     2. Whole or per turn (`options.turns`): "auto" keeps the conversation as one sample when its
        whole render begins with every `P_k + output_k`, in text and in tokens (then training it
-       once trains each turn as the model sees it), else stores one sample `P_k + output_k` per
-       turn; "expand" always does; "whole" refuses what it cannot keep (`ChatFormatError`).
+       once trains each turn as the model sees it), else stores the turns' texts `P_k + output_k`,
+       each training every turn whose text begins it (`turns.cover`: no turn stored twice);
+       "expand" stores one sample per turn; "whole" refuses what it cannot keep
+       (`ChatFormatError`).
     3. Trained characters of a turn: a template with `{% generation %}` markers: the spans it
        marks in the turn; any other: the output from its start through the last special or
        added token after the content (the end-of-turn token), so ChatML's newline after
@@ -213,6 +215,27 @@ class HfChatTemplate(TemplateRenderer):
         raise
       return None
 
+  def _per_turn(self, turns: Sequence[turns_lib.Turn], messages: Messages, tools: Tools, *,
+                where: str) -> list[tuple[np.ndarray, np.ndarray, int, tuple[int, ...]]]:
+    """The samples of an expanded conversation: with `turns="auto"`, each sample trains every
+    turn its text holds exactly (`turns.cover`), so no turn is stored twice; with "expand", one
+    sample per turn."""
+    def one(group):
+      return (*self._sample(group[-1].text, group, messages, tools, where=where),
+              tuple(t.index for t in group))
+
+    if self.options.turns == "expand":
+      return [one([t]) for t in turns]
+    out = []
+    for group in turns_lib.cover(turns):
+      try:
+        out.append(one(group))
+      except _TokenMismatch:
+        if len(group) == 1:
+          raise
+        out += [one([t]) for t in group]
+    return out
+
   def encode_conversation(self, conversation: Any, *, where: str = "conversation") -> Encoded:
     """Validates and encodes one conversation (its messages, or a `chat.Conversation` with
     tools) into its samples.
@@ -235,14 +258,16 @@ class HfChatTemplate(TemplateRenderer):
                                                                    where=where)
     if kept is not None:
       samples, empty, whole_tokens = [kept[:2]], kept[2], int(kept[0].size)
+      covered = [tuple(trained)]
     else:
-      made = [self._sample(t.text, [t], messages, tools, where=where) for t in turns]
+      made = self._per_turn(turns, messages, tools, where=where)
       samples, empty = [m[:2] for m in made], sum(m[2] for m in made)
+      covered = [m[3] for m in made]
       whole_tokens = int(self._tokens(whole)[0].size)
     counts = {role: 0 for role in roles}
     counts["assistant"] = int(sum(int(mask.sum()) for _, mask in samples))
     return Encoded(samples=samples, trained_by_role=counts, whole_tokens=whole_tokens,
-                   expanded=kept is None, empty_think_turns=empty)
+                   expanded=kept is None, empty_think_turns=empty, sample_turns=covered)
 
   def _encode_all(self, messages: Messages, tools: Tools, *,
                   where: str) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from segpack.text.chat import ChatFormatError
 
-__all__ = ["Turn", "first_difference", "turn_start", "whole_holds"]
+__all__ = ["Turn", "cover", "first_difference", "turn_start", "whole_holds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,27 @@ def whole_holds(whole: str, turns: Sequence[Turn]) -> bool:
   """Whether `whole` (the render of the whole conversation) begins with every turn's sample text,
   so that training it once trains each turn exactly as its own sample would."""
   return all(whole.startswith(turn.text) for turn in turns)
+
+
+def cover(turns: Sequence[Turn]) -> list[list[Turn]]:
+  """The turns grouped into samples: each group is stored as the text of its last turn, which
+  begins with every other turn's text of the group, so training it trains each of them exactly as
+  its own sample would.
+
+  Algorithm (greedy from the last turn): take the last turn not yet grouped; its group is every
+  ungrouped turn whose text begins it; repeat. Groups come out in turn order.
+
+  Example (Qwen3, reasoning on every turn after one question, then a final answer): the earlier
+  turns' texts all begin the final turn's text (the template keeps reasoning after the last user
+  message), so the three turns are one sample, not three.
+  """
+  left, groups = list(turns), []
+  while left:
+    last = left[-1]
+    group = [t for t in left if last.text.startswith(t.text)]
+    groups.append(group)
+    left = [t for t in left if t not in group]
+  return sorted(groups, key=lambda group: group[-1].index)
 
 
 def _shown(text: str, width: int = 60) -> str:
