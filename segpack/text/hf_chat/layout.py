@@ -62,16 +62,23 @@ def locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[s
             at: str) -> tuple[int, int] | None:
   """The trained span of one assistant message within `added`, the text its render adds.
 
-  The content is found exactly, else stripped (templates trim); the span runs from the content
-  start (from 0 when `added` follows the generation prompt: all of it is the model's to write)
-  through the last marker (a special or added token) after the content, or the content's end
-  when none follows. None when nothing is left to train (no content and no marker)."""
+  After the generation prompt (`from_prompt`) all of `added` is the model's to write: the span
+  runs from 0 through the last marker (a special or added token: the end of turn) in it, found by
+  the render's structure, never by searching for the content (an answer "im" is inside
+  `<|im_end|>`). Otherwise the content is found exactly, else stripped (templates trim), and the
+  span runs from the content start through the last marker after it, or the content's end when
+  none follows. None when nothing is left to train (no content and no marker)."""
+  last = None
+  if from_prompt:
+    if markers is not None:
+      for last in markers.finditer(added):
+        pass
+    end = last.end() if last is not None else len(added.rstrip())
+    return (0, end) if end > 0 else None
   where, size = (added.rfind(content), len(content)) if content else (-1, 0)
   if where < 0 and content.strip():
     where, size = added.rfind(content.strip()), len(content.strip())
-    if where < 0 and from_prompt:  # all of `added` is trained: the content only bounds nothing
-      where, size = 0, 0
-    elif where < 0:
+    if where < 0:
       raise ChatFormatError(
           f"{at}: its content {content!r:.60} is not in the text the chat template renders for "
           f"it ({added!r:.120}); the template changes contents, so the trained tokens cannot be "
@@ -79,14 +86,11 @@ def locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[s
   if where < 0:  # empty content: only what the template writes
     where, size = 0, 0
   content_end = where + size
-  last = None
   if markers is not None:
     for last in markers.finditer(added, content_end):
       pass
   end = last.end() if last is not None else content_end
-  if from_prompt:
-    start = 0
-  elif size:
+  if size:
     start = where
   else:
     start = last.start() if last is not None else end
