@@ -4,6 +4,9 @@ r"""Decodes from a run's newest intact checkpoint with a KV cache: `python -m tr
   python -m train.sample --workdir runs/packed --prompt "def " --prompt "class " \
       --temperature 0.8 --top_p 0.95 --num_samples 3                               # drawn
   python -m train.sample --workdir runs/sft --chat --prompt "What does zip do?"   # chat
+  python -m train.sample --workdir runs/sft_hf --chat --tools tools.json \
+      --prompt "Find the docs of zip"                                              # with tools
+  python -m train.sample --workdir runs/sft_hf --chat --conversation chat.json   # next turn
   python -m train.sample --workdir runs/synthetic --prompt_ids 5,6,7               # prints ids
   python -m train.sample --benchmark                                               # tokens/s
 
@@ -14,14 +17,24 @@ prompt as a user turn with the run's chat template (segpack's, or the model's ow
 rendered by it) and prints the assistant's answer, stopping at the end of its turn. All prompts
 and samples decode together in one jitted loop (`train.sample.decode`): several share one packed row
 (`--rows`), and each answer is the one it would get alone.
+
+With a model's own chat template (data tokenized with `--tokenizer hf:DIR`, or an imported
+model's), `--tools FILE` offers tools to the model (a JSON list of tool schemas, or an object with a
+`tools` list) and `--conversation FILE` gives a whole conversation (`{"messages": [...], "tools":
+[...]}` or a list of messages, assistant `tool_calls` and `tool` results included, ending with a user
+or tool message) whose next assistant turn the model answers; the prompt is the template's render
+with the generation prompt and the tools, as `apply_chat_template(messages, tools=tools,
+add_generation_prompt=True)` gives it. `--tools` wins over a conversation's own `tools`. segpack's
+own template has no place for tools: both flags are refused there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -30,6 +43,8 @@ from absl import app, flags, logging
 from segpack.errors import UserError
 from segpack import errors
 from segpack.text import chat
+from segpack.text import hf_chat
+from segpack.text.hf_chat import messages as hf_messages
 from train.sample import decode as decode_lib
 from train.runs import tokenizer as run_tokenizer
 from train.runs import saved as saved_run
@@ -86,18 +101,127 @@ def chat_renderer(config: ml_collections.ConfigDict, workdir: str) -> Any:
   return renderer
 
 
+def _read_json(path: str, *, flag: str) -> Any:
+  """The JSON value of the file a flag names; SampleError naming the flag and the file."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SampleError(f"{flag} {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from e
+  try:
+    return json.loads(text)
+  except ValueError as e:
+    raise SampleError(f"{flag} {path}: not JSON: {e}") from e
+
+
+def check_tools(tools: Any, *, where: str = "tools") -> list[dict[str, Any]]:
+  """`tools` as a list of tool schemas (`segpack.text.hf_chat.validate_tools`); SampleError
+  naming `where` otherwise (None included)."""
+  try:
+    checked = hf_chat.validate_tools(tools, where=where)
+  except chat.ChatFormatError as e:
+    raise SampleError(str(e)) from e
+  if checked is None:
+    raise SampleError(f"{where}: tools must be a list of objects (JSON schemas), got None")
+  return checked
+
+
+def check_conversation(conversation: Any, *, where: str = "conversation") -> chat.Conversation:
+  """`conversation` (a `chat.Conversation` or a list of messages) checked for a model's own
+  template (`segpack.text.hf_chat.validate_conversation`) and ending with a user or tool message,
+  whose next assistant turn the model answers; SampleError naming `where` otherwise."""
+  try:
+    messages, tools = hf_chat.validate_conversation(conversation, where=where, train_on="all")
+  except chat.ChatFormatError as e:
+    raise SampleError(str(e)) from e
+  last = messages[-1]["role"]
+  if last != "user" and last not in hf_messages.TOOL_ROLES:
+    raise SampleError(f"{where}: the last message has role {last!r}; end with a user or tool "
+                      f"message, whose next assistant turn the model answers")
+  return chat.Conversation(messages=messages, tools=tools)
+
+
+def read_tools(path: str) -> list[dict[str, Any]]:
+  """The tool schemas of a `--tools` file: a JSON list of objects, or an object with a `tools`
+  list; SampleError naming the flag and the file otherwise."""
+  value = _read_json(path, flag="--tools")
+  if isinstance(value, dict):
+    if "tools" not in value:
+      raise SampleError(f"--tools {path}: an object without a 'tools' list; give a list of tool "
+                        f"schemas or {{\"tools\": [...]}}, got keys {sorted(value)[:6]}")
+    value = value["tools"]
+  return check_tools(value, where=f"--tools {path}")
+
+
+def read_conversation(path: str) -> chat.Conversation:
+  """The conversation of a `--conversation` file: `{"messages": [...], "tools": [...]}` (tools
+  optional) or a list of messages, checked as `check_conversation` does; SampleError naming the
+  flag and the file otherwise."""
+  value = _read_json(path, flag="--conversation")
+  where = f"--conversation {path}"
+  if isinstance(value, dict):
+    if "messages" not in value:
+      raise SampleError(f"{where}: an object without a 'messages' list; give {{\"messages\": "
+                        f"[...], \"tools\": [...]}} or a list of messages, got keys "
+                        f"{sorted(value)[:6]}")
+    value = chat.Conversation(messages=value["messages"], tools=value.get("tools"))
+  return check_conversation(value, where=where)
+
+
+def _check_request(*, texts: Sequence[str], ids: Sequence[str], chat_mode: bool,
+                   system: str | None, conversation: chat.Conversation | None,
+                   tools: Any) -> None:
+  """The combinations of prompt settings that cannot be sampled with (before any file of the
+  run is read)."""
+  if conversation is not None and (texts or ids):
+    raise SampleError(f"--conversation is the whole prompt: give it without --prompt or "
+                      f"--prompt_ids, got --prompt={list(texts)!r} and "
+                      f"--prompt_ids={list(ids)!r}")
+  if conversation is None and bool(texts) == bool(ids):
+    raise SampleError(f"give --prompt (text) or --prompt_ids (comma-separated ids), one of the "
+                      f"two, got --prompt={list(texts)!r} and --prompt_ids={list(ids)!r}")
+  for flag, given in (("--tools", tools is not None), ("--conversation", conversation is not None)):
+    if given and not chat_mode:
+      raise SampleError(f"{flag} needs --chat: the model's chat template renders it")
+  if tools is not None and ids:
+    raise SampleError("--tools applies to --prompt and --conversation, not to --prompt_ids "
+                      "(token ids are not rendered)")
+  if system and conversation is not None:
+    raise SampleError("--system applies to --prompt; put the system message into the "
+                      "--conversation file")
+
+
+def _chat_prompts(renderer: Any, *, texts: Sequence[str], system: str | None,
+                  conversation: chat.Conversation | None,
+                  tools: list[dict[str, Any]] | None) -> list[list[int]]:
+  """The chat prompts' token ids: each text as a user turn (after `system`), or the
+  conversation; with the tools (`tools`, else the conversation's own)."""
+  if (tools is not None or conversation is not None) and not isinstance(
+      renderer, hf_chat.HfChatTemplate):
+    flag = "--tools" if tools is not None else "--conversation"
+    raise SampleError(f"{flag} needs a run whose chat template is the model's own (data "
+                      f"tokenized with --tokenizer hf:DIR and its template, or an imported "
+                      f"model's); this run's chat data is rendered with segpack's template, "
+                      f"which has no place for tools")
+  if conversation is not None:
+    offered = conversation.tools if tools is None else tools
+    return [renderer.prompt_ids(conversation.messages, where="--conversation", tools=offered)]
+  head = [{"role": "system", "content": system}] if system else []
+  offered = {} if tools is None else {"tools": tools}  # segpack's template takes no tools
+  return [renderer.prompt_ids(head + [{"role": "user", "content": t}], **offered) for t in texts]
+
+
 def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence[str],
-             ids: Sequence[str], chat_mode: bool, system: str | None
+             ids: Sequence[str], chat_mode: bool, system: str | None,
+             conversation: chat.Conversation | None = None,
+             tools: list[dict[str, Any]] | None = None,
              ) -> tuple[list[list[int]], list[int], Any, int]:
   """`(token ids of every prompt as the model sees it, stop ids, tokenizer or None, the number
   of ids put before the user's own: BOS)`."""
-  if bool(texts) == bool(ids):
-    raise SampleError(f"give --prompt (text) or --prompt_ids (comma-separated ids), one of the "
-                      f"two, got --prompt={list(texts)!r} and --prompt_ids={list(ids)!r}")
   try:
     tokenizer = run_tokenizer.tokenizer_for_run(config)
   except NoTokenizerError as e:
-    if texts:
+    if texts or conversation is not None:
       raise SampleError(f"{e}: give the prompt as token ids, --prompt_ids=5,6,7") from e
     tokenizer = None
   bos, eos = run_tokenizer.special_ids(config, tokenizer)
@@ -110,8 +234,8 @@ def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence
     return ([begin + [int(i) for i in tokenizer.encode(t)] for t in texts], stops, tokenizer,
             len(begin))
   renderer = chat_renderer(config, workdir)
-  head = [{"role": "system", "content": system}] if system else []
-  prompts = [renderer.prompt_ids(head + [{"role": "user", "content": t}]) for t in texts]
+  prompts = _chat_prompts(renderer, texts=texts, system=system, conversation=conversation,
+                          tools=tools)
   if isinstance(renderer, chat.ChatEncoder):  # segpack's template: the pipeline added BOS
     prompts = [begin + p for p in prompts]
   return prompts, sorted(set(stops) | set(renderer.stop_ids)), tokenizer, 0
@@ -127,7 +251,9 @@ def _text(tokenizer: Any, prompt: list[int], new: list[int], *, chat_mode: bool,
 
 
 def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[str] = (),
-           chat_mode: bool = False, system: str | None = None, num_samples: int = 1,
+           chat_mode: bool = False, system: str | None = None,
+           conversation: chat.Conversation | Sequence[Mapping[str, Any]] | None = None,
+           tools: Sequence[Mapping[str, Any]] | None = None, num_samples: int = 1,
            max_new_tokens: int = 64, sampling: decode_lib.Sampling = decode_lib.GREEDY,
            seed: int = 0, rows: int | None = None,
            checkpoint: Checkpoint | None = None) -> list[Answer]:
@@ -139,6 +265,13 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
     prompt_ids: or prompts as comma-separated token ids (the only way for synthetic runs).
     chat_mode: render each prompt as a user turn with the run's chat template (`--chat`).
     system: with `chat_mode`, a system message before the user turn.
+    conversation: with `chat_mode`, instead of `prompts`: a whole conversation (a
+      `chat.Conversation`, its `tools` included, or a list of messages) ending with a user or
+      tool message; the model answers its next assistant turn (`--conversation`). Needs a run
+      whose chat template is the model's own.
+    tools: with `chat_mode`, the tools offered to the model (a list of JSON schemas) in each
+      prompt or in `conversation`, whose own tools they replace (`--tools`). Needs a run whose
+      chat template is the model's own.
     num_samples: draws per prompt (greedy decoding gives one).
     max_new_tokens: the most new tokens per answer.
     sampling: greedy or a draw (`train.sample.decode.Sampling`).
@@ -151,14 +284,21 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
 
   Raises:
     SampleError: no intact checkpoint, no prompt, a synthetic run without `prompt_ids`, a
-      tokenizer that is not the model's, bad settings.
+      tokenizer that is not the model's, bad settings, a conversation or tools that are not
+      valid, or `conversation` / `tools` on a run rendered with segpack's own template.
   """
   if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
     raise SampleError(f"--num_samples must be an int >= 1, got {num_samples!r}")
+  _check_request(texts=prompts, ids=prompt_ids, chat_mode=chat_mode, system=system,
+                 conversation=conversation, tools=tools)
+  if tools is not None:
+    tools = check_tools(list(tools) if isinstance(tools, tuple) else tools)
+  conversation = None if conversation is None else check_conversation(conversation)
   checkpoint = checkpoint or saved_run.choose_checkpoint(workdir)
   config, _ = saved_run.run_config(workdir, checkpoint=checkpoint)
   ids, stops, tokenizer, skip = _prompts(config, workdir, texts=prompts, ids=prompt_ids,
-                                   chat_mode=chat_mode, system=system)
+                                         chat_mode=chat_mode, system=system,
+                                         conversation=conversation, tools=tools)
   config, model, _ = saved_run.load_run(workdir, checkpoint=checkpoint)
   if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:  # more rows: fine
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
@@ -186,6 +326,14 @@ def define_flags() -> dict[str, Any]:
       chat=flags.DEFINE_bool("chat", False, "Render each prompt as a user turn with the run's "
                              "chat template and print the assistant's answer."),
       system=flags.DEFINE_string("system", None, "With --chat: a system message."),
+      tools=flags.DEFINE_string(
+          "tools", None, "With --chat: a JSON file of the tools offered to the model (a list of "
+          "tool schemas, or an object with a 'tools' list), in each prompt or the conversation; "
+          "needs a run rendered by the model's own chat template."),
+      conversation=flags.DEFINE_string(
+          "conversation", None, "With --chat, instead of --prompt: a JSON file holding a whole "
+          "conversation ({\"messages\": [...], \"tools\": [...]} or a list of messages) ending "
+          "with a user or tool message; the model answers the next assistant turn."),
       num_samples=flags.DEFINE_integer("num_samples", 3, "Draws per prompt (greedy gives one)."),
       max_new_tokens=flags.DEFINE_integer("max_new_tokens", 64, "Most new tokens per answer."),
       temperature=flags.DEFINE_float("temperature", None, "0: greedy; default 1 when --top_k "
@@ -202,11 +350,17 @@ def define_flags() -> dict[str, Any]:
 def _run(values: dict[str, Any]) -> None:
   sampling = sampling_of(temperature=values["temperature"], top_k=values["top_k"],
                          top_p=values["top_p"])
+  tools = None if values["tools"] is None else read_tools(values["tools"])
+  conversation = (None if values["conversation"] is None
+                  else read_conversation(values["conversation"]))
+  _check_request(texts=values["prompt"], ids=values["prompt_ids"], chat_mode=values["chat"],
+                 system=values["system"], conversation=conversation, tools=tools)
   checkpoint = saved_run.choose_checkpoint(values["workdir"])  # warns of a damaged one skipped
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # orbax warns about a manager it may not write to
   answers = sample(values["workdir"], prompts=values["prompt"], prompt_ids=values["prompt_ids"],
                    chat_mode=values["chat"], system=values["system"],
+                   conversation=conversation, tools=tools,
                    num_samples=values["num_samples"], max_new_tokens=values["max_new_tokens"],
                    sampling=sampling, seed=values["seed"], rows=values["rows"],
                    checkpoint=checkpoint)
