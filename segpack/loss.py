@@ -10,6 +10,10 @@ parallelism: count the trained tokens of the full batch once (`count_trained_tok
 that count as `normalizer` to every micro-batch; the micro-batch losses (and their gradients) then
 simply add up to the loss of the full batch.
 
+Each function of the logits is two steps: every token's loss (`token_cross_entropy`), then
+its weighting (`token_loss_sum`, `token_loss_by_source`); the second reads token losses from
+anywhere, such as `segpack.loss_blocks`, which computes them without the full logits.
+
 Two weightings (`weighting=`):
   * `"token"` (the default): every trained token alike, `sum of token losses / trained tokens`.
   * `"sequence"`: every document alike, the mean over documents of (document loss / document
@@ -130,9 +134,23 @@ def loss_normalizer(
                                  ignore_index=ignore_index)
 
 
+def token_cross_entropy(logits_BxSxV: jax.Array, labels_BxS: jax.Array, *,
+                        ignore_index: int = IGNORE_INDEX) -> jax.Array:
+  """Every token's cross-entropy, float32 `[B, S]`: 0 (and no gradient) where the label is
+  `ignore_index`. The log-softmax is computed in float32 whatever the dtype of the logits.
+
+  Args:
+    logits_BxSxV: unnormalised scores `[..., V]`.
+    labels_BxS: integer targets with the leading shape of the logits, in `[0, V)` or
+      `ignore_index`.
+    ignore_index: the label value that carries no loss.
+  """
+  return _token_losses(logits_BxSxV, labels_BxS, ignore_index, "token_cross_entropy")
+
+
 def _token_losses(logits_BxSxV: jax.Array, labels_BxS: jax.Array, ignore_index: int,
-                  fn: str) -> tuple[jax.Array, jax.Array]:
-  """`(token cross-entropy, trained mask)`, `[B, S]` each; 0 loss where the label is ignored."""
+                  fn: str) -> jax.Array:
+  """Token cross-entropy `[B, S]`; 0 loss where the label is ignored."""
   if logits_BxSxV.shape[:-1] != labels_BxS.shape:
     raise ArgumentError(
         f"{fn}: logits shape {tuple(logits_BxSxV.shape)} must be labels shape "
@@ -142,7 +160,44 @@ def _token_losses(logits_BxSxV: jax.Array, labels_BxS: jax.Array, ignore_index: 
   safe_labels_BxS = jnp.where(mask_BxS, labels_BxS, 0)
   log_z_BxS = jax.nn.logsumexp(logits, axis=-1)
   target_BxS = jnp.take_along_axis(logits, safe_labels_BxS[..., None], axis=-1)[..., 0]
-  return jnp.where(mask_BxS, log_z_BxS - target_BxS, 0.0), mask_BxS
+  return jnp.where(mask_BxS, log_z_BxS - target_BxS, 0.0)
+
+
+def _check_token_losses(token_loss_BxS: jax.Array, labels_BxS: jax.Array, fn: str) -> None:
+  if token_loss_BxS.shape != labels_BxS.shape:
+    raise ArgumentError(f"{fn}: token_loss_BxS shape {tuple(token_loss_BxS.shape)} must equal "
+                        f"labels shape {tuple(labels_BxS.shape)}")
+
+
+def token_loss_by_source(
+    token_loss_BxS: jax.Array,
+    labels_BxS: jax.Array,
+    sources_BxS: jax.Array,
+    *,
+    num_sources: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy_by_source` of given token losses (`token_cross_entropy`, or the blocked
+  `segpack.loss_blocks.blocked_token_losses`): per source `(sum, trained tokens)`, `[N]` each.
+
+  Args:
+    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored.
+    labels_BxS: integer targets; `ignore_index` carries no loss.
+    sources_BxS: integer source of every slot, -1 (or anything outside `[0, N)`) for none.
+    num_sources: N.
+    ignore_index: the label value that carries no loss.
+  """
+  _check_token_losses(token_loss_BxS, labels_BxS, "token_loss_by_source")
+  mask_BxS = labels_BxS != ignore_index
+  valid_BxS = mask_BxS & (sources_BxS >= 0) & (sources_BxS < num_sources)
+  # On a mesh with explicit axes the [B, S] arrays are gathered whole first (a few bytes per
+  # slot, never the logits): a scatter of split indices into N buckets has no sharding to infer.
+  valid_BxS, token_loss_BxS = mesh_lib.replicated(valid_BxS), mesh_lib.replicated(token_loss_BxS)
+  bucket = jnp.where(valid_BxS, mesh_lib.replicated(sources_BxS), num_sources).reshape(-1)
+  sums = jax.ops.segment_sum(token_loss_BxS.reshape(-1), bucket, num_segments=num_sources + 1)
+  counts = jax.ops.segment_sum(valid_BxS.reshape(-1).astype(jnp.float32), bucket,
+                               num_segments=num_sources + 1)
+  return sums[:num_sources], counts[:num_sources]
 
 
 def cross_entropy_by_source(
@@ -165,17 +220,45 @@ def cross_entropy_by_source(
     num_sources: N.
     ignore_index: the label value that carries no loss.
   """
-  token_loss_BxS, mask_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
-                                           "cross_entropy_by_source")
-  valid_BxS = mask_BxS & (sources_BxS >= 0) & (sources_BxS < num_sources)
-  # On a mesh with explicit axes the [B, S] arrays are gathered whole first (a few bytes per
-  # slot, never the logits): a scatter of split indices into N buckets has no sharding to infer.
-  valid_BxS, token_loss_BxS = mesh_lib.replicated(valid_BxS), mesh_lib.replicated(token_loss_BxS)
-  bucket = jnp.where(valid_BxS, mesh_lib.replicated(sources_BxS), num_sources).reshape(-1)
-  sums = jax.ops.segment_sum(token_loss_BxS.reshape(-1), bucket, num_segments=num_sources + 1)
-  counts = jax.ops.segment_sum(valid_BxS.reshape(-1).astype(jnp.float32), bucket,
-                               num_segments=num_sources + 1)
-  return sums[:num_sources], counts[:num_sources]
+  token_loss_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
+                                 "cross_entropy_by_source")
+  return token_loss_by_source(token_loss_BxS, labels_BxS, sources_BxS, num_sources=num_sources,
+                              ignore_index=ignore_index)
+
+
+def token_loss_sum(
+    token_loss_BxS: jax.Array,
+    labels_BxS: jax.Array,
+    *,
+    weighting: str = "token",
+    segment_ids_BxS: jax.Array | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[jax.Array, jax.Array]:
+  """`cross_entropy_sum` of given token losses (`token_cross_entropy`, or the blocked
+  `segpack.loss_blocks.blocked_token_losses`): `(weighted sum, count)`, float32 scalars.
+
+  Args:
+    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored.
+    labels_BxS: integer targets; `ignore_index` carries no loss.
+    weighting: `"token"` or `"sequence"` (module docstring).
+    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding; required for
+      `"sequence"`, unused for `"token"`.
+    ignore_index: the label value that carries no loss.
+  """
+  check_weighting(weighting)
+  _check_token_losses(token_loss_BxS, labels_BxS, "token_loss_sum")
+  if weighting == "token":
+    return (jnp.sum(token_loss_BxS),
+            jnp.sum(labels_BxS != ignore_index, dtype=jnp.float32))
+  _check_segments(labels_BxS, segment_ids_BxS, "cross_entropy_sum")
+  counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
+                                     ignore_index=ignore_index)
+  seg_BxS = jnp.clip(segment_ids_BxS, 0, counts_BxN.shape[1] - 1)
+  # (each row's counts are whole on its devices; the slots they are read for, too)
+  doc_count_BxS = jnp.take_along_axis(counts_BxN, mesh_lib.whole_slots(seg_BxS), axis=1)
+  # Tokens on padding (segment 0) have doc_count 0 and get weight 0.
+  weight_BxS = jnp.where(doc_count_BxS > 0, 1.0 / jnp.maximum(doc_count_BxS, 1.0), 0.0)
+  return jnp.sum(token_loss_BxS * weight_BxS), jnp.sum(counts_BxN > 0, dtype=jnp.float32)
 
 
 def cross_entropy_sum(
@@ -208,19 +291,9 @@ def cross_entropy_sum(
       `weighting`, or `"sequence"` without `segment_ids_BxS`.
   """
   check_weighting(weighting)
-  token_loss_BxS, mask_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
-                                           "cross_entropy_sum")
-  if weighting == "token":
-    return jnp.sum(token_loss_BxS), jnp.sum(mask_BxS, dtype=jnp.float32)
-  _check_segments(labels_BxS, segment_ids_BxS, "cross_entropy_sum")
-  counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
-                                     ignore_index=ignore_index)
-  seg_BxS = jnp.clip(segment_ids_BxS, 0, counts_BxN.shape[1] - 1)
-  # (each row's counts are whole on its devices; the slots they are read for, too)
-  doc_count_BxS = jnp.take_along_axis(counts_BxN, mesh_lib.whole_slots(seg_BxS), axis=1)
-  # Tokens on padding (segment 0) have doc_count 0 and get weight 0.
-  weight_BxS = jnp.where(doc_count_BxS > 0, 1.0 / jnp.maximum(doc_count_BxS, 1.0), 0.0)
-  return jnp.sum(token_loss_BxS * weight_BxS), jnp.sum(counts_BxN > 0, dtype=jnp.float32)
+  token_loss_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index, "cross_entropy_sum")
+  return token_loss_sum(token_loss_BxS, labels_BxS, weighting=weighting,
+                        segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
 
 
 def cross_entropy_loss(
