@@ -128,6 +128,8 @@ NUMERIC: dict[str, Rule] = {
     "model.sliding_window": _OPTIONAL_POSITIVE,
     "model.max_position_embeddings": _OPTIONAL_POSITIVE,
     "model.rope_scaling.factor": Rule(0, open_low=True),
+    "loss.block_size": _COUNT,  # 0: the full logits
+    "loss.vocab_block_size": _COUNT,  # 0: the whole vocabulary per block
 }
 
 

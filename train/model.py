@@ -276,15 +276,23 @@ class Decoder(nnx.Module):
     return layout_lib.lookup(self.embed, input_ids_BxS, layout, DTYPES[self.cfg.dtype])
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
-                      segment_positions: jax.Array,
-                      slot_index: jax.Array | None = None) -> jax.Array:
+                      segment_positions: jax.Array, slot_index: jax.Array | None = None,
+                      logits: bool = True) -> jax.Array:
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`
-    (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole)."""
+    (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole), or
+    with `logits=False` the final hidden states `[B, S, E]` (after the final norm: what the
+    output projection, `head_weight`, reads)."""
     angles_BxSxD2 = rope_lib.rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
     for block in self.layers:
       x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
-    return self.head(x_BxSxE)
+    return self.head(x_BxSxE) if logits else self.final_norm(x_BxSxE)
+
+  def head_weight(self) -> tuple[jax.Array, bool]:
+    """`(the output projection in the compute dtype, tied)`: the embedding table `[V, E]` when
+    tied (`logits = hidden @ table.T`), else `lm_head`'s kernel `[E, V]`."""
+    weight = (self.embed.embedding if self.cfg.tie_embeddings else self.lm_head.kernel)[...]
+    return weight.astype(DTYPES[self.cfg.dtype]), self.cfg.tie_embeddings
 
   def head(self, x_BxSxE: jax.Array) -> jax.Array:
     """The last block's output to float32 logits `[B, S, V]`: final RMSNorm, then the output
@@ -304,8 +312,10 @@ class Decoder(nnx.Module):
     return logits_BxSxV.astype(jnp.float32)
 
   def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
-               segment_positions: jax.Array, slot_index: jax.Array | None = None) -> jax.Array:
-    """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions.
+               segment_positions: jax.Array, slot_index: jax.Array | None = None,
+               logits: bool = True) -> jax.Array:
+    """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions
+    (`logits=False`: the final hidden states `[B, S, E]`, `from_embeddings`).
 
     `slot_index`: for a row in context order (`train.context_batches`), each slot's index in the row
     before reordering (attention's causal order); None: the slots are in row order. Inputs
@@ -322,13 +332,16 @@ class Decoder(nnx.Module):
           + " must have one [B, S] shape")
     mesh = attention_mesh(self.cfg) or layout_lib.mesh_of(self.embed.embedding[...])
     named = {k: layout_lib.on_mesh(mesh, x) for k, x in named.items()}
-    return self.from_embeddings(self.embed_tokens(named.pop("input_ids")), **named)
+    return self.from_embeddings(self.embed_tokens(named.pop("input_ids")), **named,
+                                logits=logits)
 
-  def batch_logits(self, batch: dict[str, jax.Array]) -> jax.Array:
+  def batch_logits(self, batch: dict[str, jax.Array], *, logits: bool = True) -> jax.Array:
     """Logits `[B, S, V]` of a trainer batch: its `input_ids`, `segment_ids`,
-    `segment_positions` and, for a batch in context order, `slot_index`."""
+    `segment_positions` and, for a batch in context order, `slot_index` (`logits=False`: the
+    final hidden states `[B, S, E]`)."""
     return self(batch["input_ids"], segment_ids=batch["segment_ids"],
-                segment_positions=batch["segment_positions"], slot_index=batch.get("slot_index"))
+                segment_positions=batch["segment_positions"], slot_index=batch.get("slot_index"),
+                logits=logits)
 
 
 def default_compute_dtype(platform: str | None = None) -> str:

@@ -36,6 +36,7 @@ from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
+from train import head_loss
 from train.hf import init_from as hf_init
 from train import layout as layout_lib
 from train import metrics as metrics_lib
@@ -79,8 +80,8 @@ def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    *, accum: int, weighting: str = "token",
-                    num_sources: int = 0) -> Callable[..., Any]:
+                    *, accum: int, weighting: str = "token", num_sources: int = 0,
+                    block_size: int = 0, vocab_block_size: int = 0) -> Callable[..., Any]:
   """The (unjitted) step `(state, batch) -> (state, metrics)`.
 
   The loss of every micro-batch is divided by the count of the *whole* batch (trained tokens, or
@@ -89,18 +90,22 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   carry `segment_sources`) the metrics also hold every source's summed token loss and trained
   tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each). `finite`: the loss, gradient
   norm and every element of the new state are finite (the loop checks it, `run_guard.check_finite`).
+  `block_size` > 0 computes the token losses in blocks from the final hidden states, never the
+  whole logits (`loss.block_size`, `loss.vocab_block_size`: `train.head_loss`).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def loss_fn(params, micro, total):
-    logits = nnx.merge(graphdef, params).batch_logits(micro)
-    loss = loss_lib.cross_entropy_loss(logits, micro["labels"], normalizer=total,
-                                       weighting=weighting,
+    token_loss_BxS = head_loss.token_losses(nnx.merge(graphdef, params), micro,
+                                            block_size=block_size,
+                                            vocab_block_size=vocab_block_size)
+    loss_sum = loss_lib.token_loss_sum(token_loss_BxS, micro["labels"], weighting=weighting,
                                        segment_ids_BxS=micro["segment_ids"])[0]
+    loss = loss_sum / jnp.maximum(jnp.asarray(total, jnp.float32), 1.0)
     if not num_sources:
       return loss, ()
-    return loss, loss_lib.cross_entropy_by_source(
-        jax.lax.stop_gradient(logits), micro["labels"], micro["segment_sources"],
+    return loss, loss_lib.token_loss_by_source(
+        jax.lax.stop_gradient(token_loss_BxS), micro["labels"], micro["segment_sources"],
         num_sources=num_sources)
 
   def step(state, batch):
@@ -138,18 +143,23 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   return step
 
 
-def make_eval_step(graphdef: Any, *, weighting: str = "token") -> Callable[..., Any]:
+def make_eval_step(graphdef: Any, *, weighting: str = "token", block_size: int = 0,
+                   vocab_block_size: int = 0) -> Callable[..., Any]:
   """`(params, batch) -> (loss_sum, count, trained_tokens)` for one held-out batch.
 
   `loss_sum / count` is the batch's loss: with `weighting="token"` the summed token losses over
   the trained tokens, with `"sequence"` the summed per-document mean losses over the documents.
+  `block_size`, `vocab_block_size`: as `make_train_step`'s.
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def step(params, batch):
-    logits = nnx.merge(graphdef, params).batch_logits(batch)
-    loss_sum, count = loss_lib.cross_entropy_sum(logits, batch["labels"], weighting=weighting,
-                                                 segment_ids_BxS=batch["segment_ids"])
+    token_loss_BxS = head_loss.token_losses(nnx.merge(graphdef, params), batch,
+                                            block_size=block_size,
+                                            vocab_block_size=vocab_block_size)
+    loss_sum, count = loss_lib.token_loss_sum(token_loss_BxS, batch["labels"],
+                                              weighting=weighting,
+                                              segment_ids_BxS=batch["segment_ids"])
     return loss_sum, count, loss_lib.count_trained_tokens(batch["labels"])
 
   return step
@@ -284,12 +294,14 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
     run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
   batch_sh = sharding_lib.batch_sharding(mesh)
   weighting = config.loss.weighting
+  blocks = dict(block_size=config.loss.block_size,
+                vocab_block_size=config.loss.vocab_block_size)
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
                                        weighting=weighting,
-                                       num_sources=len(data.source_names)),
+                                       num_sources=len(data.source_names), **blocks),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnames=("state",))
-  eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting),
+  eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting, **blocks),
                       in_shardings=(params_sh, batch_sh),
                       out_shardings=(replicated, replicated, replicated))
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))

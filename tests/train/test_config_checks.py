@@ -124,6 +124,8 @@ BAD_NUMBERS = {
     "model.sliding_window": [0, -4096],
     "model.max_position_embeddings": [0],
     "model.rope_scaling.factor": [0.0, -2.0, float("nan")],
+    "loss.block_size": [-1],
+    "loss.vocab_block_size": [-8],
 }
 # Boundary values each numeric key accepts (0 means "never" / "all" / "only at the end" where the
 # config says so; None "the default" for the optional keys).
@@ -134,7 +136,7 @@ GOOD_NUMBERS = {
     "train.b1": 0.0, "train.grad_clip": 0.0, "train.eval_every": 0, "train.eval_batches": 0,
     "train.checkpoint_every": 0, "train.max_checkpoints": 1, "train.peak_flops": None,
     "train.log_every": 1, "data.synthetic_vocab": 4, "model.sliding_window": None,
-    "model.max_position_embeddings": 1,
+    "model.max_position_embeddings": 1, "loss.block_size": 0, "loss.vocab_block_size": 0,
 }
 
 
