@@ -2,13 +2,17 @@
 
 A language model's loss needs, per trained token, `logsumexp(logits) - logits[label]`, where
 `logits = hidden @ W` has one row of V scores per position. Written plainly, a batch of `N = B*S`
-positions holds `[N, V]` float32 logits and as many for their gradient: 4.7 GB at V = 151,643
-and N = 8,192. Here the positions are cut into blocks of `block_size` (the last one padded with
-ignored positions) and a `jax.lax.scan` computes one block's `[block, V]` logits, its token
-losses, and nothing else; each block runs under `jax.checkpoint`, so the backward pass
-recomputes the block's logits from its hidden states instead of keeping them. The largest
-temporary is then a few `[block, V]` arrays, forward and backward, whatever N is; the cost is
-one more `[block, E] x [E, V]` matmul per block (the recomputation).
+positions holds `[N, V]` float32 logits and as many for their gradient: 5 GB at V = 151,643 and
+N = 4,096. Here the positions are cut into blocks of `block_size` (the last one padded with
+ignored positions) and a `jax.lax.scan` computes one block's logits at a time, and of those,
+with `vocab_block_size`, one chunk of columns at a time (an online logsumexp: the running
+maximum and the sum of exponentials below it). The whole computation is one `jax.custom_vjp`
+whose forward pass keeps only each position's logsumexp (`[N]` float32); its backward pass
+walks the blocks and chunks again, recomputes each chunk's logits, forms their gradient
+`g * (softmax - onehot)` from the saved logsumexp, and adds its products into the gradients of
+the hidden states and of the projection (float32 sums). The largest temporary is then a few
+`[block, chunk]` arrays, forward and backward, whatever N and V are; the cost is one more
+`[block, E] x [E, V]` matmul per block (the recomputation).
 
 The result is every token's loss, float32 `[B, S]` (0 where the label is ignored), the very
 numbers `segpack.loss.token_cross_entropy` computes from the full logits, so the weightings
