@@ -19,6 +19,8 @@ from segpack.errors import UserError
 # `RopeScaling.type`: the rotary frequency scalings a `Decoder` computes (Hugging Face's
 # `rope_scaling.rope_type` values of the same names).
 ROPE_SCALINGS = ("linear", "llama3")
+# `Architecture.remat`: what each decoder layer keeps for the backward pass (`train.model`).
+REMATS = ("none", "full", "dots")
 
 
 class RopeConfigError(UserError, ValueError):
@@ -102,6 +104,11 @@ class Architecture:
   init_std: float = _setting(0.02)  # std of the normal initialisers
   dtype: str = _setting("auto")  # compute dtype: "auto" = float32 on CPU, bfloat16 on GPU/TPU
   param_dtype: str = _setting("float32")  # parameter (and optimizer state) dtype
+  # Rematerialisation of each decoder layer: "none" (keep every activation for the backward
+  # pass), "full" (keep only the layer's input; recompute the rest in the backward pass) or
+  # "dots" (keep the outputs of the matmuls without batch dimensions: the projections, not the
+  # attention scores). Same losses and gradients, less memory for more compute
+  remat: str = _setting("none")
 
 
 def checkpoint_keys() -> tuple[str, ...]:

@@ -43,9 +43,9 @@ RESUMABLE_CHANGES = frozenset({
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
     "mesh.fsdp", "mesh.tensor", "mesh.context", "packing.context_balance",
-    "attention.implementation", "attention.interpret", "loss.block_size",
+    "attention.implementation", "attention.interpret", "loss.block_size", "model.remat",
     "attention.self_check", "train.peak_flops", "data.cache_dir", "train.allow_batch_size_change",
-    "loss.vocab_block_size",  # (with loss.block_size: the same loss, in less memory)
+    "loss.vocab_block_size",  # (loss.*block_size, model.remat: the same loss, in less memory)
 })
 # Resumable only when the current config says `train.allow_batch_size_change=True`: the data
 # position is a row of the stream, so the next steps simply take another number of rows.

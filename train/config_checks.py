@@ -55,6 +55,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.param_dtype": _DTYPES,
     "model.family": hf_config.FAMILIES,
     "model.rope_scaling.type": (None,) + architecture.ROPE_SCALINGS,
+    "model.remat": architecture.REMATS,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
 }

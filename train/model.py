@@ -34,9 +34,13 @@ from train import rope as rope_lib
 from train import sharding as sharding_lib
 from configs.architecture import Architecture
 from configs.architecture import RopeConfigError
+from configs.architecture import REMATS
 from configs.architecture import RopeScaling
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# `model.remat` (configs.architecture.REMATS but "none"): the policy each decoder layer runs under.
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 class ModelConfigError(UserError, ValueError):
@@ -104,10 +108,11 @@ class DecoderConfig(Architecture):
     if not isinstance(self.rope_scaling, RopeScaling):
       raise ModelConfigError(
           f"DecoderConfig.rope_scaling must be a RopeScaling, got {self.rope_scaling!r}")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
+    for name, choices in (("dtype", sorted(DTYPES)), ("param_dtype", sorted(DTYPES)),
+                          ("remat", list(REMATS))):
+      if getattr(self, name) not in choices:
         raise ModelConfigError(
-            f"DecoderConfig.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+            f"DecoderConfig.{name} must be one of {choices}, got {getattr(self, name)!r}")
 
 
 class RMSNorm(nnx.Module):
@@ -281,11 +286,14 @@ class Decoder(nnx.Module):
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`
     (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole), or
     with `logits=False` the final hidden states `[B, S, E]` (after the final norm: what the
-    output projection, `head_weight`, reads)."""
+    output projection, `head_weight`, reads). Each block runs under `cfg.remat`'s policy."""
     angles_BxSxD2 = rope_lib.rope_angles(segment_positions, head_dim=self.cfg.head_dim,
                                 theta=self.cfg.rope_theta, scaling=self.cfg.rope_scaling)
+    run = Block.__call__
+    if self.cfg.remat != "none":
+      run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat])
     for block in self.layers:
-      x_BxSxE = block(x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
+      x_BxSxE = run(block, x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
     return self.head(x_BxSxE) if logits else self.final_norm(x_BxSxE)
 
   def head_weight(self) -> tuple[jax.Array, bool]:

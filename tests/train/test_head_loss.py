@@ -7,7 +7,7 @@ weightings, tied and untied heads, gradient accumulation, per-source sums, vocab
 the loss, the gradients of every parameter and the parameters after one AdamW step agree
 within 1e-6 (relative to each array's largest value; Adam's squared gradients 2e-6). On the mesh of 8 CPU devices, through
 `train.train.setup` (the config keys reach the step): the vocabulary split over `tensor`, with
-context parallelism; the metrics, the new state and its shardings.
+context parallelism and `model.remat`; the metrics, the new state and its shardings.
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ MESH_CASES = {
         "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "model.tie_embeddings": True,
         "loss.weighting": "sequence", "train.batch_size": 16, "train.grad_accum_steps": 2,
         "loss.vocab_block_size": 24},
-    # V=128 over tensor=4, the slots over context=2.
-    "context_tensor4": {"mesh.data": 1, "mesh.context": 2, "mesh.tensor": 4},
+    # V=128 over tensor=4, the slots over context=2, every layer rematerialised.
+    "context_tensor4_remat": {"mesh.data": 1, "mesh.context": 2, "mesh.tensor": 4,
+                              "model.remat": "full"},
 }
 
 
