@@ -1,7 +1,7 @@
-"""`model.remat`: each decoder layer under its rematerialisation policy, the same step.
+"""`model.remat`: each decoder layer under its rematerialisation policy, the same loss and gradients.
 
-The policies ("none", "full", "dots") must give the same loss, metrics and new state (float32,
-within 1e-6); the traced gradient holds one rematerialised call per layer with the policy's
+The policies ("none", "full", "dots") must give the same loss and gradients (float32, within
+1e-6); the traced gradient holds one rematerialised call per layer with the policy's
 saving rule, and the program handed to XLA recomputes the layers' matmuls in the backward pass
 ("full" more than "dots", which keeps the projections' outputs). XLA on the CPU removes the
 recomputation again before it compiles (its optimisation barriers are expanded and the copies
@@ -22,10 +22,11 @@ import pytest
 from flax import nnx
 
 from configs import packed
+from segpack import loss as loss_lib
 from support.packing_oracles import naive_rows
 from train import config_checks
+from train import head_loss
 from train import model as model_lib
-from train import train as train_lib
 
 LAYERS = 2
 POLICIES = {"full": "nothing_saveable", "dots": "DotsSaveable(only_if_no_batch_dims=True)"}
@@ -47,33 +48,20 @@ def _batch():
   return {k: jnp.asarray(v) for k, v in naive_rows(docs, 28).items()}
 
 
-def _step(remat):
-  graphdef, params = _model(remat)
-  tx, schedule = train_lib.make_optimizer(packed.get_config("smoke").train)
-  state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-  step = train_lib.make_train_step(graphdef, tx, schedule, accum=2, weighting="sequence")
-  return jax.jit(step)(state, _batch())
-
-
-def test_the_policies_give_the_same_step():
-  want_state, want_metrics = jax.device_get(_step("none"))
-  assert float(want_metrics["loss"]) > 1.0
-  for remat in POLICIES:
-    state, metrics = jax.device_get(_step(remat))
-    for key, value in want_metrics.items():
-      np.testing.assert_allclose(metrics[key], value, rtol=1e-6, err_msg=f"{remat} {key}")
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
-      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=remat)
-
-
 def _loss_grad(remat):
+  """The trainer's loss of the batch (sequence weighting, `train.head_loss`) and its gradient
+  w.r.t. the parameters, as a function of the parameters."""
   graphdef, params = _model(remat)
   batch = _batch()
+  total = loss_lib.loss_normalizer(batch["labels"], weighting="sequence",
+                                   segment_ids_BxS=batch["segment_ids"])
 
   def loss(p):
-    return jnp.sum(nnx.merge(graphdef, p).batch_logits(batch) ** 2)
+    token_loss = head_loss.token_losses(nnx.merge(graphdef, p), batch, block_size=0)
+    return loss_lib.token_loss_sum(token_loss, batch["labels"], weighting="sequence",
+                                   segment_ids_BxS=batch["segment_ids"])[0] / total
 
-  return jax.grad(loss), params
+  return jax.value_and_grad(loss), params
 
 
 def _remat_policies(jaxpr):
@@ -88,16 +76,26 @@ def _remat_policies(jaxpr):
   return found
 
 
-def test_each_layer_runs_under_its_policy_and_the_backward_pass_recomputes():
-  dots = {}
+def test_the_policies_give_the_same_loss_and_gradients_and_rematerialise_each_layer():
+  """Per policy: the traced gradient's rematerialised calls, the recomputation in the program
+  handed to XLA (`optimization_barrier`s and more matmuls), then the loss and the gradients,
+  equal to those without remat (the whole step with remat runs in
+  tests/train/test_head_loss.py, on the mesh)."""
+  dots, results = {}, {}
   for remat in ("none", "full", "dots"):
-    grad, params = _loss_grad(remat)
-    policies = _remat_policies(jax.make_jaxpr(grad)(params).jaxpr)
+    value_and_grad, params = _loss_grad(remat)
+    policies = _remat_policies(jax.make_jaxpr(value_and_grad)(params).jaxpr)
     assert policies == ([] if remat == "none" else [POLICIES[remat]] * LAYERS), remat
-    text = jax.jit(grad).lower(params).as_text()
+    lowered = jax.jit(value_and_grad).lower(params)
+    text = lowered.as_text()
     dots[remat] = len(re.findall(r"stablehlo\.dot_general", text))
     assert (text.count("optimization_barrier") > 0) == (remat != "none"), remat
+    results[remat] = jax.device_get(lowered.compile()(params))
   assert dots["none"] < dots["dots"] < dots["full"], dots
+  assert float(results["none"][0]) > 1.0
+  for remat in POLICIES:
+    for got, want in zip(jax.tree.leaves(results[remat]), jax.tree.leaves(results["none"])):
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9, err_msg=remat)
 
 
 @pytest.mark.parametrize("value", ["all", "None", ""])
