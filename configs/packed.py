@@ -137,14 +137,20 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.seed = 0  # parameter initialisation seed
-  c.train.num_steps = 300  # optimizer steps
+  # Optimizer steps; None: the recipe's epochs (train/recipe.py: 3 when fine-tuning a model.init_from)
+  c.train.num_steps = 300
+  # The run's length in epochs of the training data, resolved to num_steps (which it replaces) from
+  # the data's rows per epoch and printed; None: train.num_steps
+  c.train.num_epochs = config_dict.placeholder(float)
   c.train.batch_size = 8  # rows per optimizer step, over all processes and micro-batches
   c.train.grad_accum_steps = 1  # micro-batches per step (each batch_size / grad_accum_steps rows)
   # Resuming with another batch_size is refused unless this is True; then the run continues
   # from the same row of the data stream with the new batch size (docs/training.md).
   c.train.allow_batch_size_change = False
-  c.train.learning_rate = 3e-3  # peak learning rate
-  c.train.warmup_steps = 30  # linear warmup from 0
+  # Peak learning rate; None: the recipe's (train/recipe.py: 1e-3 from scratch, 2e-5 fine-tuning
+  # a model.init_from; a rate above 1e-4 on a pretrained model is warned about)
+  c.train.learning_rate = 3e-3
+  c.train.warmup_steps = 30  # linear warmup from 0; None: the recipe's share of the steps
   c.train.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
   c.train.weight_decay = 0.1  # AdamW decoupled weight decay (matrices only)
   c.train.b1 = 0.9  # AdamW beta1

@@ -14,6 +14,7 @@ per epoch). See docs/sft.md.
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import packed
 
@@ -28,9 +29,12 @@ def base_config() -> ml_collections.ConfigDict:
   # Rows per step: minibatch mode packs each minibatch into these. On the full chat corpus a
   # minibatch of 16 needs at most 8 rows of 512 (10 epochs measured); 10 leaves a margin.
   c.train.batch_size = 10
-  c.train.num_steps = 860  # about two epochs of the full chat corpus (429 minibatches each)
-  c.train.learning_rate = 1e-3
-  c.train.warmup_steps = 40
+  # Length, rate and warmup by recipe (train/recipe.py; the first log line says what it chose):
+  # from scratch 2 epochs (~860 steps of the full chat corpus) at 1e-3; with model.init_from
+  # (fine-tuning a pretrained model) 3 epochs at 2e-5, warmup 3% of the steps, as TRL's SFT.
+  c.train.num_steps = config_dict.placeholder(int)
+  c.train.learning_rate = config_dict.placeholder(float)
+  c.train.warmup_steps = config_dict.placeholder(int)
   c.train.eval_every = 200
   c.train.eval_batches = 0  # the whole held-out split
   return c

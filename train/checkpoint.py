@@ -40,7 +40,7 @@ from train.checkpoint_digest import CheckpointWriteError, DamagedCheckpointError
 # Config keys that may change between a run and its resumption (they do not change the math of
 # the steps already taken or the batches still to come).
 RESUMABLE_CHANGES = frozenset({
-    "train.num_steps", "train.log_every", "train.eval_every", "train.eval_batches",
+    "train.num_steps", "train.num_epochs", "train.log_every", "train.eval_every", "train.eval_batches",
     "train.checkpoint_every", "train.max_checkpoints", "train.log_batches", "mesh.data",
     "mesh.fsdp", "mesh.tensor", "mesh.context", "packing.context_balance",
     "attention.implementation", "attention.interpret", "loss.block_size", "model.remat",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -161,12 +162,18 @@ def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
 def announce(run: Any, *, record_name: str) -> None:
   """The run's first lines: workdir and steps, data, model, and any changes on resume."""
   t, c = run.config.train, run.config
-  start = f"resuming at step {run.start_step}" if run.start_step else "from scratch"
+  start = (f"resuming at step {run.start_step}" if run.start_step else
+           "starting from the weights of model.init_from" if c.model.init_from else
+           "from scratch")
   init = f", weights from {c.model.init_from}" if c.model.init_from else ""
   print(f"workdir {run.workdir} (config and data fingerprints in {record_name}): "
         f"{t.num_steps} steps of {t.batch_size} rows x {c.packing.seq_len} slots, {start}",
         flush=True)
   print(f"data: {run.data.description}", flush=True)
+  if getattr(run, "recipe", None) is not None:
+    print(run.recipe.line, flush=True)
+    if run.recipe.warning is not None:
+      print(f"warning: {run.recipe.warning}", file=sys.stderr, flush=True)
   print(f"model: {c.model.family}, {run.num_params:,} parameters{init}; mesh "
         f"{dict(run.mesh.shape)}", flush=True)
   if run.resume_changes:

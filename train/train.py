@@ -41,6 +41,7 @@ from train.hf import init_from as hf_init
 from train import layout as layout_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
+from train import recipe as recipe_lib
 from train import run_guard
 from train import sharding as sharding_lib
 
@@ -184,6 +185,7 @@ class Run:
   num_params: int
   resume_changes: list[str] = dataclasses.field(default_factory=list)
   vocab_size: int = 0  # the model's: `model.vocab_size`, or the data's when that is None
+  recipe: recipe_lib.Resolved | None = None  # how the length, rate and warmup were chosen
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -254,6 +256,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   data = data_lib.make_data(config, batch_size=t.batch_size,
                             process_index=jax.process_index(), process_count=jax.process_count(),
                             num_ranks=sharding_lib.batch_partitions(mesh))
+  resolved = recipe_lib.resolve_config(
+      config, steps_per_epoch=data.train_rows_in_epoch0 / t.batch_size)  # metrics.announce prints it
   fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
   run_guard.check_run_record(workdir, fingerprints)  # before a checkpoint can be blamed
   if config.model.init_from is not None:
@@ -308,7 +312,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
-             num_params=num_params, resume_changes=changes, vocab_size=vocab_size)
+             num_params=num_params, resume_changes=changes, vocab_size=vocab_size,
+             recipe=resolved)
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -126,6 +126,7 @@ BAD_NUMBERS = {
     "model.rope_scaling.factor": [0.0, -2.0, float("nan")],
     "loss.block_size": [-1],
     "loss.vocab_block_size": [-8],
+    "train.num_epochs": [0.0, -1.0, float("inf")],
 }
 # Boundary values each numeric key accepts (0 means "never" / "all" / "only at the end" where the
 # config says so; None "the default" for the optional keys).
@@ -137,6 +138,7 @@ GOOD_NUMBERS = {
     "train.checkpoint_every": 0, "train.max_checkpoints": 1, "train.peak_flops": None,
     "train.log_every": 1, "data.synthetic_vocab": 4, "model.sliding_window": None,
     "model.max_position_embeddings": 1, "loss.block_size": 0, "loss.vocab_block_size": 0,
+    "train.num_steps": None, "train.num_epochs": None,
 }
 
 
@@ -178,7 +180,8 @@ def test_the_rules_read_as_bounds():
   numeric = config_checks.NUMERIC
   assert numeric["data.eval_share"].describe() == "in [0, 1)"
   assert numeric["train.min_lr_ratio"].describe() == "in [0, 1]"
-  assert numeric["train.num_steps"].describe() == "a finite number >= 1"
+  assert numeric["train.num_steps"].describe() == "a finite number >= 1 or None"
+  assert numeric["train.batch_size"].describe() == "a finite number >= 1"
   assert numeric["train.eps"].describe() == "a finite number > 0"
   assert numeric["packing.tokens_per_batch"].describe() == "a finite number >= 1 or None"
 

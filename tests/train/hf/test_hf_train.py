@@ -3,6 +3,7 @@ same documents, the dataset's tokenizer must be the model's, and the README's co
 to end (a tiny model and tokenizer made here with transformers; nothing is downloaded)."""
 
 import json
+import re
 import os
 import pathlib
 import shlex
@@ -142,7 +143,12 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
       args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
                "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
                "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
-    run_cli(*args)
+    out = run_cli(*args)
+    if args[0] == "train.main":
+      # The fine-tuning recipe (train/recipe.py): TRL's rate, the steps as epochs, printed.
+      assert re.search(r"recipe: fine-tuning \(model\.init_from\): learning rate 2e-05, "
+                       r"warmup \d+ steps, 3 steps = \d+\.\d\d epochs of [\d.]+ steps", out.stdout)
+      assert "from-scratch rate" not in out.stderr
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   summary = records[-1]
   assert summary["kind"] == "summary" and summary["steps"] == 3

@@ -1,0 +1,59 @@
+"""The run's length and learning rate resolved from the config and the data (train/recipe.py):
+a fine-tuning recipe for a pretrained model, the user's values kept, epochs turned into steps."""
+
+import ml_collections
+import pytest
+
+from segpack.errors import ArgumentError
+from train import recipe
+
+
+def train_cfg(**values):
+  base = dict(learning_rate=None, warmup_steps=None, num_steps=None, num_epochs=None)
+  return ml_collections.ConfigDict(dict(base, **values))
+
+
+def test_a_pretrained_model_gets_the_fine_tuning_recipe():
+  got = recipe.resolve(train_cfg(), init_from="MODEL", steps_per_epoch=62.5)
+  assert got.recipe is recipe.FINETUNE and got.values["learning_rate"] == 2e-5
+  assert got.values["num_steps"] == 188 and got.epochs == 3.0  # ceil(3 * 62.5)
+  assert got.values["warmup_steps"] == round(0.03 * 188) == 6 and got.warning is None
+  assert "fine-tuning (model.init_from)" in got.line and "3.00 epochs" in got.line
+
+
+def test_from_scratch_gets_the_configs_own_recipe():
+  got = recipe.resolve(train_cfg(), init_from=None, steps_per_epoch=429)
+  assert got.recipe is recipe.SCRATCH and got.values["learning_rate"] == 1e-3
+  assert got.values["num_steps"] == 858
+
+
+def test_values_the_user_sets_are_kept_and_a_scratch_rate_is_warned_about():
+  got = recipe.resolve(train_cfg(learning_rate=1e-3, num_steps=50, warmup_steps=5),
+                       init_from="MODEL", steps_per_epoch=10)
+  assert got.values == {"learning_rate": 1e-3, "num_steps": 50, "warmup_steps": 5}
+  assert got.epochs == 5.0 and "learning_rate" in got.line and "num_steps" in got.line
+  assert got.warning is not None and "from-scratch rate" in got.warning
+  assert "\n" not in got.warning
+  # A fine-tuning rate draws no warning; from scratch never warns.
+  assert recipe.resolve(train_cfg(learning_rate=5e-5), init_from="M",
+                        steps_per_epoch=10).warning is None
+  assert recipe.resolve(train_cfg(learning_rate=1e-2), init_from=None,
+                        steps_per_epoch=10).warning is None
+
+
+def test_epochs_replace_the_configs_steps():
+  got = recipe.resolve(train_cfg(num_steps=300, num_epochs=1.5), init_from=None,
+                       steps_per_epoch=7)
+  assert got.values["num_steps"] == 11 and got.epochs == 1.5  # ceil(10.5)
+  cfg = train_cfg(num_steps=300, num_epochs=1.5)
+  cfg.lock()
+  got.apply(cfg)
+  assert cfg.num_steps == 11 and cfg.learning_rate == 1e-3
+
+
+@pytest.mark.parametrize("key, value", [("num_epochs", -1.0), ("num_epochs", 0.0),
+                                        ("num_steps", 0)])
+def test_non_positive_values_are_refused_by_name(key, value):
+  with pytest.raises(ArgumentError, match=rf"train\.{key} \(--config\.train\.{key}\) must be a "
+                                          rf"positive number, got {value!r}"):
+    recipe.resolve(train_cfg(**{key: value}), init_from=None, steps_per_epoch=10)
