@@ -39,6 +39,17 @@ def one_step_run(config, workdir):
   train_lib.train_and_evaluate(config, str(workdir))
 
 
+def short_run(config, workdir, *, steps=3):
+  """Trains `config` for `steps` steps of 8 rows in `workdir` with XLA attention: no evaluation,
+  checkpoint only at the end, no batch log (the export and sampler tests' runs)."""
+  config.attention.implementation = "xla"
+  config.attention.self_check = False
+  t = config.train
+  t.batch_size, t.num_steps, t.warmup_steps, t.log_every = 8, steps, 1, 1
+  t.eval_every, t.checkpoint_every, t.log_batches = 0, 0, False
+  train_lib.train_and_evaluate(config, str(workdir))
+
+
 def run_cli(*args, cwd=REPO, check=True):
   env = dict(os.environ, PYTHONPATH=str(REPO))
   out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 from support import hf_models  # noqa: E402
+from support import train_configs  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
 from configs import packed  # noqa: E402
 from segpack import files  # noqa: E402
@@ -40,7 +41,6 @@ from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
-from train import train as train_lib  # noqa: E402
 from support import paths
 
 REPO = paths.REPO
@@ -86,12 +86,7 @@ def datasets(tokenizer_dir, tmp_path_factory):
 
 
 def _train(config, workdir, *, steps=3):
-  config.attention.implementation = "xla"
-  config.attention.self_check = False
-  t = config.train
-  t.batch_size, t.num_steps, t.warmup_steps, t.log_every = 8, steps, 1, 1
-  t.eval_every, t.checkpoint_every, t.log_batches = 0, 0, False
-  train_lib.train_and_evaluate(config, str(workdir))
+  train_configs.short_run(config, workdir, steps=steps)
 
 
 @pytest.fixture(scope="module")

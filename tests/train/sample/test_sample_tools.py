@@ -25,7 +25,7 @@ from support import chat_datasets  # noqa: E402
 from support import chat_fixtures  # noqa: E402
 from support import hf_models  # noqa: E402
 from support import paths  # noqa: E402
-from train import train as train_lib  # noqa: E402
+from support import train_configs  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
 from train.hf import export as export_lib  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
@@ -47,12 +47,7 @@ def _train(model_dir, data, workdir, *, steps, add_bos=True):
   config.data.add_bos = add_bos
   config.packing.seq_len = 1024
   hf_config.adopt(config)
-  config.attention.implementation = "xla"
-  config.attention.self_check = False
-  t = config.train
-  t.batch_size, t.num_steps, t.warmup_steps, t.log_every = 8, steps, 1, 1
-  t.eval_every, t.checkpoint_every, t.log_batches = 0, 0, False
-  train_lib.train_and_evaluate(config, str(workdir))
+  train_configs.short_run(config, workdir, steps=steps)
   return str(workdir)
 
 
