@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from configs.architecture import REMATS
 from segpack.errors import ArgumentError
 from train import model as model_lib
+from train import sharding as sharding_lib
 
 GIB = 2**30
 # The full-logits loss: the float32 `[B, S, V]` logits kept for the backward pass and their
@@ -111,10 +112,12 @@ class MemoryEstimate:
     rows = [*self.parts().items(), ("total", self.total)]
     return "\n".join(f"{name:<12} {size / GIB:>9.3f} GiB" for name, size in rows)
 
-  def line(self) -> str:
-    """One log line: the total and every part, in GiB."""
+  def line(self, available: int | None = None) -> str:
+    """One log line: the total and every part, in GiB, and the `available` memory beside it."""
     parts = ", ".join(f"{name} {size / GIB:.2f}" for name, size in self.parts().items())
-    return f"memory per device (estimate): {self.total / GIB:.2f} GiB ({parts} GiB)"
+    beside = "" if available is None else f" of {available / GIB:.2f} GiB available"
+    return (f"memory per device (estimate): {self.total / GIB:.2f} GiB{beside} ({parts} "
+            f"GiB)")
 
 
 def layer_floats(*, d_model: int, d_ff: int, num_heads: int, num_kv_heads: int,
@@ -300,3 +303,12 @@ def check_fits(estimate: MemoryEstimate, available: int | None, *, what: str) ->
   raise ArgumentError(
       f"{what}: one training step needs about {estimate.total / GIB:.2f} GiB per device, more "
       f"than the {available / GIB:.2f} GiB available; its largest parts: {'; '.join(named)}")
+
+
+def check_run(config: Any, num_params: int, vocab_size: int, mesh: Any) -> MemoryEstimate:
+  """The estimate of a run's step on `mesh` (`from_config`, the rows split over its batch
+  partitions), refused by `check_fits` against `device_memory()` before anything compiles."""
+  found = from_config(config, num_params=num_params, vocab_size=vocab_size,
+                      devices=sharding_lib.batch_partitions(mesh))
+  check_fits(found, device_memory(), what="the training step (estimated per device)")
+  return found

@@ -20,6 +20,7 @@ import tensorboardX
 
 from train import data as data_lib
 from train import flops as flops_lib
+from train import memory as memory_lib
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir WORKDIR/tensorboard`
@@ -174,6 +175,8 @@ def announce(run: Any, *, record_name: str) -> None:
     print(run.recipe.line, flush=True)
     if run.recipe.warning is not None:
       print(f"warning: {run.recipe.warning}", file=sys.stderr, flush=True)
+  if getattr(run, "memory", None) is not None:
+    print(run.memory.line(memory_lib.device_memory()), flush=True)
   print(f"model: {c.model.family}, {run.num_params:,} parameters{init}; mesh "
         f"{dict(run.mesh.shape)}", flush=True)
   if run.resume_changes:

