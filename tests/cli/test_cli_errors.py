@@ -22,6 +22,7 @@ from segpack.shards import ShardFormatError
 from segpack.text import spm
 from train.bench import training as train_bench
 from train.bench import hf_import as bench_hf_import
+from train.bench import memory as bench_memory
 from train.bench import revisions as bench_revisions
 from train.hf import export as train_export
 from train import main as train_main
@@ -41,6 +42,7 @@ ENTRY_POINTS = {
     "python -m train.main": train_main.cli, "python -m train.sample": sample_command.cli,
     "python -m train.sample.bench": sample_bench.main,
     "python -m train.bench.revisions": bench_revisions.main,
+    "python -m train.bench.memory": bench_memory.main,
 }
 REPO = str(paths.REPO)
 
