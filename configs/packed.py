@@ -135,6 +135,28 @@ def base_config() -> ml_collections.ConfigDict:
   # the largest temporary is [block_size, vocab_block_size] floats; 0: the whole vocabulary
   c.loss.vocab_block_size = 0
 
+  c.preference = ml_collections.ConfigDict()
+  # "none": train on tokens (pretraining, SFT); "dpo", "ipo", "simpo" or "orpo": train on the
+  # preference pairs of data.train (`segpack tokenize --format preference`; docs/preference.md)
+  c.preference.loss = "none"
+  # The losses' beta: DPO's and IPO's strength of the reference (IPO's tau), SimPO's reward
+  # scale, ORPO's weight of the odds-ratio term
+  c.preference.beta = 0.1
+  # "dpo": the share of preference labels taken as flipped (conservative DPO); 0: plain DPO
+  c.preference.label_smoothing = 0.0
+  # "simpo": the target reward margin gamma
+  c.preference.simpo_gamma = 0.5
+  # Each pair's prompt stored once in its row, chosen and rejected as two branches that see it
+  # and never each other (segment attention with a shared prefix); fewer slots per pair
+  c.preference.shared_prefix = False
+  # A pair longer than packing.seq_len: False refuses it by name; True cuts both sequences to
+  # their first slots (pairs left without a completion token are dropped; both are counted)
+  c.preference.truncate = False
+  # Where "dpo" and "ipo" read the reference's log-probs: "init" scores every pair once with the
+  # initial weights (model.init_from, the usual SFT model) before the first step, into
+  # WORKDIR/reference; or a directory written by `python -m train.score` for another model
+  c.preference.reference = "init"
+
   c.train = ml_collections.ConfigDict()
   c.train.seed = 0  # parameter initialisation seed
   # Optimizer steps; None: the recipe's epochs (train/recipe.py: 3 when fine-tuning a model.init_from)

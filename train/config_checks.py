@@ -23,6 +23,7 @@ from typing import Any
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack import packing
+from segpack import preference_loss
 from segpack.data.context_order import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
 from segpack.errors import UserError
@@ -58,6 +59,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.remat": architecture.REMATS,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
+    "preference.loss": ("none",) + preference_loss.LOSSES,
 }
 
 
@@ -132,6 +134,9 @@ NUMERIC: dict[str, Rule] = {
     "model.rope_scaling.factor": Rule(0, open_low=True),
     "loss.block_size": _COUNT,  # 0: the full logits
     "loss.vocab_block_size": _COUNT,  # 0: the whole vocabulary per block
+    "preference.beta": Rule(0, open_low=True),
+    "preference.label_smoothing": Rule(0, 0.5, open_high=True),  # 0.5: no preference left
+    "preference.simpo_gamma": Rule(0),
 }
 
 
@@ -173,6 +178,7 @@ def check_config(config: Any) -> None:
     check_rule(key, _value(config, key), rule)
   check_data(config)
   check_minibatch(config)
+  check_preference(config)
   check_context(config)
   check_model(config)
 
@@ -209,6 +215,31 @@ def check_data(config: Any) -> None:
         f"data.train replaces data.source: leave data.source at its default")
   if d.train is None and d.eval is not None:
     raise ConfigError(f"data.eval={d.eval!r} is for data.train; set data.train too")
+
+
+def check_preference(config: Any) -> None:
+  """Checks the keys a preference loss does not combine with.
+
+  Raises:
+    ConfigError: a preference loss without data.train, with packing.mode="minibatch" (pairs
+      are packed globally, whole), with mesh.context > 1, or with packing.max_segments_per_row.
+  """
+  p = config.preference
+  if p.loss == "none":
+    return
+  clash = [(k, v, ok) for k, v, ok in (
+      ("data.train", config.data.train, config.data.train is not None),
+      ("packing.mode", config.packing.mode, config.packing.mode == "global"),
+      ("mesh.context", config.mesh.context, config.mesh.context == 1),
+      ("packing.max_segments_per_row", config.packing.max_segments_per_row,
+       config.packing.max_segments_per_row is None)) if not ok]
+  if clash:
+    key, value, _ = clash[0]
+    raise ConfigError(
+        f"preference.loss={p.loss!r} with {key}={value!r}: a preference loss trains on the "
+        f"whole pairs of one preference dataset (data.train, from `segpack tokenize --format "
+        f"preference`), packed globally (packing.mode='global'), one row per device "
+        f"(mesh.context=1), without a segment cap")
 
 
 def check_minibatch(config: Any) -> None:
@@ -287,3 +318,36 @@ def check_vocab_size(config: Any, data_vocab_size: int) -> int:
         f"model.vocab_size must be None (the data's) or at least the data's vocabulary size "
         f"{data_vocab_size}, got {value!r}")
   return value
+
+
+class AttentionConfigError(UserError, ValueError):
+  """The `attention` group asks for a backend this platform cannot run, or a setting it ignores."""
+
+
+def check_attention(attention_cfg: Any, *, platform: str) -> str:
+  """Resolves the backend of the `attention` group once, for the run (returned: its name), and
+  refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g. Pallas
+  on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
+  try:
+    return attention_lib.resolve_implementation(
+        implementation=attention_cfg.implementation, platform=platform,
+        pallas=model_lib.pallas_options(attention_cfg))
+  except attention_lib.AttentionInputError as e:
+    raise AttentionConfigError(
+        f"attention.implementation={attention_cfg.implementation!r} with attention.interpret="
+        f"{bool(attention_cfg.interpret)} on the {platform!r} platform: {e} (config keys: "
+        "`implementation` is attention.implementation, and `pallas.interpret=True` is "
+        "attention.interpret=True)") from e
+
+
+def check_attention_leaks(config: Any, *,
+                          implementation: str) -> attention_lib.SelfCheckResult | None:
+  """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
+  backend (`implementation`, as `check_attention` resolved it; with `attention.interpret`, in the
+  model's compute dtype) and lets its `AttentionLeakError` stop the run before any work."""
+  a = config.attention
+  if not a.self_check:
+    return None
+  return attention_lib.self_check(implementation=implementation,
+                                  pallas=model_lib.pallas_options(a),
+                                  dtype=model_lib.compute_dtype(config.model.dtype))

@@ -140,14 +140,14 @@ def synthetic_documents(*, num_docs: int, mean_len: int, vocab: int, seed: int) 
   return [rng.integers(3, vocab, size=int(n), dtype=np.int32) for n in lengths]
 
 
-def _open_dataset(key: str, path: str) -> shards.ShardSource:
+def open_dataset(key: str, path: str) -> shards.ShardSource:
   try:
     return shards.ShardSource(path)
   except (OSError, shards.ShardFormatError) as e:
     raise DataConfigError(f"{key}={path!r} could not be opened as a dataset: {e}") from e
 
 
-def _pad_id(source: Any) -> dict[str, int]:
+def pad_id(source: Any) -> dict[str, int]:
   """`{"pad_id": id}` when the record of the dataset `source` reads gives a pad id (its
   tokenizer's), else {}."""
   record = sources_lib.dataset_record(source)
@@ -174,9 +174,9 @@ def _mixture_sources(config: Any,
                      mixture: Mixture) -> tuple[Any, Any, int, dict[str, int], str]:
   """A mixture `data.train`: each source split by `held_out_split` (or `data.eval`); the
   held-out documents of all sources are evaluated together."""
-  opened = [_open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
+  opened = [open_dataset(f"data.train source {m.name!r}", m.source) for m in mixture.sources]
   if config.data.eval is not None or config.data.eval_share == 0:  # data.eval_share=0: no held-out data
-    held_out = None if config.data.eval is None else _open_dataset("data.eval", config.data.eval)
+    held_out = None if config.data.eval is None else open_dataset("data.eval", config.data.eval)
     train_parts = opened
   else:
     try:
@@ -191,7 +191,7 @@ def _mixture_sources(config: Any,
   train = Mixture(sources=tuple(dataclasses.replace(m, source=part)
                                 for m, part in zip(mixture.sources, train_parts)),
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
-  return (train, held_out, max(int(src.vocab_size) for src in opened), _pad_id(opened[0]),
+  return (train, held_out, max(int(src.vocab_size) for src in opened), pad_id(opened[0]),
           opened[0].tokenizer_fingerprint)
 
 
@@ -200,9 +200,9 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
   mixture = _mixture(config)
   if mixture is not None:
     return _mixture_sources(config, mixture)
-  train = _open_dataset("data.train", config.data.train)
+  train = open_dataset("data.train", config.data.train)
   if config.data.eval is not None:
-    held_out = _open_dataset("data.eval", config.data.eval)
+    held_out = open_dataset("data.eval", config.data.eval)
     if held_out.tokenizer_fingerprint != train.tokenizer_fingerprint:
       raise DataConfigError(
           f"data.train={config.data.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
@@ -216,7 +216,7 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
   # BOS/EOS: from the manifest's record, read by the pipeline
-  return train, held_out, int(train.vocab_size), _pad_id(train), train.tokenizer_fingerprint
+  return train, held_out, int(train.vocab_size), pad_id(train), train.tokenizer_fingerprint
 
 
 def _sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str | None]:

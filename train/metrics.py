@@ -21,6 +21,7 @@ import tensorboardX
 from train import data as data_lib
 from train import flops as flops_lib
 from train import memory as memory_lib
+from train.preference import objective as preference_objective
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir WORKDIR/tensorboard`
@@ -30,18 +31,26 @@ def _percent(value: float | None) -> str:
   return "n/a" if value is None else f"{value:.1%}"
 
 
+def _rewards(record: dict[str, Any], prefix: str = "") -> str:
+  """A preference loss's reward accuracy and margin (nothing for other runs)."""
+  if f"{prefix}reward_accuracy" not in record:
+    return ""
+  return (f" | reward acc {record[prefix + 'reward_accuracy']:.1%}, margin "
+          f"{record[prefix + 'reward_margin']:.4f}")
+
+
 def _format(record: dict[str, Any]) -> str:
   kind = record.get("kind", "train")
   if kind == "train":
     return (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {record['real_tokens_per_s']:,.0f} real tok/s | "
             f"util {record['slot_utilization']:.1%} | MFU {_percent(record.get('mfu'))} | "
-            f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s")
+            f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s{_rewards(record)}")
   if kind == "eval":
     sources = "".join(f" | {k.split('/', 1)[1]} {v:.4f}" for k, v in record.items()
                       if k.startswith("eval_loss/") and v is not None)
     return (f"step {record['step']:>6} | eval loss {record['eval_loss']:.4f} over "
-            f"{record['eval_tokens']:,} tokens{sources}")
+            f"{record['eval_tokens']:,} tokens{sources}{_rewards(record, prefix='eval_')}")
   body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in record.items() if k != "kind")
   return f"{kind}: {body}"
@@ -152,6 +161,9 @@ def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
   last = window[-1]
   record = dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
                 grad_norm=float(last["grad_norm"]), **meter.report(step))
+  for name in preference_objective.METRICS:  # a preference loss: per-pair means
+    if name in last:
+      record[name] = sum(float(m[name]) for m in window) / max(counts, 1.0)
   for n, name in enumerate(source_names):  # a mixture: every source's loss over the window
     tokens = sum(float(m["source_tokens"][n]) for m in window)
     record[f"tokens/{name}"] = int(tokens)
@@ -179,6 +191,8 @@ def announce(run: Any, *, record_name: str) -> None:
     print(run.memory.line(memory_lib.device_memory()), flush=True)
   print(f"model: {c.model.family}, {run.num_params:,} parameters{init}; mesh "
         f"{dict(run.mesh.shape)}", flush=True)
+  if getattr(run, "reference", None):
+    print(run.reference, flush=True)
   if run.resume_changes:
     print(f"resuming at data position {run.iterator.get_state()} with changes: "
           f"{'; '.join(run.resume_changes)}", flush=True)

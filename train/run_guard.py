@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -183,3 +185,21 @@ def check_finite(first_step: int, window: list[dict[str, Any]], *,
     raise NonFiniteError(
         f"step {step}: {what}; stopped without saving it, {kept} (try a train.learning_rate "
         f"lower than {learning_rate:g}, a longer train.warmup_steps or train.grad_clip > 0)")
+
+
+class WorkdirError(UserError, OSError):
+  """The workdir cannot be created or written."""
+
+
+def check_workdir(workdir: str | os.PathLike) -> str:
+  """Creates `workdir` if needed and proves it writable with an atomic probe file."""
+  path = os.path.abspath(os.fspath(workdir))
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+    os.close(fd)
+    os.replace(probe, probe + ".done")
+    os.remove(probe + ".done")
+  except OSError as e:
+    raise WorkdirError(f"--workdir {path!r} is not writable: {e}") from e
+  return path

@@ -183,8 +183,15 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
 
 
+def batch_shardings(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
+  """Every feature's sharding: `[B, S]` as `batch_sharding`; per-pair `[B, J]` features
+  (`segpack.data.pairs`: `pair_*`, `ref_*`) rows over `data` x `fsdp`, pairs whole."""
+  rows = NamedSharding(mesh, P(BATCH_AXES, None))
+  return {k: rows if k.startswith(("pair_", "ref_")) else batch_sharding(mesh) for k in batch}
+
+
 def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
   """Assembles the global batch from every process's rows (this process's part is `local_batch`)."""
-  sharding = batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+  shardings = batch_shardings(mesh, local_batch)
+  return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
           for k, v in local_batch.items()}

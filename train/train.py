@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -29,40 +28,26 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from segpack import attention as attention_lib
 from segpack import loss as loss_lib
-from segpack.errors import UserError
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
 from train import head_loss
 from train.hf import init_from as hf_init
+from train.preference import data as preference_data
+from train.preference import objective as preference_objective
+from train.preference import reference as preference_reference
+from train.preference import scoring
 from train import layout as layout_lib
 from train import memory as memory_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import recipe as recipe_lib
 from train import run_guard
+from train.config_checks import AttentionConfigError, check_attention, check_attention_leaks
+from train.run_guard import WorkdirError, check_workdir
 from train import sharding as sharding_lib
-
-
-class WorkdirError(UserError, OSError):
-  """The workdir cannot be created or written."""
-
-
-def check_workdir(workdir: str | os.PathLike) -> str:
-  """Creates `workdir` if needed and proves it writable with an atomic probe file."""
-  path = os.path.abspath(os.fspath(workdir))
-  try:
-    os.makedirs(path, exist_ok=True)
-    fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
-    os.close(fd)
-    os.replace(probe, probe + ".done")
-    os.remove(probe + ".done")
-  except OSError as e:
-    raise WorkdirError(f"--workdir {path!r} is not writable: {e}") from e
-  return path
 
 
 def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -83,7 +68,8 @@ def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     *, accum: int, weighting: str = "token", num_sources: int = 0,
-                    block_size: int = 0, vocab_block_size: int = 0) -> Callable[..., Any]:
+                    block_size: int = 0, vocab_block_size: int = 0,
+                    objective: Any = None) -> Callable[..., Any]:
   """The (unjitted) step `(state, batch) -> (state, metrics)`.
 
   The loss of every micro-batch is divided by the count of the *whole* batch (trained tokens, or
@@ -93,11 +79,15 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   tokens (`source_loss_sum`, `source_tokens`, `[num_sources]` each). `finite`: the loss, gradient
   norm and every element of the new state are finite (the loop checks it, `run_guard.check_finite`).
   `block_size` > 0 computes the token losses in blocks from the final hidden states, never the
-  whole logits (`loss.block_size`, `loss.vocab_block_size`: `train.head_loss`).
+  whole logits (`loss.block_size`, `loss.vocab_block_size`: `train.head_loss`). An `objective`
+  (`train.preference.objective.PreferenceObjective`) replaces the token loss: the step's loss is
+  its mean over the batch's pairs, and the metrics hold its sums (`METRICS`).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def loss_fn(params, micro, total):
+    if objective is not None:
+      return objective.loss_and_sums(nnx.merge(graphdef, params), micro, total)
     token_loss_BxS = head_loss.token_losses(nnx.merge(graphdef, params), micro,
                                             block_size=block_size,
                                             vocab_block_size=vocab_block_size)
@@ -111,8 +101,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
         num_sources=num_sources)
 
   def step(state, batch):
-    total = loss_lib.loss_normalizer(batch["labels"], weighting=weighting,
-                                     segment_ids_BxS=batch["segment_ids"])
+    total = objective.normalizer(batch) if objective is not None else loss_lib.loss_normalizer(
+        batch["labels"], weighting=weighting, segment_ids_BxS=batch["segment_ids"])
     params = state["params"]
 
     def accumulate(carry, micro):
@@ -123,6 +113,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     aux0 = (jnp.zeros(num_sources, jnp.float32),) * 2 if num_sources else ()
+    aux0 = objective.zeros() if objective is not None else aux0
     (grads, loss, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux0),
                                          layout_lib.micro_batches(batch, accum))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -140,29 +131,37 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
                        batch["segment_ids"], reordered="slot_index" in batch))
     if num_sources:
       metrics.update(source_loss_sum=aux[0], source_tokens=aux[1])
+    if objective is not None:
+      metrics.update(aux)
     return new_state, metrics
 
   return step
 
 
 def make_eval_step(graphdef: Any, *, weighting: str = "token", block_size: int = 0,
-                   vocab_block_size: int = 0) -> Callable[..., Any]:
-  """`(params, batch) -> (loss_sum, count, trained_tokens)` for one held-out batch.
+                   vocab_block_size: int = 0, objective: Any = None) -> Callable[..., Any]:
+  """`(params, batch) -> sums` of one held-out batch: `loss_sum`, `count`, `trained_tokens`.
 
   `loss_sum / count` is the batch's loss: with `weighting="token"` the summed token losses over
-  the trained tokens, with `"sequence"` the summed per-document mean losses over the documents.
+  the trained tokens, with `"sequence"` the summed per-document mean losses over the documents;
+  with an `objective`, the summed pair losses over the pairs, and its metric sums too.
   `block_size`, `vocab_block_size`: as `make_train_step`'s.
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
   def step(params, batch):
-    token_loss_BxS = head_loss.token_losses(nnx.merge(graphdef, params), batch,
-                                            block_size=block_size,
+    model = nnx.merge(graphdef, params)
+    tokens = loss_lib.count_trained_tokens(batch["labels"])
+    if objective is not None:
+      count = objective.normalizer(batch)
+      sums = objective.loss_and_sums(model, batch, count)[1]
+      return dict(sums, count=count, trained_tokens=tokens)
+    token_loss_BxS = head_loss.token_losses(model, batch, block_size=block_size,
                                             vocab_block_size=vocab_block_size)
     loss_sum, count = loss_lib.token_loss_sum(token_loss_BxS, batch["labels"],
                                               weighting=weighting,
                                               segment_ids_BxS=batch["segment_ids"])
-    return loss_sum, count, loss_lib.count_trained_tokens(batch["labels"])
+    return dict(loss_sum=loss_sum, count=count, trained_tokens=tokens)
 
   return step
 
@@ -188,6 +187,7 @@ class Run:
   vocab_size: int = 0  # the model's: `model.vocab_size`, or the data's when that is None
   recipe: recipe_lib.Resolved | None = None  # how the length, rate and warmup were chosen
   memory: memory_lib.MemoryEstimate | None = None  # the step's estimated peak per device
+  reference: str | None = None  # where a preference loss's reference scores came from
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -200,39 +200,6 @@ def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformati
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
 
-class AttentionConfigError(UserError, ValueError):
-  """The `attention` group asks for a backend this platform cannot run, or a setting it ignores."""
-
-
-def check_attention(attention_cfg: Any, *, platform: str) -> str:
-  """Resolves the backend of the `attention` group once, for the run (returned: its name), and
-  refuses what `segpack.attention.resolve_implementation` refuses (it holds the rules, e.g. Pallas
-  on the CPU only in interpret mode), naming the config keys (JAX's own error names none)."""
-  try:
-    return attention_lib.resolve_implementation(
-        implementation=attention_cfg.implementation, platform=platform,
-        pallas=model_lib.pallas_options(attention_cfg))
-  except attention_lib.AttentionInputError as e:
-    raise AttentionConfigError(
-        f"attention.implementation={attention_cfg.implementation!r} with attention.interpret="
-        f"{bool(attention_cfg.interpret)} on the {platform!r} platform: {e} (config keys: "
-        "`implementation` is attention.implementation, and `pallas.interpret=True` is "
-        "attention.interpret=True)") from e
-
-
-def check_attention_leaks(config: Any, *,
-                          implementation: str) -> attention_lib.SelfCheckResult | None:
-  """Unless `attention.self_check` is False, runs `segpack.attention.self_check` on the configured
-  backend (`implementation`, as `check_attention` resolved it; with `attention.interpret`, in the
-  model's compute dtype) and lets its `AttentionLeakError` stop the run before any work."""
-  a = config.attention
-  if not a.self_check:
-    return None
-  return attention_lib.self_check(implementation=implementation,
-                                  pallas=model_lib.pallas_options(a),
-                                  dtype=model_lib.compute_dtype(config.model.dtype))
-
-
 def preflight(config: Any) -> None:
   """The checks that need no data and write nothing: config values, the imported model's keys,
   the attention backend and its leak check."""
@@ -241,6 +208,15 @@ def preflight(config: Any) -> None:
     hf_init.check_adopted(config)
   implementation = check_attention(config.attention, platform=jax.default_backend())
   check_attention_leaks(config, implementation=implementation)
+
+
+def _make_data(config: Any, mesh: Any, *, preference: bool):
+  """`(data, splits)`: the run's batches, and for a preference loss its pair datasets."""
+  layout = dict(batch_size=config.train.batch_size, process_index=jax.process_index(),
+                process_count=jax.process_count())
+  if preference:
+    return preference_data.make_preference_data(config, **layout)
+  return data_lib.make_data(config, num_ranks=sharding_lib.batch_partitions(mesh), **layout), None
 
 
 def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
@@ -253,9 +229,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
                                 tensor=config.mesh.tensor, context=config.mesh.context)
   sharding_lib.check_batch(t.batch_size, mesh=mesh, grad_accum_steps=t.grad_accum_steps,
                            process_count=jax.process_count())
-  data = data_lib.make_data(config, batch_size=t.batch_size,
-                            process_index=jax.process_index(), process_count=jax.process_count(),
-                            num_ranks=sharding_lib.batch_partitions(mesh))
+  objective = preference_objective.from_config(config)
+  data, splits = _make_data(config, mesh, preference=objective is not None)
   resolved = recipe_lib.resolve_config(
       config, steps_per_epoch=data.train_rows_in_epoch0 / t.batch_size)  # metrics.announce prints it
   fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
@@ -296,12 +271,19 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   else:
     state, start_step, changes = restored.state, restored.step, restored.changes
     iterator.set_state(restored.data_state)
-  if jax.process_index() == 0:
-    run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
-  batch_sh = sharding_lib.batch_sharding(mesh)
-  weighting = config.loss.weighting
   blocks = dict(block_size=config.loss.block_size,
                 vocab_block_size=config.loss.vocab_block_size)
+  reference = None
+  if objective is not None and objective.needs_reference:  # before a step changes the weights
+    reference = preference_reference.prepare(
+        config, workdir, splits, step=scoring.make_score_step(graphdef, **blocks),
+        params=state["params"], mesh=mesh, resumed=restored is not None)
+  if jax.process_index() == 0:
+    run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
+  # Pair rows' [B, J] features keep the shardings `global_batch` gives them.
+  batch_sh = sharding_lib.batch_sharding(mesh) if objective is None else None
+  weighting = config.loss.weighting
+  blocks["objective"] = objective
   train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
                                        weighting=weighting,
                                        num_sources=len(data.source_names), **blocks),
@@ -309,12 +291,12 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
                        donate_argnames=("state",))
   eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting, **blocks),
                       in_shardings=(params_sh, batch_sh),
-                      out_shardings=(replicated, replicated, replicated))
+                      out_shardings=replicated)
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
              num_params=num_params, resume_changes=changes, vocab_size=vocab_size,
-             recipe=resolved, memory=estimate)
+             recipe=resolved, memory=estimate, reference=reference)
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -326,11 +308,11 @@ def evaluate(run: Run) -> dict[str, float]:
   losses by the sources' token shares, `sum_s w_s * eval_loss/s`: the expected per-token loss
   of the training mixture."""
   if not run.data.eval_by_source:
-    loss, tokens = _eval_loss(run, run.data.eval)
-    return dict(eval_loss=loss, eval_tokens=tokens)
+    loss, tokens, means = _eval_loss(run, run.data.eval)
+    return dict(eval_loss=loss, eval_tokens=tokens, **means)
   out, total, weights = {}, 0, run.data.source_weights
   for name, dataset in run.data.eval_by_source.items():
-    out[f"eval_loss/{name}"], out[f"eval_tokens/{name}"] = _eval_loss(run, dataset)
+    out[f"eval_loss/{name}"], out[f"eval_tokens/{name}"], _ = _eval_loss(run, dataset)
     total += out[f"eval_tokens/{name}"]
   shares = np.asarray(weights, np.float64) / np.sum(weights)
   headline = sum(float(w) * out[f"eval_loss/{name}"]
@@ -338,16 +320,21 @@ def evaluate(run: Run) -> dict[str, float]:
   return dict(eval_loss=headline, eval_tokens=total, **out)
 
 
-def _eval_loss(run: Run, dataset: Any) -> tuple[float, int]:
-  """`(loss, trained tokens)` over the first `train.eval_batches` batches of `dataset`."""
+def _eval_loss(run: Run, dataset: Any) -> tuple[float, int, dict[str, float]]:
+  """`(loss, trained tokens, other means)` over the first `train.eval_batches` batches of
+  `dataset`; the other means are a preference objective's metrics per pair."""
   limit = run.config.train.eval_batches
   n = len(dataset) if limit <= 0 else min(limit, len(dataset))
-  loss_sum, count, tokens = 0.0, 0.0, 0.0
+  sums: dict[str, float] = {}
   for i in range(n):
     local = dataset[i]  # every process's rows of a global batch, padding rows at the end
-    s, c, k = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
-    loss_sum, count, tokens = loss_sum + float(s), count + float(c), tokens + float(k)
-  return loss_sum / max(count, 1.0), int(tokens)
+    out = run.eval_step(run.state["params"], sharding_lib.global_batch(local, run.mesh))
+    for key, value in jax.device_get(out).items():
+      sums[key] = sums.get(key, 0.0) + float(value)
+  count = max(sums.get("count", 0.0), 1.0)
+  means = {f"eval_{k}": v / count for k, v in sums.items()
+           if k not in ("loss_sum", "count", "trained_tokens")}
+  return sums.get("loss_sum", 0.0) / count, int(sums.get("trained_tokens", 0)), means
 
 
 def train_and_evaluate(config: Any, workdir: str | os.PathLike) -> dict[str, Any]:

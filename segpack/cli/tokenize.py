@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                  help=".txt files: a file is a document, or blank lines separate documents")
   p.add_argument("--text-field", default="text",
                  help=".jsonl: the field holding the text; .parquet, hf-disk: the column")
-  p.add_argument("--format", choices=("auto", "text", "chat"), default="auto",
-                 help="chat: .jsonl conversations with a loss mask, in the chat template of "
+  p.add_argument("--format", choices=("auto", "text", "chat", "preference"), default="auto",
+                 help="preference: .jsonl pairs (prompt, chosen, rejected; docs/preference.md); "
+                      "chat: .jsonl conversations with a loss mask, in the chat template of "
                       "--tokenizer hf:DIR when DIR holds one (needs segpack[hf]), else segpack's "
                       "(see --chat-template); "
                       "auto: chat when the first record has --messages-field and no --text-field")

@@ -38,7 +38,7 @@ NO_TOKENIZER = ("pass tokenizer='hf:FILE'|'spm:FILE' (--tokenizer), spm_model=FI
                 "or vocab_size=N (--vocab-size, to train a model first)")
 
 
-def _chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | None,
+def chat_tokenizer(conversations, output: Path, *, given, vocab_size: int | None,
                     ident: dict[str, Any], overwrite: bool) -> tokenizer_spec.Tokenizer:
   """The tokenizer of `--format chat`: the one given, or a SentencePiece model trained on the
   contents with segpack's chat markers as symbols (kept and reused under the same key)."""
@@ -90,7 +90,7 @@ def _refuse_options(options: hf_chat.ChatOptions) -> None:
                            f"to segpack's chat template")
 
 
-def _chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: str | None,
+def chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: str | None,
                   chat_template: str = "auto", options: hf_chat.ChatOptions | None = None,
                   ) -> chat.ChatEncoder | hf_chat.HfChatTemplate:
   """The tokenizer's own chat template (a Hugging Face directory holding one, or
@@ -172,10 +172,10 @@ def tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tra
     ident["skip_bad_lines"] = True
   if chat_template == "own" and not isinstance(given, hf_lib.HfTokenizer):
     raise _no_own_template(given)
-  tokenizer = _chat_tokenizer(
+  tokenizer = chat_tokenizer(
       lambda: conversations(chat.Skipped() if skip_bad_lines else None), output, given=given,
       vocab_size=vocab_size, ident=ident, overwrite=overwrite)
-  encoder = _chat_encoder(tokenizer, train_on=train_on, spec=spec, chat_template=chat_template,
+  encoder = chat_encoder(tokenizer, train_on=train_on, spec=spec, chat_template=chat_template,
                           options=options)
   own = isinstance(encoder, hf_chat.HfChatTemplate)
   if chat_template != "auto":  # the choice is part of the key ("auto" keeps earlier keys)

@@ -26,6 +26,7 @@ from typing import Any
 from segpack.files import LockHeldError, file_lock
 from segpack.text import beam_pipeline
 from segpack.text import chat_tokenize
+from segpack.text.preference import write as preference_write
 from segpack.text import corpus
 from segpack.text import encode
 from segpack.text import hf_chat
@@ -148,13 +149,13 @@ def tokenize_files(
     files = expand_inputs(inputs, skipped=skipped)
     if not files:
       raise InputFormatError("inputs (--input): no input files given")
-    if is_chat(files, input_format, text_field=text_field, messages_field=messages_field):
-      if runner == "beam":
-        raise InputFormatError("runner='beam' (--runner) tokenizes plain text; run chat locally")
-      return _said(inputs, files, skipped, None, [chat_tokenize.tokenize_chat(
-          files, output, given=given, vocab_size=vocab_size, train_on=train_on, spec=tokenizer,
-          messages_field=messages_field, shard_tokens=shard_tokens, overwrite=overwrite,
-          skip_bad_lines=skip_bad_lines, chat_template=chat_template, options=chat_options)])
+    structured = _structured(
+        files, output, input_format=input_format, runner=runner, text_field=text_field,
+        messages_field=messages_field, given=given, vocab_size=vocab_size, spec=tokenizer,
+        train_on=train_on, shard_tokens=shard_tokens, overwrite=overwrite,
+        skip_bad_lines=skip_bad_lines, chat_template=chat_template, options=chat_options)
+    if structured is not None:
+      return _said(inputs, files, skipped, None, [structured])
     refuse_chat_template(chat_template, why=f"input_format={input_format!r} (--format) reads "
                                             f"the inputs as plain text", options=chat_options)
     read = dict(doc_separator=doc_separator, text_field=text_field, skip_bad_lines=skip_bad_lines)
@@ -218,6 +219,24 @@ def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
   return InputFormatError(
       f"inputs={[str(p) for p in inputs]} (--input): no documents to tokenize ({report}{bad}); "
       f"a dataset needs at least one document with text")
+
+
+def _structured(files: Sequence[Path], output: Path, *, input_format: str, runner: str,
+                text_field: str | None, messages_field: str, train_on: str,
+                **kwargs) -> encode.Summary | None:
+  """Preference pairs (`segpack.text.preference`) or chat (`chat_tokenize`), tokenized
+  locally; None for plain text."""
+  chat = input_format != "preference" and is_chat(
+      files, input_format, text_field=text_field, messages_field=messages_field)
+  if input_format != "preference" and not chat:
+    return None
+  if runner == "beam":
+    raise InputFormatError(f"runner='beam' (--runner) tokenizes plain text; run "
+                           f"{'chat' if chat else 'preference pairs'} locally")
+  if chat:
+    return chat_tokenize.tokenize_chat(files, output, train_on=train_on,
+                                       messages_field=messages_field, **kwargs)
+  return preference_write.tokenize_preference(files, output, **kwargs)
 
 
 def _said(inputs: Sequence[str | os.PathLike[str]], files: Sequence[Path],

@@ -25,6 +25,7 @@ from train.bench import hf_import as bench_hf_import
 from train.bench import memory as bench_memory
 from train.bench import revisions as bench_revisions
 from train.hf import export as train_export
+from train import score as train_score
 from train import main as train_main
 from train import plot as train_plot
 from train.sample import bench as sample_bench
@@ -43,6 +44,7 @@ ENTRY_POINTS = {
     "python -m train.sample.bench": sample_bench.main,
     "python -m train.bench.revisions": bench_revisions.main,
     "python -m train.bench.memory": bench_memory.main,
+    "python -m train.score": train_score.main,
 }
 REPO = str(paths.REPO)
 

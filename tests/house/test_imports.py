@@ -47,7 +47,7 @@ MAX_PACK_DATASET_PARAMETERS = 12
 FLOORS = (
     ("segpack.errors",),
     ("segpack.files", "segpack.mesh", "segpack.loss", "segpack.loss_blocks", "segpack.interop",
-     "segpack.segments"),
+     "segpack.segments", "segpack.preference_loss"),
     ("segpack.remote_files",),
     ("segpack.shards", "segpack.attention"),
     ("segpack.packing", "segpack.text"),
@@ -62,8 +62,9 @@ FLOORS = (
     ("train", "train.hf"),
     # a finished run read back: checkpoint, config, tokenizer, chat template
     ("train.runs",),
-    # what reads finished runs: the sampler and the export to a Hugging Face directory
-    ("train.sample", "train.hf.export", "train.hf.export_files", "train.hf.export_tokenizer"),
+    # what reads finished runs: the sampler, the export to a Hugging Face directory, the scores
+    ("train.sample", "train.hf.export", "train.hf.export_files", "train.hf.export_tokenizer",
+     "train.score"),
     ("train.bench",),
 )
 # The most modules (`.py` files but `__init__.py`, which only re-exports) one folder may hold.

@@ -170,7 +170,8 @@ def test_eval_step_gives_the_mean_of_per_document_means_over_batches():
   step = jax.jit(train_lib.make_eval_step(graphdef, weighting="sequence"))
   loss_sum, count, tokens = 0.0, 0.0, 0.0
   for b in batches:
-    s, c, k = step(params, b)
+    out = step(params, b)
+    s, c, k = out["loss_sum"], out["count"], out["trained_tokens"]
     loss_sum, count, tokens = loss_sum + float(s), count + float(c), tokens + float(k)
   want, _ = _oracle("sequence")
   np.testing.assert_allclose(loss_sum / count, want, rtol=1e-6)

@@ -1,0 +1,1 @@
+"""Preference training (DPO, IPO, SimPO, ORPO) on packed pair rows (docs/preference.md)."""

@@ -1,0 +1,102 @@
+"""The train and eval steps' loss on preference rows: one loss per pair, summed per segment.
+
+`PreferenceObjective` plugs into `train.train.make_train_step` (`objective=`): the loss of a
+step is the mean over its pairs (the global batch's count, so micro-batches sum to it), from
+each sequence's summed completion log-probs (`segpack.preference_loss`). The token losses come
+from `train.head_loss` (full or blocked logits), so large vocabularies cost what they cost SFT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from segpack import preference_loss
+from train import head_loss
+
+__all__ = ["METRICS", "PreferenceObjective", "from_config"]
+
+# The per-pair means a step reports (beside `loss`), as `metrics.jsonl` names them.
+METRICS = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin",
+           "logp_chosen", "logp_rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceObjective:
+  """A preference loss and its settings (`preference.*` keys).
+
+  Attributes:
+    loss: one of `segpack.preference_loss.LOSSES`.
+    beta, label_smoothing, simpo_gamma: the loss's settings.
+    block_size, vocab_block_size: the token losses' blocks (`loss.*`, `train.head_loss`).
+  """
+
+  loss: str
+  beta: float = 0.1
+  label_smoothing: float = 0.0
+  simpo_gamma: float = 0.5
+  block_size: int = 0
+  vocab_block_size: int = 0
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.loss not in preference_loss.REFERENCE_FREE
+
+  def normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
+    """The pairs of the (global) batch."""
+    return jnp.sum(batch["pair_index"] >= 0, dtype=jnp.float32)
+
+  def zeros(self) -> dict[str, jax.Array]:
+    """The sums of a batch with no pair (`loss_and_sums`'s second value)."""
+    return {name: jnp.float32(0) for name in (*METRICS, "loss_sum")}
+
+  def pair_terms(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per pair `[B, J]`: the loss, rewards and log-probs, and `valid` (a pair is there)."""
+    token_loss_BxS = head_loss.token_losses(model, batch, block_size=self.block_size,
+                                            vocab_block_size=self.vocab_block_size)
+    sums = preference_loss.pair_logps(-token_loss_BxS, batch["labels"], batch["segment_ids"],
+                                      batch["pair_chosen_segment"],
+                                      batch["pair_rejected_segment"])
+    refs = {}
+    if self.needs_reference:
+      refs = dict(ref_chosen_logp=batch["ref_chosen_logp"],
+                  ref_rejected_logp=batch["ref_rejected_logp"])
+    terms = preference_loss.pair_losses(
+        loss=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
+        simpo_gamma=self.simpo_gamma, **sums, **refs)
+    return dict(terms, **sums, valid=batch["pair_index"] >= 0)
+
+  def loss_and_sums(self, model: Any, batch: dict[str, jax.Array],
+                    total: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`(summed pair losses / total, metric sums)` of a (micro-)batch."""
+    t = self.pair_terms(model, batch)
+    valid = t["valid"]
+
+    def total_of(x):
+      return jnp.sum(jnp.where(valid, x, 0.0))
+
+    margin = t["chosen_reward"] - t["rejected_reward"]
+    sums = dict(reward_chosen=total_of(t["chosen_reward"]),
+                reward_rejected=total_of(t["rejected_reward"]),
+                reward_accuracy=total_of((margin > 0).astype(jnp.float32)),
+                reward_margin=total_of(margin), logp_chosen=total_of(t["chosen_logp"]),
+                logp_rejected=total_of(t["rejected_logp"]))
+    loss_sum = total_of(t["loss"])
+    sums = jax.tree.map(jax.lax.stop_gradient, sums)
+    return loss_sum / jnp.maximum(total, 1.0), dict(sums, loss_sum=jax.lax.stop_gradient(
+        loss_sum))
+
+
+def from_config(config: Any) -> PreferenceObjective | None:
+  """The objective of `preference.loss` (None for "none")."""
+  p = config.preference
+  if p.loss == "none":
+    return None
+  return PreferenceObjective(loss=p.loss, beta=float(p.beta),
+                             label_smoothing=float(p.label_smoothing),
+                             simpo_gamma=float(p.simpo_gamma),
+                             block_size=int(config.loss.block_size),
+                             vocab_block_size=int(config.loss.vocab_block_size))
