@@ -187,7 +187,8 @@ class Attention(nnx.Module):
     return None if layout is None else layout.split(self.cfg.num_kv_heads)
 
   def __call__(self, x_BxSxE: jax.Array, angles_BxSxD2: jax.Array,
-               segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None) -> jax.Array:
+               segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array | None = None,
+               prefix_segment_ids_BxS: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
     b, s, _ = x_BxSxE.shape
     layout = layout_lib.layout_of(x_BxSxE)
@@ -197,6 +198,8 @@ class Attention(nnx.Module):
     extra = dict(context_axis=CONTEXT_AXIS) if sharding_lib.context_size(mesh) > 1 else {}
     if slot_index_BxS is not None:
       extra["slot_index"] = slot_index_BxS
+    if prefix_segment_ids_BxS is not None:  # shared prompts: branches see theirs
+      extra["prefix_segment_ids"] = prefix_segment_ids_BxS
     out_BxSxHxD = attention_lib.segment_attention(
         q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxS, causal=True, implementation=impl,
         mesh=mesh, batch_axis=BATCH_AXES, head_axis=TENSOR_AXIS if layout is None else heads,
@@ -235,9 +238,10 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
-  def __call__(self, x_BxSxE, angles_BxSxD2, segment_ids_BxS, slot_index_BxS=None):
+  def __call__(self, x_BxSxE, angles_BxSxD2, segment_ids_BxS, slot_index_BxS=None,
+               prefix_segment_ids_BxS=None):
     x_BxSxE = x_BxSxE + self.attn(self.attn_norm(x_BxSxE), angles_BxSxD2, segment_ids_BxS,
-                                  slot_index_BxS)
+                                  slot_index_BxS, prefix_segment_ids_BxS)
     return x_BxSxE + self.mlp(self.mlp_norm(x_BxSxE))
 
 
@@ -282,6 +286,7 @@ class Decoder(nnx.Module):
 
   def from_embeddings(self, x_BxSxE: jax.Array, *, segment_ids: jax.Array,
                       segment_positions: jax.Array, slot_index: jax.Array | None = None,
+                      prefix_segment_ids: jax.Array | None = None,
                       logits: bool = True) -> jax.Array:
     """Runs the blocks and the head on given embeddings; returns float32 logits `[B, S, V]`
     (on an explicit mesh split as the embeddings' rows and slots, the vocabulary whole), or
@@ -293,7 +298,7 @@ class Decoder(nnx.Module):
     if self.cfg.remat != "none":
       run = nnx.remat(run, policy=REMAT_POLICIES[self.cfg.remat])
     for block in self.layers:
-      x_BxSxE = run(block, x_BxSxE, angles_BxSxD2, segment_ids, slot_index)
+      x_BxSxE = run(block, x_BxSxE, angles_BxSxD2, segment_ids, slot_index, prefix_segment_ids)
     return self.head(x_BxSxE) if logits else self.final_norm(x_BxSxE)
 
   def head_weight(self) -> tuple[jax.Array, bool]:
@@ -321,9 +326,10 @@ class Decoder(nnx.Module):
 
   def __call__(self, input_ids: jax.Array, *, segment_ids: jax.Array,
                segment_positions: jax.Array, slot_index: jax.Array | None = None,
-               logits: bool = True) -> jax.Array:
+               prefix_segment_ids: jax.Array | None = None, logits: bool = True) -> jax.Array:
     """Returns float32 logits `[B, S, V]` for int `[B, S]` ids, segment ids and positions
-    (`logits=False`: the final hidden states `[B, S, E]`, `from_embeddings`).
+    (`logits=False`: the final hidden states `[B, S, E]`, `from_embeddings`);
+    `prefix_segment_ids`: each slot's shared prompt segment (pair rows, `segment_attention`).
 
     `slot_index`: for a row in context order (`train.context_batches`), each slot's index in the row
     before reordering (attention's causal order); None: the slots are in row order. Inputs
@@ -331,8 +337,8 @@ class Decoder(nnx.Module):
     (`attention_mesh`) or whose parameters are placed on one, are put on it split as the
     trainer's batches (`train.layout.on_mesh`).
     """
-    named = dict(input_ids=input_ids, segment_ids=segment_ids,
-                 segment_positions=segment_positions, slot_index=slot_index)
+    named = dict(input_ids=input_ids, segment_ids=segment_ids, segment_positions=segment_positions,
+                 slot_index=slot_index, prefix_segment_ids=prefix_segment_ids)
     shapes = {name: tuple(x.shape) for name, x in named.items() if x is not None}
     if len(set(shapes.values())) > 1:
       raise ArgumentError(
@@ -349,7 +355,7 @@ class Decoder(nnx.Module):
     final hidden states `[B, S, E]`)."""
     return self(batch["input_ids"], segment_ids=batch["segment_ids"],
                 segment_positions=batch["segment_positions"], slot_index=batch.get("slot_index"),
-                logits=logits)
+                prefix_segment_ids=batch.get("prefix_segment_ids"), logits=logits)
 
 
 def default_compute_dtype(platform: str | None = None) -> str:

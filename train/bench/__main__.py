@@ -1,4 +1,4 @@
-"""`python -m train.bench packed|sft`: the training benchmarks (`train.bench.training`)."""
+"""`python -m train.bench packed|sft|preference`: the training benchmarks (`train.bench.training`)."""
 
 import sys
 

@@ -1,7 +1,9 @@
-"""Training benchmarks: `python -m train.bench packed|sft [--json]` (`--help` after either).
+"""Training benchmarks: `python -m train.bench packed|sft|preference [--json]` (`--help` after
+any).
 
 `packed`: packed vs padded training on the same documents (this module).
 `sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/bench/sft.py`, docs/sft.md).
+`preference`: DPO on packed pairs vs padded pairs (`train/bench/preference.py`, docs/preference.md).
 
 `packed`, algorithm:
   1. Sample `--docs` documents (seeded) from the built-in corpus's training split.
@@ -38,6 +40,7 @@ from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.text import corpus
 from train import model as model_lib
+from train.bench import preference as preference_bench
 from train.bench import sft as sft_bench
 from train import sharding as sharding_lib
 from train import train as train_lib
@@ -153,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
   sft = sub.add_parser("sft", help="chat fine-tuning: padding vs minibatch vs global packing",
                        description=sft_bench.__doc__, formatter_class=raw)
   sft_bench.add_arguments(sft)
+  pref = sub.add_parser("preference", help="DPO: packed pairs vs pairs padded to the longest",
+                        description=preference_bench.__doc__, formatter_class=raw)
+  preference_bench.add_arguments(pref)
   return parser
 
 
@@ -162,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   if args.benchmark == "sft":
     return sft_bench.run(args)
+  if args.benchmark == "preference":
+    return preference_bench.run(args)
   result = bench(size=args.size, num_docs=args.docs, seq_len=args.seq_len,
                  batch_size=args.batch_size, seed=args.seed)
   print(json.dumps(result, sort_keys=True) if args.json else _table(result))

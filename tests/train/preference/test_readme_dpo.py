@@ -1,0 +1,52 @@
+"""The README's "Train on preferences" block, run as a new user would on a tiny model made here
+(an SFT export first, as the block before it makes), with fewer steps; the exported model loads
+in transformers."""
+
+import json
+import shlex
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from support import hf_models  # noqa: E402
+from support import paths  # noqa: E402
+from support import preference_fixtures  # noqa: E402
+from support.train_configs import run_cli  # noqa: E402
+
+
+def _commands():
+  readme = (paths.REPO / "README.md").read_text()
+  block = readme.split("## Train on preferences", 1)[1].split("```bash", 1)[1]
+  return [c.strip() for c in block.split("```", 1)[0].strip().splitlines() if c.strip()]
+
+
+def test_readme_preference_commands(tmp_path):
+  import transformers
+  commands = _commands()
+  assert commands[0].startswith("python -m segpack tokenize --format preference")
+  assert commands[1].startswith("python -m train.main --config=configs/dpo.py")
+  assert commands[2].startswith("python -m train.hf.export")
+  exported = hf_models.make_tokenizer(hf_models.make_model(str(tmp_path / "exported"), "llama"))
+  preference_fixtures.write_jsonl(tmp_path / "pairs.jsonl", preference_fixtures.word_pairs(
+      40, prompt=(2, 30), answer=(1, 40), seed=7))
+  subs = {"pairs.jsonl": str(tmp_path / "pairs.jsonl"), "data/pairs": str(tmp_path / "pairs"),
+          "runs/dpo": str(tmp_path / "run"), "dpo_model": str(tmp_path / "dpo_model"),
+          "exported": exported}
+  for command in commands:
+    for a, b in subs.items():
+      command = command.replace(a, b)
+    args = shlex.split(command)[2:]
+    if args[0] == "train.main":
+      args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
+               "--config.train.checkpoint_every=3", "--config.attention.self_check=False",
+               "--config.packing.seq_len=256"]
+    out = run_cli(*args)
+    if args[0] == "train.main":
+      assert "reference: the initial weights scored 40 pairs once" in out.stdout
+  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+  assert records[0]["kind"] == "eval" and abs(records[0]["eval_loss"] - 0.6931471805599453) < 1e-6
+  assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path / "dpo_model"), output_loading_info=True)
+  assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
