@@ -265,3 +265,24 @@ def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, 
   out = run_cli(*args, f"--config.data.train={pairs / 'rows'}", f"--workdir={tmp_path / 'w1'}",
                 "--config.train.num_steps=2", check=False)
   assert out.returncode == 2 and "init_from:another" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_start_from_transformers_scores(models, pairs, tmp_path, loss):
+  """SimPO's and ORPO's first step over all 8 pairs equals their formulas on transformers'
+  per-sequence scores; they need no reference, so none is scored."""
+  config = _config(models[0], pairs / "rows", seq_len=64, preference__loss=loss,
+                   preference__beta=2.0, data__eval_share=0.0)
+  train_lib.train_and_evaluate(config, tmp_path / "run")
+  assert not os.path.exists(tmp_path / "run" / "reference")
+  first = next(json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+               if json.loads(line)["kind"] == "train")
+  s = _transformers_scores(models[0], shards.ShardSource(pairs / "rows"), add_bos=True)
+  c, r = s[:, 0] / s[:, 2], s[:, 1] / s[:, 3]
+  if loss == "simpo":
+    want = np.log1p(np.exp(-(2.0 * (c - r) - 0.5)))
+  else:
+    odds = (c - np.log1p(-np.exp(c))) - (r - np.log1p(-np.exp(r)))
+    want = -c + 2.0 * np.log1p(np.exp(-odds))
+  assert abs(first["loss"] - want.mean()) <= 1e-5 * abs(want.mean()), (first["loss"], want)
+  assert first["reward_accuracy"] == pytest.approx(np.mean(c > r))
