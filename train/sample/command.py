@@ -240,6 +240,15 @@ def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence
   return prompts, sorted(set(stops) | set(renderer.stop_ids)), tokenizer, 0
 
 
+def _check_room(ids: Sequence[Sequence[int]], *, seq_len: int, flag: str) -> None:
+  """Every prompt leaves room for a new token in the model's positions (the run's rows)."""
+  for p, prompt in enumerate(ids):
+    if len(prompt) >= seq_len:
+      raise SampleError(f"{flag}: prompt {p + 1} is {len(prompt)} tokens as the model sees it, "
+                        f"no room for a new one in the run's {seq_len} positions "
+                        f"(packing.seq_len): shorten it")
+
+
 def _text(tokenizer: Any, prompt: list[int], new: list[int], *, chat_mode: bool,
           stops: Sequence[int]) -> str:
   if tokenizer is None:
@@ -272,7 +281,8 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
       prompt or in `conversation`, whose own tools they replace (`--tools`). Needs a run whose
       chat template is the model's own.
     num_samples: draws per prompt (greedy decoding gives one).
-    max_new_tokens: the most new tokens per answer.
+    max_new_tokens: the most new tokens per answer (any int >= 1): an answer stops where the
+      run's rows end (`packing.seq_len` positions, prompt included).
     sampling: greedy or a draw (`train.sample.decode.Sampling`).
     seed: the seed of the draws.
     rows: rows the prompts and samples are packed into (None: one row each).
@@ -284,10 +294,12 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
   Raises:
     SampleError: no intact checkpoint, no prompt, a synthetic run without `prompt_ids`, a
       tokenizer that is not the model's, bad settings, a conversation or tools that are not
-      valid, or `conversation` / `tools` on a run rendered with segpack's own template.
+      valid, `conversation` / `tools` on a run rendered with segpack's own template, or a
+      prompt that leaves no room for a new token in the run's rows.
   """
-  if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-    raise SampleError(f"--num_samples must be an int >= 1, got {num_samples!r}")
+  for flag, value in (("--num_samples", num_samples), ("--max_new_tokens", max_new_tokens)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise SampleError(f"{flag} must be an int >= 1, got {value!r}")
   _check_request(texts=prompts, ids=prompt_ids, chat_mode=chat_mode, system=system,
                  conversation=conversation, tools=tools)
   if tools is not None:
@@ -298,6 +310,8 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
   ids, stops, tokenizer, skip = _prompts(config, workdir, texts=prompts, ids=prompt_ids,
                                          chat_mode=chat_mode, system=system,
                                          conversation=conversation, tools=tools)
+  _check_room(ids, seq_len=int(config.packing.seq_len), flag=(
+      "--prompt_ids" if prompt_ids else "--conversation" if conversation else "--prompt"))
   config, model, _ = saved_run.load_run(workdir, checkpoint=checkpoint)
   if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:  # more rows: fine
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
@@ -334,7 +348,8 @@ def define_flags() -> dict[str, Any]:
           "conversation ({\"messages\": [...], \"tools\": [...]} or a list of messages) ending "
           "with a user or tool message; the model answers the next assistant turn."),
       num_samples=flags.DEFINE_integer("num_samples", 3, "Draws per prompt (greedy gives one)."),
-      max_new_tokens=flags.DEFINE_integer("max_new_tokens", 64, "Most new tokens per answer."),
+      max_new_tokens=flags.DEFINE_integer("max_new_tokens", 64, "Most new tokens per answer; an answer "
+                                          "stops where the run's rows end (packing.seq_len)."),
       temperature=flags.DEFINE_float("temperature", None, "0: greedy; default 1 when --top_k "
                                      "or --top_p asks for a draw, else 0."),
       top_k=flags.DEFINE_integer("top_k", 0, "Draw among the k most likely (0: all)."),

@@ -3,7 +3,7 @@
 Prompts are packed into rows as the trainer packs documents (segment ids 1..n, positions from 0 in
 every segment), and every prompt is one *lane* of its row. Keys and values of every layer are kept
 in a cache of `T = P + M * N` slots per row (`P` prompt slots, `M` new tokens of the `N` lanes of a
-row), and each cache slot carries its lane's segment id and its slot index, so that attention is
+row, `M` the most any lane has room for: `max_new_tokens`, cut at `max_len` less its prompt), and each cache slot carries its lane's segment id and its slot index, so that attention is
 `segpack.attention.xla.segment_attention_xla_slots`: a query sees the slots of its own segment up
 to its own. A prompt therefore decodes exactly as it would alone, whichever prompts share its row.
 
@@ -260,6 +260,18 @@ def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_
   return out
 
 
+def lane_rooms(length_BxN: np.ndarray, *, max_new_tokens: int,
+               max_len: int | None) -> np.ndarray:
+  """The most new tokens of each lane: `max_new_tokens`, cut where its prompt and new tokens
+  fill `max_len` positions (computed in Python ints first, so any `max_new_tokens` fits int32)."""
+  bound = max_new_tokens if max_len is None else min(max_new_tokens, max_len)
+  if bound > np.iinfo(np.int32).max:
+    raise DecodeError(f"max_new_tokens must be at most {np.iinfo(np.int32).max} without a "
+                      f"max_len, got {max_new_tokens!r}")
+  room_BxN = np.full_like(length_BxN, bound)
+  return room_BxN if max_len is None else np.minimum(room_BxN, max_len - length_BxN)
+
+
 def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
            sampling: Sampling = GREEDY, seed: int = 0, stop_ids: Sequence[int] = (),
            rows: int | None = None, max_len: int | None = None) -> list[list[int]]:
@@ -270,7 +282,8 @@ def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_ne
       device; parameters placed on a mesh are copied there).
     prompts: token ids of each prompt, as the model should see them (BOS included if the run's
       documents began with one).
-    max_new_tokens: the most tokens added to each prompt.
+    max_new_tokens: the most tokens added to each prompt; any int >= 1: the loop and the
+      KV cache are sized to what can be generated (`max_len` less the prompt).
     sampling: greedy (default) or a draw (`Sampling`).
     seed: the seed of the draws (prompt `i`, step `t`: `fold_in(lane_key(seed, i), t)`).
     stop_ids: a lane stops after drawing one of these (EOS, the template's end of turn).
@@ -287,9 +300,8 @@ def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_ne
   prompts = check_prompts(prompts, vocab_size=model.cfg.vocab_size,
                           max_new_tokens=max_new_tokens, max_len=max_len)
   layout = layout_prompts(prompts, rows=len(prompts) if rows is None else rows)
-  room_BxN = np.full_like(layout.length_BxN, max_new_tokens)
-  if max_len is not None:
-    room_BxN = np.minimum(room_BxN, max_len - layout.length_BxN)
+  room_BxN = lane_rooms(layout.length_BxN, max_new_tokens=max_new_tokens, max_len=max_len)
+  max_new = int(room_BxN[layout.prompt_BxN >= 0].max())  # the cache holds what can be generated
   arrays = dict(dataclasses.asdict(layout), room_BxN=room_BxN)
   graphdef, params = nnx.split(model)
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -297,7 +309,7 @@ def decode(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *, max_ne
   out_BxNxM = np.asarray(_decode(
       graphdef, params, {k: jnp.asarray(v) for k, v in arrays.items()},
       jnp.asarray(list(stop_ids) or [-2], jnp.int32), jnp.int32(seed),
-      max_new=max_new_tokens, sampling=sampling))
+      max_new=max_new, sampling=sampling))
   results: list[list[int]] = [[] for _ in prompts]
   for (row, lane), i in np.ndenumerate(layout.prompt_BxN):
     if i >= 0:

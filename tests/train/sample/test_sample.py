@@ -425,3 +425,34 @@ def test_unreadable_or_missing_checkpoints_are_run_errors(synthetic_run, tmp_pat
   assert saved_run.choose_checkpoint(str(run)).step == 4
   with pytest.raises(RunError, match=f"cannot read {step_dir}: "):
     saved_run.run_config(str(run))
+
+
+def test_max_new_tokens_past_the_rows_stops_there_with_a_cache_of_what_fits(
+    synthetic_run, loaded, monkeypatch):
+  _, model, _ = loaded
+  sizes, real = [], decode_lib._decode
+
+  def spy(*args, max_new, **kwargs):
+    sizes.append(max_new)
+    assert max_new <= 64, f"a KV cache of {max_new} new slots per lane for rows of 64"
+    return real(*args, max_new=max_new, **kwargs)
+
+  monkeypatch.setattr(decode_lib, "_decode", spy)
+  prompts = _prompts([4, 9], seed=3)
+  huge = decode_lib.decode(model, prompts, max_new_tokens=10**9, max_len=12)
+  assert huge == decode_lib.decode(model, prompts, max_new_tokens=8, max_len=12)
+  assert sizes == [8, 8]  # the longest room (12 - 4), not the request
+  asked = sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=10**30)
+  assert asked == sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=64)
+  assert max(sizes) <= 64 - 3
+  with pytest.raises(sample_lib.SampleError, match="--max_new_tokens must be an int >= 1, got 0"):
+    sample_lib.sample(synthetic_run, prompt_ids=["5"], max_new_tokens=0)
+
+
+def test_a_prompt_that_fills_the_rows_is_one_line_naming_the_flag_and_the_bound(synthetic_run):
+  proc = _run_cli(f"--workdir={synthetic_run}", "--prompt_ids=" + ",".join(["5"] * 64),
+                  "--max_new_tokens=1000000000")
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "--prompt_ids" in lines[0] and "64 positions (packing.seq_len)" in (
+      lines[0]), proc.stderr
