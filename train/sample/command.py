@@ -202,12 +202,17 @@ def _chat_prompts(renderer: Any, *, texts: Sequence[str], system: str | None,
                       f"tokenized with --tokenizer hf:DIR and its template, or an imported "
                       f"model's); this run's chat data is rendered with segpack's template, "
                       f"which has no place for tools")
-  if conversation is not None:
-    offered = conversation.tools if tools is None else tools
-    return [renderer.prompt_ids(conversation.messages, where="--conversation", tools=offered)]
-  head = [{"role": "system", "content": system}] if system else []
-  offered = {} if tools is None else {"tools": tools}  # segpack's template takes no tools
-  return [renderer.prompt_ids(head + [{"role": "user", "content": t}], **offered) for t in texts]
+  try:
+    if conversation is not None:
+      offered = conversation.tools if tools is None else tools
+      return [renderer.prompt_ids(conversation.messages, where="--conversation", tools=offered)]
+    head = [{"role": "system", "content": system}] if system else []
+    offered = {} if tools is None else {"tools": tools}  # segpack's template takes no tools
+    where = "--system and --prompt" if system else "--prompt"
+    return [renderer.prompt_ids(head + [{"role": "user", "content": t}], where=where, **offered)
+            for t in texts]
+  except chat.ChatFormatError as e:  # a special token or template marker in a content
+    raise SampleError(str(e)) from e
 
 
 def _prompts(config: ml_collections.ConfigDict, workdir: str, *, texts: Sequence[str],

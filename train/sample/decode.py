@@ -73,6 +73,9 @@ class Sampling:
       raise DecodeError(f"top_k must be an int >= 0, got {self.top_k!r}")
     if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
       raise DecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not np.float32(self.top_p) >= np.finfo(np.float32).tiny:  # compared in float32
+      raise DecodeError(f"top_p must be in (0, 1] and at least {np.finfo(np.float32).tiny:.3g} "
+                        f"(it rounds to 0 or a subnormal in float32), got {self.top_p!r}")
 
   @property
   def greedy(self) -> bool:
@@ -100,8 +103,8 @@ def choose(logits_V: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array
   if sampling.top_p < 1:
     sorted_V = jnp.sort(logits_V)[::-1]
     probs_V = jax.nn.softmax(sorted_V)
-    kept = (jnp.cumsum(probs_V) - probs_V) < sampling.top_p  # the first is always kept
-    cutoff = sorted_V[jnp.sum(kept) - 1]
+    kept = (jnp.cumsum(probs_V) - probs_V) < sampling.top_p
+    cutoff = sorted_V[jnp.maximum(jnp.sum(kept), 1) - 1]  # the most likely token always survives
     logits_V = jnp.where(logits_V < cutoff, -jnp.inf, logits_V)
   return jax.random.categorical(key, logits_V).astype(jnp.int32)
 

@@ -456,3 +456,19 @@ def test_a_prompt_that_fills_the_rows_is_one_line_naming_the_flag_and_the_bound(
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and "--prompt_ids" in lines[0] and "64 positions (packing.seq_len)" in (
       lines[0]), proc.stderr
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-39, 0.0, -0.5, 1.5, float("nan")])
+def test_a_top_p_that_is_not_a_float32_in_0_1_is_refused_by_flag(top_p):
+  with pytest.raises(decode_lib.DecodeError, match=r"top_p must be in \(0, 1\]"):
+    decode_lib.Sampling(temperature=1.0, top_p=top_p)
+  with pytest.raises(sample_lib.SampleError, match=r"^--top_p must be in \(0, 1\]"):
+    sample_lib.sampling_of(temperature=None, top_k=0, top_p=top_p)
+
+
+def test_the_smallest_top_p_draws_only_the_most_likely_token():
+  logits_V = jnp.log(jnp.asarray([0.1, 0.3, 0.25, 0.2, 0.15]))
+  for top_p in (float(np.finfo(np.float32).tiny), 1e-7, 0.29):
+    sampling = decode_lib.Sampling(temperature=1.0, top_p=top_p)
+    drawn = {int(decode_lib.choose(logits_V, jax.random.key(i), sampling)) for i in range(40)}
+    assert drawn == {1}, (top_p, drawn)

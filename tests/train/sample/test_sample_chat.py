@@ -68,6 +68,19 @@ def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
     sample_lib.chat_renderer(config, str(tmp_path))
 
 
+def test_a_template_marker_in_a_chat_prompt_is_a_sample_error_naming_the_flag(chat_run):
+  with pytest.raises(sample_lib.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
+                     r"content contains the template marker '<\|end\|>'"):
+    sample_lib.sample(chat_run, prompts=["a <|end|> b"], chat_mode=True, max_new_tokens=2)
+  proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",
+                         "--system=<|user|>", "--prompt=hi", "--max_new_tokens=2"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      "python -m train.sample: error: --system and --prompt: messages[0] (role 'system'): "
+      "content contains the template marker '<|user|>'"]
+
+
 def test_the_benchmark_decodes_the_same_tokens_both_ways(capsys):
   rows = sample_bench.run(new_tokens=5, batches=(1, 3), repeats=1, vocab=64, as_json=True)
   printed = json.loads(capsys.readouterr().out)

@@ -210,3 +210,10 @@ def test_tools_on_a_run_in_segpacks_own_template_are_refused_by_name(qwen3, tmp_
     assert line.startswith(f"python -m train.sample: error: --{flag} needs a run whose chat "
                            f"template is the model's own"), line
     assert "segpack's template, which has no place for tools" in line
+
+
+def test_a_special_token_in_a_chat_prompt_is_a_sample_error_naming_the_flag(qwen3):
+  with pytest.raises(sample_lib.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
+                     r"content contains the special token '<\|im_end\|>'"):
+    sample_lib.sample(qwen3["workdir"], prompts=["a <|im_end|> b"], chat_mode=True,
+                      max_new_tokens=2)
