@@ -91,34 +91,54 @@ def _lock_owner(f: Any) -> str:
     return "its pid is not recorded in the lock file"
 
 
+def _is_current(path: Path, f: Any) -> bool:
+  """Whether the open file `f` is still the file at `path` (not removed or replaced)."""
+  try:
+    return os.path.samestat(os.stat(path), os.fstat(f.fileno()))
+  except FileNotFoundError:
+    return False
+
+
 @contextlib.contextmanager
-def file_lock(path: Path, *, wait: bool = True) -> Iterator[None]:
+def file_lock(path: Path, *, wait: bool = True, remove: bool = False) -> Iterator[None]:
   """An exclusive advisory lock (`fcntl.flock`), held until the block ends.
 
   The operating system drops the lock when its holder exits, also when it is killed, so a crash
-  never leaves a stale lock; the file itself stays (removing it would let a waiting process lock
-  a file that a newcomer no longer sees).
+  never leaves a stale lock. The file itself stays unless `remove`: then the holder removes it
+  while it still holds the lock, and whoever locks a file checks that it is still the one at
+  `path` (else it locks the new one), so a process that opened the removed file never holds the
+  lock beside a newcomer.
 
   Args:
     path: the lock file, created with its parent directory when missing.
     wait: True (several processes may build the same cache entry): block until the lock is
       free. False: raise `LockHeldError` at once when another process holds it; once acquired,
       the file records this process's pid, host and start time for that error message.
+    remove: remove the lock file when the block ends (a lock beside a user's output).
   """
   path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "a+b") as f:
-    try:
-      fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-      raise LockHeldError(path, _lock_owner(f)) from None
-    try:
-      if not wait:
-        f.seek(0)
-        f.truncate()
-        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                            "started": started}).encode("utf-8"))
-        f.flush()
-      yield
-    finally:
-      fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+  while True:
+    with open(path, "a+b") as f:
+      try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+      except BlockingIOError:
+        raise LockHeldError(path, _lock_owner(f)) from None
+      try:
+        if remove and not _is_current(path, f):
+          continue  # its holder removed it after we opened it: lock the file at `path` now
+        if not wait:
+          f.seek(0)
+          f.truncate()
+          started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+          f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "started": started}).encode("utf-8"))
+          f.flush()
+        try:
+          yield
+        finally:
+          if remove:
+            with contextlib.suppress(FileNotFoundError):
+              os.unlink(path)
+        return
+      finally:
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)

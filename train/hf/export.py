@@ -16,15 +16,17 @@ Algorithm:
   1. The checkpoint: the newest one of `WORKDIR/checkpoints` matching its digest, and the config
      that wrote it (`train.runs.saved.choose_checkpoint`, `run_config`).
   2. The output: its parent must be a writable directory; `.NAME.export-lock` beside it is locked
-     (`segpack.files.file_lock`, so two exports never write one directory); an existing non-empty
-     `--output` is refused unless `--overwrite`; leftovers of a killed export are removed.
+     (`segpack.files.file_lock`, so two exports never write one directory; removed when the
+     export ends); an existing non-empty `--output` is refused unless `--overwrite`; leftovers
+     of a killed export are removed.
   3. The parameters are restored from the checkpoint onto all devices (split over them, as
      `train.sharding` splits parameters over `fsdp`), never gathered as a whole.
   4. Everything is written into the sibling `NAME.tmp-<pid>`: the safetensors shards (one
      parameter fetched at a time, at most one shard's tensors on the host,
      `hf_export.write_weights`), config.json, generation_config.json, the tokenizer files.
   5. `NAME.tmp-<pid>` is renamed to `NAME` (an old `NAME` is first renamed aside and removed
-     after), so a directory named `--output` is always a complete export.
+     after), so a directory named `--output` is always a complete export; its files have the
+     mode the umask gives any new file (0644 with umask 022).
 
 Example: a tiny Llama fine-tuned for 3 steps (21 tensors, 0.3 MB) gives `exported/` with
 config.json, generation_config.json, model.safetensors, tokenizer.json and tokenizer_config.json;
@@ -112,7 +114,7 @@ def output_lock(output: str) -> Iterator[None]:
   """Holds the output's lock file; another export holding it is one line naming its owner."""
   _, _, lock = _paths(output)
   try:
-    with files.file_lock(lock, wait=False):
+    with files.file_lock(lock, wait=False, remove=True):
       yield
   except files.LockHeldError as e:
     raise ExportError(f"--output {output!r} is being written by another export ({e.owner}; "
@@ -126,10 +128,20 @@ def _remove_leftovers(target: Path) -> None:
       shutil.rmtree(path, ignore_errors=True)
 
 
+def _umask() -> int:
+  """The process's umask (set and restored: the only way to read it)."""
+  current = os.umask(0o022)
+  os.umask(current)
+  return current
+
+
 def _publish(staging: Path, target: Path) -> None:
   """Step 5: `staging` (its files flushed to disk first, so that a power loss after the rename
-  leaves no truncated file) becomes `target`; an old `target` is renamed aside, then removed."""
+  leaves no truncated file) becomes `target`; an old `target` is renamed aside, then removed.
+  Every file gets the mode the umask gives a new file (safetensors writes its files 0600)."""
+  mode = 0o666 & ~_umask()
   for path in staging.iterdir():
+    os.chmod(path, mode)
     fd = os.open(path, os.O_RDONLY)
     try:
       os.fsync(fd)

@@ -573,3 +573,33 @@ def test_the_command_runs_as_a_module(runs, tmp_path):
   assert proc.stdout.startswith(f"wrote {tmp_path / 'out'}: step 3,")
   assert os.path.isfile(tmp_path / "out" / hf_weights.INDEX_NAME)
   _loaded(str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_exported_files_follow_the_umask_and_the_lock_is_removed(runs, tmp_path, umask):
+  run = runs("llama")
+  out = tmp_path / "out"
+  old = os.umask(umask)
+  try:
+    export_lib.export(workdir=run.workdir, output=str(out), max_shard_bytes=40_000)
+  finally:
+    os.umask(old)
+  names = sorted(os.listdir(out))
+  assert hf_weights.INDEX_NAME in names and "config.json" in names and "tokenizer.json" in names
+  modes = {name: oct(os.stat(out / name).st_mode & 0o777) for name in names}
+  assert modes == {name: oct(0o666 & ~umask) for name in names}
+  assert oct(os.stat(out).st_mode & 0o777) == oct(0o777 & ~umask)
+  assert sorted(os.listdir(tmp_path)) == ["out"]  # no .out.export-lock, no staging left
+
+
+def test_a_lock_file_with_remove_is_removed_while_held(tmp_path):
+  lock = tmp_path / ".out.export-lock"
+  with files.file_lock(lock, wait=False, remove=True):
+    with pytest.raises(files.LockHeldError):
+      with files.file_lock(lock, wait=False, remove=True):
+        pass
+    assert lock.exists()
+  assert not lock.exists()
+  with files.file_lock(lock, wait=False, remove=True):  # taken again at once
+    assert lock.exists()
+  assert not lock.exists()
