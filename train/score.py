@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no-bos", action="store_true",
                  help="add no BOS before text pairs (default: the run's data.add_bos, or BOS)")
   p.add_argument("--per-token", action="store_true", help="also write tokens.npz")
+  p.add_argument("--shared-prefix", action="store_true",
+                 help="store each prompt once per pair, the answers as branches after it")
   p.add_argument("--overwrite", action="store_true", help="replace scores already in --output")
   return p
 
@@ -123,7 +125,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
                           add_eos=config.data.add_eos)
   try:
     rows = pairs_lib.pack_pairs(data, seq_len=seq_len, shuffle=False, num_epochs=1,
-                                special_tokens=special)
+                                special_tokens=special, shared_prefix=args.shared_prefix)
   except (pairs_lib.NotPreferenceDataError, ValueError) as e:
     raise ScoreError(f"--data {args.data}: {errors.one_line(e)}") from e
   start = time.perf_counter()

@@ -96,13 +96,18 @@ def _transformers_scores(model_dir, source, *, add_bos):
   return out
 
 
-def test_packed_scores_equal_transformers_per_sequence(models, pairs, tmp_path):
-  rows = pairs_lib.pack_pairs(str(pairs / "uneven"), seq_len=512, shuffle=False, num_epochs=1)
+@pytest.mark.parametrize("shared", [False, True], ids=["pairs", "shared_prompts"])
+def test_packed_scores_equal_transformers_per_sequence(models, pairs, tmp_path, shared):
+  rows = pairs_lib.pack_pairs(str(pairs / "uneven"), seq_len=512, shuffle=False, num_epochs=1,
+                              shared_prefix=shared)
   assert rows.pairs.pairs_per_row >= 3  # rows hold several pairs of very different lengths
   lengths = shards.ShardSource(pairs / "uneven").lengths
   assert lengths.max() > 4 * lengths.min()
+  assert not shared or rows.pairs.stats["shared"] == 30
+  flags = ["--shared-prefix"] if shared else []
   assert train_score.main(["--model", models[0], "--data", str(pairs / "uneven"), "--output",
-                           str(tmp_path / "scores"), "--seq-len", "512", "--per-token"]) == 0
+                           str(tmp_path / "scores"), "--seq-len", "512", "--per-token",
+                           *flags]) == 0
   got = np.load(tmp_path / "scores" / "dataset.npy")
   want = _transformers_scores(models[0], shards.ShardSource(pairs / "uneven"), add_bos=True)
   np.testing.assert_array_equal(got[:, 2:], want[:, 2:])
@@ -127,8 +132,11 @@ def _batches(run):
     yield sharding_lib.global_batch(run.data.eval[i], run.mesh)
 
 
-def test_dpo_loss_is_ln2_at_step_0_on_every_batch_and_a_leak_is_not(models, pairs, tmp_path):
-  config = _config(models[0], pairs / "uneven", seq_len=512, data__eval_share=0.2)
+@pytest.mark.parametrize("shared", [False, True], ids=["pairs", "shared_prompts"])
+def test_dpo_loss_is_ln2_at_step_0_on_every_batch_and_a_leak_is_not(models, pairs, tmp_path,
+                                                                   shared):
+  config = _config(models[0], pairs / "uneven", seq_len=512, data__eval_share=0.2,
+                   preference__shared_prefix=shared)
   run = train_lib.setup(config, str(tmp_path / "run"))
   assert os.path.exists(tmp_path / "run" / "reference" / "scores.json")
   params = run.state["params"]
