@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -59,7 +60,9 @@ from flax import nnx
 
 from segpack import files
 from segpack import errors
+from train import run_guard
 from train.hf import export_files as hf_export
+from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
 from train import model as model_lib
 from train.runs import saved as saved_run
@@ -89,14 +92,43 @@ def _paths(output: str) -> tuple[Path, Path, Path]:
   return target, target.parent, target.parent / f".{target.name}.export-lock"
 
 
-def check_output(output: str, *, overwrite: bool) -> None:
+def _is_run(path: Path) -> bool:
+  """Whether `path` is a run directory (it holds the trainer's record or lock file)."""
+  return any((path / name).is_file() for name in (run_guard.RECORD_NAME, run_guard.LOCK_NAME))
+
+
+def _export_name(name: str) -> bool:
+  """Whether a file name is one an export writes (weights, index, config, tokenizer files)."""
+  return (name in hf_init.SOURCE_FILES or name in (hf_weights.SINGLE_NAME, hf_weights.INDEX_NAME)
+          or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None)
+
+
+def check_runs(output: str, *, workdir: str) -> None:
+  """Refuses an output that is, holds or is inside the run `workdir`, or lies inside another run
+  (replacing it would delete the run), whatever `--overwrite` says."""
+  target, run = Path(os.path.realpath(output)), Path(os.path.realpath(workdir))
+  if target == run or run in target.parents or target in run.parents:
+    where = ("is" if target == run else "is inside" if run in target.parents else "holds")
+    raise ExportError(f"--output {output!r} {where} the run --workdir {workdir!r}: writing the "
+                      f"export there would delete the run; choose a directory outside it")
+  inside = next((p for p in (target, *target.parents) if p.is_dir() and _is_run(p)), None)
+  if inside is not None:
+    where = "is the" if inside == target else "is inside the"
+    raise ExportError(f"--output {output!r} {where} run {str(inside)!r}: writing the export "
+                      f"there would delete it; choose a directory outside any run")
+
+
+def check_output(output: str, *, overwrite: bool, workdir: str | None = None) -> None:
   """Step 2's checks (one line each, naming `--output` and its value).
 
   Raises:
-    ExportError: the parent is missing, not a directory or not writable; `output` is a file, or
-      a non-empty directory without `overwrite`.
+    ExportError: the parent is missing, not a directory or not writable; `output` is, holds or
+      is inside a run (`check_runs`); `output` is a file, a non-empty directory without
+      `overwrite`, or, with it, a directory holding anything an export does not write.
   """
   target, parent, _ = _paths(output)
+  if workdir is not None:
+    check_runs(output, workdir=workdir)
   if not parent.is_dir():
     raise ExportError(f"--output {output!r}: its parent {str(parent)!r} is not an existing "
                       f"directory")
@@ -104,7 +136,14 @@ def check_output(output: str, *, overwrite: bool) -> None:
     raise ExportError(f"--output {output!r}: its parent {str(parent)!r} is not writable")
   if target.exists() and not target.is_dir():
     raise ExportError(f"--output {output!r} exists and is not a directory")
-  if target.is_dir() and any(target.iterdir()) and not overwrite:
+  held = sorted(target.iterdir()) if target.is_dir() else []
+  foreign = [p.name for p in held if not (p.is_file() and not p.is_symlink()
+                                          and _export_name(p.name))]
+  if foreign:
+    raise ExportError(f"--output {output!r} holds {foreign[:3]}, which an export does not "
+                      f"write: --overwrite replaces only an earlier export; choose another "
+                      f"directory or empty it")
+  if held and not overwrite:
     raise ExportError(f"--output {output!r} exists and is not empty; pass --overwrite to "
                       f"replace it")
 
@@ -206,9 +245,10 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
     refused = None
     if writer:
       try:
-        check_output(output, overwrite=overwrite)  # before the lock, which creates parents
+        check_output(output, overwrite=overwrite, workdir=workdir)  # before the lock (parents)
         stack.enter_context(output_lock(output))
-        check_output(output, overwrite=overwrite)  # again: another export may have written it
+        check_output(output, overwrite=overwrite, workdir=workdir)  # another export may have
+        # written it meanwhile
         _remove_leftovers(target)
         _make_staging(staging, output)
         stack.callback(shutil.rmtree, staging, ignore_errors=True)  # gone once published

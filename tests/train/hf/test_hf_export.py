@@ -8,6 +8,7 @@ directory; the command's errors are one line (tiny models made here; nothing is 
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -516,16 +517,17 @@ def test_a_killed_export_leaves_no_output_and_a_rerun_cleans_up(runs, tmp_path):
 def test_an_existing_output_is_refused_and_overwrite_replaces_it(runs, tmp_path, capsys):
   run = runs("llama")
   out = tmp_path / "out"
-  out.mkdir()
-  (out / "old.txt").write_text("old")
   args = ["--workdir", run.workdir, "--output", str(out)]
+  assert export_lib.main(args) == 0
+  (out / "config.json").write_text("{}")  # an earlier export, edited
+  capsys.readouterr()
   assert export_lib.main(args) == 2
   line = _stderr_line(capsys)
   assert f"--output {str(out)!r} exists and is not empty; pass --overwrite" in line
-  assert os.listdir(out) == ["old.txt"]
+  assert (out / "config.json").read_text() == "{}"
   assert export_lib.main(args + ["--overwrite"]) == 0
   assert capsys.readouterr().out.startswith(f"wrote {out}: step 3, 21 tensors")
-  assert "old.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+  assert (out / "config.json").read_text() != "{}" and "model.safetensors" in os.listdir(out)
   assert not list(tmp_path.glob("out.old-*")) and not list(tmp_path.glob("out.tmp-*"))
   empty = tmp_path / "empty"
   empty.mkdir()  # an empty directory is simply filled
@@ -603,3 +605,33 @@ def test_a_lock_file_with_remove_is_removed_while_held(tmp_path):
   with files.file_lock(lock, wait=False, remove=True):  # taken again at once
     assert lock.exists()
   assert not lock.exists()
+
+
+def _snapshot(root):
+  return sorted((path, sorted(dirs), sorted(names)) for path, dirs, names in os.walk(root))
+
+
+def test_an_output_that_is_holds_or_is_inside_a_run_or_not_an_export_is_refused(
+    runs, tmp_path, capsys, monkeypatch):
+  run = runs("llama")
+  capsys.readouterr()  # what making the run printed
+  workdir = pathlib.Path(run.workdir)
+  other = tmp_path / "other_run"
+  shutil.copytree(workdir, other, ignore=shutil.ignore_patterns("checkpoints"))
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep me")
+  (mine / "config.json").write_text("{}")
+  monkeypatch.chdir(workdir.parent)
+  cases = {str(workdir): "is the run --workdir", str(workdir / "checkpoints"): "is inside the run",
+           str(workdir / "exported"): "is inside the run", ".": "holds the run --workdir",
+           str(other / "checkpoints"): "is inside the run", str(other): "is the run",
+           str(mine): r"holds \['notes.txt'\], which an export does not write"}
+  before = _snapshot(tmp_path), _snapshot(workdir)
+  for output, message in cases.items():
+    for overwrite in ([], ["--overwrite"]):
+      rc = export_lib.main(["--workdir", run.workdir, "--output", output, *overwrite])
+      line = _stderr_line(capsys)
+      assert rc == 2 and re.search(f"--output {re.escape(repr(output))} {message}", line), (
+          output, overwrite, line)
+  assert (_snapshot(tmp_path), _snapshot(workdir)) == before  # nothing deleted or left behind
