@@ -5,7 +5,7 @@ Algorithm:
      median `--prompt` tokens) and two answers of uneven length each (log-normal, median
      `--answer` tokens), every pair at most `--seq-len` slots.
   2. Lay them out three ways, each pair whole in one row (`segpack.data.pack_pairs`):
-     - `padded`: one pair per row, each batch cut to its longest row (rounded up to 64 slots),
+     - `padded`: one pair per row, each batch cut to its longest row (rounded up to 32 slots),
        as padding collators pad to the longest of a batch (TRL pads each of 2B sequences to the
        longest, which is at least as long: this baseline is the cheaper one);
      - `packed`: pairs packed whole into rows of `--seq-len` by exact FFD;
@@ -69,9 +69,9 @@ def make_pairs(*, num_pairs: int, prompt: int, answer: int, seq_len: int, seed: 
   rng = np.random.default_rng(seed)
   docs, masks = [], []
   while len(docs) < 2 * num_pairs:
-    p, a, b = (max(1, int(x)) for x in (rng.lognormal(np.log(prompt), 0.6),
-                                         rng.lognormal(np.log(answer), 0.9),
-                                         rng.lognormal(np.log(answer), 0.9)))
+    p, a, b = (max(1, int(x)) for x in (rng.lognormal(np.log(prompt), 0.7),
+                                         rng.lognormal(np.log(answer), 1.0),
+                                         rng.lognormal(np.log(answer), 1.0)))
     if 2 * p + a + b + 4 > seq_len:
       continue
     head = rng.integers(3, VOCAB, p)
@@ -94,9 +94,9 @@ def _batches(source: PairDocs, layout: str, *, seq_len: int, batch_size: int):
   for start in range(0, n, batch_size):
     index = np.arange(start, start + batch_size)
     batch = builder.build(np.where(index < n, index, -1))
-    if layout == "padded":  # cut to the batch's longest row, rounded up to 64 slots
+    if layout == "padded":  # cut to the batch's longest row, rounded up to 32 slots
       longest = int((batch["segment_ids"] != 0).sum(axis=1).max())
-      width = min(seq_len, -(-longest // 64) * 64)
+      width = min(seq_len, -(-longest // 32) * 32)
       batch = {k: v[:, :width] if v.shape[1] == seq_len else v for k, v in batch.items()}
     out.append(batch)
   return out
@@ -131,7 +131,7 @@ def run_layout(config: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, f
 
 
 def bench(*, num_pairs: int, prompt: int, answer: int, seq_len: int, batch_size: int,
-          seed: int) -> dict[str, Any]:
+          seed: int, d_model: int = 512) -> dict[str, Any]:
   """Steps 1-4; the JSON-able result."""
   source = make_pairs(num_pairs=num_pairs, prompt=prompt, answer=answer, seq_len=seq_len,
                       seed=seed)
@@ -140,7 +140,10 @@ def bench(*, num_pairs: int, prompt: int, answer: int, seq_len: int, batch_size:
   config.train.batch_size = batch_size
   config.train.learning_rate, config.train.warmup_steps, config.train.num_steps = 1e-4, 1, 10
   m = config.model
-  m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff = 2, 256, 4, 2, 64, 768
+  # 2 layers of width d_model: attention is about a fifth of a step's FLOPs at 1024 slots, as in
+  # billion-parameter models on rows of 8192; a narrower model would time attention alone.
+  m.num_layers, m.d_model, m.d_ff, m.head_dim = 2, d_model, 4 * d_model, 64
+  m.num_heads, m.num_kv_heads = max(1, d_model // 64), max(1, d_model // 128)
   out: dict[str, Any] = dict(pairs=num_pairs, prompt_median=prompt, answer_median=answer,
                              seq_len=seq_len, batch_size=batch_size,
                              device=str(jax.devices()[0].platform), num_devices=jax.device_count())
@@ -170,9 +173,10 @@ def table(r: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
   """The `preference` subcommand's flags."""
   p.add_argument("--pairs", type=errors.at_least(1), default=96, help="pairs to train on")
-  p.add_argument("--prompt", type=errors.at_least(1), default=160,
+  p.add_argument("--prompt", type=errors.at_least(1), default=96,
                  help="median prompt tokens")
-  p.add_argument("--answer", type=errors.at_least(1), default=48, help="median answer tokens")
+  p.add_argument("--answer", type=errors.at_least(1), default=32, help="median answer tokens")
+  p.add_argument("--d-model", type=errors.at_least(64), default=512, help="the model's width")
   p.add_argument("--seq-len", type=errors.at_least(64), default=1024, help="slots per row")
   p.add_argument("--batch-size", type=errors.at_least(1), default=8, help="rows per step")
   p.add_argument("--seed", type=int, default=0, help="the pairs' seed")
@@ -181,6 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
   result = bench(num_pairs=args.pairs, prompt=args.prompt, answer=args.answer,
-                 seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)
+                 seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                 d_model=args.d_model)
   print(json.dumps(result, sort_keys=True) if args.json else table(result))
   return 0
