@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -259,6 +260,7 @@ def _output_lock(output: Path, runner: str) -> Iterator[None]:
   if runner != "local":
     yield
     return
+  fresh = not output.exists()
   try:
     with file_lock(output / LOCK_NAME, wait=False):
       yield
@@ -266,6 +268,11 @@ def _output_lock(output: Path, runner: str) -> Iterator[None]:
     raise InputFormatError(
         f"output={str(output)!r} (--output) is in use by another segpack tokenize run "
         f"({e.owner}; lock file {e.path}); wait for it to finish or stop it") from None
+  except BaseException:
+    # A run refused before it wrote anything leaves no directory behind (only its lock file).
+    if fresh and output.is_dir() and {p.name for p in output.iterdir()} <= {LOCK_NAME}:
+      shutil.rmtree(output, ignore_errors=True)
+    raise
 
 
 def _tokenize_builtin(size: str, output: Path, *, given, tokenizer: str | None,

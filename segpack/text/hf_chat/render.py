@@ -32,11 +32,13 @@ _TODAY_LOCK = threading.Lock()
 def _transformers() -> tuple[Any, Any]:
   """`(transformers, its chat_template_utils)`, or an ImportError naming the extra."""
   try:
+    import jinja2  # noqa: F401  # optional: transformers renders chat templates with it
     import transformers  # optional: only a tokenizer's own chat template needs it (segpack[hf])
     from transformers.utils import chat_template_utils  # optional: as above
   except ImportError as e:
-    raise ImportError("rendering chat data with the tokenizer's own chat template needs the "
-                      "`transformers` package: pip install 'segpack[hf]'") from e
+    raise ImportError(f"rendering chat data with the tokenizer's own chat template needs the "
+                      f"`{e.name or 'transformers'}` package, which is not installed: pip "
+                      f"install 'segpack[hf]'") from e
   return transformers, chat_template_utils
 
 
@@ -145,6 +147,8 @@ class TemplateRenderer:
       with self.today():
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt,
                                             **self.kwargs(tools))
+    except ImportError:  # a missing package is not the data's fault
+      raise
     except Exception as e:  # noqa: BLE001  # the template's raise_exception, Jinja errors
       raise ChatFormatError(f"{where}: the chat template of {self.directory} does not render "
                             f"messages[:{len(messages)}]: {' '.join(str(e).split())}") from e
