@@ -29,7 +29,9 @@ Example: a Qwen2 config.json with `hidden_size: 896`, `num_key_value_heads: 2` g
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 from typing import Any
 
@@ -79,13 +81,21 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _field(hf: dict[str, Any], key: str, where: str, *, kind: type | tuple[type, ...] = int,
-           default: Any = ...) -> Any:
+           default: Any = ..., positive: bool = False) -> Any:
+  """`hf[key]`, of type `kind` (a finite number > 0 with `positive`); None stays None when it is
+  the default."""
   value = hf.get(key, default)
   if value is ...:
     raise HfModelError(f"{where}: {key} is missing")
+  if value is None and default is None:
+    return None
   ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
   if not ok:
-    raise HfModelError(f"{where}: {key}={value!r} is not a {getattr(kind, '__name__', kind)}")
+    name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+    raise HfModelError(f"{where}: {key}={value!r} is not a{'' if kind is not int else 'n'} "
+                       f"{name}")
+  if positive and not (math.isfinite(value) and value > 0):
+    raise HfModelError(f"{where}: {key}={value!r} is not a finite number > 0")
   return value
 
 
@@ -97,7 +107,7 @@ def _refuse_features(hf: dict[str, Any], family: str, where: str) -> None:
       ("num_experts", bool(hf.get("num_experts")), "mixture-of-experts is not supported"),
       ("num_local_experts", bool(hf.get("num_local_experts")),
        "mixture-of-experts is not supported"),
-      ("hidden_act", hf.get("hidden_act", "silu") != "silu",
+      ("hidden_act", hf.get("hidden_act", "silu") not in ("silu", "swish"),  # one function
        "only the SiLU (SwiGLU) feed-forward is supported"),
       ("mlp_bias", bool(hf.get("mlp_bias")), "biases on the MLP projections are not supported"),
       ("attention_bias", family != "qwen2" and bool(hf.get("attention_bias")),
@@ -116,11 +126,14 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
     if value is not None and not isinstance(value, dict):
       raise HfModelError(f"{where}: {key}={value!r} is not an object")
   theta = hf.get("rope_theta", (params or {}).get("rope_theta", 10_000.0))
+  for key, value in (("rope_parameters.rope_theta", (params or {}).get("rope_theta", theta)),
+                     ("rope_theta", theta)):
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+        or not math.isfinite(value) or value <= 1):
+      raise HfModelError(f"{where}: {key}={value!r} is not a finite number > 1")
   if params and "rope_theta" in params and float(params["rope_theta"]) != float(theta):
     raise HfModelError(f"{where}: rope_theta={theta!r} and rope_parameters.rope_theta="
                        f"{params['rope_theta']!r} disagree")
-  if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 1:
-    raise HfModelError(f"{where}: rope_theta={theta!r} is not a number > 1")
   scaling = legacy if legacy else {k: v for k, v in (params or {}).items() if k != "rope_theta"}
   kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
   out = dict(type=None, factor=1.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -144,8 +157,9 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
 def _sliding_window(hf: dict[str, Any], family: str, where: str) -> int | None:
   """The attention window of the checkpoint's layers (None: full attention everywhere)."""
   window = hf.get("sliding_window")
-  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-    return None
+  if family == "llama" or (family in ("qwen2", "qwen3")
+                           and not hf.get("use_sliding_window", False)):
+    return None  # transformers' Llama has no window: it ignores the field
   layer_types = hf.get("layer_types")
   if isinstance(layer_types, list) and all(t == "full_attention" for t in layer_types):
     return None
@@ -175,20 +189,22 @@ def architecture(hf: dict[str, Any], *, where: str) -> dict[str, Any]:
     raise HfModelError(f"{where}: model_type={family!r} is not supported; segpack imports "
                        f"{', '.join(FAMILIES)}")
   _refuse_features(hf, family, where)
-  d_model = _field(hf, "hidden_size", where)
-  num_heads = _field(hf, "num_attention_heads", where)
-  head_dim = hf.get("head_dim") or d_model // num_heads
+  count = functools.partial(_field, where=where, positive=True)
+  d_model = count(hf, "hidden_size")
+  num_heads = count(hf, "num_attention_heads")
+  head_dim = count(hf, "head_dim", default=None) or d_model // num_heads
   theta, scaling = _rope(hf, where)
   return dict(
-      family=family, vocab_size=_field(hf, "vocab_size", where),
-      num_layers=_field(hf, "num_hidden_layers", where), d_model=d_model, num_heads=num_heads,
-      num_kv_heads=_field(hf, "num_key_value_heads", where, default=num_heads),
-      head_dim=int(head_dim), d_ff=_field(hf, "intermediate_size", where), rope_theta=theta,
-      norm_eps=float(_field(hf, "rms_norm_eps", where, kind=(int, float))),
+      family=family, vocab_size=count(hf, "vocab_size"),
+      num_layers=count(hf, "num_hidden_layers"), d_model=d_model, num_heads=num_heads,
+      num_kv_heads=count(hf, "num_key_value_heads", default=num_heads),
+      head_dim=int(head_dim), d_ff=count(hf, "intermediate_size"), rope_theta=theta,
+      norm_eps=float(count(hf, "rms_norm_eps", kind=(int, float))),
       tie_embeddings=bool(_field(hf, "tie_word_embeddings", where, kind=bool, default=False)),
       qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
       sliding_window=_sliding_window(hf, family, where),
-      max_position_embeddings=hf.get("max_position_embeddings"), rope_scaling=scaling)
+      max_position_embeddings=count(hf, "max_position_embeddings", default=None),
+      rope_scaling=scaling)
 
 
 def differences(model_cfg: Any, arch: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -195,6 +195,10 @@ def _reader(path: str, tensor: Tensor, dtype: Any):
       out = raw[first:first + nbytes].view(dtype).reshape(block.shape)
       np.copyto(out, block, casting="unsafe")
       del whole, block  # the map closes only once no array views it.
+    if not np.isfinite(out).all():  # found here, not blamed on the learning rate at step 1
+      raise hf_config.HfModelError(f"{path}: tensor {tensor.name!r} holds NaN or infinite "
+                                   f"values ({int((~np.isfinite(out)).sum())} in the slice "
+                                   f"{index} read here)")
     return out
   return read
 

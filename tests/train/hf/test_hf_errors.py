@@ -3,6 +3,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -71,11 +72,40 @@ def test_a_directory_without_config_json(tmp_path):
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_size=None), "hidden_size is missing"),
     (dict(torch_dtype="int8", dtype=None), "torch_dtype='int8' is not one of"),
+    # Each field type- and range-checked, named with its value (tracebacks before).
+    (dict(num_attention_heads=0), "num_attention_heads=0 is not a finite number > 0"),
+    (dict(head_dim="abc"), "head_dim='abc' is not an int"),
+    (dict(max_position_embeddings="4096"), "max_position_embeddings='4096' is not an int"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "big"}, rope_theta=None),
+     "rope_parameters.rope_theta='big' is not a finite number > 1"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan is not a finite number > 1"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps=-1e-06 is not a finite number > 0"),
 ])
 def test_unsupported_models_and_features_are_refused_by_field(tiny, changes, match):
   _edit_config(tiny, **changes)
   with pytest.raises(hf_config.HfModelError, match=match):
     _adopt(tiny)
+
+
+def test_what_transformers_reads_alike_is_accepted(tiny):
+  """`hidden_act: "swish"` is SiLU in transformers; Llama ignores a `sliding_window` field."""
+  _edit_config(tiny, hidden_act="swish", sliding_window=16)
+  config = _adopt(tiny, seq_len=64)
+  assert config.model.sliding_window is None
+  hf_init.check_adopted(config)
+
+
+def test_nan_or_infinite_weights_are_refused_at_import_naming_the_tensor(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  model_dir = hf_models.make_model(str(tmp_path / "m"), "llama")
+  path = os.path.join(model_dir, "model.safetensors")
+  tensors = load_file(path)
+  name = "model.layers.0.mlp.down_proj.weight"
+  bad = tensors[name].copy()
+  bad[3, 5] = np.nan
+  save_file(dict(tensors, **{name: bad}), path, metadata={"format": "pt"})
+  with pytest.raises(hf_config.HfModelError, match=f"tensor '{name}' holds NaN or infinite"):
+    _load(_adopt(model_dir))
 
 
 def test_a_sliding_window_shorter_than_the_row(tmp_path):
