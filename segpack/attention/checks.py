@@ -28,7 +28,8 @@ class AttentionTypeError(UserError, TypeError):
 
 
 class NonContiguousSegmentsError(AttentionInputError):
-  """`segment_ids` holds a segment id in more than one run (checked mode only)."""
+  """`segment_ids` holds a segment id in more than one run, or a `slot_index` or
+  `prefix_segment_ids` invariant is broken (checked mode only)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +231,81 @@ def check_slots(segment_ids_BxS: jax.Array, slot_index_BxS: jax.Array, *,
                        segment_ids_BxS, slot_index_BxS)
   else:
     _raise_if_bad_slots(np.asarray(segment_ids_BxS), np.asarray(slot_index_BxS), context_size)
+
+
+def find_bad_prefix(segment_ids: np.ndarray, prefix_segment_ids: np.ndarray) -> str | None:
+  """Describes the first broken `prefix_segment_ids` invariant, or None when all hold.
+
+  The invariants, for every non-zero segment of a row (segments being contiguous): its prefix
+  id is the same on all its slots; a non-zero prefix id names a segment of the row that lies
+  entirely before it and whose own prefix id is 0 (one level).
+
+  Args:
+    segment_ids: int `[B, S]`, contiguous segments.
+    prefix_segment_ids: int `[B, S]`, 0 = no prefix.
+  """
+  seg, pre = np.asarray(segment_ids), np.asarray(prefix_segment_ids)
+  start_BxS, end_BxS = segment_runs(seg)
+  for row in range(seg.shape[0]):
+    starts = np.flatnonzero((start_BxS[row] == np.arange(seg.shape[1])) & (seg[row] != 0))
+    runs = {int(seg[row, a]): (int(a), int(end_BxS[row, a])) for a in starts}
+    for sid, (a, e) in runs.items():
+      values = np.unique(pre[row, a:e])
+      if len(values) > 1:
+        return f"row {row}: segment {sid} (slots {a}..{e - 1}) has prefix ids {values.tolist()}"
+      p = int(values[0])
+      if p == 0:
+        continue
+      if p not in runs:
+        return f"row {row}: segment {sid} names prefix segment {p}, which is not in the row"
+      pa, pe = runs[p]
+      if pe > a:
+        return (f"row {row}: segment {sid} (slots {a}..{e - 1}) names prefix segment {p} "
+                f"(slots {pa}..{pe - 1}), which does not lie entirely before it")
+      if pre[row, pa] != 0:
+        return (f"row {row}: segment {sid} names prefix segment {p}, which has a prefix itself "
+                f"({int(pre[row, pa])})")
+  return None
+
+
+def _raise_if_bad_prefix(segment_ids: np.ndarray, prefix_segment_ids: np.ndarray) -> None:
+  _raise_if_noncontiguous(segment_ids)
+  problem = find_bad_prefix(segment_ids, prefix_segment_ids)
+  if problem is not None:
+    raise NonContiguousSegmentsError(
+        f"segment_attention(check_segments=True): `prefix_segment_ids` {problem}; a non-zero "
+        "prefix id must be constant over its segment and name an earlier segment of the row "
+        "that has no prefix itself")
+
+
+def check_prefix(segment_ids_BxS: jax.Array, prefix_segment_ids_BxS: jax.Array) -> None:
+  """Raises `NonContiguousSegmentsError` if the segments are not contiguous or a
+  `prefix_segment_ids` invariant (`find_bad_prefix`) does not hold.
+
+  Concrete arrays are checked now, traced ones when the computation runs (host callback), as in
+  `check_contiguous`.
+
+  Args:
+    segment_ids_BxS: integer segment ids.
+    prefix_segment_ids_BxS: integer prefix segment ids, 0 = none.
+  """
+  arrays = (segment_ids_BxS, prefix_segment_ids_BxS)
+  if any(isinstance(x, jax.core.Tracer) for x in arrays):
+    jax.debug.callback(_raise_if_bad_prefix, *arrays)
+  else:
+    _raise_if_bad_prefix(*(np.asarray(x) for x in arrays))
+
+
+def validate_prefix_ids(prefix_segment_ids_BxS: jax.Array, shape: AttentionShape) -> jax.Array:
+  """Checks the shape and dtype of `prefix_segment_ids` and returns it as int32.
+
+  Raises:
+    AttentionInputError: a shape other than `[B, S]`.
+    AttentionTypeError: a non-integer dtype.
+  """
+  _check_ids("prefix_segment_ids", prefix_segment_ids_BxS, batch=shape.batch,
+             seq_len=shape.seq_len)
+  return prefix_segment_ids_BxS.astype(jnp.int32)
 
 
 def validate_slot_index(slot_index_BxS: jax.Array, shape: AttentionShape) -> jax.Array:

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from segpack.attention import cudnn
 from segpack.attention import pallas as pallas_lib
-from segpack.attention.checks import AttentionInputError, check_contiguous, check_slots
-from segpack.attention.checks import default_scale, validate_inputs, validate_slot_index
+from segpack.attention.checks import AttentionInputError, check_contiguous, check_prefix
+from segpack.attention.checks import check_slots, default_scale, validate_inputs
+from segpack.attention.checks import validate_prefix_ids, validate_slot_index
 from segpack.attention.context_parallel import context_attention, context_size, row_order
 from segpack.attention.pallas import PallasOptions
 from segpack.attention.sharded import shard_attention
@@ -169,6 +170,7 @@ def segment_attention(
     segment_ids: jax.Array,
     *,
     slot_index: jax.Array | None = None,
+    prefix_segment_ids: jax.Array | None = None,
     causal: bool = True,
     scale: float | None = None,
     implementation: Implementation | None = None,
@@ -195,6 +197,18 @@ def segment_attention(
       context axis of more than one device, the slots of each of its devices ascending (without
       one, any permutation: the rows are attended in row order and the output put back). Not
       with cuDNN.
+    prefix_segment_ids: optional integer `[B, S]`: shared prefixes (preference pairs whose
+      prompt is stored once). Slot `q` holds the id of the segment its segment continues (its
+      prompt), 0 = none. Query `q` sees key `k` iff `segment_ids[q] != 0`, `k <= q` when causal,
+      and `segment_ids[k] == segment_ids[q]` or (`prefix_segment_ids[q] != 0` and
+      `segment_ids[k] == prefix_segment_ids[q]`). Example: `segment_ids = [1 1 1 2 2 3 3 3 4 4
+      5 5 0 0]`, `prefix_segment_ids = [0 0 0 1 1 1 1 1 0 0 4 4 0 0]`: segments 2 and 3 (chosen,
+      rejected) both see prompt 1 and themselves, never each other; the prompt sees itself only;
+      segment 5 sees prompt 4. Invariants (checked by `check_segments=True`): a non-zero prefix
+      id is constant over its segment, names a segment of the row that lies entirely before it
+      and has no prefix itself (one level). XLA and Pallas (which visits the prompt's blocks
+      too); not with cuDNN, `slot_index` or `context_axis`. None: no prefixes, every code path
+      as without the argument.
     causal: also hide keys after the query.
     scale: logit scale, default `1/sqrt(D)`.
     implementation: `"xla"`, `"pallas"`, `"cudnn"` or None (Pallas on a GPU, XLA elsewhere).
@@ -208,7 +222,8 @@ def segment_attention(
       Refused with another backend.
     check_segments: verify that every non-zero segment id forms one contiguous run (the Pallas and
       cuDNN backends silently assume it), the `slot_index` invariants when given or with a
-      context axis, and, for cuDNN, that no row has more than `cudnn_segment_bound` segments.
+      context axis, the `prefix_segment_ids` invariants when given, and, for cuDNN, that no row
+      has more than `cudnn_segment_bound` segments.
       Concrete inputs are checked now; traced inputs when the computation runs (host callback).
     mesh: run sharded on this mesh under `shard_map` (works inside `jax.jit` with `NamedSharding`
       inputs): the batch split over `batch_axis`, the heads over `head_axis`, the sequence over
@@ -229,10 +244,11 @@ def segment_attention(
   Raises:
     AttentionInputError: bad shapes, H not a multiple of K, a bad block size, an unknown
       implementation, a setting for another backend, cuDNN without a positive
-      `cudnn_segment_bound` or with `slot_index`/`context_axis`, `context_axis` without `mesh`.
+      `cudnn_segment_bound` or with `slot_index`/`context_axis`, `context_axis` without `mesh`,
+      `prefix_segment_ids` with cuDNN, `slot_index` or `context_axis`.
     AttentionTypeError: bad dtypes.
     NonContiguousSegmentsError: with `check_segments=True`, a segment id in two runs, or a broken
-      `slot_index` invariant.
+      `slot_index` or `prefix_segment_ids` invariant.
   """
   shape = validate_inputs(q, k, v, segment_ids)
   scale = default_scale(shape.head_dim, scale)
@@ -242,6 +258,8 @@ def segment_attention(
     raise AttentionInputError(
         f"segment_attention: `context_axis`={context_axis!r} needs `mesh` (the mesh that has "
         "that axis), got mesh=None")
+  if prefix_segment_ids is not None:
+    _refuse_prefix(impl, slot_index=slot_index, context_axis=context_axis)
   cp = 1 if context_axis is None else context_size(mesh, context_axis)
   if impl == "cudnn" and (slot_index is not None or context_axis is not None):
     raise AttentionInputError(
@@ -251,6 +269,12 @@ def segment_attention(
   fn, kwargs = _backend(impl, slots=cp > 1, pallas=pallas,
                         cudnn_segment_bound=cudnn_segment_bound, check_segments=check_segments)
   kwargs.update(causal=causal, scale=scale)
+  if prefix_segment_ids is not None:
+    prefix_BxS = validate_prefix_ids(prefix_segment_ids, shape)
+    if check_segments:
+      check_prefix(segment_ids, prefix_BxS)
+    return _row_attention(_with_prefix(fn), q, k, v, segment_ids, prefix_BxS, mesh=mesh,
+                          batch_axis=batch_axis, head_axis=head_axis, **kwargs)
   if slot_index is None and cp == 1:
     if check_segments:
       check_contiguous(segment_ids)
@@ -268,6 +292,30 @@ def segment_attention(
   return context_attention(fn, q, k, v, segment_ids, slot_index, mesh=mesh,
                            batch_axis=batch_axis, head_axis=head_axis,
                            context_axis=context_axis, **kwargs)
+
+
+def _refuse_prefix(impl: str, *, slot_index, context_axis) -> None:
+  """Refuses `prefix_segment_ids` where it is not implemented (cuDNN, reordered rows, context
+  parallelism)."""
+  if impl == "cudnn":
+    raise AttentionInputError(
+        "segment_attention: `prefix_segment_ids` is not supported by implementation='cudnn' "
+        "(its packed layout gives every query the keys of one sequence only); use "
+        "implementation='pallas' or 'xla'")
+  given = [name for name, x in (("slot_index", slot_index), ("context_axis", context_axis))
+           if x is not None]
+  if given:
+    raise AttentionInputError(
+        f"segment_attention: `prefix_segment_ids` cannot be combined with `{given[0]}` (shared "
+        "prefixes are implemented for whole rows in row order only); drop one of them")
+
+
+def _with_prefix(fn):
+  """`fn` taking the prefix ids as a fifth positional array (a row input, split like the
+  segment ids under a mesh) and passing them as its `prefix_segment_ids_BxS`."""
+  def attend(q, k, v, segment_ids, prefix_BxS, **kwargs):
+    return fn(q, k, v, segment_ids, prefix_segment_ids_BxS=prefix_BxS, **kwargs)
+  return attend
 
 
 def _in_row_order(fn):

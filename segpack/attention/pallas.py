@@ -128,10 +128,11 @@ def dense_ranges(segment_ids_BxS: jax.Array, cfg: KernelConfig, *, per_q: bool) 
 
 
 def _ranges(seg_q_BxQ: jax.Array, seg_k_BxS: jax.Array, q_pos_BxQ: jax.Array | None,
-            cfg: KernelConfig, *, per_q: bool) -> jax.Array:
+            pre_q_BxQ: jax.Array | None, cfg: KernelConfig, *, per_q: bool) -> jax.Array:
   """Per query block (`per_q`) or per key block ranges for the blocks of `cfg`.
 
-  Without query positions (`cfg.q_positions` False) the queries are the keys' row itself.
+  Without query positions (`cfg.q_positions` False) the queries are the keys' row itself; with
+  `cfg.prefix` the ranges cover the queries' prefix segments (`pre_q_BxQ`).
   """
   if cfg.q_positions:
     fn = blocks.slot_q_block_ranges if per_q else blocks.slot_kv_block_ranges
@@ -140,7 +141,8 @@ def _ranges(seg_q_BxQ: jax.Array, seg_k_BxS: jax.Array, q_pos_BxQ: jax.Array | N
   if not cfg.skip_blocks:
     return dense_ranges(seg_k_BxS, cfg, per_q=per_q)
   fn = blocks.q_block_ranges if per_q else blocks.kv_block_ranges
-  return fn(seg_k_BxS, block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal)
+  prefix = dict(prefix_ids_BxS=pre_q_BxQ) if cfg.prefix else {}
+  return fn(seg_k_BxS, block_q=cfg.block_q, block_k=cfg.block_k, causal=cfg.causal, **prefix)
 
 
 def _backward_config(cfg: KernelConfig) -> KernelConfig:
@@ -148,38 +150,40 @@ def _backward_config(cfg: KernelConfig) -> KernelConfig:
                              num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg: KernelConfig):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
+           cfg: KernelConfig):
   out_BxQxHxD, _ = _flash_fwd(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
-                              cfg)
+                              pre_q_BxQ, cfg)
   return out_BxQxHxD
 
 
-def _flash_fwd(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+def _flash_fwd(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
                cfg: KernelConfig):
-  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=True)
+  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ, cfg, per_q=True)
   out_BxQxHxD, lse_BxHxQ = pallas_fwd.forward(
-      q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_ranges_BxNx4, cfg=cfg)
-  residuals = (q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, out_BxQxHxD,
-               lse_BxHxQ)
+      q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
+      q_ranges_BxNx4, cfg=cfg)
+  residuals = (q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
+               out_BxQxHxD, lse_BxHxQ)
   return out_BxQxHxD, residuals
 
 
 def _flash_bwd(cfg: KernelConfig, residuals, dout_BxQxHxD):
-  q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, out_BxQxHxD, lse_BxHxQ = (
-      residuals)
+  (q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ, out_BxQxHxD,
+   lse_BxHxQ) = residuals
   cfg = _backward_config(cfg)
-  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=True)
-  kv_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, cfg, per_q=False)
+  q_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ, cfg, per_q=True)
+  kv_ranges_BxNx4 = _ranges(seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ, cfg, per_q=False)
   delta_BxHxQ = pallas_bwd.backward_delta(out_BxQxHxD, dout_BxQxHxD, cfg=cfg)
-  common = (seg_q_BxQ, seg_k_BxS, q_pos_BxQ)
+  common = (seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ)
   dq_BxQxHxD = pallas_bwd.backward_dq(
       q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, *common, q_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ,
       delta_BxHxQ, cfg=cfg)
   dk_BxSxKxD, dv_BxSxKxD = pallas_bwd.backward_dkv(
       q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, *common, kv_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ,
       delta_BxHxQ, cfg=cfg)
-  return dq_BxQxHxD, dk_BxSxKxD, dv_BxSxKxD, None, None, None
+  return dq_BxQxHxD, dk_BxSxKxD, dv_BxSxKxD, None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -232,6 +236,7 @@ def segment_attention_pallas(
     scale: float,
     pallas: PallasOptions | None = None,
     skip_blocks: bool = True,
+    prefix_segment_ids_BxS: jax.Array | None = None,
 ) -> jax.Array:
   """Segment flash attention (forward and backward in Pallas), with native grouped-query heads.
 
@@ -255,6 +260,10 @@ def segment_attention_pallas(
     pallas: the kernel settings (blocks, warps, stages, shared memory, interpret mode); None:
       `PallasOptions()`, every setting "auto".
     skip_blocks: False gives the dense-mask kernel of the same family (benchmark baseline).
+    prefix_segment_ids_BxS: optional shared-prefix ids (`segment_attention(prefix_segment_ids=
+      ...)`): a query also sees the keys of its non-zero prefix segment; the kernels then take
+      them as one more input (`KernelConfig.prefix`) and the block ranges cover the prefixes.
+      None: the kernels and ranges without prefixes, unchanged.
 
   Returns:
     `out_BxSxHxD`.
@@ -263,19 +272,22 @@ def segment_attention_pallas(
   pallas = PallasOptions() if pallas is None else pallas
   cfg, multiple = _kernel_config(
       q_BxSxHxD, k_BxSxKxD, seq_len=s, causal=causal, scale=scale, pallas=pallas,
-      skip_blocks=skip_blocks, q_positions=False)
+      skip_blocks=skip_blocks, q_positions=False, prefix=prefix_segment_ids_BxS is not None)
   s_pad = -(-s // multiple) * multiple
   pad4 = ((0, 0), (0, s_pad - s), (0, 0), (0, resources.padded_head_dim(d) - d))
   q_p, k_p, v_p = (jnp.pad(x, pad4) for x in (q_BxSxHxD, k_BxSxKxD, v_BxSxKxD))
   seg_p = jnp.pad(segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
   seg_p = cpu_guard(seg_p, interpret=pallas.interpret)
-  out = _flash(q_p, k_p, v_p, seg_p, seg_p, None, cfg)
+  pre_p = None
+  if prefix_segment_ids_BxS is not None:
+    pre_p = jnp.pad(prefix_segment_ids_BxS.astype(jnp.int32), ((0, 0), (0, s_pad - s)))
+  out = _flash(q_p, k_p, v_p, seg_p, seg_p, None, pre_p, cfg)
   return out[:, :s, :, :d]
 
 
 def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: float,
-                   pallas: PallasOptions, skip_blocks: bool,
-                   q_positions: bool) -> tuple[KernelConfig, int]:
+                   pallas: PallasOptions, skip_blocks: bool, q_positions: bool,
+                   prefix: bool = False) -> tuple[KernelConfig, int]:
   """The kernels' static config and the multiple that every padded length must be."""
   h, d = q_BxQxHxD.shape[2], q_BxQxHxD.shape[3]
   if d > MAX_HEAD_DIM:
@@ -288,7 +300,8 @@ def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: f
       causal=causal, scale=scale, block_q=fwd.block_q, block_k=fwd.block_k,
       block_q_bwd=bwd.block_q, block_k_bwd=bwd.block_k, interpret=pallas.interpret,
       skip_blocks=skip_blocks, num_warps=fwd.num_warps, num_stages=fwd.num_stages,
-      num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages, q_positions=q_positions)
+      num_warps_bwd=bwd.num_warps, num_stages_bwd=bwd.num_stages, q_positions=q_positions,
+      prefix=prefix)
   return cfg, max(fwd.block_q, fwd.block_k, bwd.block_q, bwd.block_k)
 
 
@@ -351,5 +364,5 @@ def segment_attention_pallas_slots(
   # Padding queries sit after every key, so they stay last in the ascending order.
   pos_q_p = jnp.pad(slot_q_BxQ.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)),
                     constant_values=s_pad)
-  out = _flash(q_p, k_p, v_p, seg_q_p, seg_k_p, pos_q_p, cfg)
+  out = _flash(q_p, k_p, v_p, seg_q_p, seg_k_p, pos_q_p, None, cfg)
   return out[:, :sq, :, :d]

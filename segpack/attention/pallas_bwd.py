@@ -7,6 +7,10 @@
 3. `backward_dkv`: grid `(S // block_k, B, K)`; a program owns one key/value block of one kv head,
    loops over the `G` query heads sharing it and, for each, over the query blocks of the key
    block's range (`blocks.kv_block_ranges`), accumulating `dV += P^T dO` and `dK += dS^T Q`.
+
+With shared prefixes (`KernelConfig.prefix`) the queries' prefix segment ids are one more input
+of the dQ kernel (a `[block_q]` block) and of the dK/dV kernel (the whole row, sliced per query
+block), and both masks let a query see its prefix segment's keys.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from segpack.attention.pallas_fwd import block_range
 from segpack.attention.pallas_fwd import compiler_params
 from segpack.attention.pallas_fwd import element_mask
 from segpack.attention.pallas_fwd import key_block_mask
-from segpack.attention.pallas_fwd import positions_args
 from segpack.attention.pallas_fwd import query_block_specs
+from segpack.attention.pallas_fwd import query_extras
 from segpack.attention.pallas_fwd import query_positions
-from segpack.attention.pallas_fwd import split_positions
+from segpack.attention.pallas_fwd import split_extras
 from segpack.attention.pallas_fwd import visit_blocks
 
 
@@ -53,9 +57,11 @@ def backward_delta(out_BxSxHxD, dout_BxSxHxD, *, cfg: KernelConfig) -> jax.Array
 
 def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   bk = cfg.block_k
-  qpos_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = split_positions(refs, cfg)
+  qpos_ref, pre_ref, refs = split_extras(refs, cfg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
   qi = pl.program_id(0)
   ranges = block_range(ranges_ref, qi)
+  pre_q_Q = None if pre_ref is None else pre_ref[...]
   q_QxD = q_ref[...]
   do_QxD = do_ref[...]
   lse_Q = lse_ref[...]
@@ -69,7 +75,8 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
     s_QxC = jnp.dot(q_QxD, k_CxD.T, preferred_element_type=jnp.float32) * cfg.scale
     p_QxC = jnp.exp(s_QxC - lse_Q[:, None])
     if masked:
-      p_QxC = jnp.where(key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg), p_QxC, 0.0)
+      p_QxC = jnp.where(key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg, pre_q_Q), p_QxC,
+                        0.0)
     dp_QxC = jnp.dot(do_QxD, v_CxD.T, preferred_element_type=jnp.float32)
     ds_QxC = p_QxC * (dp_QxC - delta_Q[:, None])
     return dq_QxD + jnp.dot(ds_QxC.astype(k_CxD.dtype), k_CxD, preferred_element_type=jnp.float32)
@@ -78,10 +85,11 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   dq_ref[...] = (dq_QxD * cfg.scale).astype(dq_ref.dtype)
 
 
-def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
                 q_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ, delta_BxHxQ, *,
                 cfg: KernelConfig) -> jax.Array:
-  """Runs the dQ kernel; returns `dq_BxQxHxD` in the dtype of `q` (`q_pos` as in `forward`)."""
+  """Runs the dQ kernel; returns `dq_BxQxHxD` in the dtype of `q` (`q_pos`, `pre_q` as in
+  `forward`)."""
   b, sq, h, d = q_BxQxHxD.shape
   s = k_BxSxKxD.shape[1]
   g = h // k_BxSxKxD.shape[2]
@@ -89,7 +97,8 @@ def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ
   q_spec = pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0))
   kv_spec = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
   row_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, bi, hi: (bi, hi, i))
-  lead_specs, pos_args = query_block_specs(q_pos_BxQ, num_blocks=nq, seq_len=s, cfg=cfg)
+  lead_specs, pos_args = query_block_specs(q_pos_BxQ, pre_q_BxQ, num_blocks=nq, seq_len=s,
+                                          cfg=cfg)
   in_specs = [*lead_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   return pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
@@ -106,7 +115,7 @@ def backward_dq(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ
 
 def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, group: int):
   bq, bk = cfg.block_q, cfg.block_k
-  qpos_ref, refs = split_positions(refs, cfg)
+  qpos_ref, pre_ref, refs = split_extras(refs, cfg)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
   kj = pl.program_id(0)
   ranges = block_range(ranges_ref, kj)
@@ -129,7 +138,9 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, grou
         q_pos_Q = qpos_ref[pl.ds(i * bq, bq)]
       else:
         q_pos_Q = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq,), 0)
-      p_QxC = jnp.where(element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal), p_QxC, 0.0)
+      pre_q_Q = None if pre_ref is None else pre_ref[pl.ds(i * bq, bq)]
+      mask_QxC = element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal, pre_q_Q)
+      p_QxC = jnp.where(mask_QxC, p_QxC, 0.0)
     dv_CxD += jnp.dot(p_QxC.astype(do_QxD.dtype).T, do_QxD, preferred_element_type=jnp.float32)
     dp_QxC = jnp.dot(do_QxD, v_CxD.T, preferred_element_type=jnp.float32)
     ds_QxC = p_QxC * (dp_QxC - delta_Q[:, None])
@@ -145,12 +156,12 @@ def _dkv_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig, grou
   dv_ref[...] = dv_CxD.astype(dv_ref.dtype)
 
 
-def backward_dkv(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ,
+def backward_dkv(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
                  kv_ranges_BxNx4, dout_BxQxHxD, lse_BxHxQ, delta_BxHxQ, *,
                  cfg: KernelConfig) -> tuple[jax.Array, jax.Array]:
   """Runs the dK/dV kernel; returns `(dk_BxSxKxD, dv_BxSxKxD)`, summed over each kv head's group.
 
-  `q_pos` as in `forward`.
+  `q_pos`, `pre_q` as in `forward`.
   """
   b, sq, h, d = q_BxQxHxD.shape
   s = k_BxSxKxD.shape[1]
@@ -165,7 +176,7 @@ def backward_dkv(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_Bx
   q_spec = pl.BlockSpec((None, sq, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
   row_spec = pl.BlockSpec((None, None, g, sq), lambda j, bi, ki: (bi, ki, 0, 0))
   row_q = pl.BlockSpec((None, sq), lambda j, bi, ki: (bi, 0))
-  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
+  pos_specs, pos_args = query_extras(q_pos_BxQ, pre_q_BxQ, row_q, cfg)
   in_specs = [
       pl.BlockSpec((None, nk, 4), lambda j, bi, ki: (bi, 0, 0)),
       row_q,

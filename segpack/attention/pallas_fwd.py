@@ -9,6 +9,10 @@ Context parallelism (`KernelConfig.q_positions`): the queries are `Q` slots of t
 device's share), the keys the whole row in row order; the queries' slot positions come from an
 input instead of `program_id * block_q`, and the ranges from `blocks.slot_q_block_ranges`.
 
+Shared prefixes (`KernelConfig.prefix`): the queries' prefix segment ids come as one more input
+(a `[block_q]` block, like their segment ids), and the element mask also lets a query see the keys
+of its prefix segment; the ranges (`blocks.q_block_ranges(prefix_ids_BxS=...)`) cover them.
+
 `KernelConfig`, the static settings of a kernel call, lives here because the forward and the
 backward kernels (`pallas_bwd.py`) both read it; `pallas.py` builds it.
 """
@@ -48,6 +52,8 @@ class KernelConfig:
     q_positions: the queries' slot positions come from an input array (queries placed anywhere
       in the row of keys, context parallelism) instead of `program_id * block_q`; the kernels
       then also accept fewer queries than keys.
+    prefix: the queries' shared-prefix segment ids come from an input array, and a query also
+      sees the keys of its prefix segment (`segment_attention(prefix_segment_ids=...)`).
   """
 
   causal: bool
@@ -63,6 +69,7 @@ class KernelConfig:
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
   q_positions: bool = False
+  prefix: bool = False
 
 
 def compiler_params(cfg: KernelConfig) -> pltriton.CompilerParams:
@@ -70,9 +77,13 @@ def compiler_params(cfg: KernelConfig) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool) -> jax.Array:
-  """`[block_q, block_k]` mask: same non-padding segment and, if causal, key not after query."""
-  mask_QxC = (seg_q_Q[:, None] == seg_k_C[None, :]) & (seg_q_Q[:, None] != 0)
+def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool, pre_q_Q=None) -> jax.Array:
+  """`[block_q, block_k]` mask: same non-padding segment (or, with `pre_q_Q`, the key in the
+  query's non-zero prefix segment) and, if causal, key not after query."""
+  same_QxC = seg_q_Q[:, None] == seg_k_C[None, :]
+  if pre_q_Q is not None:
+    same_QxC |= (pre_q_Q[:, None] == seg_k_C[None, :]) & (pre_q_Q[:, None] != 0)
+  mask_QxC = same_QxC & (seg_q_Q[:, None] != 0)
   if causal:
     mask_QxC &= q_pos_Q[:, None] >= k_pos_C[None, :]
   return mask_QxC
@@ -85,12 +96,13 @@ def query_positions(qi, qpos_ref, cfg: KernelConfig) -> jax.Array:
   return qi * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, (cfg.block_q,), 0)
 
 
-def key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg: KernelConfig) -> jax.Array:
+def key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg: KernelConfig,
+                   pre_q_Q=None) -> jax.Array:
   """`element_mask` of a query block against key block `j` of the row's keys (`seg_k_ref`)."""
   bk = cfg.block_k
   seg_k_C = seg_k_ref[pl.ds(j * bk, bk)]
   k_pos_C = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)
-  return element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal)
+  return element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, cfg.causal, pre_q_Q)
 
 
 def block_range(ranges_ref, i) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -108,20 +120,21 @@ def visit_blocks(body, carry, lo, hi, full_lo, full_hi):
   return jax.lax.fori_loop(full_hi, hi, masked_body, carry)
 
 
-def query_block_specs(q_pos_BxQ, *, num_blocks: int, seq_len: int,
+def query_block_specs(q_pos_BxQ, pre_q_BxQ, *, num_blocks: int, seq_len: int,
                       cfg: KernelConfig) -> tuple[list, list]:
-  """`(in_specs, position args)` of the inputs that lead a kernel whose grid is `(query block,
+  """`(in_specs, extra args)` of the inputs that lead a kernel whose grid is `(query block,
   B, H)`: its block ranges, the query block's segment ids, the row's key segment ids and (with
-  `cfg.q_positions`) the query block's positions.
+  `cfg.q_positions`, `cfg.prefix`) the query block's positions and prefix segment ids.
 
   Args:
     q_pos_BxQ: int32 slot positions of the queries, read only with `cfg.q_positions`.
+    pre_q_BxQ: int32 prefix segment ids of the queries, read only with `cfg.prefix`.
     num_blocks: query blocks per row (the rows of the ranges input).
     seq_len: keys per row.
     cfg: the kernel config.
   """
   row_q = pl.BlockSpec((None, cfg.block_q), lambda i, bi, hi: (bi, i))
-  pos_specs, pos_args = positions_args(q_pos_BxQ, row_q, cfg)
+  pos_specs, pos_args = query_extras(q_pos_BxQ, pre_q_BxQ, row_q, cfg)
   return [
       pl.BlockSpec((None, num_blocks, 4), lambda i, bi, hi: (bi, 0, 0)),
       row_q,
@@ -132,11 +145,12 @@ def query_block_specs(q_pos_BxQ, *, num_blocks: int, seq_len: int,
 
 def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   bq, bk = cfg.block_q, cfg.block_k
-  qpos_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_positions(refs, cfg)
+  qpos_ref, pre_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = split_extras(refs, cfg)
   qi = pl.program_id(0)
   ranges = block_range(ranges_ref, qi)
   q_QxD = q_ref[...]
   seg_q_Q = seg_q_ref[...]
+  pre_q_Q = None if pre_ref is None else pre_ref[...]
   q_pos_Q = query_positions(qi, qpos_ref, cfg)
   d = q_QxD.shape[-1]
 
@@ -146,7 +160,7 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
     v_CxD = v_ref[pl.ds(j * bk, bk), :]
     s_QxC = jnp.dot(q_QxD, k_CxD.T, preferred_element_type=jnp.float32) * cfg.scale
     if masked:
-      mask_QxC = key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg)
+      mask_QxC = key_block_mask(j, seg_k_ref, seg_q_Q, q_pos_Q, cfg, pre_q_Q)
       s_QxC = jnp.where(mask_QxC, s_QxC, MASK_VALUE)
     m_new_Q = jnp.maximum(m_Q, s_QxC.max(axis=-1))
     alpha_Q = jnp.exp(m_Q - m_new_Q)
@@ -166,22 +180,31 @@ def _fwd_kernel(ranges_ref, seg_q_ref, seg_k_ref, *refs, cfg: KernelConfig):
   lse_ref[...] = jnp.where(valid_Q, m_Q + jnp.log(l_safe_Q), jnp.inf)
 
 
-def split_positions(refs, cfg: KernelConfig):
-  """`(qpos_ref or None, the other refs)`: the positions input comes first when present."""
-  return (refs[0], refs[1:]) if cfg.q_positions else (None, refs)
+def split_extras(refs, cfg: KernelConfig):
+  """`(qpos_ref or None, pre_ref or None, the other refs)`: the positions input comes first
+  when present (`cfg.q_positions`), then the prefix ids (`cfg.prefix`)."""
+  qpos_ref = pre_ref = None
+  if cfg.q_positions:
+    qpos_ref, refs = refs[0], refs[1:]
+  if cfg.prefix:
+    pre_ref, refs = refs[0], refs[1:]
+  return qpos_ref, pre_ref, refs
 
 
-def positions_args(q_pos_BxQ, spec, cfg: KernelConfig) -> tuple[list, list]:
-  """The extra `(in_specs, args)` that pass the query positions to a kernel, if any."""
-  return ([spec], [q_pos_BxQ]) if cfg.q_positions else ([], [])
+def query_extras(q_pos_BxQ, pre_q_BxQ, spec, cfg: KernelConfig) -> tuple[list, list]:
+  """The extra `(in_specs, args)` that pass the query positions (`cfg.q_positions`) and the
+  queries' prefix segment ids (`cfg.prefix`) to a kernel, each with `spec`; none without."""
+  chosen = [x for x, on in ((q_pos_BxQ, cfg.q_positions), (pre_q_BxQ, cfg.prefix)) if on]
+  return [spec] * len(chosen), chosen
 
 
-def forward(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_ranges_BxNx4,
-            *, cfg: KernelConfig):
+def forward(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, pre_q_BxQ,
+            q_ranges_BxNx4, *, cfg: KernelConfig):
   """Runs the forward kernel (`Q` queries, `S` keys; `Q == S` unless `cfg.q_positions`).
 
   `q_pos_BxQ` (int32 slot positions of the queries in the row of keys) is read only when
-  `cfg.q_positions`, otherwise it may be None.
+  `cfg.q_positions`, `pre_q_BxQ` (int32 prefix segment ids of the queries) only when
+  `cfg.prefix`; otherwise either may be None.
 
   Returns:
     `(out_BxQxHxD, lse_BxHxQ)`; `lse` is the float32 log-sum-exp of the scaled logits, `+inf` at
@@ -191,7 +214,8 @@ def forward(q_BxQxHxD, k_BxSxKxD, v_BxSxKxD, seg_q_BxQ, seg_k_BxS, q_pos_BxQ, q_
   s = k_BxSxKxD.shape[1]
   g = h // k_BxSxKxD.shape[2]
   nq = sq // cfg.block_q
-  lead_specs, pos_args = query_block_specs(q_pos_BxQ, num_blocks=nq, seq_len=s, cfg=cfg)
+  lead_specs, pos_args = query_block_specs(q_pos_BxQ, pre_q_BxQ, num_blocks=nq, seq_len=s,
+                                          cfg=cfg)
   in_specs = [
       *lead_specs,
       pl.BlockSpec((None, cfg.block_q, None, d), lambda i, bi, hi: (bi, i, hi, 0)),

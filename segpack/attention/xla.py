@@ -14,9 +14,15 @@ from segpack import mesh as mesh_lib
 _MASK_VALUE = -1e30
 
 
-def segment_mask(segment_ids_BxS: jax.Array, *, causal: bool) -> jax.Array:
-  """The boolean `[B, S, T]` mask: same non-zero segment and, if causal, key not after query."""
-  same_BxSxT = segment_ids_BxS[:, :, None] == mesh_lib.whole_slots(segment_ids_BxS)[:, None, :]
+def segment_mask(segment_ids_BxS: jax.Array, *, causal: bool,
+                 prefix_segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+  """The boolean `[B, S, T]` mask: same non-zero segment (or, with `prefix_segment_ids_BxS`, the
+  key in the query's non-zero prefix segment) and, if causal, key not after query."""
+  seg_k_BxT = mesh_lib.whole_slots(segment_ids_BxS)
+  same_BxSxT = segment_ids_BxS[:, :, None] == seg_k_BxT[:, None, :]
+  if prefix_segment_ids_BxS is not None:
+    pre_BxSx1 = prefix_segment_ids_BxS[:, :, None]
+    same_BxSxT |= (pre_BxSx1 == seg_k_BxT[:, None, :]) & (pre_BxSx1 != 0)
   mask_BxSxT = same_BxSxT & (segment_ids_BxS[:, :, None] != 0)
   if causal:
     s = segment_ids_BxS.shape[1]
@@ -32,6 +38,7 @@ def segment_attention_xla(
     *,
     causal: bool,
     scale: float,
+    prefix_segment_ids_BxS: jax.Array | None = None,
 ) -> jax.Array:
   """Dense-mask segment attention with native grouped-query heads.
 
@@ -46,11 +53,14 @@ def segment_attention_xla(
     segment_ids_BxS: integer segment ids, 0 = padding.
     causal: also mask keys after the query.
     scale: logit scale.
+    prefix_segment_ids_BxS: optional shared-prefix ids: a query also sees the keys of its
+      non-zero prefix segment (`segment_attention(prefix_segment_ids=...)`); None: not.
 
   Returns:
     `out_BxSxHxD` in the dtype of `q`.
   """
-  mask_BxSxT = segment_mask(segment_ids_BxS, causal=causal)
+  mask_BxSxT = segment_mask(segment_ids_BxS, causal=causal,
+                            prefix_segment_ids_BxS=prefix_segment_ids_BxS)
   return _masked_attention(q_BxSxHxD, mesh_lib.whole_slots(k_BxSxKxD), mesh_lib.whole_slots(v_BxSxKxD),
                            mask_BxSxT, segment_ids_BxS != 0, scale=scale)
 
