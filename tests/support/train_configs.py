@@ -29,6 +29,12 @@ def synthetic_config(**overrides):
   return c
 
 
+# The first line of a training child process (`python -c`) that needs no PyTorch: tensorboardX
+# imports torch whenever it is installed (about 1.5 s of CPU per process), and falls back to
+# numpy when the import fails; the trainer itself never uses it.
+WITHOUT_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
 def one_step_run(config, workdir):
   """Trains `config` for one step in `workdir`: no evaluation, batch log or attention self-check
   (tests/train/sample/test_sample_chat.py's run too)."""

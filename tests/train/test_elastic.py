@@ -26,7 +26,7 @@ from segpack import packing
 from segpack.data.balance import BalanceOptions
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
-from support.train_configs import synthetic_config
+from support.train_configs import WITHOUT_TORCH, synthetic_config
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
@@ -267,7 +267,7 @@ def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
                                    "epoch_length": data_item["iterator"]["epoch_length"]}
 
 
-_CHILD = """
+_CHILD = WITHOUT_TORCH + """
 import json, sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -282,7 +282,7 @@ c = synthetic_config(**{"train.num_steps": int(steps), "train.batch_size": int(b
                   "train.allow_batch_size_change": True, "train.eval_every": 0,
                   "train.checkpoint_every": 0, "train.log_every": 1,
                   "data.synthetic_docs": 50, "packing.balance": "attention",
-                  "attention.self_check": False})
+                  "model.num_layers": 1, "attention.self_check": False})
 print(json.dumps(T.train_and_evaluate(c, workdir)))
 """
 

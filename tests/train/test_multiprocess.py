@@ -15,10 +15,11 @@ import numpy as np
 import portpicker
 import pytest
 from support import paths
+from support.train_configs import WITHOUT_TORCH
 
 REPO = str(paths.REPO)
 
-_CHILD = """
+_CHILD = WITHOUT_TORCH + """
 import json, os, sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -17,7 +17,7 @@ from train import metrics as metrics_lib
 from train import model as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
-from support.train_configs import synthetic_config
+from support.train_configs import WITHOUT_TORCH, synthetic_config
 from support import paths
 
 REPO = str(paths.REPO)
@@ -58,7 +58,7 @@ def test_smoke_run_on_builtin_corpus(tmp_path):
   assert not list(tmp_path.glob("*.png.tmp*")) and len(list(tmp_path.glob("*.png"))) == 1
 
 
-_CHILD = """
+_CHILD = WITHOUT_TORCH + """
 import json, os, signal, sys
 from train import metrics as M
 from train import train as T
