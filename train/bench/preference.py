@@ -5,7 +5,8 @@ Algorithm:
      median `--prompt` tokens) and two answers of uneven length each (log-normal, median
      `--answer` tokens), every pair at most `--seq-len` slots.
   2. Lay them out three ways, each pair whole in one row (`segpack.data.pack_pairs`):
-     - `padded`: one pair per row, each batch cut to its longest row (rounded up to 32 slots),
+     - `padded`: one pair per row, each batch cut to its longest row (rounded up to
+       `--pad-multiple` slots: each width is a program to compile),
        as padding collators pad to the longest of a batch (TRL pads each of 2B sequences to the
        longest, which is at least as long: this baseline is the cheaper one);
      - `packed`: pairs packed whole into rows of `--seq-len` by exact FFD;
@@ -81,7 +82,8 @@ def make_pairs(*, num_pairs: int, prompt: int, answer: int, seq_len: int, seed: 
   return PairDocs(docs, masks)
 
 
-def _batches(source: PairDocs, layout: str, *, seq_len: int, batch_size: int):
+def _batches(source: PairDocs, layout: str, *, seq_len: int, batch_size: int,
+             pad_multiple: int = 32):
   """Step 2: one epoch of global batches of `layout` (padding rows fill the last one)."""
   rows = pairs_lib.pack_pairs(
       source, seq_len=seq_len, strategy="pad" if layout == "padded" else "ffd", shuffle=False,
@@ -94,9 +96,9 @@ def _batches(source: PairDocs, layout: str, *, seq_len: int, batch_size: int):
   for start in range(0, n, batch_size):
     index = np.arange(start, start + batch_size)
     batch = builder.build(np.where(index < n, index, -1))
-    if layout == "padded":  # cut to the batch's longest row, rounded up to 32 slots
+    if layout == "padded":  # cut to the batch's longest row, rounded up to pad_multiple
       longest = int((batch["segment_ids"] != 0).sum(axis=1).max())
-      width = min(seq_len, -(-longest // 32) * 32)
+      width = min(seq_len, -(-longest // pad_multiple) * pad_multiple)
       batch = {k: v[:, :width] if v.shape[1] == seq_len else v for k, v in batch.items()}
     out.append(batch)
   return out
@@ -107,7 +109,7 @@ def run_layout(config: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, f
   t = config.train
   mesh = sharding_lib.make_mesh()
   tx, schedule = train_lib.make_optimizer(t)
-  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=VOCAB))
+  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=VOCAB, mesh=mesh))
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
@@ -131,7 +133,7 @@ def run_layout(config: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, f
 
 
 def bench(*, num_pairs: int, prompt: int, answer: int, seq_len: int, batch_size: int,
-          seed: int, d_model: int = 512) -> dict[str, Any]:
+          seed: int, d_model: int = 512, pad_multiple: int = 32) -> dict[str, Any]:
   """Steps 1-4; the JSON-able result."""
   source = make_pairs(num_pairs=num_pairs, prompt=prompt, answer=answer, seq_len=seq_len,
                       seed=seed)
@@ -145,10 +147,13 @@ def bench(*, num_pairs: int, prompt: int, answer: int, seq_len: int, batch_size:
   m.num_layers, m.d_model, m.d_ff, m.head_dim = 2, d_model, 4 * d_model, 64
   m.num_heads, m.num_kv_heads = max(1, d_model // 64), max(1, d_model // 128)
   out: dict[str, Any] = dict(pairs=num_pairs, prompt_median=prompt, answer_median=answer,
+                             d_model=d_model, pad_multiple=pad_multiple,
+                             attention=config.attention.implementation or "default",
                              seq_len=seq_len, batch_size=batch_size,
                              device=str(jax.devices()[0].platform), num_devices=jax.device_count())
   for layout in LAYOUTS:
-    result = run_layout(config, _batches(source, layout, seq_len=seq_len, batch_size=batch_size))
+    result = run_layout(config, _batches(source, layout, seq_len=seq_len, batch_size=batch_size,
+                                         pad_multiple=pad_multiple))
     out.update({f"{layout}_{k}": v for k, v in result.items()})
   for layout in ("packed", "shared"):
     out[f"{layout}_speedup"] = out[f"{layout}_pairs_per_s"] / out["padded_pairs_per_s"]
@@ -177,6 +182,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="median prompt tokens")
   p.add_argument("--answer", type=errors.at_least(1), default=32, help="median answer tokens")
   p.add_argument("--d-model", type=errors.at_least(64), default=512, help="the model's width")
+  p.add_argument("--pad-multiple", type=errors.at_least(1), default=32,
+                 help="padded: batch widths rounded up to this")
   p.add_argument("--seq-len", type=errors.at_least(64), default=1024, help="slots per row")
   p.add_argument("--batch-size", type=errors.at_least(1), default=8, help="rows per step")
   p.add_argument("--seed", type=int, default=0, help="the pairs' seed")
@@ -186,6 +193,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
   result = bench(num_pairs=args.pairs, prompt=args.prompt, answer=args.answer,
                  seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                 d_model=args.d_model)
+                 d_model=args.d_model, pad_multiple=args.pad_multiple)
   print(json.dumps(result, sort_keys=True) if args.json else table(result))
   return 0

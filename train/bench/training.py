@@ -85,7 +85,7 @@ def run_one(config: Any, docs, *, strategy: str, vocab: int, ids: dict[str, int]
   tx, schedule = train_lib.make_optimizer(t)
   # Segment ids run 1..n in every row, so the largest id is the most segments in a row.
   max_segments = max(int(b["segment_ids"].max()) for b in batches)
-  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab,
+  graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab, mesh=mesh,
                                                segment_bound=max_segments))
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
