@@ -20,10 +20,13 @@ their trained tokens, `s` the logistic sigmoid, `b` = `beta`. Rewards (for metri
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["LOSSES", "REFERENCE_FREE", "check_loss", "pair_logps", "pair_losses"]
+__all__ = ["LOSSES", "PreferenceLoss", "REFERENCE_FREE", "check_loss", "pair_logps",
+           "pair_losses"]
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
@@ -114,3 +117,32 @@ def pair_losses(*, loss: str, chosen_logp: jax.Array, rejected_logp: jax.Array,
     per_pair = (d - 1.0 / (2.0 * beta)) ** 2
   return dict(loss=per_pair, chosen_reward=beta * chosen_ratio,
               rejected_reward=beta * rejected_ratio)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceLoss:
+  """A preference loss and its settings, as `pair_losses` takes them.
+
+  Attributes:
+    loss: one of `LOSSES`.
+    beta: the loss's `b`.
+    label_smoothing: "dpo": the share of flipped labels.
+    simpo_gamma: "simpo": the target margin.
+  """
+
+  loss: str
+  beta: float = 0.1
+  label_smoothing: float = 0.0
+  simpo_gamma: float = 0.5
+
+  def __post_init__(self):
+    check_loss(self.loss)
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.loss not in REFERENCE_FREE
+
+  def __call__(self, **scores: jax.Array) -> dict[str, jax.Array]:
+    """`pair_losses` with these settings (`scores`: its log-prob and token arguments)."""
+    return pair_losses(loss=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
+                       simpo_gamma=self.simpo_gamma, **scores)

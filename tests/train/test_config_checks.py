@@ -127,6 +127,9 @@ BAD_NUMBERS = {
     "loss.block_size": [-1],
     "loss.vocab_block_size": [-8],
     "train.num_epochs": [0.0, -1.0, float("inf")],
+    "preference.beta": [0.0, -0.1, float("nan")],
+    "preference.label_smoothing": [0.5, -0.1, float("nan")],
+    "preference.simpo_gamma": [-0.5, float("inf")],
 }
 # Boundary values each numeric key accepts (0 means "never" / "all" / "only at the end" where the
 # config says so; None "the default" for the optional keys).
@@ -138,6 +141,7 @@ GOOD_NUMBERS = {
     "train.checkpoint_every": 0, "train.max_checkpoints": 1, "train.peak_flops": None,
     "train.log_every": 1, "data.synthetic_vocab": 4, "model.sliding_window": None,
     "model.max_position_embeddings": 1, "loss.block_size": 0, "loss.vocab_block_size": 0,
+    "preference.label_smoothing": 0.0, "preference.simpo_gamma": 0.0,
     "train.num_steps": None, "train.num_epochs": None,
 }
 
@@ -307,3 +311,20 @@ def test_a_model_mistake_is_refused_before_any_work_naming_the_model_key(keys, m
     group[name] = value
   with pytest.raises(ValueError, match=match):
     config_checks.check_config(config)
+
+
+@pytest.mark.parametrize("key, value", [("data.train", None), ("packing.mode", "minibatch"),
+                                        ("mesh.context", 2),
+                                        ("packing.max_segments_per_row", 4)])
+def test_a_preference_loss_refuses_what_pairs_cannot_do_naming_the_key(key, value):
+  from configs import dpo
+  config = dpo.get_config("smoke")
+  config.data.train = "data/pairs"
+  group, name = key.split(".")
+  config[group][name] = value
+  with pytest.raises(config_checks.ConfigError, match=rf"preference.loss='dpo' with {key}="):
+    config_checks.check_preference(config)
+  config[group][name] = dpo.get_config("smoke")[group][name]
+  if key == "data.train":
+    config.data.train = "data/pairs"
+  config_checks.check_preference(config)  # the same config without the clash passes

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import dpo as dpo_config
 from segpack import errors
+from segpack import preference_loss
 from segpack.data import pairs as pairs_lib
 from segpack.data.options import SpecialTokens
 from train import model as model_lib
@@ -113,7 +114,8 @@ def run_layout(config: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, f
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
-  objective = objective_lib.PreferenceObjective(loss="dpo")
+  objective = objective_lib.PreferenceObjective(
+      pair_loss=preference_loss.PreferenceLoss(loss="dpo"))
   step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1, objective=objective),
                  out_shardings=(replicated, replicated), donate_argnames=("state",))
   to_device = functools.partial(sharding_lib.global_batch, mesh=mesh)

@@ -26,24 +26,19 @@ METRICS = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceObjective:
-  """A preference loss and its settings (`preference.*` keys).
+  """A preference loss (`preference.*` keys) over the token losses of a batch.
 
   Attributes:
-    loss: one of `segpack.preference_loss.LOSSES`.
-    beta, label_smoothing, simpo_gamma: the loss's settings.
-    block_size, vocab_block_size: the token losses' blocks (`loss.*`, `train.head_loss`).
+    pair_loss: the loss and its settings (`segpack.preference_loss.PreferenceLoss`).
+    blocks: `train.head_loss.token_losses`'s `block_size` and `vocab_block_size` (`loss.*`).
   """
 
-  loss: str
-  beta: float = 0.1
-  label_smoothing: float = 0.0
-  simpo_gamma: float = 0.5
-  block_size: int = 0
-  vocab_block_size: int = 0
+  pair_loss: preference_loss.PreferenceLoss
+  blocks: tuple[int, int] = (0, 0)
 
   @property
   def needs_reference(self) -> bool:
-    return self.loss not in preference_loss.REFERENCE_FREE
+    return self.pair_loss.needs_reference
 
   def normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
     """The pairs of the (global) batch."""
@@ -55,8 +50,8 @@ class PreferenceObjective:
 
   def pair_terms(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Per pair `[B, J]`: the loss, rewards and log-probs, and `valid` (a pair is there)."""
-    token_loss_BxS = head_loss.token_losses(model, batch, block_size=self.block_size,
-                                            vocab_block_size=self.vocab_block_size)
+    token_loss_BxS = head_loss.token_losses(model, batch, block_size=self.blocks[0],
+                                            vocab_block_size=self.blocks[1])
     sums = preference_loss.pair_logps(-token_loss_BxS, batch["labels"], batch["segment_ids"],
                                       batch["pair_chosen_segment"],
                                       batch["pair_rejected_segment"])
@@ -64,9 +59,7 @@ class PreferenceObjective:
     if self.needs_reference:
       refs = dict(ref_chosen_logp=batch["ref_chosen_logp"],
                   ref_rejected_logp=batch["ref_rejected_logp"])
-    terms = preference_loss.pair_losses(
-        loss=self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
-        simpo_gamma=self.simpo_gamma, **sums, **refs)
+    terms = self.pair_loss(**sums, **refs)
     return dict(terms, **sums, valid=batch["pair_index"] >= 0)
 
   def loss_and_sums(self, model: Any, batch: dict[str, jax.Array],
@@ -95,8 +88,8 @@ def from_config(config: Any) -> PreferenceObjective | None:
   p = config.preference
   if p.loss == "none":
     return None
-  return PreferenceObjective(loss=p.loss, beta=float(p.beta),
-                             label_smoothing=float(p.label_smoothing),
-                             simpo_gamma=float(p.simpo_gamma),
-                             block_size=int(config.loss.block_size),
-                             vocab_block_size=int(config.loss.vocab_block_size))
+  return PreferenceObjective(
+      pair_loss=preference_loss.PreferenceLoss(
+          loss=p.loss, beta=float(p.beta), label_smoothing=float(p.label_smoothing),
+          simpo_gamma=float(p.simpo_gamma)),
+      blocks=(int(config.loss.block_size), int(config.loss.vocab_block_size)))
