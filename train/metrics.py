@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import numpy as np
-import tensorboardX
 
 from train import data as data_lib
 from train import flops as flops_lib
@@ -56,6 +55,25 @@ def _format(record: dict[str, Any]) -> str:
   return f"{kind}: {body}"
 
 
+def summary_writer(logdir: str) -> Any:
+  """tensorboardX's `SummaryWriter` for `logdir`, imported without PyTorch.
+
+  tensorboardX imports torch whenever it is installed (about a second of every run's start, and
+  its messages), only to accept torch tensors, which the trainer never passes; with torch marked
+  absent while it is imported it takes numpy arrays alone. A process that has already imported
+  torch keeps it.
+  """
+  if "torch" in sys.modules:
+    import tensorboardX  # optional: imported on first use, torch already loaded
+    return tensorboardX.SummaryWriter(logdir)
+  sys.modules["torch"] = None  # type: ignore[assignment]  # "not installed", for this import
+  try:
+    import tensorboardX  # optional: imported on first use, without torch (see above)
+  finally:
+    del sys.modules["torch"]
+  return tensorboardX.SummaryWriter(logdir)
+
+
 class MetricsWriter:
   """Prints records, appends them as JSON lines and writes their numbers as TensorBoard scalars
   (`WORKDIR/tensorboard`, through tensorboardX; tag `train/loss`, `eval/eval_loss/web`, ...);
@@ -65,7 +83,7 @@ class MetricsWriter:
     self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
     self.enabled = enabled
     self.echo = echo
-    self._board = (tensorboardX.SummaryWriter(os.path.join(os.fspath(workdir), TENSORBOARD_DIR))
+    self._board = (summary_writer(os.path.join(os.fspath(workdir), TENSORBOARD_DIR))
                    if enabled else None)
 
   def write(self, record: dict[str, Any]) -> None:
