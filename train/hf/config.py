@@ -67,6 +67,12 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
   if not os.path.isdir(model_dir):
     raise HfModelError(f"model.init_from={model_dir!r} is not a directory")
   path = os.path.join(model_dir, CONFIG_NAME)
+  if not os.path.isfile(path) and os.path.isfile(os.path.join(model_dir, "run.json")):
+    raise HfModelError(
+        f"model.init_from={model_dir!r} is a segpack run (run.json, checkpoints/), not a Hugging "
+        f"Face model directory; export it first and start from the export: python -m "
+        f"train.hf.export --workdir {model_dir} --output EXPORTED, then "
+        f"--config.model.init_from=EXPORTED")
   if not os.path.isfile(path):
     raise HfModelError(f"model.init_from={model_dir!r} has no {CONFIG_NAME} (a Hugging Face "
                        f"model directory holds config.json, *.safetensors and tokenizer files)")

@@ -50,6 +50,12 @@ def test_a_directory_without_config_json(tmp_path):
     _adopt(tmp_path / "empty")
   with pytest.raises(hf_config.HfModelError, match="is not a directory"):
     _adopt(tmp_path / "absent")
+  (tmp_path / "run").mkdir()  # a segpack workdir: the line says how to start from it
+  (tmp_path / "run" / "run.json").write_text("{}")
+  with pytest.raises(hf_config.HfModelError, match=r"is a segpack run .* python -m "
+                     r"train.hf.export --workdir .*run --output EXPORTED, then "
+                     r"--config.model.init_from=EXPORTED"):
+    _adopt(tmp_path / "run")
   (tmp_path / "bad").mkdir()
   (tmp_path / "bad" / "config.json").write_text("{not json")
   with pytest.raises(hf_config.HfModelError, match="config.json: not readable JSON"):
