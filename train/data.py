@@ -247,7 +247,26 @@ def _sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str | None]:
       f"data.source must be one of {list(config_checks.SOURCES)}, got {config.data.source!r}")
 
 
-def make_data(config: Any, *, batch_size: int, process_index: int,
+def special_ids_error(config: Any, e: PipelineConfigError) -> DataConfigError | None:
+  """The pipeline's refusal of a missing BOS/EOS id in the trainer's keys (None for another)."""
+  for flag in ("add_bos", "add_eos"):
+    if f"special_tokens.{flag}=True" in str(e):
+      name = "BOS" if flag == "add_bos" else "EOS"
+      return DataConfigError(
+          f"{data_name(config)}: its tokenizer has no {name} token, and data.{flag}=True puts "
+          f"one before (after) every document; pass --config.data.{flag}=False")
+  return None
+
+
+def make_data(config: Any, **kwargs: Any) -> Data:
+  """`pack_data` (its arguments), a missing BOS/EOS id named by its config key."""
+  try:
+    return pack_data(config, **kwargs)
+  except PipelineConfigError as e:
+    raise special_ids_error(config, e) or e
+
+
+def pack_data(config: Any, *, batch_size: int, process_index: int,
               process_count: int, num_ranks: int = 1) -> Data:
   """Packs the train and held-out splits and batches this process's rows.
 

@@ -79,6 +79,8 @@ def _pack(config: Any, source: Any, key: str, *, shuffle: bool, num_epochs: int 
     raise data_lib.DataConfigError(
         f"preference.loss={p.loss!r} with {key}={getattr(config.data, key.split('.')[-1])!r}: "
         f"{e}") from e
+  except PipelineConfigError as e:
+    raise data_lib.special_ids_error(config, e) or e
   except PairTooLongError as e:
     raise data_lib.DataConfigError(f"{key}: {e} (packing.seq_len, preference.truncate)") from e
 
