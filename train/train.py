@@ -398,6 +398,8 @@ def _train_loop(run: Run, signals: run_guard.StopSignals) -> dict[str, Any]:
     metrics_lib.log_batch(batches_path, step, local, position,
                           getattr(run.iterator, "last_plan_rows", None))
     run.state, step_metrics = run.train_step(run.state, sharding_lib.global_batch(local, run.mesh))
+    if window:  # one step in flight at most: a stop lands within a step (docs/training.md)
+      jax.block_until_ready(window[-1]["loss"])
     window.append(step_metrics)
     last_step, stopping = step == t.num_steps, signals.requested is not None
     evaluating = evals and (step % t.eval_every == 0 or last_step)
