@@ -12,6 +12,7 @@ written by `segpack.text.chat_files`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,19 @@ TRAIN_ON = ("assistant", "last_assistant", "all")
 
 class ChatFormatError(UserError, ValueError):
   """A conversation is malformed; the message names the file:line (or index), message and field."""
+
+
+def check_text(record: Any, raw: bytes, *, where: str) -> None:
+  """Refuses a decoded JSON record holding an unpaired surrogate (only a `\\u` escape gives
+  one; no tokenizer can encode it), naming `where` and the characters around it."""
+  if b"\\u" not in raw:
+    return
+  text = json.dumps(record, ensure_ascii=False)
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ChatFormatError(f"{where}: holds an unpaired surrogate (an unmatched \\u escape) "
+                          f"near {text[max(0, e.start - 20):e.start]!r}") from None
 
 
 @dataclasses.dataclass

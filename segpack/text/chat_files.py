@@ -18,7 +18,7 @@ from typing import Any
 
 from segpack import shards
 from segpack.shards.record import stored_metadata
-from segpack.text.chat import ChatFormatError, Conversation, Encoded, Skipped
+from segpack.text.chat import ChatFormatError, Conversation, Encoded, Skipped, check_text
 
 __all__ = ["read_conversations", "write_chat_dataset"]
 
@@ -30,6 +30,7 @@ def _record(raw: bytes, where: str, messages_field: str) -> Any:
     record = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ChatFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
+  check_text(record, raw, where=where)
   if not isinstance(record, dict) or messages_field not in record:
     found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
     raise ChatFormatError(f"{where}: no field {messages_field!r} (found: {found})")

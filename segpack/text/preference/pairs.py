@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from segpack.text.chat import ChatFormatError, Skipped
+from segpack.text.chat import ChatFormatError, Skipped, check_text
 
 __all__ = ["Pair", "PairFormatError", "parse_pair", "read_pairs"]
 
@@ -149,8 +149,9 @@ def read_pairs(path: str | os.PathLike[str], *,
           record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
           raise PairFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
+        check_text(record, raw, where=where)
         yield parse_pair(record, where=where)
-      except PairFormatError as e:
+      except ChatFormatError as e:  # a bad pair, or text no tokenizer encodes
         if skipped is None:
           raise
         skipped.add(e)
