@@ -79,17 +79,26 @@ def initial_state(config: Any, abstract_params: Any, state_shardings: dict[str, 
 
 
 def keep_source_files(model_dir: str, workdir: str) -> str:
-  """Step 4: copies the model directory's small files to `workdir/hf_source` (once)."""
+  """Step 4: copies the model directory's small files to `workdir/hf_source`.
+
+  Called as a run starts from `model_dir` with no checkpoint: a copy already there belongs to
+  an earlier start that saved nothing (perhaps from another model) and is replaced, so the
+  export never ships another model's tokenizer or chat template.
+  """
   target = os.path.join(workdir, SOURCE_DIR)
-  if os.path.isdir(target):
-    return target
   staging = tempfile.mkdtemp(dir=workdir, prefix=f".{SOURCE_DIR}-")
+  stale = None
   try:
     for name in SOURCE_FILES:
       path = os.path.join(model_dir, name)
       if os.path.isfile(path):
         shutil.copyfile(path, os.path.join(staging, name))
+    if os.path.isdir(target):
+      stale = tempfile.mkdtemp(dir=workdir, prefix=f".{SOURCE_DIR}-stale-")
+      os.replace(target, os.path.join(stale, SOURCE_DIR))
     os.replace(staging, target)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
+    if stale is not None:
+      shutil.rmtree(stale, ignore_errors=True)
   return target

@@ -196,3 +196,18 @@ def test_without_the_hf_extra_import_and_export_say_which_extra(tmp_path, tiny, 
     _load(_adopt(tiny))
   with pytest.raises(hf_export.ExportError, match=r"safetensors package: pip install 'segpack\[hf\]'"):
     hf_export.check_extras()
+
+
+def test_a_fresh_start_replaces_a_stale_copy_of_another_models_files(tmp_path):
+  """A start that saved nothing leaves `hf_source`; the next fresh start from another model
+  must not keep the first model's files (the export would ship its tokenizer)."""
+  first, second = tmp_path / "first", tmp_path / "second"
+  for d, marker in ((first, "one"), (second, "two")):
+    d.mkdir()
+    hf_models.write_json(str(d / "config.json"), {"marker": marker})
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  hf_init.keep_source_files(str(first), str(workdir))
+  target = hf_init.keep_source_files(str(second), str(workdir))
+  assert hf_models.read_json(os.path.join(target, "config.json")) == {"marker": "two"}
+  assert sorted(os.listdir(workdir)) == [hf_init.SOURCE_DIR]  # nothing left beside it
