@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import os
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,7 +31,13 @@ _TODAY_LOCK = threading.Lock()
 
 
 def _transformers() -> tuple[Any, Any]:
-  """`(transformers, its chat_template_utils)`, or an ImportError naming the extra."""
+  """`(transformers, its chat_template_utils)`, or an ImportError naming the extra.
+
+  segpack takes only tokenizers and chat templates from transformers, so its advice that
+  PyTorch is missing (printed by every command of an install without torch) is turned off,
+  unless the user set `TRANSFORMERS_NO_ADVISORY_WARNINGS` themselves.
+  """
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
   try:
     import jinja2  # noqa: F401  # optional: transformers renders chat templates with it
     import transformers  # optional: only a tokenizer's own chat template needs it (segpack[hf])

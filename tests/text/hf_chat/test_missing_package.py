@@ -35,3 +35,19 @@ def test_missing_jinja2_is_named_with_its_extra_and_leaves_nothing(tmp_path, mon
   assert err.count("\n") == 1 and "jinja2" in err and "segpack[hf]" in err
   assert "chat.jsonl:" not in err  # not blamed on a record
   assert not out.exists()
+
+
+def test_an_install_without_torch_is_not_told_about_torch():
+  """transformers advises that PyTorch is missing at import; segpack only reads tokenizers and
+  templates with it, so a chat tokenize without torch prints no such line."""
+  import subprocess
+  import sys
+  from support import paths
+  code = ("import sys; sys.modules['torch'] = None\n"
+          "from segpack.text.hf_chat import render\n"
+          "render._transformers()\n")
+  out = subprocess.run([sys.executable, "-c", code], cwd=paths.REPO, capture_output=True,
+                       text=True, timeout=300, env={"PYTHONPATH": str(paths.REPO),
+                                                    "PATH": "/usr/bin:/bin"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "PyTorch was not found" not in out.stderr
