@@ -12,7 +12,7 @@ import dataclasses
 import gzip
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from segpack import shards
 from segpack.shards.record import stored_metadata
 from segpack.text.chat import ChatFormatError, Conversation, Encoded, Skipped, check_text
 
-__all__ = ["read_conversations", "write_chat_dataset"]
+__all__ = ["read_conversations", "read_records", "write_chat_dataset"]
 
 
 def _record(raw: bytes, where: str, messages_field: str) -> Any:
@@ -39,6 +39,28 @@ def _record(raw: bytes, where: str, messages_field: str) -> Any:
   return record[messages_field]
 
 
+def read_records(path: str | os.PathLike[str], parse: Callable[[bytes, str], Any], *,
+                 skipped: Skipped | None = None) -> Iterator[tuple[str, Any]]:
+  """Yields `(where, parse(raw, where))` for every non-blank line of a `.jsonl` / `.jsonl.gz`
+  file, `where` being "file:line"; a `ChatFormatError` of `parse` is raised, or with `skipped`
+  (`--skip-bad-lines`) counted there and the line skipped."""
+  path = Path(path)
+  opener = gzip.open if path.name.endswith(".gz") else open
+  with opener(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      if not raw.strip():
+        continue
+      where = f"{path}:{lineno}"
+      try:
+        value = parse(raw, where)
+      except ChatFormatError as e:
+        if skipped is None:
+          raise
+        skipped.add(e)
+        continue
+      yield where, value
+
+
 def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "messages",
                        skipped: Skipped | None = None) -> Iterator[tuple[str, Any]]:
   """Yields (where, messages) for every non-blank line of a `.jsonl` / `.jsonl.gz` file.
@@ -50,21 +72,8 @@ def read_conversations(path: str | os.PathLike[str], *, messages_field: str = "m
   Raises:
     ChatFormatError: a line is not a JSON object with `messages_field`.
   """
-  path = Path(path)
-  opener = gzip.open if path.name.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        messages = _record(raw, where, messages_field)
-      except ChatFormatError as e:
-        if skipped is None:
-          raise
-        skipped.add(e)
-        continue
-      yield where, messages
+  return read_records(path, lambda raw, where: _record(raw, where, messages_field),
+                      skipped=skipped)
 
 
 @dataclasses.dataclass

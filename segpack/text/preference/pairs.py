@@ -13,12 +13,11 @@ An optional `tools` field (JSON schemas) goes to the chat template with the mess
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
+from segpack.text import chat_files
 from segpack.text.chat import ChatFormatError, Skipped, check_text
 
 __all__ = ["Pair", "PairFormatError", "parse_pair", "read_pairs"]
@@ -137,21 +136,13 @@ def read_pairs(path: str | os.PathLike[str], *,
   Raises:
     PairFormatError: a line that is not JSON or not a pair, naming `file:line`.
   """
-  path = Path(path)
-  opener = gzip.open if path.name.endswith(".gz") else open
-  with opener(path, "rb") as f:
-    for lineno, raw in enumerate(f, start=1):
-      if not raw.strip():
-        continue
-      where = f"{path}:{lineno}"
-      try:
-        try:
-          record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-          raise PairFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
-        check_text(record, raw, where=where)
-        yield parse_pair(record, where=where)
-      except ChatFormatError as e:  # a bad pair, or text no tokenizer encodes
-        if skipped is None:
-          raise
-        skipped.add(e)
+  def parse(raw: bytes, where: str) -> Pair:
+    try:
+      record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise PairFormatError(f"{where}: not JSON ({e}): {raw[:80]!r}") from e
+    check_text(record, raw, where=where)
+    return parse_pair(record, where=where)
+
+  for _, pair in chat_files.read_records(path, parse, skipped=skipped):
+    yield pair
