@@ -25,6 +25,7 @@ from train import score as train_score  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 from train import train as train_lib  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
+from train.preference import reference as reference_lib  # noqa: E402
 
 LN2 = math.log(2.0)
 
@@ -231,29 +232,30 @@ def test_reward_accuracy_on_held_out_pairs_rises_on_a_toy_task(models, tmp_path)
   config.packing.seq_len = 128
   config.attention.self_check = False
   t = config.train
-  t.batch_size, t.num_steps, t.learning_rate, t.warmup_steps = 8, 240, 3e-3, 10
-  t.eval_every, t.log_every, t.checkpoint_every, t.eval_batches = 240, 40, 0, 0
+  t.batch_size, t.num_steps, t.learning_rate, t.warmup_steps = 8, 120, 5e-3, 10
+  t.eval_every, t.log_every, t.checkpoint_every, t.eval_batches = 120, 40, 0, 0
   config.preference.beta = 0.5
   summary = train_lib.train_and_evaluate(config, tmp_path / "run")
   evals = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
            if json.loads(line)["kind"] == "eval"]
   assert evals[0]["eval_reward_accuracy"] == 0.0  # margins are exactly 0 at step 0
-  assert evals[-1]["step"] == 240 and evals[-1]["eval_reward_accuracy"] > 0.9, evals[-1]
+  assert evals[-1]["step"] == 120 and evals[-1]["eval_reward_accuracy"] > 0.9, evals[-1]
   assert summary["final_loss"] < 0.5 * LN2
 
 
-def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, tmp_path):
+def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, tmp_path,
+                                                                capsys):
   bad = preference_fixtures.write_jsonl(tmp_path / "bad.jsonl", [
       dict(prompt="w1 w2", chosen=" w3", rejected=" w4"),
       dict(prompt="w1 w2", chosen=" w3", rejected=" w3")])
-  out = run_cli("segpack", "tokenize", "--format", "preference", "--input", bad, "--tokenizer",
-                f"hf:{models[0]}", "--output", str(tmp_path / "bad"), check=False)
-  assert out.returncode == 2 and out.stderr.count("\n") == 1
-  assert "bad.jsonl:2" in out.stderr and "chosen equals rejected" in out.stderr
+  assert tokenize_cli.main(["--format", "preference", "--input", bad, "--tokenizer",
+                            f"hf:{models[0]}", "--output", str(tmp_path / "bad")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "bad.jsonl:2" in err and "chosen equals rejected" in err
   # A preference loss on a dataset of plain documents.
   text = hf_models.write_text_jsonl(str(tmp_path / "docs.jsonl"), 10)
-  run_cli("segpack", "tokenize", "--input", text, "--tokenizer", f"hf:{models[0]}", "--output",
-          str(tmp_path / "docs"))
+  assert tokenize_cli.main(["--input", text, "--tokenizer", f"hf:{models[0]}", "--output",
+                            str(tmp_path / "docs")]) == 0
   args = ["train.main", "--config=configs/dpo.py:smoke", f"--config.model.init_from={models[0]}",
           "--config.attention.self_check=False", "--config.packing.seq_len=512"]
   out = run_cli(*args, f"--config.data.train={tmp_path / 'docs'}",
@@ -261,8 +263,8 @@ def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, 
   assert out.returncode == 2 and "not a preference dataset" in out.stderr, out.stderr[-2000:]
   assert out.stderr.strip().count("\n") == 0
   # Reference scores of another dataset.
-  run_cli(*args, f"--config.data.train={pairs / 'rows'}", f"--workdir={tmp_path / 'w1'}",
-          "--config.train.num_steps=1")
+  train_lib.train_and_evaluate(_config(models[0], pairs / "rows", seq_len=512),
+                               tmp_path / "w1")
   out = run_cli(*args, f"--config.data.train={pairs / 'uneven'}", f"--workdir={tmp_path / 'w2'}",
                 f"--config.preference.reference={tmp_path / 'w1' / 'reference'}", check=False)
   assert out.returncode == 2 and "reference scores" in out.stderr, out.stderr[-2000:]
@@ -270,9 +272,10 @@ def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, 
   manifest = tmp_path / "w1" / "reference" / "scores.json"
   stored = json.loads(manifest.read_text())
   manifest.write_text(json.dumps(dict(stored, fingerprint="init_from:another")))
-  out = run_cli(*args, f"--config.data.train={pairs / 'rows'}", f"--workdir={tmp_path / 'w1'}",
-                "--config.train.num_steps=2", check=False)
-  assert out.returncode == 2 and "init_from:another" in out.stderr, out.stderr[-2000:]
+  resumed = _config(models[0], pairs / "rows", seq_len=512)
+  resumed.train.num_steps = 2
+  with pytest.raises(reference_lib.ReferenceError, match="init_from:another"):
+    train_lib.train_and_evaluate(resumed, tmp_path / "w1")
 
 
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
