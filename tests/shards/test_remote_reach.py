@@ -47,7 +47,7 @@ def test_a_refused_endpoint_ends_in_one_line_within_the_bound(tmp_path):
 
 def test_missing_credentials_name_the_url_and_the_cause(tmp_path, monkeypatch):
   for key, value in _env(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{portpicker.pick_unused_port()}",
-                         SEGPACK_REMOTE_TIMEOUT="20").items():
+                         SEGPACK_REMOTE_TIMEOUT="6").items():
     monkeypatch.setenv(key, value)
   for key in [k for k in os.environ if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                              "AWS_PROFILE", "AWS_SESSION_TOKEN")]:
