@@ -138,6 +138,26 @@ def _headers(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
   return out
 
 
+def _check_tied_head(files: dict[str, str], headers: dict[str, Any], rows: int = 8192) -> None:
+  """A config that ties the output projection to the embedding, with a stored `lm_head.weight`
+  that differs from it: transformers 5 keeps the stored head, so dropping it would import
+  another model; refused by name (compared a block of rows at a time)."""
+  head, table = "lm_head.weight", "model.embed_tokens.weight"
+  if table not in headers or headers[head][0] != headers[table][0]:
+    return
+  with _safe_open(files[head]) as a, _safe_open(files[table]) as b:
+    x, y = a.get_slice(head), b.get_slice(table)
+    n = headers[head][0][0]
+    for start in range(0, n, rows):
+      stop = min(start + rows, n)
+      if not np.array_equal(x[start:stop], y[start:stop]):
+        raise hf_config.HfModelError(
+            f"{files[head]}: config.json ties the output projection to the embedding "
+            f"(tie_word_embeddings), but its stored {head} differs from {table} (from row "
+            f"{start}); transformers uses the stored head, so segpack would import another "
+            f"model: set tie_word_embeddings to false in config.json to import both")
+
+
 def check_tensors(model_dir: str, expected: dict[str, Tensor],
                   shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
   """Steps 1-2 of the module's algorithm; returns tensor name -> file for `expected`."""
@@ -150,6 +170,8 @@ def check_tensors(model_dir: str, expected: dict[str, Tensor],
     raise hf_config.HfModelError(
         f"{model_dir}: tensor {sorted(extra)[0]!r} ({len(extra)} unexpected in all) has no "
         f"place in the model config.json describes; refusing rather than dropping it")
+  if "lm_head.weight" in headers and "lm_head/kernel" not in expected:
+    _check_tied_head(files, headers)
   for path, tensor in expected.items():
     if tensor.name not in headers:
       raise hf_config.HfModelError(f"{model_dir}: tensor {tensor.name!r} is missing from its "

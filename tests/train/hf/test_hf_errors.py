@@ -211,3 +211,19 @@ def test_a_fresh_start_replaces_a_stale_copy_of_another_models_files(tmp_path):
   target = hf_init.keep_source_files(str(second), str(workdir))
   assert hf_models.read_json(os.path.join(target, "config.json")) == {"marker": "two"}
   assert sorted(os.listdir(workdir)) == [hf_init.SOURCE_DIR]  # nothing left beside it
+
+
+def test_a_tied_config_with_a_different_stored_head_is_refused(tmp_path):
+  """transformers 5 keeps a stored `lm_head.weight` even when config.json says tied; dropping
+  it would import another model, so it is refused by name (an equal copy is fine)."""
+  from safetensors.numpy import load_file, save_file
+  model_dir = hf_models.make_model(str(tmp_path / "m"), "llama", tie=True)
+  path = os.path.join(model_dir, "model.safetensors")
+  tensors = load_file(path)
+  table = tensors["model.embed_tokens.weight"]
+  save_file(dict(tensors, **{"lm_head.weight": table.copy()}), path, metadata={"format": "pt"})
+  _load(_adopt(model_dir))  # an equal copy: the same model
+  save_file(dict(tensors, **{"lm_head.weight": table * 2}), path, metadata={"format": "pt"})
+  with pytest.raises(hf_config.HfModelError, match=r"stored lm_head.weight differs from "
+                     r"model.embed_tokens.weight.*tie_word_embeddings to false"):
+    _load(_adopt(model_dir))
