@@ -20,7 +20,8 @@ Algorithm of `adopt` (what `--config.model.init_from=DIR` does to a config):
   1. Read `DIR/config.json` and turn it into values of `model.*` keys (`architecture`).
   2. A key the command line set explicitly to another value is an error naming both values.
   3. Every key takes the checkpoint's value; `model.param_dtype` takes the checkpoint's dtype
-     unless the command line set it.
+     (float32 for a float16 checkpoint: float16 master weights stop training at its first
+     steps) unless the command line set it.
 
 Example: a Qwen2 config.json with `hidden_size: 896`, `num_key_value_heads: 2` gives
 `model.d_model=896`, `model.num_kv_heads=2`, `model.qkv_bias=True`, `model.family="qwen2"`;
@@ -251,8 +252,8 @@ def adopt(config: Any, *, explicit: set[str] | frozenset[str] = frozenset()) -> 
   arch = architecture(hf, where=where)
   _explicit_conflicts(config.model, arch, set(explicit), where)
   dtype = torch_dtype(hf, where)
-  if "model.param_dtype" not in explicit:
-    config.model.param_dtype = dtype
+  if "model.param_dtype" not in explicit:  # float16 master weights overflow in AdamW's update
+    config.model.param_dtype = "float32" if dtype == "float16" else dtype
   for key in ARCH_KEYS:
     config.model[key] = arch[key]
   for key in SCALING_KEYS:

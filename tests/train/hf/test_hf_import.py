@@ -140,3 +140,20 @@ def _leaves(model):
   out = []
   jax.tree_util.tree_map_with_path(lambda p, x: out.append((p, x)), nnx.split(model)[1])
   return out
+
+
+def test_a_float16_checkpoint_trains_with_float32_master_weights(tmp_path):
+  """float16 parameters overflow in AdamW's first updates (the run stopped at step 1 as not
+  finite): a float16 checkpoint's weights are imported as float32, exactly, unless
+  model.param_dtype is given."""
+  model_dir = hf_models.make_model(str(tmp_path / "m"), "llama", dtype="float16")
+  config, model = _imported(model_dir)
+  assert config.model.param_dtype == "float32"
+  from safetensors.numpy import load_file
+  stored = load_file(os.path.join(model_dir, "model.safetensors"))
+  params = {hf_weights.param_name(p): np.asarray(x) for p, x in _leaves(model)}
+  table = params["embed/embedding"]
+  assert table.dtype == np.float32
+  np.testing.assert_array_equal(table, stored["model.embed_tokens.weight"].astype(np.float32))
+  config16, _ = _imported(model_dir, param_dtype="float16")  # given: kept
+  assert config16.model.param_dtype == "float16"
