@@ -101,9 +101,6 @@ class PairRowBuilder:
     """Reference log-probs `[num_pairs, 2]` (chosen, rejected) for every pair index, or None."""
     self._reference = None if scores is None else np.asarray(scores, np.float64)
 
-  def with_plan(self, plan):  # the EpochBuilders interface; pair plans never repack
-    raise NotImplementedError("pair rows are planned once")
-
   def build(self, rows: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
     """The features of `rows` (`-1`: a padding row): `[B, S]` row features, `[B, J]` pairs."""
     rows_B = np.asarray(rows, np.int64).reshape(-1)

@@ -184,7 +184,7 @@ def write_checkpoint(model_dir: str, s: Shapes, dtype: str, *, seed: int = 0) ->
               largest_tensor_bytes=sizes[largest], num_tensors=len(sizes), num_files=len(groups))
 
 
-def _rss_bytes(field: str = "VmRSS") -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
   """A `/proc/self/status` size (`VmRSS`, `VmHWM`) in bytes."""
   with open("/proc/self/status", encoding="ascii") as f:
     for line in f:
@@ -193,7 +193,7 @@ def _rss_bytes(field: str = "VmRSS") -> int:
   raise OSError(f"/proc/self/status has no {field} line")
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
   """Resets the process's peak RSS to its RSS (Linux >= 4.0); False where it cannot."""
   try:
     with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
@@ -212,8 +212,8 @@ def measure(model_dir: str) -> dict[str, Any]:
   mesh = sharding_lib.make_mesh()
   nnx.eval_shape(lambda: model_lib.build(config, 0, mesh=mesh))  # traced once before the baseline
   gc.collect()
-  baseline = _rss_bytes()
-  peak_reset = _reset_peak()
+  baseline = rss_bytes()
+  peak_reset = reset_peak()
   peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   start = time.perf_counter()
   decoder = hf_weights.load_decoder(config, mesh=mesh)
@@ -222,8 +222,8 @@ def measure(model_dir: str) -> dict[str, Any]:
   ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   leaves = jax.tree.leaves(params)
   return dict(baseline_rss=baseline, ru_maxrss=ru_maxrss, ru_maxrss_before_load=peak_before,
-              peak_rss=_rss_bytes("VmHWM") if peak_reset else ru_maxrss,
-              peak_source="VmHWM" if peak_reset else "ru_maxrss", rss_after=_rss_bytes(),
+              peak_rss=rss_bytes("VmHWM") if peak_reset else ru_maxrss,
+              peak_source="VmHWM" if peak_reset else "ru_maxrss", rss_after=rss_bytes(),
               param_bytes=sum(int(x.nbytes) for x in leaves), num_params=len(leaves),
               param_dtype=str(config.model.param_dtype), load_seconds=seconds,
               num_devices=jax.device_count(), device=jax.devices()[0].platform)

@@ -64,6 +64,7 @@ from configs import packed as packed_config
 from segpack import errors
 from segpack.bench import tables
 from train import memory as memory_lib
+from train.bench import hf_import
 from train import model as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
@@ -151,14 +152,6 @@ def case_estimate(case: Case) -> memory_lib.MemoryEstimate:
                                 platform="cpu")
 
 
-def _rss(field: str = "VmRSS") -> int:
-  with open("/proc/self/status", encoding="ascii") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise OSError(f"/proc/self/status has no {field}")
-
-
 def _settled_rss() -> int:
   """The RSS once freed memory is back with the system: `gc`, glibc's `malloc_trim`, then
   until two readings 50 ms apart differ by under 1 MiB (the runtime frees asynchronously)."""
@@ -171,22 +164,12 @@ def _settled_rss() -> int:
   for _ in range(40):
     if trim is not None:
       trim(0)
-    now = _rss()
+    now = hf_import.rss_bytes()
     if abs(now - last) < 2**20:
       return now
     last = now
     time.sleep(0.05)
   return last
-
-
-def _reset_peak() -> bool:
-  """Resets the process's peak RSS to its RSS (Linux >= 4.0); False where it cannot."""
-  try:
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
 
 
 def _row(rows: int, vocab: int) -> dict[str, np.ndarray]:
@@ -230,10 +213,11 @@ def measure(case: Case) -> dict[str, Any]:
   state, batch, compiled = _compiled_step(case_config(case), case.vocab)
   live = sum(int(x.nbytes) for x in jax.tree.leaves((state, batch)))
   before = _settled_rss()
-  reset = _reset_peak()
+  reset = hf_import.reset_peak()
   state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)
-  peak = _rss("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  peak = (hf_import.rss_bytes("VmHWM") if reset
+          else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
   start = time.perf_counter()
   state, metrics = compiled(state, batch)
   loss = float(metrics["loss"])
