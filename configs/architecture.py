@@ -21,6 +21,12 @@ from segpack.errors import UserError
 ROPE_SCALINGS = ("linear", "llama3")
 # `Architecture.remat`: what each decoder layer keeps for the backward pass (`train.model`).
 REMATS = ("none", "full", "dots")
+# `Lora.targets`: the projections of a decoder layer an adapter can sit on (`train.adapters`).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# `Lora.base_dtype`: how the frozen base is stored under adapters: "param" (model.param_dtype), a
+# float dtype, or quantized at import, one tensor at a time: "nf4" (QLoRA's 4-bit NormalFloat)
+# and "int8" (blocks of 64 input rows, one float32 absmax scale per block and column).
+LORA_BASE_DTYPES = ("param", "float32", "bfloat16", "float16", "nf4", "int8")
 
 
 class RopeConfigError(UserError, ValueError):
@@ -71,6 +77,54 @@ class RopeScaling:
           f"{self.high_freq_factor!r} and {self.low_freq_factor!r}")
 
 
+class LoraConfigError(UserError, ValueError):
+  """LoRA settings that name an unknown projection or are inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Lora:
+  """Low-rank adapters (LoRA, Hu et al. 2021; QLoRA with a quantized base, Dettmers et al. 2023).
+
+  With `rank` > 0 every projection named in `targets` computes `x @ W + scale * x @ A @ B`
+  with `scale = alpha / rank`; `W` (and every other weight of the model) is frozen, stored as
+  `base_dtype` says, and only `A` `[in, rank]` and `B` `[rank, out]` are trained (B starts at 0,
+  so step 0 is the base model). docs/adapters.md.
+  """
+
+  rank: int = 0  # r; 0: no adapters (every weight trains)
+  alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  dropout: float = 0.0  # dropout on an adapter's input while training (PEFT's lora_dropout)
+  # the projections that get adapters: "all" or a comma-separated list of q, k, v, o, gate, up,
+  # down (PEFT's target_modules q_proj, ..., down_proj)
+  targets: str = "all"
+  # the frozen base's storage: "param" (model.param_dtype), "float32", "bfloat16", "float16",
+  # "nf4" (4-bit NormalFloat, QLoRA) or "int8"; quantized kinds apply to the seven projections
+  base_dtype: str = "param"
+
+  def __post_init__(self):
+    names = self.target_names
+    unknown = [n for n in names if n not in LORA_TARGETS]
+    if unknown or not names or len(set(names)) != len(names):
+      raise LoraConfigError(
+          f"lora.targets must be 'all' or a comma-separated list of distinct names from "
+          f"{list(LORA_TARGETS)}, got {self.targets!r}")
+
+  @property
+  def target_names(self) -> tuple[str, ...]:
+    """The adapted projections, in `LORA_TARGETS` order ("all": every one)."""
+    if not isinstance(self.targets, str):
+      return ()
+    if self.targets.strip() == "all":
+      return LORA_TARGETS
+    names = tuple(n.strip() for n in self.targets.split(",") if n.strip())
+    return tuple(sorted(names, key=lambda n: (LORA_TARGETS + (n,)).index(n)))
+
+  @property
+  def scale(self) -> float:
+    """`alpha / rank`, what multiplies the adapters' output (0 without adapters)."""
+    return self.alpha / self.rank if self.rank else 0.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Architecture:
   """A Llama-like decoder's hyper-parameters (`train.model.Decoder`), as the config keys them.
@@ -109,6 +163,8 @@ class Architecture:
   # "dots" (keep the outputs of the matmuls without batch dimensions: the projections, not the
   # attention scores). Same losses and gradients, less memory for more compute
   remat: str = _setting("none")
+  # Low-rank adapters: a run setting, never a fact of the base checkpoint (`Lora`)
+  lora: Lora = dataclasses.field(default_factory=Lora, metadata={"checkpoint": False})
 
 
 def checkpoint_keys() -> tuple[str, ...]:
@@ -116,6 +172,11 @@ def checkpoint_keys() -> tuple[str, ...]:
   of `RopeScaling` fields) aside."""
   return tuple(f.name for f in dataclasses.fields(Architecture)
                if f.metadata.get("checkpoint", True) and f.name != "rope_scaling")
+
+
+def lora_keys() -> tuple[str, ...]:
+  """The `Lora` fields (`model.lora.*` keys)."""
+  return tuple(f.name for f in dataclasses.fields(Lora))
 
 
 def scaling_keys() -> tuple[str, ...]:

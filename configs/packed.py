@@ -49,6 +49,10 @@ def model_group() -> ml_collections.ConfigDict:
   # the architecture keys then come from its config.json (an override that contradicts it is
   # refused) and the weights from its safetensors; docs/hf.md. None: random initialisation
   m.init_from = config_dict.placeholder(str)
+  # With model.lora.rank > 0: a PEFT LoRA adapter directory (adapter_config.json,
+  # adapter_model.safetensors) whose adapters the run starts from instead of fresh ones (B = 0);
+  # its rank, alpha and targets become model.lora's (docs/adapters.md)
+  m.init_adapter = config_dict.placeholder(str)
   return m
 
 

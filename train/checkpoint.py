@@ -8,7 +8,8 @@ A checkpoint `WORKDIR/checkpoints/<step>/` holds three items:
     `segpack.data.position` (`{"version": 1, "unit", "epoch", "index", "epoch_length"}`, in rows
     or minibatch steps), which does not depend on the process count, so a run resumes on another
     one. Checked on save and restore (`check_data_item`): another format is a `DataStateError`;
-  * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume.
+  * `meta`: the config that wrote it (`JsonSave`), compared with the current config on resume,
+    and under adapters the frozen base's fingerprint (`train.adapters.base`), which must match.
 Orbax writes into a temporary directory and renames it when complete, so a `kill -9` during a save
 leaves the previous checkpoint as the latest one. Then `digest.json` records the sha256 of every
 file (`train.checkpoint_digest`); a restore checks it first and falls back to the newest intact
@@ -111,15 +112,9 @@ def check_data_item(item: Any, *, where: str) -> None:
 
 @dataclasses.dataclass
 class Restored:
-  """What `Checkpointer.restore_or_none` found.
-
-  Attributes:
-    state: the train state, in the target shardings.
-    data_state: the training iterator's state (the same on every process).
-    step: the checkpoint's step.
-    changes: lines for the log, what differs from the run that wrote it (process count, batch
-      size), empty when nothing does.
-  """
+  """What `Checkpointer.restore_or_none` found: the train state (in the target shardings), the
+  iterator's state (the same on every process), the step, and lines for the log of what differs
+  from the run that wrote it (process count, batch size; empty when nothing does)."""
 
   state: Any
   data_state: dict[str, Any]
@@ -134,16 +129,12 @@ class Checkpointer:
     0. `__init__`: create the directory and write a byte into it (`check_writable`): a read-only
        or full one is a `CheckpointWriteError` before the first step.
     1. `restore_or_none(abstract_state, config_dict)`: list the directory (`checkpoint_digest.
-       scan`): entries not named like a step (`06`, `step_9`) are skipped with one warning,
-       orbax's temporary directories of unfinished saves are removed (warning), and the steps
-       (directories, but also a file or a link with a step's name) are checked newest first
-       against their digests (sha256 of every file, recorded after the save).
-       A damaged one is named in a warning and moved to `<workdir>/damaged_checkpoints/`; the
-       newest intact one is used, saying so. When checkpoints exist and none is intact, raise
-       `DamagedCheckpointError` naming each one's problem (never a silent fresh start). Then
-       compare its `meta` config with `config_dict` (refuse with the differing keys;
-       `train.batch_size` may differ when `config_dict` has `train.allow_batch_size_change=True`),
-       and restore `state` into the abstract target's shardings with the data iterator state.
+       scan`; odd names skipped with a warning, orbax's unfinished saves removed) and check the
+       steps newest first against their digests (sha256 of every file). A damaged one is moved
+       to `<workdir>/damaged_checkpoints/` with a warning; none intact is a
+       `DamagedCheckpointError` (never a silent fresh start). Then compare its `meta` (config
+       keys, `train.batch_size` only with `train.allow_batch_size_change=True`; the base) and
+       restore `state` into the abstract target's shardings with the data iterator state.
     2. `maybe_save(step, ...)`: save when `step % every == 0`, or when forced (the last step);
        the processes' data states are gathered and must agree. Orbax saves synchronously
        (`enable_async_checkpointing=False`, then `wait_until_finished`), so the files are final
@@ -153,16 +144,17 @@ class Checkpointer:
     3. Rotation (ours, not orbax's): keep the `max_to_keep` newest checkpoints and, always, the
        newest verified one (a checkpoint whose digest could not be recorded is not verified).
 
-  Example: `every=100`, killed at step 250: the rerun restores step 200 and the data position
-  saved with it, so it trains on batches 201, 202, ... exactly as the first run did (on another
-  process count, on the same rows of the stream). Had a byte of step 200 changed on disk, the
-  rerun warns, moves 200 aside and restores step 100 instead.
+  Example: `every=100`, killed at step 250: the rerun restores step 200 and its data position,
+  so it trains on batches 201, 202, ... as the first run did (on any process count). Had a
+  byte of step 200 changed on disk, it warns, moves 200 aside and restores step 100.
   """
 
-  def __init__(self, directory: str | os.PathLike, *, every: int, max_to_keep: int):
+  def __init__(self, directory: str | os.PathLike, *, every: int, max_to_keep: int,
+               base: str | None = None):
     self.directory = os.path.abspath(os.fspath(directory))
     self.every = every
     self.max_to_keep = max_to_keep
+    self.base = base  # the frozen base's fingerprint under adapters (`meta`), else None
     self._verified: set[int] = set()  # saved with a recorded digest, or checked on restore
     if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
       raise DamagedCheckpointError(
@@ -283,6 +275,11 @@ class Checkpointer:
     where = f"{self.directory}/{step}"
     meta = self._read(where, step, ocp.args.Composite(meta=ocp.args.JsonRestore()))
     saved = meta["meta"]["config"]
+    if meta["meta"].get("base") != self.base:  # adapters on another base: another model
+      raise IncompatibleCheckpointError(
+          f"cannot resume from {where}: its adapters were trained on the base "
+          f"{meta['meta'].get('base')}, and model.init_from="
+          f"{flatten(config_dict).get('model.init_from')!r} is {self.base} (use that base again)")
     allow = bool(flatten(config_dict).get("train.allow_batch_size_change", False))
     diffs = config_differences(saved, config_dict,
                                also_resumable=frozenset({BATCH_SIZE_KEY} if allow else ()))
@@ -350,7 +347,7 @@ class Checkpointer:
     try:
       self._save(step, ocp.args.Composite(
           state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(item),
-          meta=ocp.args.JsonSave({"config": config_dict, "step": step})))
+          meta=ocp.args.JsonSave({"config": config_dict, "step": step, "base": self.base})))
       recorded = True
       if jax.process_index() == 0:
         try:

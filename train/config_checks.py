@@ -57,6 +57,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "model.family": hf_config.FAMILIES,
     "model.rope_scaling.type": (None,) + architecture.ROPE_SCALINGS,
     "model.remat": architecture.REMATS,
+    "model.lora.base_dtype": architecture.LORA_BASE_DTYPES,
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
     "preference.loss": ("none",) + preference_loss.LOSSES,
@@ -132,6 +133,9 @@ NUMERIC: dict[str, Rule] = {
     "model.sliding_window": _OPTIONAL_POSITIVE,
     "model.max_position_embeddings": _OPTIONAL_POSITIVE,
     "model.rope_scaling.factor": Rule(0, open_low=True),
+    "model.lora.rank": _COUNT,  # 0: no adapters
+    "model.lora.alpha": Rule(0, open_low=True),
+    "model.lora.dropout": Rule(0, 1, open_high=True),
     "loss.block_size": _COUNT,  # 0: the full logits
     "loss.vocab_block_size": _COUNT,  # 0: the whole vocabulary per block
     "preference.beta": Rule(0, open_low=True),

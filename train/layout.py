@@ -116,22 +116,31 @@ def on_mesh(mesh: Any, x_BxS: jax.Array | None) -> jax.Array | None:
 
 
 def dense(linear: nnx.Linear, x_BxSxI: jax.Array, layout: Layout | None, *,
-          split_in: str | None = None, split_out: str | None = None) -> jax.Array:
+          split_in: str | None = None, split_out: str | None = None,
+          kernel_IxO: jax.Array | None = None) -> jax.Array:
   """`linear(x)`, on an explicit mesh with the kernel gathered over `fsdp` to `P(split_in,
   split_out)`.
 
   `split_out` (a column split) gives the output `P(rows, slots, split_out)`; `split_in` (a row
   split) must be how `x`'s last dimension is split, and its partial products are summed over it.
   The dtype promotion, precision and bias are `nnx.Linear`'s. With `layout` None: `linear(x)`.
+  `kernel_IxO`: the kernel to use instead of `linear.kernel` (a dequantized base,
+  `train.adapters.lora`).
   """
-  if layout is None:
+  if layout is None and kernel_IxO is None:
     return linear(x_BxSxI)
   bias = linear.bias[...] if linear.bias is not None else None
   x_BxSxI, kernel_IxO, bias = linear.promote_dtype(
-      (x_BxSxI, linear.kernel[...], bias), dtype=linear.dtype)
+      (x_BxSxI, linear.kernel[...] if kernel_IxO is None else kernel_IxO, bias),
+      dtype=linear.dtype)
+  contract = (((x_BxSxI.ndim - 1,), (0,)), ((), ()))
+  if layout is None:
+    y_BxSxO = jax.lax.dot_general(x_BxSxI, kernel_IxO, contract, precision=linear.precision,
+                                  preferred_element_type=linear.preferred_element_type)
+    return y_BxSxO if bias is None else y_BxSxO + bias
   kernel_IxO = layout.put(kernel_IxO, split_in, split_out)
   y_BxSxO = jax.lax.dot_general(
-      x_BxSxI, kernel_IxO, (((x_BxSxI.ndim - 1,), (0,)), ((), ())), precision=linear.precision,
+      x_BxSxI, kernel_IxO, contract, precision=linear.precision,
       preferred_element_type=linear.preferred_element_type,
       out_sharding=layout.activations(split_out))
   if bias is not None:

@@ -150,7 +150,7 @@ def estimate(*, num_params: int, vocab_size: int, d_model: int, d_ff: int, num_l
              num_heads: int, num_kv_heads: int, head_dim: int, batch_rows: int, seq_len: int,
              param_bytes: int = 4, compute_bytes: int = 4, loss_block: int,
              loss_vocab_block: int = 0, remat: str, attention: str = "xla",
-             optimizer_states: int = 2) -> MemoryEstimate:
+             optimizer_states: int = 2, frozen_bytes: int = 0) -> MemoryEstimate:
   """The peak memory of one training step per device (`MemoryEstimate`'s algorithm).
 
   Args:
@@ -168,6 +168,8 @@ def estimate(*, num_params: int, vocab_size: int, d_model: int, d_ff: int, num_l
     attention: the attention backend (`attention.implementation`, resolved): "xla" holds the
       `[S, S]` scores, the others (flash kernels) do not.
     optimizer_states: arrays of the parameters' shape the optimizer keeps (AdamW: 2).
+    frozen_bytes: weights that neither train nor have optimizer state (the base under adapters;
+      `num_params` then counts the adapters), counted with the parameters.
 
   Raises:
     ArgumentError: a count that is not a positive int (0 allowed for the loss's blocks and the
@@ -199,7 +201,7 @@ def estimate(*, num_params: int, vocab_size: int, d_model: int, d_ff: int, num_l
     chunk = min(loss_vocab_block or vocab_size, vocab_size)
     logits = BLOCK_ARRAYS * min(loss_block, tokens) * chunk * FLOAT32
   weights = num_params * param_bytes
-  return MemoryEstimate(parameters=weights, gradients=weights,
+  return MemoryEstimate(parameters=weights + frozen_bytes, gradients=weights,
                         optimizer=(optimizer_states + UPDATE_ARRAYS) * weights,
                         activations=activations, logits=logits, blocked=loss_block > 0)
 
@@ -224,7 +226,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int = 1,
-                platform: str | None = None) -> MemoryEstimate:
+                platform: str | None = None, frozen_bytes: int = 0) -> MemoryEstimate:
   """The estimate of a trainer config's step (`configs/packed.py` keys).
 
   Rows per micro-batch on a device: `train.batch_size / train.grad_accum_steps / devices`,
@@ -235,10 +237,11 @@ def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int =
 
   Args:
     config: a trainer config.
-    num_params: the model's parameters.
+    num_params: the model's trained parameters.
     vocab_size: V (the model's: `model.vocab_size` or the data's).
     devices: the devices the rows are split over (`train.sharding.batch_partitions`).
     platform: "cpu", "gpu", "tpu"; None: JAX's default backend.
+    frozen_bytes: the frozen base's bytes under adapters (`estimate`).
   """
   platform = platform or jax.default_backend()
   m = config.model
@@ -256,7 +259,7 @@ def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int =
       loss_block=int(_group_get(config, "loss", "block_size", 0)),
       loss_vocab_block=int(_group_get(config, "loss", "vocab_block_size", 0)),
       remat=applied_remat(_group_get(config, "model", "remat", "none"), platform=platform),
-      attention=attention)
+      attention=attention, frozen_bytes=frozen_bytes)
 
 
 def host_memory() -> int | None:
@@ -305,10 +308,11 @@ def check_fits(estimate: MemoryEstimate, available: int | None, *, what: str) ->
       f"than the {available / GIB:.2f} GiB available; its largest parts: {'; '.join(named)}")
 
 
-def check_run(config: Any, num_params: int, vocab_size: int, mesh: Any) -> MemoryEstimate:
+def check_run(config: Any, num_params: int, vocab_size: int, mesh: Any, *,
+              frozen_bytes: int = 0) -> MemoryEstimate:
   """The estimate of a run's step on `mesh` (`from_config`, the rows split over its batch
   partitions), refused by `check_fits` against `device_memory()` before anything compiles."""
   found = from_config(config, num_params=num_params, vocab_size=vocab_size,
-                      devices=sharding_lib.batch_partitions(mesh))
+                      devices=sharding_lib.batch_partitions(mesh), frozen_bytes=frozen_bytes)
   check_fits(found, device_memory(), what="the training step (estimated per device)")
   return found

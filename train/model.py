@@ -6,20 +6,17 @@ projection (optionally tied to the embedding). Attention goes through
 `segpack.attention.segment_attention`, and the rotary angles come from `segment_positions`, so
 every document of a packed row sees exactly what it would see alone.
 
-Context parallelism: on a mesh whose `context` axis has more than one device, the slots of every
-row are split over that axis (the batch arrives in context order with a `slot_index`,
-`train.context_batches`); every layer but attention works slot by slot, and attention runs under
-`shard_map` with `context_axis="context"`, gathering keys and values over the axis and masking by
-`slot_index`.
-
-On a mesh of explicit axes (the trainer's) every projection, the embedding lookup and the
-logits name their shardings (`train.layout`): kernels gathered over `fsdp` for the matmul,
-heads, feed-forward and vocabulary split over `tensor` where they divide.
+Context parallelism: with a `context` axis of several devices every row's slots are split over
+it (context order, `slot_index`: `train.context_batches`); attention runs under `shard_map` with
+`context_axis="context"`. On a mesh of explicit axes every projection, the lookup and the logits
+name their shardings (`train.layout`). Projections may carry LoRA adapters over a frozen,
+perhaps quantized, base (`model.lora`, `train.adapters.lora`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -30,9 +27,10 @@ from segpack import attention as attention_lib
 from segpack.errors import ArgumentError, UserError
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 from train import layout as layout_lib
+from train.adapters import lora as lora_lib
 from train import rope as rope_lib
 from train import sharding as sharding_lib
-from configs.architecture import Architecture
+from configs.architecture import Architecture, Lora, LoraConfigError
 from configs.architecture import RopeConfigError
 from configs.architecture import REMATS
 from configs.architecture import RopeScaling
@@ -139,11 +137,15 @@ def attention_mesh(cfg: DecoderConfig) -> Any:
                                     mesh=cfg.attention_mesh)
 
 
-def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, std: float,
+def _linear(d_in: int, d_out: int, cfg: DecoderConfig, rngs: nnx.Rngs, *, name: str, std: float,
             bias: bool = False) -> nnx.Linear:
-  return nnx.Linear(
-      d_in, d_out, use_bias=bias, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype],
-      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+  return lora_lib.linear(d_in, d_out, name=name, lora=cfg.lora, bias=bias, dtype=DTYPES[cfg.dtype],
+                         param_dtype=DTYPES[cfg.param_dtype], std=std, rngs=rngs)
+
+
+def _stored(cfg: DecoderConfig) -> Any:
+  """The storage dtype of the weights besides the projections (frozen ones under adapters)."""
+  return lora_lib.frozen_dtype(cfg.lora, DTYPES[cfg.param_dtype])
 
 
 class Attention(nnx.Module):
@@ -152,12 +154,12 @@ class Attention(nnx.Module):
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
     qkv = dict(std=cfg.init_std, bias=cfg.qkv_bias)
-    self.q = _linear(cfg.d_model, cfg.num_heads * cfg.head_dim, cfg, rngs, **qkv)
-    self.k = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, **qkv)
-    self.v = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, **qkv)
-    self.o = _linear(cfg.num_heads * cfg.head_dim, cfg.d_model, cfg, rngs, std=out_std)
+    self.q = _linear(cfg.d_model, cfg.num_heads * cfg.head_dim, cfg, rngs, name="q", **qkv)
+    self.k = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, name="k", **qkv)
+    self.v = _linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg, rngs, name="v", **qkv)
+    self.o = _linear(cfg.num_heads * cfg.head_dim, cfg.d_model, cfg, rngs, name="o", std=out_std)
     if cfg.qk_norm:
-      norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+      norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=_stored(cfg))
       self.q_norm = RMSNorm(cfg.head_dim, **norm)
       self.k_norm = RMSNorm(cfg.head_dim, **norm)
     self.cfg = cfg
@@ -170,11 +172,11 @@ class Attention(nnx.Module):
     b, s, _ = x_BxSxE.shape
     layout = layout_lib.layout_of(x_BxSxE)
     heads = self.head_split(layout)
-    q_BxSxHxD = layout_lib.dense(self.q, x_BxSxE, layout, split_out=heads).reshape(
+    q_BxSxHxD = lora_lib.dense(self.q, x_BxSxE, layout, split_out=heads).reshape(
         b, s, cfg.num_heads, cfg.head_dim)
-    k_BxSxKxD = layout_lib.dense(self.k, x_BxSxE, layout, split_out=heads).reshape(
+    k_BxSxKxD = lora_lib.dense(self.k, x_BxSxE, layout, split_out=heads).reshape(
         b, s, cfg.num_kv_heads, cfg.head_dim)
-    v_BxSxKxD = layout_lib.dense(self.v, x_BxSxE, layout, split_out=heads).reshape(
+    v_BxSxKxD = lora_lib.dense(self.v, x_BxSxE, layout, split_out=heads).reshape(
         b, s, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
       q_BxSxHxD, k_BxSxKxD = self.q_norm(q_BxSxHxD), self.k_norm(k_BxSxKxD)
@@ -207,7 +209,7 @@ class Attention(nnx.Module):
         **extra)
     if layout is not None:  # as the o projection's row split reads it
       out_BxSxHxD = layout.put(out_BxSxHxD, layout.rows, layout.slots, heads, None)
-    return layout_lib.dense(self.o, out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim),
+    return lora_lib.dense(self.o, out_BxSxHxD.reshape(b, s, cfg.num_heads * cfg.head_dim),
                             layout, split_in=heads)
 
 
@@ -216,23 +218,23 @@ class SwiGLU(nnx.Module):
 
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
     out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-    self.gate = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, std=cfg.init_std)
-    self.up = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, std=cfg.init_std)
-    self.down = _linear(cfg.d_ff, cfg.d_model, cfg, rngs, std=out_std)
+    self.gate = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, name="gate", std=cfg.init_std)
+    self.up = _linear(cfg.d_model, cfg.d_ff, cfg, rngs, name="up", std=cfg.init_std)
+    self.down = _linear(cfg.d_ff, cfg.d_model, cfg, rngs, name="down", std=out_std)
 
   def __call__(self, x_BxSxE: jax.Array) -> jax.Array:
     layout = layout_lib.layout_of(x_BxSxE)
     ff = None if layout is None else layout.split(self.down.in_features)
-    h_BxSxF = (jax.nn.silu(layout_lib.dense(self.gate, x_BxSxE, layout, split_out=ff))
-               * layout_lib.dense(self.up, x_BxSxE, layout, split_out=ff))
-    return layout_lib.dense(self.down, h_BxSxF, layout, split_in=ff)
+    h_BxSxF = (jax.nn.silu(lora_lib.dense(self.gate, x_BxSxE, layout, split_out=ff))
+               * lora_lib.dense(self.up, x_BxSxE, layout, split_out=ff))
+    return lora_lib.dense(self.down, h_BxSxF, layout, split_in=ff)
 
 
 class Block(nnx.Module):
   """Pre-norm transformer block: attention and SwiGLU, each with a residual connection."""
 
   def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-    norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype])
+    norm = dict(eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype], param_dtype=_stored(cfg))
     self.attn_norm = RMSNorm(cfg.d_model, **norm)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, **norm)
@@ -264,13 +266,14 @@ class Decoder(nnx.Module):
     self.cfg = cfg
     self.embed = nnx.Embed(
         cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype],
-        param_dtype=DTYPES[cfg.param_dtype],
+        param_dtype=_stored(cfg),
         embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
     self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=DTYPES[cfg.dtype],
-                              param_dtype=DTYPES[cfg.param_dtype])
+                              param_dtype=_stored(cfg))
     if not cfg.tie_embeddings:
-      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, std=cfg.init_std)
+      self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs, name="lm_head",
+                             std=cfg.init_std)
 
   def embed_tokens(self, input_ids_BxS: jax.Array) -> jax.Array:
     """The token embeddings `[B, S, E]` (exposed so tests can differentiate w.r.t. them).
@@ -319,7 +322,7 @@ class Decoder(nnx.Module):
     if self.cfg.tie_embeddings:
       logits_BxSxV = layout_lib.attend(self.embed, x_BxSxE, layout)
     else:
-      logits_BxSxV = layout_lib.dense(self.lm_head, x_BxSxE, layout,
+      logits_BxSxV = lora_lib.dense(self.lm_head, x_BxSxE, layout,
                                       split_out=layout.split(self.cfg.vocab_size))
     logits_BxSxV = layout.put(logits_BxSxV, layout.rows, layout.slots, None)
     return logits_BxSxV.astype(jnp.float32)
@@ -378,16 +381,9 @@ def pallas_options(attention_cfg: Any) -> attention_lib.PallasOptions | None:
 
 def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
                    mesh: Any = None, cudnn_segment_bound: int | None = None) -> DecoderConfig:
-  """Turns the `model` and `attention` groups of a trainer config into a `DecoderConfig`.
-
-  Args:
-    model_cfg: the config's `model` group.
-    attention_cfg: the config's `attention` group (`implementation`, `interpret`).
-    vocab_size: the vocabulary size V.
-    mesh: the trainer's mesh, on which kernel attention backends run under `shard_map`.
-    cudnn_segment_bound: the cuDNN backend's static bound N on segments per row (None for the
-      other backends, which refuse it).
-  """
+  """The `DecoderConfig` of a trainer config's `model` and `attention` groups, for a
+  vocabulary of `vocab_size`, kernel backends under `shard_map` on `mesh`, and cuDNN's static
+  bound N on segments per row (`cudnn_segment_bound`; None for the other backends)."""
   return DecoderConfig(
       **dict(architecture_fields(model_cfg), vocab_size=vocab_size),
       attention_implementation=attention_cfg.implementation, attention_mesh=mesh,
@@ -397,13 +393,14 @@ def decoder_config(model_cfg: Any, attention_cfg: Any, *, vocab_size: int,
 
 
 def architecture_fields(model_cfg: Any) -> dict[str, Any]:
-  """The config's `model` group as `Architecture` keyword arguments (`rope_scaling` a checked
-  `RopeScaling`; ModelConfigError naming the `model.rope_scaling.*` key otherwise)."""
+  """The config's `model` group as `Architecture` keyword arguments (`rope_scaling` and `lora`
+  checked; ModelConfigError naming the `model.rope_scaling.*` / `model.lora.*` key otherwise)."""
   arch = {f.name: model_cfg[f.name] for f in dataclasses.fields(Architecture)}
   try:
     arch["rope_scaling"] = RopeScaling(**model_cfg.rope_scaling)
-  except RopeConfigError as e:
-    raise ModelConfigError(str(e).replace("rope_scaling.", "model.rope_scaling.")) from e
+    arch["lora"] = Lora(**model_cfg.lora)
+  except (RopeConfigError, LoraConfigError) as e:
+    raise ModelConfigError(re.sub(r"\b(rope_scaling|lora)\.", r"model.\1.", str(e))) from e
   return arch
 
 

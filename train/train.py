@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import loss as loss_lib
@@ -34,6 +33,8 @@ from train import config_checks
 from train import data as data_lib
 from train import flops as flops_lib
 from train import head_loss
+from train.adapters import lora as lora_lib
+from train.adapters import state as adapter_state
 from train.hf import init_from as hf_init
 from train.preference import data as preference_data
 from train.preference import objective as preference_objective
@@ -70,7 +71,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
                     *, accum: int, weighting: str = "token", num_sources: int = 0,
                     block_size: int = 0, vocab_block_size: int = 0,
                     objective: Any = None) -> Callable[..., Any]:
-  """The (unjitted) step `(state, batch) -> (state, metrics)`.
+  """The (unjitted) step `(state, batch[, frozen]) -> (state, metrics)` (`frozen`: the base
+  under adapters, `train.adapters.state`; the state's `params` are then the adapters).
 
   The loss of every micro-batch is divided by the count of the *whole* batch (trained tokens, or
   with `weighting="sequence"` documents with trained tokens: `loss.weighting`), so the summed
@@ -87,8 +89,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
 
   def loss_fn(params, micro, total):
     if objective is not None:
-      return objective.loss_and_sums(nnx.merge(graphdef, params), micro, total)
-    token_loss_BxS = head_loss.token_losses(nnx.merge(graphdef, params), micro,
+      return objective.loss_and_sums(lora_lib.model_of(graphdef, params), micro, total)
+    token_loss_BxS = head_loss.token_losses(lora_lib.model_of(graphdef, params), micro,
                                             block_size=block_size,
                                             vocab_block_size=vocab_block_size)
     loss_sum = loss_lib.token_loss_sum(token_loss_BxS, micro["labels"], weighting=weighting,
@@ -100,14 +102,17 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
         jax.lax.stop_gradient(token_loss_BxS), micro["labels"], micro["segment_sources"],
         num_sources=num_sources)
 
-  def step(state, batch):
+  def step(state, batch, frozen=None):
     total = objective.normalizer(batch) if objective is not None else loss_lib.loss_normalizer(
         batch["labels"], weighting=weighting, segment_ids_BxS=batch["segment_ids"])
     params = state["params"]
 
+    def with_frozen(trained, micro, total):  # the frozen base (adapters) gets no gradient
+      return loss_fn(trained if frozen is None else (trained, frozen), micro, total)
+
     def accumulate(carry, micro):
       grads_acc, loss_acc, aux_acc = carry
-      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro, total)
+      (loss, aux), grads = jax.value_and_grad(with_frozen, has_aux=True)(params, micro, total)
       return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
               jax.tree.map(jnp.add, aux_acc, aux)), None
 
@@ -149,8 +154,8 @@ def make_eval_step(graphdef: Any, *, weighting: str = "token", block_size: int =
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
-  def step(params, batch):
-    model = nnx.merge(graphdef, params)
+  def step(params, batch, frozen=None):
+    model = lora_lib.model_of(graphdef, params if frozen is None else (params, frozen))
     tokens = loss_lib.count_trained_tokens(batch["labels"])
     if objective is not None:
       count = objective.normalizer(batch)
@@ -192,10 +197,10 @@ class Run:
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
                     mesh: Any, segment_bound: int | None = None):
-  abstract_model = nnx.eval_shape(lambda: model_lib.build(
-      config, config.train.seed, vocab_size=vocab_size, mesh=mesh,
-      segment_bound=segment_bound))
-  graphdef, abstract_params = nnx.split(abstract_model)
+  """`(graphdef, the state's shapes)`; under adapters the state trains the adapters only (the
+  frozen shapes: `adapter_state.abstract_parts`)."""
+  graphdef, abstract_params, _ = adapter_state.abstract_parts(
+      config, vocab_size=vocab_size, mesh=mesh, segment_bound=segment_bound)
   return graphdef, dict(params=abstract_params, opt_state=jax.eval_shape(tx.init, abstract_params),
                         step=jax.ShapeDtypeStruct((), jnp.int32))
 
@@ -204,6 +209,7 @@ def preflight(config: Any) -> None:
   """The checks that need no data and write nothing: config values, the imported model's keys,
   the attention backend and its leak check."""
   config_checks.check_config(config)
+  adapter_state.check(config)
   if config.model.init_from is not None:
     hf_init.check_adopted(config)
   implementation = check_attention(config.attention, platform=jax.default_backend())
@@ -240,10 +246,15 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
                             data_name=data_lib.data_name(config))
   vocab_size = config_checks.check_vocab_size(config, data.vocab_size)
   tx, schedule = make_optimizer(t)
-  graphdef, abstract = _abstract_state(config, vocab_size, tx, mesh,
-                                       segment_bound=data.segment_bound)
+  graphdef, abstract_params, abstract_frozen = adapter_state.abstract_parts(
+      config, vocab_size=vocab_size, mesh=mesh, segment_bound=data.segment_bound)
+  abstract = dict(params=abstract_params, opt_state=jax.eval_shape(tx.init, abstract_params),
+                  step=jax.ShapeDtypeStruct((), jnp.int32))
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract["params"]))
-  estimate = memory_lib.check_run(config, num_params, vocab_size, mesh)  # before compiling
+  frozen = (None if abstract_frozen is None else
+            adapter_state.frozen_base(config, abstract_frozen, mesh))  # before a resume's check
+  estimate = memory_lib.check_run(config, num_params, vocab_size, mesh,  # before compiling
+                                  frozen_bytes=0 if frozen is None else frozen.bytes)
   replicated = NamedSharding(mesh, P())
   params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
   state_sh = dict(params=params_sh,
@@ -252,22 +263,17 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
                   step=replicated)
   config_dict = json.loads(config.to_json())
   checkpointer = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                       every=t.checkpoint_every, max_to_keep=t.max_checkpoints)
+                                       every=t.checkpoint_every, max_to_keep=t.max_checkpoints,
+                                       base=None if frozen is None else frozen.fingerprint)
   iterator = data.train_iterator(
       read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
   abstract_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              abstract, state_sh)
   restored = checkpointer.restore_or_none(abstract_sh, config_dict)
-  if restored is None and config.model.init_from is not None:
-    hf_init.keep_source_files(config.model.init_from, workdir)
-    state, start_step, changes = hf_init.initial_state(config, abstract["params"], state_sh,
-                                                       tx.init), 0, []
-  elif restored is None:
-    def init():
-      params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab_size, mesh=mesh,
-                                         segment_bound=data.segment_bound))[1]
-      return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-    state, start_step, changes = jax.jit(init, out_shardings=state_sh)(), 0, []
+  if restored is None:
+    state, start_step, changes = adapter_state.initial_state(
+        config, workdir, abstract, state_sh, tx, vocab_size=vocab_size, mesh=mesh,
+        segment_bound=data.segment_bound, adapters=frozen is not None), 0, []
   else:
     state, start_step, changes = restored.state, restored.step, restored.changes
     iterator.set_state(restored.data_state)
@@ -277,21 +283,20 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   if objective is not None and objective.needs_reference:  # before a step changes the weights
     reference = preference_reference.prepare(
         config, workdir, splits, step=scoring.make_score_step(graphdef, **blocks),
-        params=state["params"], mesh=mesh, resumed=restored is not None)
+        params=(state["params"] if frozen is None else
+                (adapter_state.adapters_off(state["params"]), frozen.params)),  # the base alone
+        mesh=mesh, resumed=restored is not None)
   if jax.process_index() == 0:
     run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
   # Pair rows' [B, J] features keep the shardings `global_batch` gives them.
   batch_sh = sharding_lib.batch_sharding(mesh) if objective is None else None
   weighting = config.loss.weighting
   blocks["objective"] = objective
-  train_step = jax.jit(make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
-                                       weighting=weighting,
-                                       num_sources=len(data.source_names), **blocks),
-                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
-                       donate_argnames=("state",))
-  eval_step = jax.jit(make_eval_step(graphdef, weighting=weighting, **blocks),
-                      in_shardings=(params_sh, batch_sh),
-                      out_shardings=replicated)
+  train_step = make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
+                               weighting=weighting, num_sources=len(data.source_names), **blocks)
+  eval_step = make_eval_step(graphdef, weighting=weighting, **blocks)
+  train_step, eval_step = adapter_state.jit_steps(train_step, eval_step, state_sh=state_sh, batch_sh=batch_sh,
+                                     replicated=replicated, frozen=frozen)
   return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),

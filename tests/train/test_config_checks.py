@@ -124,6 +124,9 @@ BAD_NUMBERS = {
     "model.sliding_window": [0, -4096],
     "model.max_position_embeddings": [0],
     "model.rope_scaling.factor": [0.0, -2.0, float("nan")],
+    "model.lora.rank": [-1, -16],
+    "model.lora.alpha": [0.0, -16.0, float("inf")],
+    "model.lora.dropout": [1.0, -0.1, float("nan")],
     "loss.block_size": [-1],
     "loss.vocab_block_size": [-8],
     "train.num_epochs": [0.0, -1.0, float("inf")],
@@ -142,7 +145,8 @@ GOOD_NUMBERS = {
     "train.log_every": 1, "data.synthetic_vocab": 4, "model.sliding_window": None,
     "model.max_position_embeddings": 1, "loss.block_size": 0, "loss.vocab_block_size": 0,
     "preference.label_smoothing": 0.0, "preference.simpo_gamma": 0.0,
-    "train.num_steps": None, "train.num_epochs": None,
+    "train.num_steps": None, "train.num_epochs": None, "model.lora.rank": 0,
+    "model.lora.alpha": 1e-3, "model.lora.dropout": 0.0,
 }
 
 

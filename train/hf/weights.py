@@ -41,7 +41,7 @@ from train import sharding as sharding_lib
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -187,7 +187,7 @@ def check_tensors(model_dir: str, expected: dict[str, Tensor],
   return {t.name: files[t.name] for t in expected.values()}
 
 
-def _reader(path: str, tensor: Tensor, dtype: Any):
+def slice_reader(path: str, tensor: Tensor, dtype: Any):
   """The `make_array_from_callback` callback of one parameter (step 3).
 
   The callback maps the file, views the tensor in the map (its offset from the safetensors
@@ -202,7 +202,7 @@ def _reader(path: str, tensor: Tensor, dtype: Any):
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
       size = int.from_bytes(mm[:8], "little")
       entry = json.loads(mm[8:8 + size])[tensor.name]
-      file_dtype = np.dtype(_NP_DTYPES[_FLOAT_CODES[entry["dtype"]]])
+      file_dtype = np.dtype(NP_DTYPES[_FLOAT_CODES[entry["dtype"]]])
       start, end = (8 + size + int(o) for o in entry["data_offsets"])
       count = math.prod(entry["shape"])
       if end - start != count * file_dtype.itemsize or end > len(mm):
@@ -255,7 +255,7 @@ def load_params(model_dir: str, abstract_params: Any, shardings: Any, model_cfg:
     tensor = expected[param_name(path)]
     return jax.make_array_from_callback(
         abstract.shape, sharding,
-        _reader(files[tensor.name], tensor, _NP_DTYPES[str(np.dtype(abstract.dtype))]))
+        slice_reader(files[tensor.name], tensor, NP_DTYPES[str(np.dtype(abstract.dtype))]))
 
   return jax.tree_util.tree_map_with_path(place, abstract_params, shardings)
 

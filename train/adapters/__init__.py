@@ -1,0 +1,1 @@
+"""LoRA and QLoRA adapters: adapted projections, a quantized frozen base, PEFT adapter files."""

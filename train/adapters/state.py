@@ -1,0 +1,184 @@
+"""A run's train state: what trains, what stays frozen, where each starts, and the jitted steps
+that receive them.
+
+Without adapters every parameter trains (`initial_state`: `model.init_from`'s weights or a
+random initialisation). With them (`model.lora.rank` > 0, `train.train.setup`):
+  1. `abstract_parts`: the model's shapes split into the trained adapters (`nnx.LoRAParam`: the
+     train state's `params`, with their optimizer state) and the frozen rest (never in a
+     checkpoint, never in the optimizer).
+  2. `frozen_base`: the frozen parameters imported from `model.init_from` (quantized as
+     `model.lora.base_dtype` says, `train.adapters.base`), and their fingerprint.
+  3. `initial_adapters`: fresh adapters (Flax's LoRA initialisers: A random, B = 0, so the
+     first step starts from the base model exactly), or those of `model.init_adapter`, a PEFT
+     adapter directory (`train.adapters.peft_files`).
+Each step receives the frozen part as an argument of its own, never donated and never updated.
+
+Example: rank 8 on q and v of a 2-layer model: the state's `params` holds 8 arrays
+(`layers/{0,1}/attn/{q,v}/lora/lora_{a,b}`), the frozen part every weight of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from segpack.errors import UserError
+from train.adapters import lora as lora_lib
+from train.hf import init_from as hf_init
+from train import model as model_lib
+from train import sharding as sharding_lib
+
+_GROUPS = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp",
+           "down": "mlp"}
+
+
+class AdapterConfigError(UserError, ValueError):
+  """Adapters asked for where they cannot be trained, or an adapter that does not fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+  """The frozen base on the mesh: its parameters, their shardings and their fingerprint."""
+
+  params: Any
+  shardings: Any
+  fingerprint: str
+
+  @property
+  def bytes(self) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+
+
+def check(config: Any) -> None:
+  """Adapters train on a pretrained base: `model.lora.rank` > 0 needs `model.init_from`, and
+  `model.init_adapter` needs adapters (one line naming the keys)."""
+  m = config.model
+  if m.lora.rank and m.init_from is None:
+    raise AdapterConfigError(
+        f"model.lora.rank={m.lora.rank} trains adapters on a pretrained base: set "
+        "model.init_from=DIR (a Hugging Face model directory or a segpack export)")
+  if m.init_adapter is not None and not m.lora.rank:
+    raise AdapterConfigError(
+        f"model.init_adapter={m.init_adapter!r} continues LoRA adapters: set model.lora.rank "
+        "(or let `python -m train.main` take it from the adapter's adapter_config.json)")
+
+
+def abstract_parts(config: Any, *, vocab_size: int, mesh: Any,
+                   segment_bound: int | None) -> tuple[Any, Any, Any]:
+  """Step 1: `(graphdef, trained shapes, frozen shapes or None)`."""
+  abstract = nnx.eval_shape(lambda: model_lib.build(
+      config, config.train.seed, vocab_size=vocab_size, mesh=mesh, segment_bound=segment_bound))
+  return lora_lib.split(abstract, adapters=bool(config.model.lora.rank))
+
+
+def frozen_base(config: Any, abstract_frozen: Any, mesh: Any) -> Frozen:
+  """Step 2: the frozen parameters of `model.init_from` on `mesh`, and their fingerprint."""
+  from train.adapters import base as base_lib  # optional: TEMP
+  shardings = sharding_lib.param_shardings(abstract_frozen, mesh)
+  params = base_lib.load_base(model_dir=config.model.init_from, abstract_frozen=abstract_frozen,
+                              shardings=shardings, model_cfg=config.model,
+                              kind=lora_lib.quantized(model_lib.architecture_fields(
+                                  config.model)["lora"]))
+  return Frozen(params=params, shardings=shardings, fingerprint=base_lib.fingerprint(params))
+
+
+def adapter_path(layer: int, target: str, part: str) -> str:
+  """The parameter path of one adapter matrix (`part` "a" or "b")."""
+  return f"layers/{layer}/{_GROUPS[target]}/{target}/lora/lora_{part}"
+
+
+def _imported(config: Any, abstract_params: Any, shardings: Any) -> Any:
+  """The adapters of `model.init_adapter`, placed like `abstract_params` (their shapes checked)."""
+  from train.adapters import peft_files  # optional: TEMP
+  directory = config.model.init_adapter
+  spec, tensors = peft_files.read_adapter(directory=directory,
+                                          num_layers=config.model.num_layers)
+  flat = {}
+  for (layer, target), (a_IxR, b_RxO) in tensors.items():
+    flat[adapter_path(layer, target, "a")] = a_IxR
+    flat[adapter_path(layer, target, "b")] = b_RxO
+  wanted = {}
+  jax.tree_util.tree_map_with_path(
+      lambda p, x: wanted.__setitem__(sharding_lib.path_str(p).removesuffix("/value"), x),
+      abstract_params)
+  if set(flat) != set(wanted):
+    missing = sorted(set(wanted) ^ set(flat))[0]
+    raise AdapterConfigError(
+        f"model.init_adapter={directory!r}: its adapters (targets {list(spec.targets)}) differ "
+        f"from model.lora's ({missing} is in one and not the other): set model.lora.targets="
+        f"{','.join(spec.targets)!r} and model.lora.rank={spec.rank}")
+  for path, x in wanted.items():
+    if tuple(flat[path].shape) != tuple(x.shape):
+      raise AdapterConfigError(
+          f"model.init_adapter={directory!r}: {path} has shape {list(flat[path].shape)}, the "
+          f"model's is {list(x.shape)} (model.lora.rank={config.model.lora.rank})")
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x, s: jax.device_put(
+          flat[sharding_lib.path_str(p).removesuffix("/value")].astype(x.dtype), s),
+      abstract_params, shardings)
+
+
+def initial_adapters(config: Any, abstract_params: Any, shardings: Any, *, vocab_size: int,
+                     mesh: Any, segment_bound: int | None) -> Any:
+  """Step 3: fresh adapters (only their initialisers run: the rest of the build is dead code
+  under `jit`), or `model.init_adapter`'s."""
+  if config.model.init_adapter is not None:
+    return _imported(config, abstract_params, shardings)
+
+  def fresh():
+    model = model_lib.build(config, config.train.seed, vocab_size=vocab_size, mesh=mesh,
+                            segment_bound=segment_bound)
+    return lora_lib.split(model, adapters=True)[1]
+
+  return jax.jit(fresh, out_shardings=shardings)()
+
+
+def adapters_off(params: Any) -> Any:
+  """The adapters with every B at zero: the model they make is the base alone."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.zeros_like(x)
+      if sharding_lib.path_str(p).removesuffix("/value").endswith("lora_b") else x, params)
+
+
+def initial_state(config: Any, workdir: str, abstract: Any, state_sh: Any,
+                  tx: optax.GradientTransformation, *, vocab_size: int, mesh: Any,
+                  segment_bound: int | None, adapters: bool) -> Any:
+  """A fresh run's state: `model.init_from`'s weights (or, under adapters, fresh adapters or
+  `model.init_adapter`'s), else a random initialisation, placed with `state_sh`."""
+  t = config.train
+  if config.model.init_from is not None:
+    hf_init.keep_source_files(config.model.init_from, workdir)
+  if adapters:
+    params = initial_adapters(config, abstract["params"], state_sh["params"],
+                              vocab_size=vocab_size, mesh=mesh, segment_bound=segment_bound)
+    return jax.jit(lambda p: dict(params=p, opt_state=tx.init(p), step=jnp.int32(0)),
+                   out_shardings=state_sh)(params)
+  if config.model.init_from is not None:
+    return hf_init.initial_state(config, abstract["params"], state_sh, tx.init)
+
+  def init():
+    params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab_size, mesh=mesh,
+                                       segment_bound=segment_bound))[1]
+    return dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
+  return jax.jit(init, out_shardings=state_sh)()
+
+
+def jit_steps(train_step: Callable[..., Any], eval_step: Callable[..., Any], *, state_sh: Any,
+              batch_sh: Any, replicated: Any, frozen: Frozen | None) -> tuple[Any, Any]:
+  """The jitted steps, called as `(state, batch)` and `(params, batch)`; under adapters each
+  receives the frozen base as a third argument, never donated."""
+  more = () if frozen is None else (frozen.shardings,)
+  train = jax.jit(train_step, in_shardings=(state_sh, batch_sh) + more,
+                  out_shardings=(state_sh, replicated), donate_argnames=("state",))
+  evaluate_ = jax.jit(eval_step, in_shardings=(state_sh["params"], batch_sh) + more,
+                      out_shardings=replicated)
+  if frozen is None:
+    return train, evaluate_
+  return (lambda state, batch: train(state, batch, frozen.params),
+          lambda params, batch: evaluate_(params, batch, frozen.params))
