@@ -64,7 +64,7 @@ FLOORS = (
     ("train.runs",),
     # what reads finished runs: the sampler, the export to a Hugging Face directory, the scores
     ("train.sample", "train.hf.export", "train.hf.export_files", "train.hf.export_tokenizer",
-     "train.score"),
+     "train.hf.export_adapter", "train.score"),
     ("train.bench",),
 )
 # The most modules (`.py` files but `__init__.py`, which only re-exports) one folder may hold.

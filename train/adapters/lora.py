@@ -26,6 +26,7 @@ from flax import nnx
 
 from configs.architecture import LORA_TARGETS, Lora
 from train import layout as layout_lib
+from train.adapters import quantize as quantize_lib
 
 ADAPTER_DTYPE = jnp.float32  # adapters and their optimizer state (PEFT's default too)
 CODE_DTYPES = {"nf4": jnp.uint8, "int8": jnp.int8}  # the codes' storage (`quantize.quantize`)
@@ -62,7 +63,6 @@ class AdaptedLinear(nnx.Linear):
                      kernel_init=kernel_init, rngs=rngs)
     self.quant = quantized(lora)
     if self.quant:
-      from train.adapters import quantize as quantize_lib  # optional: TEMP
       shapes = quantize_lib.quantized_shapes(kind=self.quant, shape_IxO=(d_in, d_out))
       self.kernel = nnx.Param(jnp.zeros(shapes["kernel"], CODE_DTYPES[self.quant]))
       self.kernel_scale = nnx.Param(jnp.zeros(shapes["kernel_scale"], jnp.float32))
@@ -91,7 +91,6 @@ def base_kernel(linear: AdaptedLinear, layout: layout_lib.Layout | None, *,
   `layout.dense` gathers a kernel), or None for a float one (`layout.dense` reads it)."""
   if not linear.quant:
     return None
-  from train.adapters import quantize as quantize_lib  # optional: TEMP
   codes, scales = linear.kernel[...], linear.kernel_scale[...]
   if layout is not None:
     codes = layout.put(codes, split_in, split_out)

@@ -29,7 +29,10 @@ import optax
 from flax import nnx
 
 from segpack.errors import UserError
+from train.adapters import base as base_lib
 from train.adapters import lora as lora_lib
+from train.adapters import peft_files
+from train.adapters import quantize as quantize_lib
 from train.hf import init_from as hf_init
 from train import model as model_lib
 from train import sharding as sharding_lib
@@ -63,6 +66,14 @@ def check(config: Any) -> None:
     raise AdapterConfigError(
         f"model.lora.rank={m.lora.rank} trains adapters on a pretrained base: set "
         "model.init_from=DIR (a Hugging Face model directory or a segpack export)")
+  kind = lora_lib.quantized(model_lib.architecture_fields(m)["lora"])
+  for key, size in (("d_model", m.d_model), ("num_heads * head_dim", m.num_heads * m.head_dim),
+                    ("d_ff", m.d_ff)):
+    if kind and size % quantize_lib.BLOCK:
+      raise AdapterConfigError(
+          f"model.lora.base_dtype={kind!r} quantizes every projection in blocks of "
+          f"{quantize_lib.BLOCK} input features, and model.{key}={size} (a projection's input) "
+          f"is not a multiple of {quantize_lib.BLOCK}: choose model.lora.base_dtype='bfloat16'")
   if m.init_adapter is not None and not m.lora.rank:
     raise AdapterConfigError(
         f"model.init_adapter={m.init_adapter!r} continues LoRA adapters: set model.lora.rank "
@@ -79,7 +90,6 @@ def abstract_parts(config: Any, *, vocab_size: int, mesh: Any,
 
 def frozen_base(config: Any, abstract_frozen: Any, mesh: Any) -> Frozen:
   """Step 2: the frozen parameters of `model.init_from` on `mesh`, and their fingerprint."""
-  from train.adapters import base as base_lib  # optional: TEMP
   shardings = sharding_lib.param_shardings(abstract_frozen, mesh)
   params = base_lib.load_base(model_dir=config.model.init_from, abstract_frozen=abstract_frozen,
                               shardings=shardings, model_cfg=config.model,
@@ -95,7 +105,6 @@ def adapter_path(layer: int, target: str, part: str) -> str:
 
 def _imported(config: Any, abstract_params: Any, shardings: Any) -> Any:
   """The adapters of `model.init_adapter`, placed like `abstract_params` (their shapes checked)."""
-  from train.adapters import peft_files  # optional: TEMP
   directory = config.model.init_adapter
   spec, tensors = peft_files.read_adapter(directory=directory,
                                           num_layers=config.model.num_layers)

@@ -2,6 +2,7 @@ r"""Exports a run's newest intact checkpoint as a Hugging Face model directory.
 
   python -m train.hf.export --workdir runs/sft_hf --output exported
   python -m train.hf.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
+  python -m train.hf.export --workdir runs/lora --output adapter --adapter   # a PEFT adapter
 
 The directory loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)`: config.json (RoPE settings where transformers 4.x and 5.x
@@ -61,10 +62,12 @@ from flax import nnx
 from segpack import files
 from segpack import errors
 from train import run_guard
+from train.hf import export_adapter
 from train.hf import export_files as hf_export
 from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
 from train import model as model_lib
+from train.runs import adapted
 from train.runs import saved as saved_run
 from train import sharding as sharding_lib
 from train.hf.export_files import ExportError
@@ -100,6 +103,7 @@ def _is_run(path: Path) -> bool:
 def _export_name(name: str) -> bool:
   """Whether a file name is one an export writes (weights, index, config, tokenizer files)."""
   return (name in hf_init.SOURCE_FILES or name in (hf_weights.SINGLE_NAME, hf_weights.INDEX_NAME)
+          or name in export_adapter.FILES
           or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name) is not None)
 
 
@@ -216,7 +220,7 @@ def _agree(error: ExportError | None) -> None:
 
 
 def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAULT_MAX_SHARD_BYTES,
-           overwrite: bool = False) -> ExportResult:
+           overwrite: bool = False, adapter: bool = False) -> ExportResult:
   """Writes the Hugging Face directory `output` of the newest intact checkpoint of `workdir`.
 
   Args:
@@ -224,6 +228,8 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
     output: the directory to write (created; its parent must exist).
     max_shard_bytes: the most bytes of tensors per safetensors file.
     overwrite: replace an existing non-empty `output`.
+    adapter: write the run's LoRA adapters as a PEFT adapter directory
+      (`train.hf.export_adapter`) instead of the model with them merged.
 
   Returns:
     What was written (`ExportResult`).
@@ -255,6 +261,12 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
       except ExportError as e:
         refused = e
     _agree(refused)
+    if adapter:
+      files_, count, size = export_adapter.write(str(staging), checkpoint, config)
+      _publish(staging, target)
+      return ExportResult(output=output, step=step, weight_files=tuple(files_),
+                          num_tensors=count, total_bytes=size, tokenizer_files=(),
+                          chat_template=False)
     params, vocab = restore_params(checkpoint, config)
     weights = hf_export.write_weights(
         str(staging), params, hf_weights.model_tensor_map(config.model),
@@ -286,6 +298,9 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   the parameters split over it (`fsdp`) instead of onto one device.
   """
   # pylint: disable=protected-access
+  if adapted.is_adapted(config):  # the base of model.init_from with the adapters merged
+    return (adapted.merged_params(checkpoint, config, sharding_lib.make_mesh(data=1, fsdp=-1)),
+            int(config.model.vocab_size))
   where = f"{checkpoint.directory}/{checkpoint.step}"
   vocab = saved_run.saved_vocab_size(
       saved_run.restore_item(checkpoint, "item_metadata")["state"], where=where)
@@ -322,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--output", required=True, help="the directory to write")
   parser.add_argument("--max-shard-size", type=size, default=hf_export.DEFAULT_MAX_SHARD_BYTES,
                       help="the most bytes per safetensors file: 5GB (default), 500MB, 2GiB, ...")
+  parser.add_argument("--adapter", action="store_true",
+                      help="a run with LoRA adapters: write them as a PEFT adapter directory "
+                           "(adapter_config.json, adapter_model.safetensors) instead of the "
+                           "merged model")
   parser.add_argument("--overwrite", action="store_true",
                       help="replace an existing non-empty --output")
   parser.add_argument("--distributed", action="store_true",
@@ -337,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.distributed:
     jax.distributed.initialize()
   result = export(workdir=args.workdir, output=args.output, max_shard_bytes=args.max_shard_size,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, adapter=args.adapter)
   if jax.process_index() == 0:
     print(f"wrote {result.output}: step {result.step}, {result.num_tensors} tensors "
           f"({result.total_bytes / 1e6:.1f} MB) in {len(result.weight_files)} file(s), "

@@ -75,6 +75,11 @@ def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
 
 
+# Keys added after runs were saved, with the value that means what those runs did (no adapters).
+ADDED_KEYS = {"model.lora": dict(declared_configs.base_config().model.lora.to_dict()),
+              "model.init_adapter": None}
+
+
 def missing_keys(saved: dict[str, Any]) -> list[str]:
   """The dotted keys every config declares (`configs.packed.base_config`) that the saved config
   `saved` lacks. A key is there when `saved` holds it, a group under it, or a value in place of
@@ -101,6 +106,10 @@ def run_config(workdir: str, *,
   checkpoint = checkpoint or choose_checkpoint(workdir)
   meta = restore_item(checkpoint, "restore",
                   args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  for key, value in ADDED_KEYS.items():  # runs written before these keys did not use them
+    group = meta["config"].get("model", {})
+    if isinstance(group, dict) and key.split(".")[1] not in group:
+      group[key.split(".")[1]] = value
   missing = missing_keys(meta["config"])
   if missing:
     raise RunError(f"{checkpoint.directory}/{checkpoint.step}: the run's saved config has no "
@@ -140,6 +149,9 @@ def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
   """
   checkpoint = checkpoint or choose_checkpoint(workdir)
   config, step = run_config(workdir, checkpoint=checkpoint)
+  if config.model.lora.rank:  # the adapters, with the base they trained on
+    from train.runs import adapted  # optional: adapted imports this module
+    return config, adapted.load_model(checkpoint, config), step
   vocab = saved_vocab_size(restore_item(checkpoint, "item_metadata")["state"],
                             where=f"{checkpoint.directory}/{step}")
   abstract = nnx.eval_shape(lambda: model_lib.build(
