@@ -16,6 +16,7 @@ from absl import flags, logging
 
 from segpack import errors
 from train import checkpoint as ckpt_lib
+from train.adapters import state as adapter_state
 from train.hf import config as hf_config
 from train import run_guard
 from train import train
@@ -112,6 +113,7 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
   workdir = workdir or default_workdir(config_filename, overrides)
   try:
     hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
+    adapter_state.adopt_adapter(config, explicit=set(overrides))  # adapter_config.json does
     train.train_and_evaluate(config, workdir)
   except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
     print(f"{PROG}: {e}", file=sys.stderr, flush=True)

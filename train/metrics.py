@@ -207,8 +207,12 @@ def announce(run: Any, *, record_name: str) -> None:
       print(f"warning: {run.recipe.warning}", file=sys.stderr, flush=True)
   if getattr(run, "memory", None) is not None:
     print(run.memory.line(memory_lib.device_memory()), flush=True)
-  print(f"model: {c.model.family}, {run.num_params:,} parameters{init}; mesh "
-        f"{dict(run.mesh.shape)}", flush=True)
+  lora = c.model.lora
+  adapters = (f" (LoRA rank {lora.rank}, alpha {lora.alpha:g}, on {lora.targets}) over a frozen "
+              f"base of {getattr(run, 'frozen_params', 0):,} ({lora.base_dtype})"
+              if lora.rank else "")
+  print(f"model: {c.model.family}, {run.num_params:,} {'trained ' if lora.rank else ''}"
+        f"parameters{adapters}{init}; mesh {dict(run.mesh.shape)}", flush=True)
   if getattr(run, "reference", None):
     print(run.reference, flush=True)
   if run.resume_changes:

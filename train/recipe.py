@@ -8,7 +8,8 @@ from one of two recipes, chosen by whether the run starts from a pretrained mode
   * from scratch (`SCRATCH`): the config's own from-scratch values;
   * fine-tuning (`FINETUNE`): the rates peers use for full fine-tuning of a pretrained model
     (TRL's SFT default learning rate 2e-5, warmup 3% of the steps, 3 epochs), so that the
-    README's fine-tuning commands do not wreck what the model knew.
+    README's fine-tuning commands do not wreck what the model knew; with LoRA adapters
+    (`ADAPTERS`) 2e-4, PEFT's and the QLoRA paper's rate.
 
 A value the user sets is kept; a from-scratch-sized learning rate on a pretrained model is kept
 too, with one warning line (`FINETUNE.warn_above`). The resolution is printed in one line.
@@ -23,7 +24,7 @@ from typing import Any
 
 from segpack.errors import ArgumentError
 
-__all__ = ["FINETUNE", "Recipe", "Resolved", "SCRATCH", "resolve", "resolve_config"]
+__all__ = ["ADAPTERS", "FINETUNE", "Recipe", "Resolved", "SCRATCH", "resolve", "resolve_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,10 @@ class Recipe:
 SCRATCH = Recipe(name="from scratch", peak_rate=1e-3, warmup_fraction=0.05, epochs=2.0)
 FINETUNE = Recipe(name="fine-tuning", peak_rate=2e-5, warmup_fraction=0.03, epochs=3.0,
                   warn_above=1e-4)
+# LoRA / QLoRA (`model.lora.rank` > 0): the adapters start at zero and train at about ten times
+# full fine-tuning's rate (PEFT's and the QLoRA paper's 2e-4)
+ADAPTERS = Recipe(name="LoRA fine-tuning", peak_rate=2e-4, warmup_fraction=0.03, epochs=3.0,
+                  warn_above=2e-3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,8 @@ def _positive(value: Any, key: str) -> None:
     raise ArgumentError(f"{key} must be a positive number, got {value!r}")
 
 
-def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float) -> Resolved:
+def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
+            adapters: bool = False) -> Resolved:
   """Fills `train.learning_rate`, `warmup_steps` and `num_steps` where the config leaves them
   None, from `FINETUNE` when `init_from` is set, else `SCRATCH`.
 
@@ -99,13 +105,14 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float) ->
       `num_epochs`).
     init_from: `model.init_from` (None or empty: from scratch).
     steps_per_epoch: optimizer steps in one epoch of the training data (> 0).
+    adapters: the run trains LoRA adapters (`ADAPTERS` then, with `init_from`).
 
   Raises:
     ArgumentError: a non-positive value (naming its key).
   """
   if not steps_per_epoch > 0:
     raise ArgumentError(f"steps_per_epoch must be positive, got {steps_per_epoch!r}")
-  recipe = FINETUNE if init_from else SCRATCH
+  recipe = (ADAPTERS if adapters else FINETUNE) if init_from else SCRATCH
   lr, warmup = train_cfg.get("learning_rate"), train_cfg.get("warmup_steps")
   steps, epochs = train_cfg.get("num_steps"), train_cfg.get("num_epochs")
   for key, value in (("num_steps", steps), ("num_epochs", epochs)):
@@ -130,7 +137,7 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float) ->
   warning = None
   if recipe.warn_above is not None and lr > recipe.warn_above:
     warning = (f"train.learning_rate={lr:g} on a pretrained model (model.init_from) is a "
-               f"from-scratch rate; full fine-tuning uses about {FINETUNE.peak_rate:g} "
+               f"from-scratch rate; {recipe.name} uses about {recipe.peak_rate:g} "
                f"(leave it unset for that)")
   return Resolved(values={"learning_rate": float(lr), "warmup_steps": int(warmup),
                           "num_steps": int(steps)},
@@ -141,6 +148,6 @@ def resolve_config(config: Any, *, steps_per_epoch: float) -> Resolved:
   """`resolve` for a whole run config (`train` and `model.init_from`), written into its `train`
   group; returns what was chosen (the trainer's first lines print `line` and `warning`)."""
   resolved = resolve(config.train, init_from=config.model.init_from,
-                     steps_per_epoch=steps_per_epoch)
+                     steps_per_epoch=steps_per_epoch, adapters=bool(config.model.lora.rank))
   resolved.apply(config.train)
   return resolved

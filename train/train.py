@@ -193,6 +193,7 @@ class Run:
   recipe: recipe_lib.Resolved | None = None  # how the length, rate and warmup were chosen
   memory: memory_lib.MemoryEstimate | None = None  # the step's estimated peak per device
   reference: str | None = None  # where a preference loss's reference scores came from
+  frozen_params: int = 0  # the frozen base's parameters under adapters (`num_params`: trained)
 
 
 def _abstract_state(config: Any, vocab_size: int, tx: optax.GradientTransformation,
@@ -301,7 +302,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
              num_params=num_params, resume_changes=changes, vocab_size=vocab_size,
-             recipe=resolved, memory=estimate, reference=reference)
+             recipe=resolved, memory=estimate, reference=reference,
+             frozen_params=0 if frozen is None else frozen.num_params)
 
 
 def evaluate(run: Run) -> dict[str, float]:

@@ -57,3 +57,18 @@ def test_non_positive_values_are_refused_by_name(key, value):
   with pytest.raises(ArgumentError, match=rf"train\.{key} \(--config\.train\.{key}\) must be a "
                                           rf"positive number, got {value!r}"):
     recipe.resolve(train_cfg(**{key: value}), init_from=None, steps_per_epoch=10)
+
+
+def test_adapters_get_the_lora_rate_and_a_full_fine_tuning_rate_is_not_warned_about():
+  got = recipe.resolve(train_cfg(), init_from="MODEL", steps_per_epoch=62.5, adapters=True)
+  assert got.values["learning_rate"] == 2e-4 and got.recipe is recipe.ADAPTERS
+  assert "LoRA fine-tuning" in got.line
+  # 1e-3 warns for full fine-tuning but not for adapters; 1e-2 warns for both.
+  assert recipe.resolve(train_cfg(learning_rate=1e-3), init_from="M", steps_per_epoch=10,
+                        adapters=True).warning is None
+  warned = recipe.resolve(train_cfg(learning_rate=1e-2), init_from="M", steps_per_epoch=10,
+                          adapters=True).warning
+  assert warned is not None and "LoRA fine-tuning uses about 0.0002" in warned
+  # Adapters without a pretrained base are refused elsewhere; here the scratch recipe applies.
+  assert recipe.resolve(train_cfg(), init_from=None, steps_per_epoch=10,
+                        adapters=True).recipe is recipe.SCRATCH

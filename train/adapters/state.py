@@ -36,6 +36,7 @@ from train.adapters import quantize as quantize_lib
 from train.hf import init_from as hf_init
 from train import model as model_lib
 from train import sharding as sharding_lib
+from configs.architecture import LORA_TARGETS
 
 _GROUPS = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp",
            "down": "mlp"}
@@ -52,6 +53,10 @@ class Frozen:
   params: Any
   shardings: Any
   fingerprint: str
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
 
   @property
   def bytes(self) -> int:
@@ -78,6 +83,28 @@ def check(config: Any) -> None:
     raise AdapterConfigError(
         f"model.init_adapter={m.init_adapter!r} continues LoRA adapters: set model.lora.rank "
         "(or let `python -m train.main` take it from the adapter's adapter_config.json)")
+
+
+def adopt_adapter(config: Any, *, explicit: set[str] | frozenset[str] = frozenset()) -> None:
+  """With `model.init_adapter` set, makes `model.lora`'s rank, alpha, targets and dropout the
+  adapter's (`adapter_config.json`); a key given on the command line that contradicts it is an
+  `AdapterConfigError` naming both values (`python -m train.main` calls this)."""
+  directory = config.model.init_adapter
+  if directory is None:
+    return
+  spec, _ = peft_files.read_adapter(directory=directory, num_layers=config.model.num_layers)
+  theirs = dict(rank=spec.rank, alpha=float(spec.alpha), targets=",".join(spec.targets),
+                dropout=float(spec.dropout))
+  if spec.use_rslora:
+    raise AdapterConfigError(f"model.init_adapter={directory!r}: use_rslora (scale alpha / "
+                             "sqrt(r)) is not supported; segpack scales by alpha / r")
+  for key, value in theirs.items():
+    ours = config.model.lora[key]
+    if f"model.lora.{key}" in explicit and ours != value and not (
+        key == "targets" and ours == "all" and value == ",".join(LORA_TARGETS)):
+      raise AdapterConfigError(f"model.lora.{key}={ours!r} differs from model.init_adapter="
+                               f"{directory!r}'s {value!r} (leave it out to take the adapter's)")
+    config.model.lora[key] = value
 
 
 def abstract_parts(config: Any, *, vocab_size: int, mesh: Any,
@@ -108,6 +135,12 @@ def _imported(config: Any, abstract_params: Any, shardings: Any) -> Any:
   directory = config.model.init_adapter
   spec, tensors = peft_files.read_adapter(directory=directory,
                                           num_layers=config.model.num_layers)
+  lora = config.model.lora
+  if spec.use_rslora or (spec.rank, float(spec.alpha)) != (lora.rank, float(lora.alpha)):
+    raise AdapterConfigError(
+        f"model.init_adapter={directory!r} has r={spec.rank}, lora_alpha={spec.alpha}"
+        f"{', use_rslora' if spec.use_rslora else ''}; model.lora has rank={lora.rank}, "
+        f"alpha={lora.alpha} (train.adapters.state.adopt_adapter takes the adapter's)")
   flat = {}
   for (layer, target), (a_IxR, b_RxO) in tensors.items():
     flat[adapter_path(layer, target, "a")] = a_IxR

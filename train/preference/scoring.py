@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import preference_loss
 from segpack.data.stream import StreamBatches
 from train import head_loss
+from train.adapters import lora as lora_lib
 from train import sharding as sharding_lib
 
 __all__ = ["COLUMNS", "make_score_step", "score_pairs"]
@@ -32,7 +32,7 @@ def make_score_step(graphdef: Any, *, block_size: int = 0, vocab_block_size: int
   `token_logp` `[B, S]`, the log-prob of every slot's label)."""
 
   def step(params, batch):
-    model = nnx.merge(graphdef, params)
+    model = lora_lib.model_of(graphdef, params)  # `(adapters, frozen base)` under adapters
     token_logp_BxS = -head_loss.token_losses(model, batch, block_size=block_size,
                                              vocab_block_size=vocab_block_size)
     out = preference_loss.pair_logps(token_logp_BxS, batch["labels"], batch["segment_ids"],
