@@ -92,9 +92,9 @@ def base_kernel(linear: AdaptedLinear, layout: layout_lib.Layout | None, *,
   if not linear.quant:
     return None
   codes, scales = linear.kernel[...], linear.kernel_scale[...]
-  if layout is not None:
-    codes = layout.put(codes, split_in, split_out)
-    scales = layout.put(scales, split_in, split_out)
+  if layout is not None:  # scales have I/64 rows: split with the codes only where they divide
+    codes = layout.put(codes, split_in and layout.split(codes.shape[0]), split_out)
+    scales = layout.put(scales, split_in and layout.split(scales.shape[0]), split_out)
   return quantize_lib.dequantize(kind=linear.quant, codes=codes, scales=scales,
                                  dtype=linear.dtype or jnp.float32)
 
