@@ -2,14 +2,11 @@
 
 Algorithm:
   1. Check the workdir; build the mesh; pack the data (each process its own rows).
-  2. Derive parameter and optimizer-state shardings from abstract shapes (`nnx.eval_shape`,
-     `jax.eval_shape`), then initialise the state directly into them under `jax.jit`.
-  3. Restore the latest checkpoint if there is one (state + data position), after checking that
-     its config matches. The data position is a row of the global stream, so the checkpoint may
-     come from another process count (or batch size, with `train.allow_batch_size_change`).
+  2. Derive the state's shardings from abstract shapes, then initialise it into them (jit).
+  3. Restore the latest checkpoint if there is one (state + data position; its config must
+     match), from any process count (the position is a row of the global stream).
   4. Loop: fetch this process's rows, assemble the global batch, run the jitted step (gradient
-     accumulation over micro-batches with one global token count, AdamW, clipping), log metrics,
-     evaluate on the held-out split, checkpoint every N steps and at the end.
+     accumulation with one global token count, AdamW, clipping), log, evaluate, checkpoint.
 """
 
 from __future__ import annotations
@@ -70,7 +67,7 @@ def make_optimizer(train_cfg: Any) -> tuple[optax.GradientTransformation, optax.
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     *, accum: int, weighting: str = "token", num_sources: int = 0,
                     block_size: int = 0, vocab_block_size: int = 0,
-                    objective: Any = None) -> Callable[..., Any]:
+                    objective: Any = None, seed: int = 0) -> Callable[..., Any]:
   """The (unjitted) step `(state, batch[, frozen]) -> (state, metrics)` (`frozen`: the base
   under adapters, `train.adapters.state`; the state's `params` are then the adapters).
 
@@ -83,7 +80,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
   `block_size` > 0 computes the token losses in blocks from the final hidden states, never the
   whole logits (`loss.block_size`, `loss.vocab_block_size`: `train.head_loss`). An `objective`
   (`train.preference.objective.PreferenceObjective`) replaces the token loss: the step's loss is
-  its mean over the batch's pairs, and the metrics hold its sums (`METRICS`).
+  its mean over the batch's pairs, and the metrics hold its sums (`METRICS`). Adapters with
+  dropout draw their masks from `seed`, the step and the micro-batch (the same on a resume).
   """
   loss_lib.check_weighting(weighting, name="loss.weighting")
 
@@ -107,20 +105,25 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, schedule: o
         batch["labels"], weighting=weighting, segment_ids_BxS=batch["segment_ids"])
     params = state["params"]
 
-    def with_frozen(trained, micro, total):  # the frozen base (adapters) gets no gradient
-      return loss_fn(trained if frozen is None else (trained, frozen), micro, total)
+    def with_frozen(trained, micro, total, index):  # the frozen base gets no gradient
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state["step"]), index)
+      with lora_lib.dropout_key(key):  # adapters' dropout (model.lora.dropout), if any
+        return loss_fn(trained if frozen is None else (trained, frozen), micro, total)
 
-    def accumulate(carry, micro):
+    def accumulate(carry, micro_and_index):
       grads_acc, loss_acc, aux_acc = carry
-      (loss, aux), grads = jax.value_and_grad(with_frozen, has_aux=True)(params, micro, total)
+      micro, index = micro_and_index
+      (loss, aux), grads = jax.value_and_grad(with_frozen, has_aux=True)(params, micro, total,
+                                                                        index)
       return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss,
               jax.tree.map(jnp.add, aux_acc, aux)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     aux0 = (jnp.zeros(num_sources, jnp.float32),) * 2 if num_sources else ()
     aux0 = objective.zeros() if objective is not None else aux0
-    (grads, loss, aux), _ = jax.lax.scan(accumulate, (zeros, jnp.float32(0), aux0),
-                                         layout_lib.micro_batches(batch, accum))
+    (grads, loss, aux), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), aux0),
+        (layout_lib.micro_batches(batch, accum), jnp.arange(accum, dtype=jnp.uint32)))
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_state = dict(params=optax.apply_updates(params, updates), opt_state=opt_state,
                      step=state["step"] + 1)
@@ -294,7 +297,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
   weighting = config.loss.weighting
   blocks["objective"] = objective
   train_step = make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
-                               weighting=weighting, num_sources=len(data.source_names), **blocks)
+                               weighting=weighting, num_sources=len(data.source_names),
+                               seed=t.seed, **blocks)
   eval_step = make_eval_step(graphdef, weighting=weighting, **blocks)
   train_step, eval_step = adapter_state.jit_steps(train_step, eval_step, state_sh=state_sh, batch_sh=batch_sh,
                                      replicated=replicated, frozen=frozen)

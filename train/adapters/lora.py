@@ -18,6 +18,9 @@ Example: rank 2, alpha 4 on `q` (`[E, H*D]`): `q(x) = x @ W + 2.0 * (x @ A) @ B`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,6 +31,9 @@ from configs.architecture import LORA_TARGETS, Lora
 from train import layout as layout_lib
 from train.adapters import quantize as quantize_lib
 
+# `[key, calls so far]` while a training step is traced (`dropout_key`), else None
+_DROPOUT: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "lora_dropout", default=None)
 ADAPTER_DTYPE = jnp.float32  # adapters and their optimizer state (PEFT's default too)
 CODE_DTYPES = {"nf4": jnp.uint8, "int8": jnp.int8}  # the codes' storage (`quantize.quantize`)
 _FLOAT_BASES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -53,6 +59,7 @@ class AdaptedLinear(nnx.Linear):
   Attributes:
     lora: `nnx.LoRA` holding `lora_a` `[I, r]` and `lora_b` `[r, O]` (`nnx.LoRAParam`), or None.
     lora_scale: alpha / rank.
+    lora_dropout: the dropout rate on the adapter's input while training (`dropout_key`).
     quant: "nf4", "int8" or None; when set, `kernel` holds the codes and `kernel_scale` the
       block scales (`quantize.quantized_shapes`).
   """
@@ -69,13 +76,19 @@ class AdaptedLinear(nnx.Linear):
     self.lora = (nnx.LoRA(d_in, lora.rank, d_out, dtype=dtype, param_dtype=ADAPTER_DTYPE,
                           rngs=rngs) if adapter else None)
     self.lora_scale = lora.scale
+    self.lora_dropout = float(lora.dropout)
+
+  def __call__(self, x_BxSxI: jax.Array) -> jax.Array:
+    """`dense` of this layer (what `nnx.Linear.__call__` would compute, with the adapter)."""
+    return dense(self, x_BxSxI, layout_lib.layout_of(x_BxSxI))
 
 
 def linear(d_in: int, d_out: int, *, name: str, lora: Lora, bias: bool, dtype: Any,
            param_dtype: Any, std: float, rngs: nnx.Rngs) -> nnx.Linear:
   """The projection `name` (q, k, v, o, gate, up, down; or lm_head, never adapted nor
-  quantized) of the decoder: `nnx.Linear` without adapters, else an `AdaptedLinear` (an adapter when `name` is a target; frozen weights stored
-  as `frozen_dtype` says, or quantized)."""
+  quantized) of the decoder: `nnx.Linear` without adapters, else an `AdaptedLinear` (an
+  adapter when `name` is a target; frozen weights stored as `frozen_dtype` says, or
+  quantized)."""
   init = nnx.initializers.normal(std)
   if not lora.rank or name not in LORA_TARGETS:  # the output head is never quantized
     return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype,
@@ -86,11 +99,11 @@ def linear(d_in: int, d_out: int, *, name: str, lora: Lora, bias: bool, dtype: A
 
 
 def base_kernel(linear: AdaptedLinear, layout: layout_lib.Layout | None, *,
-                split_in: str | None, split_out: str | None) -> jax.Array | None:
-  """The dequantized kernel `[I, O]` of a quantized layer (its codes and scales first gathered as
-  `layout.dense` gathers a kernel), or None for a float one (`layout.dense` reads it)."""
+                split_in: str | None, split_out: str | None) -> jax.Array:
+  """The frozen kernel `[I, O]`: a float one as stored, a quantized one dequantized (its codes
+  and scales first gathered as `layout.dense` gathers a kernel)."""
   if not linear.quant:
-    return None
+    return linear.kernel[...]
   codes, scales = linear.kernel[...], linear.kernel_scale[...]
   if layout is not None:  # scales have I/64 rows: split with the codes only where they divide
     codes = layout.put(codes, split_in and layout.split(codes.shape[0]), split_out)
@@ -99,9 +112,36 @@ def base_kernel(linear: AdaptedLinear, layout: layout_lib.Layout | None, *,
                                  dtype=linear.dtype or jnp.float32)
 
 
+@contextlib.contextmanager
+def dropout_key(key: jax.Array) -> Iterator[None]:
+  """While a step is traced inside, every adapter with `model.lora.dropout` > 0 drops its input
+  with a key folded from `key` and the adapter's call order in the trace (the trainer's step
+  passes one key per step and micro-batch; evaluation, scoring and sampling pass none)."""
+  token = _DROPOUT.set([key, 0])
+  try:
+    yield
+  finally:
+    _DROPOUT.reset(token)
+
+
+def _dropped(x_BxSxI: jax.Array, rate: float, layout: layout_lib.Layout | None,
+             split_in: str | None) -> jax.Array:
+  """Inverted dropout of an adapter's input at `rate` inside `dropout_key`, else `x`."""
+  state = _DROPOUT.get()
+  if state is None or not rate:
+    return x_BxSxI
+  key = jax.random.fold_in(state[0], state[1])
+  state[1] += 1
+  sharding = None if layout is None else layout.activations(split_in)
+  keep = jax.random.bernoulli(key, 1.0 - rate, x_BxSxI.shape, out_sharding=sharding)
+  return jnp.where(keep, x_BxSxI / (1.0 - rate), jnp.zeros_like(x_BxSxI))
+
+
 def adapter_delta(linear: AdaptedLinear, x_BxSxI: jax.Array, layout: layout_lib.Layout | None,
                   *, split_in: str | None, split_out: str | None) -> jax.Array:
-  """`scale * (x @ A) @ B` in the compute dtype, on a mesh laid out as the base's output."""
+  """`scale * (dropout(x) @ A) @ B` in the compute dtype, on a mesh laid out as the base's
+  output."""
+  x_BxSxI = _dropped(x_BxSxI, linear.lora_dropout, layout, split_in)
   x_BxSxI, a_IxR, b_RxO = linear.lora.promote_dtype(
       (x_BxSxI, linear.lora.lora_a[...], linear.lora.lora_b[...]), dtype=linear.dtype)
   contract = (((x_BxSxI.ndim - 1,), (0,)), ((), ()))
