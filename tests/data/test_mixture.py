@@ -208,9 +208,9 @@ def test_per_source_loss_equals_a_per_source_recomputation():
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
   step = train_lib.make_train_step(graphdef, tx, schedule, accum=2, num_sources=3)
   _, metrics = jax.jit(step)(state, batch)
-  logits = np.asarray(nnx.merge(graphdef, params)(
-      batch["input_ids"], segment_ids=batch["segment_ids"],
-      segment_positions=batch["segment_positions"]), np.float64)
+  forward = jax.jit(lambda p, b: nnx.merge(graphdef, p)(  # one program, not op by op
+      b["input_ids"], segment_ids=b["segment_ids"], segment_positions=b["segment_positions"]))
+  logits = np.asarray(forward(params, batch), np.float64)
   logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
       - logits.max(-1, keepdims=True)
   labels = np.asarray(batch["labels"])
