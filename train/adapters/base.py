@@ -13,7 +13,9 @@ Algorithm of `load_base` (`train.hf.weights.load_params`, with quantization):
 `fingerprint` digests what the base holds on the devices: per tensor, sums modulo 2**32 of
 functions of each element's bits (exact integer arithmetic, so neither the mesh nor the order of
 a reduction changes it), with the tensor's path, shape and dtype. A checkpoint records it and a
-resume on another base is refused (`train.checkpoint.Checkpointer`).
+resume on another base is refused (`train.checkpoint.Checkpointer`). The sums ignore order, so
+a base whose tensors hold the same values in another order would pass; any other change of a
+value, a dtype or a shape does not.
 
 Example: `model.lora.base_dtype="nf4"` on a layer of `d_model` 64: `layers/0/attn/q/kernel` is
 `uint8 [32, 64]` and `layers/0/attn/q/kernel_scale` `float32 [1, 64]`, both read from
