@@ -20,6 +20,7 @@ from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardFormatError
 from segpack.text import spm
+from train.bench import adapters as bench_adapters
 from train.bench import training as train_bench
 from train.bench import hf_import as bench_hf_import
 from train.bench import memory as bench_memory
@@ -44,6 +45,7 @@ ENTRY_POINTS = {
     "python -m train.sample.bench": sample_bench.main,
     "python -m train.bench.revisions": bench_revisions.main,
     "python -m train.bench.memory": bench_memory.main,
+    "python -m train.bench.adapters": bench_adapters.main,
     "python -m train.score": train_score.main,
 }
 REPO = str(paths.REPO)
@@ -100,6 +102,7 @@ USER_ERRORS = [
     (train_bench.main, ["packed", "--docs", "0"], ["--docs", "'0'"]),
     (train_bench.main, ["sft", "--examples-per-batch", "0"], ["--examples-per-batch", "'0'"]),
     (bench_gpu_report.main, ["--jobs", "0"], ["--jobs", "'0'"]),
+    (bench_adapters.main, ["--steps", "0"], ["--steps", "'0'"]),
     (cli_main.main, ["bench", "packing", "--batch-size", "0"], ["--batch-size", "'0'"]),
 ]
 
