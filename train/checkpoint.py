@@ -36,6 +36,7 @@ from jax.experimental import multihost_utils
 from segpack.data import position as position_lib
 from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
+from train import run_guard
 from train.checkpoint_digest import CheckpointWriteError, DamagedCheckpointError
 
 # Config keys that may change between a run and its resumption (they do not change the math of
@@ -75,7 +76,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], *,
                        also_resumable: frozenset[str] = frozenset()) -> list[str]:
   """Lines `key: checkpoint has X, config has Y` for every difference outside RESUMABLE_CHANGES
   and `also_resumable`."""
-  a, b = flatten(saved), flatten(current)
+  a, b = ({k: run_guard.absolute_value(k, v) for k, v in flatten(c).items()}  # a path saved
+          for c in (saved, current))  # relative by an older run: against this directory
   lines = []
   for key in sorted(set(a) | set(b)):
     if key in RESUMABLE_CHANGES or key in also_resumable:

@@ -112,6 +112,7 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
     jax.distributed.initialize()
   workdir = workdir or default_workdir(config_filename, overrides)
   try:
+    run_guard.absolute_paths(config)  # recorded where they are, whatever directory reads them
     hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
     adapter_state.adopt_adapter(config, explicit=set(overrides))  # adapter_config.json does
     train.train_and_evaluate(config, workdir)

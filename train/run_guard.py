@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from segpack import files
+from segpack import remote_files
 from segpack.data.mixture import parse_data
 from segpack.errors import UserError
 
@@ -126,6 +128,72 @@ def keep_run_record(workdir: str, config: dict[str, Any], fingerprints: dict[str
   """Writes `WORKDIR/run.json` for a run from scratch, or for a resume that has none."""
   if fresh or not (Path(workdir) / RECORD_NAME).is_file():
     write_run_record(workdir, config=config, fingerprints=fingerprints)
+
+
+# Config keys that hold a local path given relative to where the command ran (made absolute
+# once, by `absolute_paths`); `data.train` may also be a mixture of such paths.
+PATH_KEYS = ("data.train", "data.eval", "data.cache_dir", "model.init_from",
+             "model.init_adapter", "preference.reference")
+KEPT_DIR = "datasets"  # WORKDIR/datasets/<k>: data.train's k-th dataset, all but its shards
+
+
+def _absolute(path: str) -> str:
+  return path if remote_files.is_url(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def absolute_value(key: str, value: Any) -> Any:
+  """`value` of a `PATH_KEYS` key with its local paths absolute (a mixture's, each source's,
+  written back as `name=PATH:weight`); anything else (None, URLs, an unreadable mixture, which
+  the data module names) as it is."""
+  if key not in PATH_KEYS or not isinstance(value, str) or not value:
+    return value
+  if key != "data.train":
+    return _absolute(value)
+  try:
+    mixture = parse_data(value)
+  except ValueError:
+    return value
+  if mixture is None:
+    return _absolute(value)
+  return ",".join(f"{m.name}={_absolute(str(m.source))}:{m.weight!r}" for m in mixture.sources)
+
+
+def absolute_paths(config: Any) -> None:
+  """Makes every `PATH_KEYS` value of `config` absolute, against the current directory: a run
+  records where its data and base model are, wherever it is resumed, sampled or exported from."""
+  for key in PATH_KEYS:
+    group, name = key.split(".")
+    if group in config and name in config[group]:
+      config[group][name] = absolute_value(key, config[group][name])
+
+
+def training_dirs(train: str | None) -> list[str]:
+  """The local directories of `data.train` (each source of a mixture; URLs left out)."""
+  paths = data_fingerprints(train=train, eval_path=None)
+  return [p for p in paths if not remote_files.is_url(p)]
+
+
+def keep_datasets(workdir: str, dataset_dirs: list[str]) -> None:
+  """Copies into `WORKDIR/datasets/<k>/` every file of the k-th local training dataset but its
+  shards (its manifest, the tokenizer copy it names, a chat template), replacing an earlier
+  copy: sample and export read the run's tokenizer and chat template there when the dataset has
+  moved (`train.runs.saved.run_config`). Each copy is staged and renamed into place."""
+  root = Path(workdir) / KEPT_DIR
+  root.mkdir(exist_ok=True)
+  for k, directory in enumerate(dataset_dirs):
+    source = Path(directory)
+    if not (source / "manifest.json").is_file():
+      continue
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{k}-"))
+    for entry in source.iterdir():
+      if entry.is_file() and not (entry.name.startswith("shard-") or entry.name.endswith(".tmp")):
+        shutil.copyfile(entry, staging / entry.name)
+    old = root / f".{k}-old"
+    shutil.rmtree(old, ignore_errors=True)
+    if (root / str(k)).exists():
+      os.replace(root / str(k), old)
+    os.replace(staging, root / str(k))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 class StopSignals:

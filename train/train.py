@@ -292,8 +292,8 @@ def setup(config: Any, workdir: str, *, checked: bool = False) -> Run:
         mesh=mesh, resumed=restored is not None)
   if jax.process_index() == 0:
     run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
-  # Pair rows' [B, J] features keep the shardings `global_batch` gives them.
-  batch_sh = sharding_lib.batch_sharding(mesh) if objective is None else None
+    run_guard.keep_datasets(workdir, run_guard.training_dirs(config.data.train))
+  batch_sh = sharding_lib.batch_sharding(mesh) if objective is None else None  # pairs: as given
   weighting = config.loss.weighting
   blocks["objective"] = objective
   train_step = make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,

@@ -19,7 +19,9 @@ from flax import nnx
 
 from configs import packed as declared_configs
 from train import checkpoint_digest as digest_lib
+from segpack.data.mixture import parse_data
 from train import model as model_lib
+from train import run_guard
 from train.checkpoint import flatten
 from train.runs.errors import RunError
 
@@ -116,7 +118,28 @@ def run_config(workdir: str, *,
                    f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''} "
                    f"({len(missing)} of the keys every config declares); a run is read back "
                    f"from a complete config only")
-  return ml_collections.ConfigDict(meta["config"]), checkpoint.step
+  return kept_datasets(ml_collections.ConfigDict(meta["config"]), workdir), checkpoint.step
+
+
+def kept_datasets(config: ml_collections.ConfigDict,
+                  workdir: str) -> ml_collections.ConfigDict:
+  """`config` with every local `data.train` dataset that is gone (no manifest there: moved or
+  deleted, or a relative path read from another directory) replaced by the copy of its manifest
+  and tokenizer files the run kept (`WORKDIR/datasets/<k>`, `run_guard.keep_datasets`)."""
+  dirs = run_guard.training_dirs(config.data.train)
+  kept = [os.path.join(workdir, run_guard.KEPT_DIR, str(k)) for k in range(len(dirs))]
+  swap = {d: c for d, c in zip(dirs, kept)
+          if not os.path.isfile(os.path.join(d, "manifest.json"))
+          and os.path.isfile(os.path.join(c, "manifest.json"))}
+  if not swap:
+    return config
+  if len(dirs) == 1 and config.data.train == dirs[0]:
+    config.data.train = swap[dirs[0]]
+    return config
+  mixture = parse_data(str(config.data.train))
+  config.data.train = ",".join(f"{m.name}={swap.get(str(m.source), m.source)}:{m.weight!r}"
+                               for m in mixture.sources)
+  return config
 
 
 def sampling_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
