@@ -15,6 +15,10 @@ Algorithm of `write_weights`:
      needed, write the shard (`save_shard`) and drop its tensors before fetching the next shard's,
      so the host holds at most one shard's tensors, never the whole model.
   3. Write the index when there is more than one shard.
+A shard the disk refuses (full, over quota, read-only: safetensors raises its own
+`SafetensorError` carrying the OS error, not an `OSError`) is one `ExportError` line naming the
+output, its free space and that nothing was published (`write_failed`); export then removes its
+staging directory.
 
 The other files (`write_files`): an imported model's config.json (`WORKDIR/hf_source`) with the
 architecture fields rewritten from the run config (`hf_config.to_hf_config`), its
@@ -43,6 +47,7 @@ from jax.experimental import multihost_utils
 import ml_dtypes
 import numpy as np
 
+from segpack import errors
 from train.hf import config as hf_config
 from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
@@ -119,10 +124,50 @@ def check_extras() -> None:
                         f"'segpack[hf]' ({e})") from e
 
 
+def os_errno(error: BaseException) -> int | None:
+  """The operating system's error number behind a write failure: an `OSError`'s own, or the
+  `(os error N)` safetensors' `SafetensorError` message carries (its writer is Rust's, and its
+  error type is not an `OSError`); None for anything else (a bug)."""
+  if isinstance(error, OSError):
+    return error.errno
+  if type(error).__name__ == "SafetensorError":
+    match = re.search(r"\(os error (\d+)\)", str(error))
+    return int(match.group(1)) if match else None
+  return None
+
+
+def write_failed(error: BaseException, path: str) -> ExportError | None:
+  """The one-line `ExportError` of a write of `path` that the disk refused (full, over quota,
+  read-only, ... : any `os_errno`), naming the export's output, the space left on its file
+  system and that nothing was published; None when `error` is not the operating system's."""
+  number = os_errno(error)
+  if number is None:
+    return None
+  staging = os.path.dirname(os.path.abspath(path))
+  output = re.sub(r"\.tmp-\d+$", "", staging)
+  try:
+    free = f"{shutil.disk_usage(staging).free / 1e6:.1f} MB free"
+  except OSError:
+    free = "free space unknown"
+  reason = os.strerror(number) if number else errors.one_line(error)
+  return ExportError(f"--output {output!r}: writing {os.path.basename(path)} failed: {reason} "
+                     f"({free} there); nothing was published, the partial export was removed")
+
+
 def save_shard(tensors: dict[str, np.ndarray], path: str) -> None:
-  """Writes one safetensors file (`safetensors.numpy.save_file`, metadata `{"format": "pt"}`)."""
+  """Writes one safetensors file (`safetensors.numpy.save_file`, metadata `{"format": "pt"}`).
+
+  Raises:
+    ExportError: the disk refused the write (`write_failed`); any other error passes unchanged.
+  """
   from safetensors.numpy import save_file  # optional: the [hf] extra, export only
-  save_file(tensors, path, metadata=SHARD_METADATA)
+  try:
+    save_file(tensors, path, metadata=SHARD_METADATA)
+  except Exception as e:  # pylint: disable=broad-except  # safetensors' error is no OSError
+    refused = write_failed(e, path)
+    if refused is None:
+      raise
+    raise refused from e
 
 
 def entries_of(params: dict[str, Any], tensors: dict[str, hf_weights.Tensor], *,

@@ -490,6 +490,59 @@ def test_an_export_that_fails_midway_leaves_no_output(runs, tmp_path, monkeypatc
   assert not out.exists() and not list(tmp_path.glob("out.tmp-*"))
 
 
+def _safetensor_error(message):
+  """safetensors' own exception (not an OSError) with `message`, as its Rust writer raises it."""
+  safetensors = pytest.importorskip("safetensors")
+  return safetensors.SafetensorError(message)
+
+
+@pytest.mark.parametrize("number", [28, 122, 30], ids=["ENOSPC", "EDQUOT", "EROFS"])
+def test_a_full_disk_is_one_line_naming_the_output_and_publishes_nothing(runs, tmp_path,
+                                                                          monkeypatch, capfd,
+                                                                          number):
+  import safetensors.numpy
+  run = runs("llama")
+  capfd.readouterr()  # what making the run printed
+  out = tmp_path / "out"
+  save, calls = safetensors.numpy.save_file, []
+
+  def fill_disk(tensors, path, metadata=None):
+    if calls:  # the second shard finds the disk full, as safetensors 0.8 reports it there
+      raise _safetensor_error(f"Error while serializing: I/O error: {os.strerror(number)} "
+                              f"(os error {number})")
+    calls.append(path)
+    save(tensors, path, metadata=metadata)
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", fill_disk)
+  status = export_lib.main(["--workdir", run.workdir, "--output", str(out),
+                            "--max-shard-size", "40KB"])
+  err = capfd.readouterr().err.strip().splitlines()
+  assert status == 2 and len(calls) == 1, (status, err)
+  assert len(err) == 1 and "Traceback" not in err[0] and "internal error" not in err[0], err
+  assert err[0].startswith(f"python -m train.hf.export: error: --output {str(out)!r}: writing "
+                           f"model-00002-of-"), err
+  assert os.strerror(number) in err[0] and "nothing was published" in err[0]
+  assert re.search(r"\(\d+\.\d MB free there\)", err[0]), err
+  assert sorted(os.listdir(tmp_path)) == []  # no output, no staging directory, no lock file
+
+
+def test_a_safetensors_error_of_no_disk_is_still_a_bug(runs, tmp_path, monkeypatch, capfd):
+  import safetensors.numpy
+  run = runs("llama")
+  capfd.readouterr()
+  out = tmp_path / "out"
+
+  def broken(tensors, path, metadata=None):
+    raise _safetensor_error("Error while serializing: tensor a is not contiguous")
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", broken)
+  assert export_lib.main(["--workdir", run.workdir, "--output", str(out)]) == 1
+  err = capfd.readouterr().err
+  assert "Traceback" in err and "SafetensorError" in err
+  assert err.strip().splitlines()[-1].startswith("python -m train.hf.export: internal error")
+  assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_a_killed_export_leaves_no_output_and_a_rerun_cleans_up(runs, tmp_path):
   run = runs("llama")
   out = tmp_path / "out"
