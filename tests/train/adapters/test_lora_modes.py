@@ -1,5 +1,5 @@
-"""Adapters wherever the trainer runs: on data x fsdp x tensor meshes of 8 CPU devices a QLoRA
-(nf4) step gives the losses and gradient norms of a data-parallel run (the dequantized kernels
+"""Adapters wherever the trainer runs: on data x fsdp x tensor and context-parallel meshes of 8
+CPU devices a QLoRA (nf4) step gives the losses and gradient norms of a data-parallel run (the dequantized kernels
 and the adapters' matmuls laid out as the base's); minibatch packing and mixtures train adapters
 and nothing else (tiny models made here; nothing is downloaded)."""
 
@@ -58,18 +58,29 @@ def _train(config, workdir):
     return [(r["loss"], r["grad_norm"]) for r in map(json.loads, f) if r["kind"] == "train"]
 
 
-def test_qlora_on_a_data_fsdp_tensor_mesh_equals_data_parallel(dirs, tmp_path):
+@pytest.fixture(scope="module")
+def data_parallel(dirs, tmp_path_factory):
+  """The QLoRA run on a data-parallel mesh of 8 devices: the losses and gradient norms."""
   root, base = dirs
-  mesh = dict(fsdp=2, tensor=2)
-  keys = dict(model__lora__base_dtype="nf4")
-  want = _train(_config(base, str(root / "a"), **keys), tmp_path / "data")
-  got = _train(_config(base, str(root / "a"), mesh__data=8 // (mesh["fsdp"] * mesh["tensor"]),
-                       mesh__fsdp=mesh["fsdp"], mesh__tensor=mesh["tensor"], **keys),
+  return _train(_config(base, str(root / "a"), model__lora__base_dtype="nf4"),
+                tmp_path_factory.mktemp("dp") / "run")
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=4, context=2)],
+                         ids=["data2_fsdp2_tensor2", "data4_context2"])
+def test_qlora_on_sharded_meshes_equals_data_parallel(dirs, data_parallel, tmp_path, mesh):
+  root, base = dirs
+  keys = {f"mesh__{k}": v for k, v in mesh.items()}
+  got = _train(_config(base, str(root / "a"), model__lora__base_dtype="nf4", **keys),
                tmp_path / "sharded")
-  np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5)
-  # Negative control: the float base the nf4 base approximates gives other losses.
+  np.testing.assert_allclose(np.array(got), np.array(data_parallel), rtol=2e-5)
+
+
+def test_the_float_base_gives_other_losses_than_the_nf4_one(dirs, data_parallel, tmp_path):
+  """The negative control of the mesh test: the comparison sees the base's quantization."""
+  root, base = dirs
   plain = _train(_config(base, str(root / "a")), tmp_path / "plain")
-  assert abs(plain[0][0] - want[0][0]) > 1e-5
+  assert abs(plain[0][0] - data_parallel[0][0]) > 1e-5
 
 
 @pytest.mark.parametrize("mode", ["minibatch", "mixture"])
