@@ -243,7 +243,7 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
       max_shard_bytes < 1):
     raise ExportError(f"--max-shard-size must be at least 1 byte, got {max_shard_bytes!r}")
   hf_export.check_extras()
-  checkpoint, config, step = _checkpoint_and_config(workdir)
+  checkpoint, config, _ = _checkpoint_and_config(workdir)
   writer = jax.process_index() == 0
   target, _, _ = _paths(output)
   staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
@@ -262,12 +262,14 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
         refused = e
     _agree(refused)
     if adapter:
-      files_, count, size = export_adapter.write(str(staging), checkpoint, config)
+      checkpoint, (files_, count, size) = saved_run.read_newest(  # a newer one if it is deleted
+          workdir, lambda c: export_adapter.write(str(staging), c, config), checkpoint=checkpoint)
       _publish(staging, target)
-      return ExportResult(output=output, step=step, weight_files=tuple(files_),
+      return ExportResult(output=output, step=checkpoint.step, weight_files=tuple(files_),
                           num_tensors=count, total_bytes=size, tokenizer_files=(),
                           chat_template=False)
-    params, vocab = restore_params(checkpoint, config)
+    checkpoint, (params, vocab) = saved_run.read_newest(  # a newer one if it is deleted
+        workdir, lambda c: restore_params(c, config), checkpoint=checkpoint)
     weights = hf_export.write_weights(
         str(staging), params, hf_weights.model_tensor_map(config.model),
         dtype=config.model.param_dtype, max_shard_bytes=max_shard_bytes, write=writer)
@@ -276,7 +278,7 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
     if writer:
       described = hf_export.write_files(str(staging), config, workdir, vocab_size=vocab)
       _publish(staging, target)
-  return ExportResult(output=output, step=step, weight_files=tuple(weights["files"]),
+  return ExportResult(output=output, step=checkpoint.step, weight_files=tuple(weights["files"]),
                       num_tensors=weights["tensors"], total_bytes=weights["total_size"],
                       tokenizer_files=tuple(described[0]), chat_template=described[1])
 

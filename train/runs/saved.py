@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,18 +64,61 @@ def choose_checkpoint(workdir: str) -> Checkpoint:
   raise RunError(f"--workdir {workdir!r} holds no intact checkpoint ({'; '.join(damaged)})")
 
 
+class CheckpointGone(RunError):
+  """The checkpoint being read was deleted (or changed) since it was chosen: a trainer still
+  running removes its older checkpoints (`train.max_checkpoints`). `read_newest` chooses again."""
+
+
+READ_TRIES = 3  # checkpoints chosen in turn before a read that keeps losing them gives up
+
+
 def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
   """`CheckpointManager.<method>(step, **kwargs)` of a manager that only reads; orbax's errors
-  (a checkpoint that matches its digest but that it cannot read) become a RunError."""
-  with ocp.CheckpointManager(
-      checkpoint.directory, options=ocp.CheckpointManagerOptions(create=False),
-      item_handlers={"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                     "meta": ocp.JsonCheckpointHandler()}) as manager:
-    try:
+  (a checkpoint that matches its digest but that it cannot read) become a RunError, and a
+  CheckpointGone when the step directory or a file of it is gone or changed by then."""
+  try:
+    with ocp.CheckpointManager(
+        checkpoint.directory, options=ocp.CheckpointManagerOptions(create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()}) as manager:
       return getattr(manager, method)(checkpoint.step, **kwargs)
-    except Exception as e:  # pylint: disable=broad-except
-      raise RunError(f"cannot read {checkpoint.directory}/{checkpoint.step}: "
-                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    where = f"{checkpoint.directory}/{checkpoint.step}"
+    changed = digest_lib.problem(where, checkpoint.step)  # it matched its digest when chosen
+    if changed is not None:
+      raise CheckpointGone(f"{where} was deleted while it was read ({changed})") from e
+    raise RunError(f"cannot read {where}: "
+                   f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+
+
+def read_newest(workdir: str, read: Callable[[Checkpoint], Any], *,
+                checkpoint: Checkpoint | None = None) -> tuple[Checkpoint, Any]:
+  """`(the checkpoint read, read(it))`: `checkpoint` (None: `choose_checkpoint(workdir)`), and
+  when it is deleted mid-read (`CheckpointGone`) the newest one chosen again, up to
+  `READ_TRIES` checkpoints.
+
+  Raises:
+    RunError: every checkpoint chosen was deleted while it was read, or none is left (one
+      line naming `--workdir` and the last checkpoint lost).
+  """
+  lost = None
+  for _ in range(READ_TRIES):
+    try:
+      checkpoint = checkpoint or choose_checkpoint(workdir)
+    except RunError as e:
+      if lost is None:
+        raise
+      raise RunError(f"{' '.join(str(e).split())}; the checkpoint being read, {lost}, was "
+                     f"deleted meanwhile") from None
+    try:
+      return checkpoint, read(checkpoint)
+    except CheckpointGone as e:
+      lost, checkpoint = f"{checkpoint.directory}/{checkpoint.step}", None
+      logging.warning("%s; reading the newest checkpoint again", e)
+  raise RunError(f"--workdir {workdir!r}: {READ_TRIES} checkpoints in turn were deleted while "
+                 f"they were read (last {lost}): a trainer still running with a small "
+                 f"train.max_checkpoints removes them; read again, or keep more checkpoints")
 
 
 # Keys added after runs were saved, with the value that means what those runs did (no adapters).
@@ -98,16 +142,23 @@ def missing_keys(saved: dict[str, Any]) -> list[str]:
 
 def run_config(workdir: str, *,
                checkpoint: Checkpoint | None = None) -> tuple[ml_collections.ConfigDict, int]:
-  """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`) and its
-  step. A saved config is complete or refused: its keys are read as they are, never defaulted.
+  """The config that wrote the checkpoint (its `meta` item; `checkpoint` as in `sample`, the
+  newest one chosen again if it is deleted meanwhile: `read_newest`) and its step. A saved
+  config is complete or refused: its keys are read as they are, never defaulted.
 
   Raises:
     RunError: `workdir` has no intact checkpoint, or its config lacks a key every config
       declares (naming the checkpoint and the keys).
   """
-  checkpoint = checkpoint or choose_checkpoint(workdir)
+  checkpoint, config = read_newest(workdir, lambda c: _config_of(workdir, c),
+                                   checkpoint=checkpoint)
+  return config, checkpoint.step
+
+
+def _config_of(workdir: str, checkpoint: Checkpoint) -> ml_collections.ConfigDict:
+  """`run_config` of that one checkpoint."""
   meta = restore_item(checkpoint, "restore",
-                  args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                      args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   for key, value in ADDED_KEYS.items():  # runs written before these keys did not use them
     group = meta["config"].get("model", {})
     if isinstance(group, dict) and key.split(".")[1] not in group:
@@ -118,7 +169,7 @@ def run_config(workdir: str, *,
                    f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''} "
                    f"({len(missing)} of the keys every config declares); a run is read back "
                    f"from a complete config only")
-  return kept_datasets(ml_collections.ConfigDict(meta["config"]), workdir), checkpoint.step
+  return kept_datasets(ml_collections.ConfigDict(meta["config"]), workdir)
 
 
 def kept_datasets(config: ml_collections.ConfigDict,
@@ -168,15 +219,22 @@ def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
   The model is `train.model.build` of the saved config with `attention.implementation="xla"`
   and the vocabulary size of the saved embedding table (the trainer's, whatever
   `model.vocab_size` says); only the parameters are read, onto the first device. `checkpoint`
-  is as in `sample`; raises RunError when `workdir` has no intact checkpoint.
+  is as in `sample` (the newest one chosen again if it is deleted meanwhile: `read_newest`);
+  raises RunError when `workdir` has no intact checkpoint.
   """
-  checkpoint = checkpoint or choose_checkpoint(workdir)
-  config, step = run_config(workdir, checkpoint=checkpoint)
+  checkpoint, (config, model) = read_newest(workdir, lambda c: _load(workdir, c),
+                                            checkpoint=checkpoint)
+  return config, model, checkpoint.step
+
+
+def _load(workdir: str, checkpoint: Checkpoint) -> tuple[ml_collections.ConfigDict, Any]:
+  """`load_run` of that one checkpoint: `(config, model)`."""
+  config = _config_of(workdir, checkpoint)
   if config.model.lora.rank:  # the adapters, with the base they trained on
     from train.runs import adapted  # optional: adapted imports this module
-    return config, adapted.load_model(checkpoint, config), step
+    return config, adapted.load_model(checkpoint, config)
   vocab = saved_vocab_size(restore_item(checkpoint, "item_metadata")["state"],
-                            where=f"{checkpoint.directory}/{step}")
+                           where=f"{checkpoint.directory}/{checkpoint.step}")
   abstract = nnx.eval_shape(lambda: model_lib.build(
       sampling_config(config), config.train.seed, vocab_size=vocab))
   graphdef, abstract_params = nnx.split(abstract)
@@ -187,4 +245,4 @@ def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
   restored = restore_item(checkpoint, "restore", args=ocp.args.Composite(
       state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                    partial_restore=True)))
-  return config, nnx.merge(graphdef, restored["state"]["params"]), step
+  return config, nnx.merge(graphdef, restored["state"]["params"])
