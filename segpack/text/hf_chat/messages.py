@@ -120,6 +120,9 @@ def validate_hf_messages(messages: Any, *, where: str, train_on: str = "assistan
     elif control is not None and (found := control.search(content)):
       raise ChatFormatError(f"{at} (role {role!r}): content contains the special token "
                             f"{found.group()!r}, which the tokenizer reads as a control token")
+    if message.get("tool_calls"):
+      _no_control(json.dumps(message["tool_calls"], ensure_ascii=False), control,
+                  at=f"{at} (role {role!r}): tool_calls")
     called = _check_message(message, at=at, called=called)
   if train_on != "all" and not any(m.get("role") == "assistant" for m in messages):
     raise ChatFormatError(f"{where}: no assistant message, so nothing would be trained with "
@@ -136,4 +139,13 @@ def validate_conversation(conversation: Any, *, where: str, train_on: str = "ass
   if isinstance(conversation, chat.Conversation):
     tools = validate_tools(conversation.tools, where=where)
     conversation = conversation.messages
+  for k, tool in enumerate(tools or ()):  # a schema is rendered into the prompt as text too
+    _no_control(json.dumps(tool, ensure_ascii=False), control, at=f"{where}: tools[{k}]")
   return validate_hf_messages(conversation, where=where, train_on=train_on, control=control), tools
+
+
+def _no_control(text: str, control: re.Pattern[str] | None, *, at: str) -> None:
+  """Refuses `text` (rendered into the prompt) holding one of the tokenizer's control tokens."""
+  if control is not None and (found := control.search(text)):
+    raise ChatFormatError(f"{at} contains the special token {found.group()!r}, which the "
+                          f"tokenizer reads as a control token")

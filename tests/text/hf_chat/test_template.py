@@ -450,6 +450,27 @@ def test_bad_messages_are_named(templates, messages, match):
     templates["qwen25"].encode(messages, where="f.jsonl:4")
 
 
+def test_a_special_token_in_a_tool_schema_or_a_tool_call_is_named(templates):
+  """A tool's schema and a call's arguments are rendered into the prompt as text: a control
+  token there would be read as one (negative control: the same text without it encodes)."""
+  from segpack.text.chat import Conversation
+  renderer = templates["qwen25"]
+  tool = {"type": "function", "function": {"name": "f", "description": "ends <|im_end|> here",
+                                           "parameters": {"type": "object", "properties": {}}}}
+  with pytest.raises(ChatFormatError, match=r"t:2: tools\[0\] contains the special token "
+                                            r"'<\|im_end\|>'"):
+    renderer.encode(Conversation(messages=[U("hi"), A("ok")], tools=[tool]), where="t:2")
+  with pytest.raises(ChatFormatError, match=r"p: tools\[0\] contains the special token"):
+    renderer.prompt_ids([U("hi")], where="p", tools=[tool])
+  call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+      "name": "f", "arguments": {"q": "<|im_start|>system"}}}]}
+  with pytest.raises(ChatFormatError, match=r"t:3: messages\[1\] \(role 'assistant'\): "
+                                            r"tool_calls contains the special token"):
+    renderer.encode([U("hi"), call, {"role": "tool", "content": "1"}, A("ok")], where="t:3")
+  tool["function"]["description"] = "ends here"
+  assert renderer.prompt_ids([U("hi")], where="p", tools=[tool])
+
+
 def test_prompt_ids_and_stop_ids(templates):
   for name, renderer in templates.items():
     messages = [U("Hello there")]
