@@ -344,11 +344,11 @@ def _balance(config: Any, *, num_ranks: int) -> BalanceOptions | None:
 def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: Any,
                     common: dict[str, Any], *, batch_size: int, vocab: int) -> Data:
   """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
-  train = pack_minibatches(
-      train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
-      examples_per_batch=config.packing.examples_per_batch, tokens_per_batch=config.packing.tokens_per_batch,
-      rows_per_batch=batch_size, **common)
-  try:
+  try:  # the dataset plans epoch 0 as it is made
+    train = pack_minibatches(
+        train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
+        examples_per_batch=config.packing.examples_per_batch,
+        tokens_per_batch=config.packing.tokens_per_batch, rows_per_batch=batch_size, **common)
     steps = train.batches_in_epoch(0)
   except RowsPerBatchError as e:
     raise rows_per_batch_error(e) from e
