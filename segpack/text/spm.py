@@ -197,9 +197,9 @@ def train_spm(
   raised: list[BaseException] = []
   started = time.perf_counter()
   if progress:
-    print(f"training a {vocab_size}-piece SentencePiece model on the input's lines (up to "
-          f"{max_sentences:,}; minutes on a large corpus) -> {model_file}", file=sys.stderr,
-          flush=True)
+    print(f"segpack: training a SentencePiece model ({vocab_size} pieces) into {model_file} on "
+          f"the input's lines (up to {max_sentences:,}; minutes on a large corpus)",
+          file=sys.stderr, flush=True)
   # Sentences from an iterator and the model into memory: the model file then records no
   # temporary paths in its trainer spec, so it is byte-identical from run to run.
   try:
@@ -224,7 +224,7 @@ def train_spm(
   files.atomic_write_bytes(model_file, model.getvalue())
   tokenizer = SpmTokenizer(model_file)
   if progress:
-    print(f"trained the SentencePiece model in {time.perf_counter() - started:.1f} s",
+    print(f"segpack: trained the SentencePiece model in {time.perf_counter() - started:.1f} s",
           file=sys.stderr, flush=True)
   if tokenizer.vocab_size < vocab_size:  # hard_vocab_limit=False: the text had fewer pieces
     _LOG.warning("trained a %d-piece SentencePiece model, fewer than the %d asked for: the text "

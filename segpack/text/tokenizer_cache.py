@@ -21,7 +21,7 @@ from segpack import remote_files
 from segpack import shards as shards_lib
 from segpack.text import spm as spm_lib
 from segpack.text import tokenizer_spec
-from segpack.text.encode import counted, resume_key, say
+from segpack.text.encode import counted, resume_key
 from segpack.text.inputs import InputFormatError
 
 __all__ = ["copy_model", "keep_tokenizer", "model_entry", "refuse_to_replace_model",
@@ -55,7 +55,8 @@ def trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int
 
   `protect`: dataset directories that use `model_file`; unless `overwrite`, training is refused
   while one of them holds a finished dataset (see `_refuse_to_replace_model`). `progress`: say on
-  stderr what the training is doing (it is silent for a minute or more otherwise).
+  stderr what the training is doing (it is silent for a minute or more otherwise): one line as it
+  starts and one as it ends (`train_spm`'s), instead of the INFO log records of these.
   """
   record = model_file.with_suffix(".json")
   key_hash = resume_key(dict(key, vocab_size=vocab_size))
@@ -67,16 +68,18 @@ def trained_tokenizer(texts: Iterable[str], model_file: Path, *, vocab_size: int
       pass
   refuse_to_replace_model(model_file, protect, overwrite=overwrite)
   record.unlink(missing_ok=True)
-  _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
-  say(progress, f"training a SentencePiece model ({vocab_size} pieces) into {model_file}: "
-       f"reading its documents, then training (about a minute on 2 cores for the full corpus)")
+  # One line when training starts and one when it ends: `train_spm`'s own with `progress`, else
+  # a log record (the command line and the trainer print segpack's INFO records too: both would
+  # say each thing twice).
+  if not progress:
+    _LOG.info("training a SentencePiece model (%d pieces) into %s", vocab_size, model_file)
   start = time.perf_counter()
   tokenizer = spm_lib.train_spm(counted(texts, progress, "read for the tokenizer"), model_file,
                                 vocab_size=vocab_size, progress=progress)
   files.atomic_write_json(record, {"key": key_hash, "vocab_size": vocab_size,
                                          "fingerprint": tokenizer.fingerprint})
-  _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
-  say(progress, f"trained the SentencePiece model in {time.perf_counter() - start:.1f} s")
+  if not progress:
+    _LOG.info("trained %s in %.1f s", model_file, time.perf_counter() - start)
   return tokenizer
 
 
