@@ -7,9 +7,13 @@ fallback, spaces as "▁", the user-defined symbols as added tokens), which tran
 without converting anything; `tokenizer_config.json` names `PreTrainedTokenizerFast`, whose
 tokenizer is that file as written (transformers 5's `LlamaTokenizer` replaces the normalizer and
 pre-tokenizer of the file with Llama's own, which adds a leading "▁" segpack's SentencePiece
-models do not). The conversion is checked on `PROBE_TEXTS` when it is written; a model trained
-with other settings (NFKC normalization, a dummy prefix) is refused with an `ExportError` rather
-than written as a tokenizer that encodes differently. An imported model's tokenizer files
+models do not). The characters of byte pieces' names (`<`, `x`, hex digits, `>`) that the model
+otherwise lacks are split off before the Unigram model reads the text, which would otherwise read
+the literal text `<0xFF>` as that byte piece (SentencePiece spells it in the bytes of `<`, `0`,
+...). The conversion is checked when it is written on `PROBE_TEXTS`, `BYTE_FALLBACK_TEXTS` and the
+run's first 100 documents (`run_documents`); a model trained with other settings (NFKC
+normalization, a dummy prefix) is refused with an `ExportError` rather than written as a
+tokenizer that encodes differently. An imported model's tokenizer files
 (`WORKDIR/hf_source`) are copied as they are.
 
 Algorithm of `write_tokenizer`:
@@ -39,11 +43,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import sentencepiece
 
 from segpack import files
+from segpack import shards
 from segpack.errors import UserError
 from segpack.text import chat
+from segpack.text import corpus
 from segpack.text import hf as hf_tokenizer
 from segpack.text import hf_chat
 from segpack.text import spm
@@ -58,6 +65,11 @@ _LOG = logging.getLogger(__name__)
 PROBE_TEXTS = ("Hello world", " leading space", "two  spaces and\ta tab", "line\nbreak\n\n  x",
                "trailing ", "def f(x):\n    return x + 1\n", "ｆｕｌｌｗｉｄｔｈ ﬁ ①",
                "e\u0301 é", "unicode ✓ 𝔘 日本語", "<0x41> literal byte piece")
+# Texts spelled in byte pieces by a model that lacks their characters (a model of lowercase
+# text: uppercase letters, digits, `<`, emoji), and the names of byte pieces as literal text.
+BYTE_FALLBACK_TEXTS = ("<0xFF>", "<0x41><0x3C>x", "a<0xff>b <0x4> <0x1F600>", "UPPER Case 123",
+                       "emoji 😀👍🏽 and ☃", "x<0xFF>\n\t<0x0A> <>", "<0x41> EOF 0xFF")
+BYTE_PIECE_CHARS = "<>x0123456789ABCDEF"  # the characters of the byte pieces' names
 
 
 class ExportError(UserError, ValueError):
@@ -101,14 +113,25 @@ def _spm_processor(model_file: str):
   return sentencepiece.SentencePieceProcessor(model_file=str(model_file))
 
 
-def spm_tokenizer(model_file: str, *, add_bos: bool) -> Any:
-  """A `tokenizers.Tokenizer` that encodes as the SentencePiece model `model_file` does (segpack's
-  settings: identity normalization, no dummy prefix, byte fallback; see the module docstring),
-  adding the BOS when `add_bos`. Raises ExportError when it disagrees with SentencePiece on
-  `PROBE_TEXTS` (a model trained with other normalization settings)."""
+def _isolated_chars(sp: Any) -> str:
+  """The characters of byte pieces' names (`<0x41>`) that no other piece holds: isolated before
+  the Unigram model sees the text, so that it never reads the literal text `<0x41>` as that byte
+  piece (SentencePiece never matches byte pieces in text; the Unigram model of `tokenizers`
+  does, and prefers that to the unknown character the text holds)."""
+  held = set()
+  for i in range(sp.get_piece_size()):
+    if not (sp.is_byte(i) or sp.is_control(i) or sp.is_unknown(i)):
+      held.update(sp.id_to_piece(i))
+  return "".join(c for c in BYTE_PIECE_CHARS if c not in held)
+
+
+def convert_spm(model_file: str, *, add_bos: bool, byte_fallback: bool = True) -> Any:
+  """The `tokenizers.Tokenizer` of the SentencePiece model `model_file`, unchecked (see
+  `spm_tokenizer`); `byte_fallback=False` leaves out the byte fallback and the isolated
+  characters it needs (SentencePiece's models without byte pieces)."""
   # optional at import time: the `tokenizers` package (extra segpack[hf])
   from tokenizers import (  # optional: the [hf] extra, SentencePiece export only
-      AddedToken, Tokenizer, decoders, models, normalizers, processors)
+      AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors)
   sp = _spm_processor(model_file)
   vocab, special = [], []
   for i in range(sp.get_piece_size()):
@@ -119,8 +142,11 @@ def spm_tokenizer(model_file: str, *, add_bos: bool) -> Any:
     if sp.is_control(i) or sp.is_unknown(i):
       special.append(sp.id_to_piece(i))
   user = spm_proto.user_defined_pieces(Path(model_file).read_bytes())
-  tok = Tokenizer(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=True))
+  tok = Tokenizer(models.Unigram(vocab, unk_id=sp.unk_id(), byte_fallback=byte_fallback))
   tok.normalizer = normalizers.Replace(" ", "▁")
+  isolated = _isolated_chars(sp) if byte_fallback else ""
+  if isolated:  # each one an unknown character of its own, as SentencePiece reads it
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(f"[{isolated}]"), behavior="isolated")
   tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                    decoders.Fuse()])
   tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in special])
@@ -130,14 +156,61 @@ def spm_tokenizer(model_file: str, *, add_bos: bool) -> Any:
     bos = sp.id_to_piece(sp.bos_id())
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, sp.bos_id())])
-  for text in PROBE_TEXTS:
-    want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
-    if want != got:
-      raise ExportError(
-          f"{model_file}: the SentencePiece model encodes {text!r} as {want}, its converted "
-          f"tokenizer.json as {got}: export converts models trained with segpack's settings "
-          f"(identity normalization, no dummy prefix)")
   return tok
+
+
+def spm_tokenizer(model_file: str, *, add_bos: bool, texts: Sequence[str] = ()) -> Any:
+  """A `tokenizers.Tokenizer` that encodes as the SentencePiece model `model_file` does (segpack's
+  settings: identity normalization, no dummy prefix, byte fallback; see the module docstring),
+  adding the BOS when `add_bos` (`convert_spm`).
+
+  One of `texts` (the run's own documents) may come out as the same pieces in another order:
+  segmentations of equal score (`****` as 3 + 1 or 1 + 3), which SentencePiece (float32 sums)
+  and `tokenizers` (float64) break differently. That is a warning naming how many; any other
+  difference is refused.
+
+  Raises:
+    ExportError: it disagrees with SentencePiece on `PROBE_TEXTS`, `BYTE_FALLBACK_TEXTS` or
+      `texts`: a model trained with other normalization settings.
+  """
+  sp = _spm_processor(model_file)
+  tok = convert_spm(model_file, add_bos=add_bos)
+  probes, ties = set(PROBE_TEXTS + BYTE_FALLBACK_TEXTS), []
+  for text in (*PROBE_TEXTS, *BYTE_FALLBACK_TEXTS, *texts):
+    want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
+    if want == got:
+      continue
+    if text not in probes and sorted(want) == sorted(got):
+      ties.append(text)
+      continue
+    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    raise ExportError(
+        f"{model_file}: the SentencePiece model encodes {text[:80]!r} as ...{want[at:at + 8]} "
+        f"from token {at}, its converted tokenizer.json as ...{got[at:at + 8]}: export "
+        f"converts models trained with segpack's settings (identity normalization, no dummy "
+        f"prefix)")
+  if ties:
+    _LOG.warning("%d of the run's %d documents compared encode in tokenizer.json as the same "
+                 "pieces as SentencePiece in another order (segmentations of equal score, such "
+                 "as runs of one character, are broken differently), e.g. %r", len(ties),
+                 len(texts), ties[0][:80])
+  return tok
+
+
+def run_documents(config: Any, tokenizer: Any, *, count: int = 100,
+                  max_tokens: int = 2048) -> list[str]:
+  """The texts of the first `count` documents the run trained on (each its first `max_tokens`
+  ids decoded): the datasets of `data.train`, else the built-in corpus; [] for other sources."""
+  dirs = run_tokenizer.dataset_dirs(config, stage=False)
+  if not dirs and config.data.source == "builtin":
+    dirs = [str(corpus.ensure_builtin(size=config.data.size,
+                                      cache_dir=config.data.cache_dir).train_dir)]
+  texts = []
+  for directory in dirs:
+    source = shards.ShardSource(directory, verify="never")
+    for i in range(min(count - len(texts), len(source))):
+      texts.append(tokenizer.decode(np.asarray(source[i][:max_tokens])))
+  return texts
 
 
 def spm_tokenizer_config(model_file: str, *, add_bos: bool, model_max_length: int | None,
@@ -258,7 +331,8 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
     _LOG.warning("model.family='qwen2': transformers 5 reads a qwen2 directory's tokenizer.json "
                  "with Qwen2Tokenizer, whose byte-level pre-tokenizer does not fit the converted "
                  "SentencePiece model; AutoTokenizer will not encode as segpack did")
-  spm_tokenizer(model, add_bos=add_bos).save(str(directory / "tokenizer.json"))
+  spm_tokenizer(model, add_bos=add_bos, texts=run_documents(config, tokenizer)).save(
+      str(directory / "tokenizer.json"))
   shutil.copyfile(model, directory / "tokenizer.model")
   write_json(str(directory / "tokenizer_config.json"), spm_tokenizer_config(
       model, add_bos=add_bos, chat_template=jinja,
