@@ -159,15 +159,35 @@ def convert_spm(model_file: str, *, add_bos: bool, byte_fallback: bool = True) -
   return tok
 
 
+def _difference(sp: Any, tok: Any, text: str, *, strict: bool) -> tuple[str, list[int],
+                                                                         list[int]]:
+  """`(kind, SentencePiece's ids, tok's ids)` of `text`: kind "same", "order" (the same pieces
+  in another order), "special" (the same ids once the text of a special token such as `<s>` in
+  it is read as text, as transformers' `split_special_tokens=True` reads it) or "differs";
+  `strict`: only "same" or "differs"."""
+  want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
+  if want == got or strict:
+    return ("same" if want == got else "differs"), want, got
+  if sorted(want) == sorted(got):
+    return "order", want, got
+  tok.encode_special_tokens = True
+  try:
+    as_text = tok.encode(text, add_special_tokens=False).ids
+  finally:
+    tok.encode_special_tokens = False
+  return ("special" if as_text == want else "differs"), want, got
+
+
 def spm_tokenizer(model_file: str, *, add_bos: bool, texts: Sequence[str] = ()) -> Any:
   """A `tokenizers.Tokenizer` that encodes as the SentencePiece model `model_file` does (segpack's
   settings: identity normalization, no dummy prefix, byte fallback; see the module docstring),
   adding the BOS when `add_bos` (`convert_spm`).
 
-  One of `texts` (the run's own documents) may come out as the same pieces in another order:
-  segmentations of equal score (`****` as 3 + 1 or 1 + 3), which SentencePiece (float32 sums)
-  and `tokenizers` (float64) break differently. That is a warning naming how many; any other
-  difference is refused.
+  Two differences on `texts` (the run's own documents) are warnings naming how many: the same
+  pieces in another order (segmentations of equal score, `****` as 3 + 1 or 1 + 3, which
+  SentencePiece's float32 sums and `tokenizers`' float64 sums break differently), and the text
+  of a special token (`<s>`) in a document, which transformers reads as that token unless
+  `split_special_tokens=True`. Any other difference is refused.
 
   Raises:
     ExportError: it disagrees with SentencePiece on `PROBE_TEXTS`, `BYTE_FALLBACK_TEXTS` or
@@ -175,25 +195,27 @@ def spm_tokenizer(model_file: str, *, add_bos: bool, texts: Sequence[str] = ()) 
   """
   sp = _spm_processor(model_file)
   tok = convert_spm(model_file, add_bos=add_bos)
-  probes, ties = set(PROBE_TEXTS + BYTE_FALLBACK_TEXTS), []
+  probes, found = set(PROBE_TEXTS + BYTE_FALLBACK_TEXTS), {"order": [], "special": []}
   for text in (*PROBE_TEXTS, *BYTE_FALLBACK_TEXTS, *texts):
-    want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
-    if want == got:
-      continue
-    if text not in probes and sorted(want) == sorted(got):
-      ties.append(text)
-      continue
-    at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    raise ExportError(
-        f"{model_file}: the SentencePiece model encodes {text[:80]!r} as ...{want[at:at + 8]} "
-        f"from token {at}, its converted tokenizer.json as ...{got[at:at + 8]}: export "
-        f"converts models trained with segpack's settings (identity normalization, no dummy "
-        f"prefix)")
-  if ties:
-    _LOG.warning("%d of the run's %d documents compared encode in tokenizer.json as the same "
-                 "pieces as SentencePiece in another order (segmentations of equal score, such "
-                 "as runs of one character, are broken differently), e.g. %r", len(ties),
-                 len(texts), ties[0][:80])
+    kind, want, got = _difference(sp, tok, text, strict=text in probes)
+    if kind in found:
+      found[kind].append(text)
+    elif kind == "differs":
+      at = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b),
+                min(len(want), len(got)))
+      raise ExportError(
+          f"{model_file}: the SentencePiece model encodes {text[:80]!r} as ...{want[at:at + 8]} "
+          f"from token {at}, its converted tokenizer.json as ...{got[at:at + 8]}: export "
+          f"converts models trained with segpack's settings (identity normalization, no dummy "
+          f"prefix)")
+  why = {"order": "the same pieces as SentencePiece's in another order (segmentations of "
+                  "equal score, such as runs of one character, are broken differently)",
+         "special": "the text of a special token (<s>, </s>, ...) becomes that token unless "
+                    "transformers is told split_special_tokens=True"}
+  for kind, held in found.items():
+    if held:
+      _LOG.warning("%d of the run's %d documents compared encode differently in tokenizer.json: "
+                   "%s; e.g. %r", len(held), len(texts), why[kind], held[0][:80])
   return tok
 
 

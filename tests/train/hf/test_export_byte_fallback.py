@@ -3,8 +3,9 @@ byte fallback (`train.hf.export_tokenizer`): a model trained on lowercase text l
 letters, digits, `<`, emoji; `tokenizers` reading the file encodes documents holding them, and
 the literal text of byte pieces' names (`<0xFF>`), as SentencePiece does, and export no longer
 refuses such a model as "trained with other settings"; the check compares on the run's own
-documents, where the same pieces in another order (segmentations of equal score) is a warning
-and any other difference a refusal."""
+documents, where the same pieces in another order (segmentations of equal score) and the text of
+a special token (`<s>`, read as that token by transformers) are warnings and any other
+difference a refusal."""
 
 import json
 import random
@@ -127,9 +128,30 @@ def test_a_document_in_the_same_pieces_reordered_is_a_warning_and_other_ids_refu
   _rewriting(monkeypatch, lambda ids: ids[::-1])  # equal-score segmentations, broken otherwise
   with caplog.at_level("WARNING"):
     export_tok.spm_tokenizer(model, add_bos=False, texts=["a doc", "tie me"])
-  assert "1 of the run's 2 documents compared encode in tokenizer.json as the same pieces" in (
-      caplog.text) and "'tie me'" in caplog.text
+  assert ("1 of the run's 2 documents compared encode differently in tokenizer.json: the same "
+          "pieces as SentencePiece's in another order") in caplog.text
+  assert "'tie me'" in caplog.text and "special token" not in caplog.text
   _rewriting(monkeypatch, lambda ids: ids[:-1] + [sp.unk_id()])  # another piece: refused
   with pytest.raises(export_tok.ExportError,
                      match=r"encodes 'tie me' as \.\.\.\[\d+\] from token 5, "):
     export_tok.spm_tokenizer(model, add_bos=False, texts=["a doc", "tie me"])
+
+
+def test_the_text_of_a_special_token_in_a_document_is_a_warning(model, caplog):
+  """transformers reads `<s>` in text as the BOS (as for every converted SentencePiece model)
+  unless told `split_special_tokens=True`, which gives SentencePiece's ids."""
+  text = "see <s> and </s> here"
+  sp = export_tok._spm_processor(model)  # pylint: disable=protected-access
+  tok = export_tok.convert_spm(model, add_bos=False)
+  assert tok.encode(text).ids != sp.encode(text)  # read as the special tokens
+  with caplog.at_level("WARNING"):
+    export_tok.spm_tokenizer(model, add_bos=False, texts=["a doc", text])
+  assert ("1 of the run's 2 documents compared encode differently in tokenizer.json: the text "
+          "of a special token") in caplog.text and "split_special_tokens=True" in caplog.text
+
+
+def test_a_probe_text_differing_only_by_special_token_text_is_refused(model, monkeypatch):
+  """The negative control of the warnings: the export's own probes must encode exactly."""
+  monkeypatch.setattr(export_tok, "PROBE_TEXTS", export_tok.PROBE_TEXTS + ("see <s> here",))
+  with pytest.raises(export_tok.ExportError, match=r"encodes 'see <s> here' as"):
+    export_tok.spm_tokenizer(model, add_bos=False)
