@@ -66,6 +66,7 @@ class Answer:
   sample: int
   new_ids: tuple[int, ...]
   text: str
+  step: int = 0  # the checkpoint's step it came from (a newer one if the chosen one was deleted)
 
 
 def sampling_of(*, temperature: float | None, top_k: int, top_p: float) -> decode_lib.Sampling:
@@ -317,7 +318,7 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
                                          conversation=conversation, tools=tools)
   _check_room(ids, seq_len=int(config.packing.seq_len), flag=(
       "--prompt_ids" if prompt_ids else "--conversation" if conversation else "--prompt"))
-  config, model, _ = saved_run.load_run(workdir, checkpoint=checkpoint)
+  config, model, step = saved_run.load_run(workdir, checkpoint=checkpoint)
   if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:  # more rows: fine
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
                       f"the checkpoint's model {model.cfg.vocab_size}: not the run's tokenizer")
@@ -329,7 +330,7 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
                             max_len=config.packing.seq_len)
   except decode_lib.DecodeError as e:
     raise SampleError(str(e)) from e
-  return [Answer(prompt=p, sample=s, new_ids=tuple(n),
+  return [Answer(prompt=p, sample=s, new_ids=tuple(n), step=step,
                  text=_text(tokenizer, ids[p][skip:], n, chat_mode=chat_mode, stops=stops))
           for (p, s), n in zip(lanes, new)]
 
@@ -388,7 +389,7 @@ def _run(values: dict[str, Any]) -> None:
   draws = max(a.sample for a in answers) + 1
   for a in answers:
     print(f"=== prompt {a.prompt + 1}, sample {a.sample + 1}/{draws} ({mode}) from step "
-          f"{checkpoint.step} ===")
+          f"{a.step} ===")
     print(a.text)
 
 

@@ -141,3 +141,13 @@ def test_an_unreadable_intact_checkpoint_is_not_taken_for_a_deleted_one(run, tmp
   with pytest.raises(saved_run.CheckpointGone, match=r"checkpoints/4 was deleted while it was "
                      r"read \(.*is missing"):
     saved_run.restore_item(checkpoint, "restore", args="not orbax args")
+
+
+def test_the_sampler_reports_the_step_it_read(run, tmp_path, monkeypatch):
+  from train.sample import command as sample_lib  # optional: the sampler reads runs
+  workdir = _copy(run, tmp_path)
+  chosen = saved_run.choose_checkpoint(str(workdir))
+  _deleting(monkeypatch, workdir, [4])
+  answers = sample_lib.sample(str(workdir), prompt_ids=["5,6,7"], max_new_tokens=2,
+                              checkpoint=chosen)
+  assert chosen.step == 4 and {a.step for a in answers} == {2}  # not the step first chosen
