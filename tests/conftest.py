@@ -18,6 +18,12 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  # The tests' programs are tiny: LLVM's optimizations of the CPU code cost far more than they
+  # save (about half of a trainer test's time is compiling). XLA's HLO passes (fusion, buffer
+  # assignment, what the memory tests read) run as before; the commands the tests start inherit
+  # it. Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to compile as a user's CPU run does.
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _OWN_XLA_CACHE = None
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="segpack-tests-xla-cache-")
