@@ -134,6 +134,7 @@ def keep_run_record(workdir: str, config: dict[str, Any], fingerprints: dict[str
 # once, by `absolute_paths`); `data.train` may also be a mixture of such paths.
 PATH_KEYS = ("data.train", "data.eval", "data.cache_dir", "model.init_from",
              "model.init_adapter", "preference.reference")
+KEYWORDS = ("init",)  # values of PATH_KEYS that are not paths (preference.reference="init")
 KEPT_DIR = "datasets"  # WORKDIR/datasets/<k>: data.train's k-th dataset, all but its shards
 
 
@@ -145,7 +146,7 @@ def absolute_value(key: str, value: Any) -> Any:
   """`value` of a `PATH_KEYS` key with its local paths absolute (a mixture's, each source's,
   written back as `name=PATH:weight`); anything else (None, URLs, an unreadable mixture, which
   the data module names) as it is."""
-  if key not in PATH_KEYS or not isinstance(value, str) or not value:
+  if key not in PATH_KEYS or not isinstance(value, str) or not value or value in KEYWORDS:
     return value
   if key != "data.train":
     return _absolute(value)

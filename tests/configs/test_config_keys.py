@@ -219,6 +219,6 @@ def test_the_model_group_and_decoder_config_are_the_architecture_fields():
   model = importlib.import_module("train.model")
   fields = set(_fields_of(architecture.Architecture))
   assert fields <= set(packed.base_config().model.keys())
-  assert set(packed.base_config().model.keys()) - fields == {"init_from"}
+  assert set(packed.base_config().model.keys()) - fields == {"init_from", "init_adapter"}
   assert fields <= set(_fields_of(model.DecoderConfig))
   assert issubclass(model.DecoderConfig, architecture.Architecture)

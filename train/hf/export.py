@@ -56,7 +56,6 @@ import jax
 from absl import logging as absl_logging
 from jax.experimental import multihost_utils
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from segpack import files
@@ -310,17 +309,11 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
       saved_run.sampling_config(config), config.train.seed, vocab_size=vocab))
   _, abstract_params = nnx.split(abstract)
   mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
-  shardings = sharding_lib.param_shardings(abstract_params, mesh)
-  target = {"params": jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params,
-      shardings)}
-  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-  restored = saved_run.restore_item(checkpoint, "restore", args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                   partial_restore=True)))
+  params = saved_run.restore_params(checkpoint, abstract_params,
+                                    sharding_lib.param_shardings(abstract_params, mesh))
   flat = {}
   jax.tree_util.tree_map_with_path(
-      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), restored["state"]["params"])
+      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), params)
   return flat, vocab
 
 

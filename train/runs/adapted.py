@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from train.adapters import lora as lora_lib
@@ -51,15 +50,9 @@ def restore_adapters(checkpoint: Any, config: Any, mesh: Any) -> tuple[Any, Any,
       saved_run.sampling_config(config), config.train.seed,
       vocab_size=config.model.vocab_size))
   graphdef, abstract_trained, abstract_frozen = lora_lib.split(abstract, adapters=True)
-  shardings = sharding_lib.param_shardings(abstract_trained, mesh)
-  target = {"params": jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_trained,
-      shardings)}
-  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-  restored = saved_run.restore_item(checkpoint, "restore", args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                   partial_restore=True)))
-  return graphdef, restored["state"]["params"], abstract_frozen
+  adapters = saved_run.restore_params(checkpoint, abstract_trained,
+                                     sharding_lib.param_shardings(abstract_trained, mesh))
+  return graphdef, adapters, abstract_frozen
 
 
 def load_model(checkpoint: Any, config: Any) -> Any:

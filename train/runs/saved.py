@@ -212,6 +212,23 @@ def saved_vocab_size(state_tree: Any, *, where: str) -> int:
   return int(node.shape[0])
 
 
+def restore_params(checkpoint: Checkpoint, abstract_params: Any, shardings: Any) -> Any:
+  """The checkpoint's `params` (of its train state) read into `abstract_params`' shapes, placed
+  with `shardings` (a tree of them, or one sharding for all)."""
+  if not isinstance(shardings, jax.sharding.Sharding):
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          abstract_params, shardings)
+  else:
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings),
+                          abstract_params)
+  target = {"params": target}
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+  restored = restore_item(checkpoint, "restore", args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                   partial_restore=True)))
+  return restored["state"]["params"]
+
+
 def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
              ) -> tuple[ml_collections.ConfigDict, model_lib.Decoder, int]:
   """The run's config, its model with the checkpoint's parameters, and that step.
@@ -239,10 +256,4 @@ def _load(workdir: str, checkpoint: Checkpoint) -> tuple[ml_collections.ConfigDi
       sampling_config(config), config.train.seed, vocab_size=vocab))
   graphdef, abstract_params = nnx.split(abstract)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = {"params": jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
-  restore_args = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=device), target)
-  restored = restore_item(checkpoint, "restore", args=ocp.args.Composite(
-      state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                   partial_restore=True)))
-  return config, nnx.merge(graphdef, restored["state"]["params"])
+  return config, nnx.merge(graphdef, restore_params(checkpoint, abstract_params, device))

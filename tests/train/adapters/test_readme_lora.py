@@ -15,20 +15,14 @@ pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from support import hf_models  # noqa: E402
-from support import paths  # noqa: E402
+from support import readme  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
-
-
-def _commands():
-  readme = (paths.REPO / "README.md").read_text()
-  block = readme.split("## Fine-tune with LoRA", 1)[1].split("```bash", 1)[1]
-  return [c.strip() for c in block.split("```", 1)[0].strip().splitlines() if c.strip()]
 
 
 def test_readme_lora_commands(tmp_path):
   import torch
   import transformers
-  commands = _commands()
+  commands = readme.commands("## Fine-tune with LoRA")
   assert commands[0].startswith("python -m train.main --config=configs/sft.py")
   assert "--config.model.lora.rank=16" in commands[0] and "base_dtype=nf4" in commands[0]
   assert [c.split()[2] for c in commands[1:]] == ["train.sample", "train.hf.export",

@@ -24,6 +24,7 @@ from train.hf import config as hf_config  # noqa: E402
 from train import train as train_lib  # noqa: E402
 from support.train_configs import run_cli
 from support import paths
+from support import readme
 
 REPO = paths.REPO
 
@@ -124,10 +125,7 @@ def test_a_contradicting_override_names_both_values(model_dir, tmp_path):
 
 def test_readme_fine_tune_commands(model_dir, tmp_path):
   """The README's "Fine-tune a Hugging Face model" block, with fewer steps."""
-  readme = (REPO / "README.md").read_text()
-  block = readme.split("## Fine-tune a Hugging Face model", 1)[1].split("```bash", 1)[1]
-  commands = [c.strip() for c in block.split("```", 1)[0].strip().splitlines()
-              if c.strip() and not c.startswith("#")]
+  commands = readme.commands("## Fine-tune a Hugging Face model")
   assert commands[0].startswith("python -m segpack tokenize") and "hf:" in commands[0]
   assert commands[1].startswith("python -m train.main --config=configs/sft.py")
   assert commands[2].startswith("python -m train.sample") and "--chat" in commands[2]

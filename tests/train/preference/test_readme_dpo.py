@@ -10,20 +10,14 @@ import pytest
 pytest.importorskip("transformers")
 
 from support import hf_models  # noqa: E402
-from support import paths  # noqa: E402
+from support import readme  # noqa: E402
 from support import preference_fixtures  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
 
 
-def _commands():
-  readme = (paths.REPO / "README.md").read_text()
-  block = readme.split("## Train on preferences", 1)[1].split("```bash", 1)[1]
-  return [c.strip() for c in block.split("```", 1)[0].strip().splitlines() if c.strip()]
-
-
 def test_readme_preference_commands(tmp_path):
   import transformers
-  commands = _commands()
+  commands = readme.commands("## Train on preferences")
   assert commands[0].startswith("python -m segpack tokenize --format preference")
   assert commands[1].startswith("python -m train.main --config=configs/dpo.py")
   assert commands[2].startswith("python -m train.hf.export")

@@ -15,6 +15,7 @@ from support import hf_models  # noqa: E402
 from support import paths  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
 from train import checkpoint as ckpt_lib  # noqa: E402
+from train import run_guard  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,6 @@ def test_a_relative_path_saved_by_an_older_run_compares_from_its_directory(moved
   monkeypatch.chdir(moved_run)  # from elsewhere the same text names another directory
   assert [d.split(":")[0] for d in ckpt_lib.config_differences(saved, current)] == [
       "data.train", "model.init_from"]
+  # A keyword is not a path: the initial weights as the reference stay "init".
+  assert run_guard.absolute_value("preference.reference", "init") == "init"
+  assert run_guard.absolute_value("preference.reference", "ref") == str(moved_run / "ref")
