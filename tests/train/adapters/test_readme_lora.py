@@ -5,7 +5,6 @@ merged export, with the same logits."""
 
 import json
 import re
-import shlex
 
 import numpy as np
 import pytest
@@ -35,15 +34,11 @@ def test_readme_lora_commands(tmp_path):
   subs = {"MODEL_DIR": model_dir, "data/chat": str(tmp_path / "data" / "chat"),
           "runs/qlora": str(tmp_path / "run"), "--output adapter": f"--output {tmp_path}/adapter",
           "--output merged": f"--output {tmp_path}/merged"}
-  for command in commands:
-    for a, b in subs.items():
-      command = command.replace(a, b)
-    args = shlex.split(command)[2:]
-    if args[0] == "train.main":
-      args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
-               "--config.train.batch_size=8", "--config.train.learning_rate=0.02",
-               "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
-    out = run_cli(*args)
+  fewer = [
+      "--config.train.num_steps=3", "--config.train.eval_every=3",
+      "--config.train.batch_size=8", "--config.train.learning_rate=0.02",
+      "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
+  for args, out in readme.run(commands, subs, train_args=fewer):
     if args[0] == "train.main":
       assert re.search(r"model: llama, [\d,]+ trained parameters \(LoRA rank 16, alpha 16, on "
                        r"all\) over a frozen base of [\d,]+ \(nf4\)", out.stdout), out.stdout

@@ -6,7 +6,6 @@ import json
 import re
 import os
 import pathlib
-import shlex
 import subprocess
 import sys
 
@@ -133,15 +132,11 @@ def test_readme_fine_tune_commands(model_dir, tmp_path):
   subs = {"MODEL_DIR": model_dir, "chat.jsonl": str(tmp_path / "chat.jsonl"),
           "data/chat": str(tmp_path / "data" / "chat"), "runs/sft_hf": str(tmp_path / "run"),
           "exported": str(tmp_path / "exported")}
-  for command in commands:
-    for a, b in subs.items():
-      command = command.replace(a, b)
-    args = shlex.split(command)[2:]
-    if args[0] == "train.main":
-      args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
-               "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
-               "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
-    out = run_cli(*args)
+  fewer = [
+      "--config.train.num_steps=3", "--config.train.eval_every=3",
+      "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
+      "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
+  for args, out in readme.run(commands, subs, train_args=fewer):
     if args[0] == "train.main":
       # The fine-tuning recipe (train/recipe.py): TRL's rate, the steps as epochs, printed.
       assert re.search(r"recipe: fine-tuning \(model\.init_from\): learning rate 2e-05, "

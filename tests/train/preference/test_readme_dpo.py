@@ -3,7 +3,6 @@
 in transformers."""
 
 import json
-import shlex
 
 import pytest
 
@@ -12,7 +11,6 @@ pytest.importorskip("transformers")
 from support import hf_models  # noqa: E402
 from support import readme  # noqa: E402
 from support import preference_fixtures  # noqa: E402
-from support.train_configs import run_cli  # noqa: E402
 
 
 def test_readme_preference_commands(tmp_path):
@@ -27,15 +25,11 @@ def test_readme_preference_commands(tmp_path):
   subs = {"pairs.jsonl": str(tmp_path / "pairs.jsonl"), "data/pairs": str(tmp_path / "pairs"),
           "runs/dpo": str(tmp_path / "run"), "dpo_model": str(tmp_path / "dpo_model"),
           "exported": exported}
-  for command in commands:
-    for a, b in subs.items():
-      command = command.replace(a, b)
-    args = shlex.split(command)[2:]
-    if args[0] == "train.main":
-      args += ["--config.train.num_steps=3", "--config.train.eval_every=3",
-               "--config.train.checkpoint_every=3", "--config.attention.self_check=False",
-               "--config.packing.seq_len=256"]
-    out = run_cli(*args)
+  fewer = [
+      "--config.train.num_steps=3", "--config.train.eval_every=3",
+      "--config.train.checkpoint_every=3", "--config.attention.self_check=False",
+      "--config.packing.seq_len=256"]
+  for args, out in readme.run(commands, subs, train_args=fewer):
     if args[0] == "train.main":
       assert "reference: the initial weights scored 40 pairs once" in out.stdout
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
