@@ -79,19 +79,23 @@ def _manifest_digest(path: str) -> str | None:
   return files.sha256_file(manifest) if manifest.is_file() else None
 
 
+def _dataset_paths(train: str | None) -> list[str]:
+  """`data.train`'s datasets: the one path, or every source of a mixture."""
+  if train is None:
+    return []
+  try:
+    mixture = parse_data(train)
+  except ValueError:  # the data module reports it, naming the key
+    mixture = None
+  paths = [train] if mixture is None else [m.source for m in mixture.sources]
+  return [str(p) for p in paths if isinstance(p, str)]
+
+
 def data_fingerprints(*, train: str | None, eval_path: str | None) -> dict[str, str | None]:
   """Step 2's fingerprints: `{path: sha256 of its manifest.json}` for `data.train` (every source
   of a mixture) and `data.eval`; empty for the built-in and synthetic sources."""
-  paths = []
-  if train is not None:
-    try:
-      mixture = parse_data(train)
-    except ValueError:  # the data module reports it, naming the key
-      mixture = None
-    paths += [train] if mixture is None else [m.source for m in mixture.sources]
-  if eval_path is not None:
-    paths.append(eval_path)
-  return {str(p): _manifest_digest(str(p)) for p in paths if isinstance(p, str)}
+  paths = _dataset_paths(train) + ([eval_path] if isinstance(eval_path, str) else [])
+  return {p: _manifest_digest(p) for p in paths}
 
 
 def check_run_record(workdir: str, fingerprints: dict[str, str | None]) -> None:
@@ -170,8 +174,7 @@ def absolute_paths(config: Any) -> None:
 
 def training_dirs(train: str | None) -> list[str]:
   """The local directories of `data.train` (each source of a mixture; URLs left out)."""
-  paths = data_fingerprints(train=train, eval_path=None)
-  return [p for p in paths if not remote_files.is_url(p)]
+  return [p for p in dict.fromkeys(_dataset_paths(train)) if not remote_files.is_url(p)]
 
 
 def keep_datasets(workdir: str, dataset_dirs: list[str]) -> None:

@@ -121,9 +121,11 @@ def read_newest(workdir: str, read: Callable[[Checkpoint], Any], *,
                  f"train.max_checkpoints removes them; read again, or keep more checkpoints")
 
 
-# Keys added after runs were saved, with the value that means what those runs did (no adapters).
-ADDED_KEYS = {"model.lora": dict(declared_configs.base_config().model.lora.to_dict()),
-              "model.init_adapter": None}
+def added_keys() -> dict[str, Any]:
+  """Keys added after runs were saved, with the value that means what those runs did (no
+  adapters: the declared defaults)."""
+  model = declared_configs.base_config().model
+  return {"model.lora": model.lora.to_dict(), "model.init_adapter": model.init_adapter}
 
 
 def missing_keys(saved: dict[str, Any]) -> list[str]:
@@ -159,10 +161,10 @@ def _config_of(workdir: str, checkpoint: Checkpoint) -> ml_collections.ConfigDic
   """`run_config` of that one checkpoint."""
   meta = restore_item(checkpoint, "restore",
                       args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  for key, value in ADDED_KEYS.items():  # runs written before these keys did not use them
-    group = meta["config"].get("model", {})
-    if isinstance(group, dict) and key.split(".")[1] not in group:
-      group[key.split(".")[1]] = value
+  for key, value in added_keys().items():  # runs written before these keys did not use them
+    group, name = meta["config"].get("model", {}), key.split(".")[1]
+    if isinstance(group, dict) and name not in group:
+      group[name] = value
   missing = missing_keys(meta["config"])
   if missing:
     raise RunError(f"{checkpoint.directory}/{checkpoint.step}: the run's saved config has no "
