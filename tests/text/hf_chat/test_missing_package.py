@@ -51,3 +51,38 @@ def test_an_install_without_torch_is_not_told_about_torch():
                                                     "PATH": "/usr/bin:/bin"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert "PyTorch was not found" not in out.stderr
+
+
+def _tokenize(python, tmp_path, out):
+  """`segpack tokenize --format chat` with the venv's python, from outside the repository."""
+  import subprocess
+  return subprocess.run([str(python), "-m", "segpack", "tokenize", "--format", "chat", "--input",
+                         "chat.jsonl", "--tokenizer", "hf:tok", "--output", out],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+
+
+@pytest.mark.slow
+def test_an_install_of_only_the_hf_extra_tokenizes_chat_data(tmp_path):
+  """`pip install ".[hf]"` and nothing else: a venv of just the distributions that install makes
+  (support/fresh_env.py) tokenizes chat data with a real template. Negative controls: torch,
+  installed here, is absent there; the same venv less jinja2 refuses in one line naming it."""
+  import subprocess
+  from segpack import shards
+  from support import fresh_env
+  chat_fixtures.make_tokenizer(tmp_path / "tok", "qwen2_5")
+  preference_fixtures.write_jsonl(tmp_path / "chat.jsonl", chat_fixtures.conversations("qwen2_5", 6))
+  python = fresh_env.make(tmp_path / "venv", extras=("hf",))
+  probe = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+  assert probe.returncode == 1 and "No module named 'torch'" in probe.stderr
+  done = _tokenize(python, tmp_path, "data")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "PyTorch was not found" not in done.stderr + done.stdout
+  source = shards.ShardSource(str(tmp_path / "data"))
+  assert len(source) == 6 and source.has_loss_mask
+  python = fresh_env.make(tmp_path / "venv_no_jinja2", extras=("hf",), drop=("jinja2",))
+  refused = _tokenize(python, tmp_path, "data2")
+  assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+  assert "jinja2" in refused.stderr and "segpack[hf]" in refused.stderr
+  assert not (tmp_path / "data2").exists()
