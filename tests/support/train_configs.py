@@ -56,8 +56,8 @@ def short_run(config, workdir, *, steps=3):
   train_lib.train_and_evaluate(config, str(workdir))
 
 
-def run_cli(*args, cwd=REPO, check=True):
-  env = dict(os.environ, PYTHONPATH=str(REPO))
+def run_cli(*args, cwd=REPO, check=True, env=None):
+  env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
   out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=900)
   if check:

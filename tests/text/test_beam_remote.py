@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from segpack.text import remote_inputs
 from segpack.text import spm
 from segpack.text import tokenizer_spec
 
+from support import doc_blocks
 from support import small_corpus
 from support import paths
 
@@ -98,13 +100,22 @@ def _tokenize(args):
   return tokenize_cli.main([*args, "--runner", "beam", "--no-progress"])
 
 
+def _doc_subs(s3):
+  """docs/ingest.md's names of the local S3 API, as this module's server has them."""
+  return {"BUCKET": BUCKET, "http://127.0.0.1:PORT": s3.env["AWS_ENDPOINT_URL_S3"],
+          "=KEY": "=testing", "=SECRET": "=testing"}
+
+
 @pytest.fixture(scope="module")
 def remote_dataset(s3, inputs):
-  """s3://BUCKET/out, tokenized from s3://BUCKET/in/ with the model at s3://BUCKET/models/."""
-  code = _tokenize(["--input", f"s3://{BUCKET}/in", "--output", f"s3://{BUCKET}/out",
-                    "--spm-model", f"s3://{BUCKET}/models/m.model", "--unit-records", "16",
-                    "--shard-tokens", "3000", "--beam-options", s3.options])
-  assert code == 0
+  """s3://BUCKET/out, tokenized from s3://BUCKET/in/ with the model at s3://BUCKET/models/: the
+  command of docs/ingest.md's S3 API block as written, in smaller units and shards."""
+  (command,) = doc_blocks.commands("## Command lines", doc="docs/ingest.md", index=2)
+  for a, b in _doc_subs(s3).items():
+    command = command.replace(a, b)
+  argv = shlex.split(command)
+  assert argv[:4] == ["python", "-m", "segpack", "tokenize"]
+  assert _tokenize([*argv[4:], "--unit-records", "16", "--shard-tokens", "3000"]) == 0
   return f"s3://{BUCKET}/out"
 
 
@@ -201,15 +212,14 @@ def test_failed_s3_run_reruns_complete_and_identical(s3, remote_dataset, monkeyp
 
 @pytest.mark.slow
 def test_remote_dataset_trains_after_staging_and_stages_once(tmp_path, s3, remote_dataset):
+  """docs/ingest.md's "Training on a remote dataset" block as written."""
   cache = tmp_path / "cache"
-  env = {**os.environ, **s3.env, "SEGPACK_CACHE": str(cache), "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": ROOT}
-  run = subprocess.run(
-      [sys.executable, "-m", "train.main", "--config=configs/packed.py:smoke",
-       f"--config.data.train={remote_dataset}", "--config.data.eval_share=0.1",
-       f"--workdir={tmp_path / 'run'}"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert run.returncode == 0, run.stderr[-3000:]
+  commands = doc_blocks.commands("## Training on a remote dataset", doc="docs/ingest.md")
+  assert f"--config.data.train={remote_dataset}" in commands[0].replace("BUCKET", BUCKET)
+  for _ in doc_blocks.run(commands, _doc_subs(s3), train_args=[
+      "--config.data.eval_share=0.1", f"--workdir={tmp_path / 'run'}"],
+                          env={**s3.env, "SEGPACK_CACHE": str(cache)}):
+    pass
   with open(tmp_path / "run" / "metrics.jsonl") as f:
     losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
   assert losses and np.all(np.isfinite(losses))
