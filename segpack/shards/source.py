@@ -65,7 +65,9 @@ class ShardSource:
                        f"{verify!r}")
     if remote_files.is_url(path):
       path = staging.stage_dataset(url=os.fspath(path)).path
-    self.path = Path(path)
+    # Absolute: a dataset read lazily (Grain's rows, worker processes) does not depend on the
+    # current directory staying what it was when the dataset was opened.
+    self.path = Path(os.path.abspath(path))
     self.manifest = load_manifest(self.path)
     # What the dataset's metadata says (tokenizer, chat template); a wrong-typed field is refused.
     self.record = DatasetRecord.from_manifest(self.manifest, where=self.path / MANIFEST_NAME)

@@ -6,15 +6,14 @@ catches a renamed key or flag in every other block before a reader does."""
 
 import importlib
 import importlib.util
-import re
 import shlex
 
 import pytest
 
+from support import doc_blocks
 from support import paths
 
 REPO = paths.REPO
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # `python -m MODULE` -> (module, function) of its argparse parser, for the flags check.
 PARSERS = {"train.hf.export": ("train.hf.export", "build_parser"),
            "train.bench.adapters": ("train.bench.adapters", "build_parser"),
@@ -26,20 +25,24 @@ SEGPACK = {"tokenize": ("segpack.cli.tokenize", "_parser"),
 
 
 def commands() -> list[tuple[str, list[str]]]:
-  """`(where, argv after "python -m")` of every command line in a bash block (continuations
-  joined, comments and placeholders such as `...` left as they are)."""
+  """`(where, argv after "python -m")` of every `python -m` command of a bash block
+  (support/doc_blocks.py: continuations joined, comments left out; `NAME=VALUE` words, `time`
+  and a `pip install ... &&` before it skipped; placeholders such as `...` left as they are)."""
   out = []
-  for path in DOCS:
-    text = path.read_text(encoding="utf-8")
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-      for line in block.replace("\\\n", " ").splitlines():
-        line = line.split(" #", 1)[0].strip()
-        if line.startswith("python -m "):
-          try:
-            argv = shlex.split(line)[2:]
-          except ValueError:
-            continue
-          out.append((f"{path.relative_to(REPO)}: {line[:80]}", argv))
+  for block in doc_blocks.blocks():
+    if block.language != "bash":
+      continue
+    for line in block.commands():
+      try:
+        words = shlex.split(line)
+      except ValueError:
+        continue
+      while words and ("=" in words[0] or words[0] == "time"):
+        words.pop(0)
+      if "&&" in words:
+        words = words[len(words) - words[::-1].index("&&"):]
+      if words[:2] == ["python", "-m"]:
+        out.append((f"{block.doc}: {line[:80]}", words[2:]))
   return out
 
 

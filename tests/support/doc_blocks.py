@@ -13,6 +13,7 @@ import shlex
 from support import paths
 from support.train_configs import run_cli
 
+_OPERATORS = ("&&", "||", "|", ";")
 DOCS = ("README.md", *sorted(f"docs/{p.name}" for p in (paths.REPO / "docs").glob("*.md")))
 
 
@@ -31,9 +32,17 @@ class Block:
 
   def commands(self) -> list[str]:
     """A bash block's command lines: continuations joined, comments and blank lines left out,
-    each as `shlex.join` of its words."""
-    lines = self.text.replace("\\\n", " ").splitlines()
-    return [shlex.join(words) for words in (shlex.split(x, comments=True) for x in lines) if words]
+    each as its words joined by spaces (quoted where needed; `&&` left as it is)."""
+    out = []
+    for line in self.text.replace("\\\n", " ").splitlines():
+      try:
+        words = shlex.split(line, comments=True)
+      except ValueError:  # a line of a multi-line string (python -c "...", a heredoc)
+        out.append(line.strip())
+        continue
+      if words:
+        out.append(" ".join(w if w in _OPERATORS else shlex.quote(w) for w in words))
+    return out
 
 
 def blocks() -> list[Block]:

@@ -39,3 +39,29 @@ def test_an_unknown_beam_runner_is_one_line(tmp_path_factory, tmp_path, capsys):
   assert rc == 2 and "Traceback" not in "\n".join(err)
   assert "runner 'NoSuchRunner' is not one Beam can run here" in err[-1]
   assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_local_commands_of_docs_ingest_as_written(tmp_path_factory, tmp_path):
+  """docs/ingest.md's DirectRunner block, from a directory holding `corpus/` and `m.model`: in
+  this process, then on four worker processes; both datasets hold the same documents in the
+  input order (oracle: each text encoded alone with the model)."""
+  import shutil
+
+  import numpy as np
+  import sentencepiece
+
+  from support import doc_blocks
+  texts = small_corpus.train_texts()[:60]
+  (tmp_path / "corpus").mkdir()
+  small_corpus.write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": t} for t in texts[:30]])
+  small_corpus.write_jsonl(tmp_path / "corpus" / "b.jsonl", [{"text": t} for t in texts[30:]])
+  shutil.copy(small_corpus.spm_model(tmp_path_factory), tmp_path / "m.model")
+  commands = doc_blocks.commands("## Command lines", doc="docs/ingest.md")
+  assert len(commands) == 2 and "multi_processing" in commands[1]
+  for n, command in enumerate(commands):
+    list(doc_blocks.run([command], {"data/mine": f"data/mine{n}"}, train_args=[], cwd=tmp_path))
+  encoder = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "m.model"))
+  want = [encoder.encode(t) for t in texts]
+  for n in range(2):
+    got = ShardSource(tmp_path / "data" / f"mine{n}")
+    assert [list(np.asarray(got[i])) for i in range(len(got))] == want

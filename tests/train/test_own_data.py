@@ -9,8 +9,6 @@ which documents it holds without the pipeline; a plain list of the same document
 import json
 import os
 import pathlib
-import subprocess
-import sys
 import sysconfig
 
 import numpy as np
@@ -140,30 +138,30 @@ def _stdlib_jsonl(path, *, count, chat=False):
       f.write(json.dumps(record) + "\n")
 
 
-def _run(args, cwd):
-  return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True,
-                        timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("chat", [False, True])
 def test_readme_train_on_your_own_text(tmp_path, chat):
-  """The README's "Train on your own text" commands, on a JSONL the test writes."""
+  """The README's "Train on your own text" block as written, from a new user's directory, on a
+  docs.jsonl the test writes (text, or conversations), with 2 steps."""
+  from support import doc_blocks
   _stdlib_jsonl(tmp_path / "docs.jsonl", count=120, chat=chat)
-  tok = _run(["segpack", "tokenize", "--input", str(tmp_path / "docs.jsonl"), "--vocab-size",
-              "600", "--output", str(tmp_path / "data")], REPO)
-  assert tok.returncode == 0, tok.stderr[-2000:]
-  run = _run(["train.main", "--config=configs/packed.py:smoke",
-              f"--config.data.train={tmp_path / 'data'}", f"--workdir={tmp_path / 'run'}"], REPO)
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert str(tmp_path / "data") in run.stdout  # the data line names the dataset
-  with open(tmp_path / "run" / "metrics.jsonl") as f:
+  os.symlink(REPO / "configs", tmp_path / "configs")
+  commands = doc_blocks.commands("# segpack", index=2)
+  assert commands[0] == "python -m segpack tokenize --input docs.jsonl --vocab-size 8000 --output data/mine"
+  assert commands[1] == "python -m train.main --config=configs/packed.py --config.data.train=data/mine"
+  for args, out in doc_blocks.run(commands, {}, train_args=["--config.train.num_steps=2"],
+                                  cwd=tmp_path):
+    if args[0] == "train.main":
+      assert str(tmp_path / "data" / "mine") in out.stdout  # the data line names the dataset
+      workdir = out.stdout.split("workdir=")[-1].split()[0]
+  assert pathlib.Path(workdir).parent == tmp_path / "runs"
+  with open(pathlib.Path(workdir) / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   losses = [r["loss"] for r in records if r.get("kind", "train") == "train" and "loss" in r]
   assert losses and all(np.isfinite(losses))
-  assert abs(losses[0] - np.log(600)) < 0.5  # the model's vocabulary is the manifest's
+  source = shards.ShardSource(str(tmp_path / "data" / "mine"))
+  assert abs(losses[0] - np.log(source.vocab_size)) < 0.5  # the model's vocabulary is the manifest's
   assert any("eval_loss" in r for r in records)
-  source = shards.ShardSource(str(tmp_path / "data"))
   assert source.has_loss_mask == chat
 
 
