@@ -21,18 +21,28 @@ from support import paths
 from support import small_corpus
 
 FEWER = ["--config.train.num_steps=2"]
-# The lines of the training block that a CI machine cannot run, and why. Their config files,
-# variants and keys are checked by tests/house/test_docs_commands.py.
-_FULL = "a full-length run (300 steps, minutes on a CPU)"
+# The lines of the training blocks (README's, docs/training.md's, docs/sft.md's) that a CI
+# machine cannot run, and why. Their config files, variants and keys are checked by
+# tests/house/test_docs_commands.py.
+_FULL = "a full-length run (minutes on a CPU)"
+_MAIN = "python -m train.main --config="
 NOT_RUN = {
-    "python -m train.main --config=configs/padded.py": _FULL,
-    "python -m train.main --config=configs/sft.py": _FULL,
-    "python -m train.main --config=configs/packed.py:gpu": "113M parameters at 4096 slots: a GPU",
-    "python -m train.main --config=configs/packed.py:long": "8 GPUs",
-    "python -m train.main --config=configs/packed.py --config.loss.weighting=sequence": _FULL,
-    "python -m train.main --config=configs/packed.py --config.packing.balance=attention": _FULL,
-    "python -m train.main --config=configs/packed.py --config.packing.repack=epoch": _FULL,
+    _MAIN + "configs/padded.py": _FULL,
+    _MAIN + "configs/sft.py": _FULL,
+    _MAIN + "configs/sft.py --config.packing.mode=global": _FULL,
+    _MAIN + "configs/packed.py:gpu": "113M parameters at 4096 slots: a GPU",
+    _MAIN + "configs/packed.py:long": "8 GPUs",
+    _MAIN + "configs/packed.py --config.loss.weighting=sequence": _FULL,
+    _MAIN + "configs/packed.py --config.packing.balance=attention": _FULL,
+    _MAIN + "configs/packed.py --config.packing.repack=epoch": _FULL,
+    _MAIN + "configs/packed.py --config.train.num_steps=1000 --workdir=runs/long": _FULL,
+    "python -m train.bench packed '[--json]'": "a benchmark at full size (tests/train/test_train.py "
+                                               "runs it small)",
+    "python -m train.sample --benchmark": "a benchmark of 90 s (tests/train/sample/"
+                                          "test_sample_chat.py runs it small)",
 }
+# The full chat run docs/training.md samples is made here by docs/sft.md's smoke line.
+SUBS = {"runs/sft ": "runs/sft_smoke "}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,25 @@ def user(tmp_path_factory):
   return home, {"SEGPACK_CACHE": str(small_corpus.cache_dir(tmp_path_factory))}
 
 
+_RAN: dict[str, object] = {}
+
+
+def _run_lines(block, home, env):
+  """Runs the lines of `block` not in NOT_RUN, 2 steps each (a line an earlier block ran in this
+  directory is not run again); returns {line: process}."""
+  runnable = [c for c in block.commands() if c not in NOT_RUN]
+  done = {c: _RAN[c] for c in runnable if c in _RAN}
+  commands = [c for c in runnable if not c.startswith("tensorboard ") and c not in _RAN]
+  for command, (_, out) in zip(commands, doc_blocks.run(commands, SUBS, train_args=FEWER,
+                                                         cwd=home, env=env)):
+    done[command] = _RAN[command] = out
+  return done
+
+
 @pytest.mark.slow
-def test_the_main_job_then_the_training_block(user):
+def test_the_main_job_then_the_training_blocks(user):
+  """README's main job, its training block, docs/training.md's and docs/sft.md's training
+  blocks, then docs/training.md's sampling block on the runs they made."""
   home, env = user
   (first,) = doc_blocks.commands("# segpack")
   assert first == "pip install -e . && python -m train.main --config=configs/packed.py"
@@ -54,21 +81,24 @@ def test_the_main_job_then_the_training_block(user):
   records = [json.loads(x) for x in (home / "runs" / "packed" / "metrics.jsonl").open()]
   assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 2
   assert np.isfinite(records[-1]["final_eval_loss"])
-  lines = doc_blocks.commands("## Use", index=5)
-  runnable = [c for c in lines if c not in NOT_RUN]
-  assert len(lines) - len(runnable) == len(NOT_RUN)  # each reason names a line of the block
-  tensorboard = runnable.pop()
-  assert tensorboard == "tensorboard --logdir runs/packed/tensorboard"
-  assert [c.split()[2] for c in runnable] == ["train.main", "train.main", "train.plot"]
-  done = {}
-  for args, out in doc_blocks.run(runnable, {}, train_args=FEWER, cwd=home, env=env):
-    done[" ".join(args[:2])] = out
-  # The main job again: the finished run is kept, not trained again.
-  assert "nothing to do" in done["train.main --config=configs/packed.py"].stdout.lower()
+  readme = doc_blocks.block("README.md", "## Use", 5)
+  assert readme.commands()[-1] == "tensorboard --logdir runs/packed/tensorboard"
+  done = _run_lines(readme, home, env)
+  assert "nothing to do" in done[_MAIN + "configs/packed.py"].stdout  # finished: kept as it is
   assert (home / "runs" / "packed_smoke" / "checkpoints").is_dir()
   assert (home / "runs" / "packed" / "curves.png").stat().st_size > 1000
   events = list((home / "runs" / "packed" / "tensorboard").glob("events.out.tfevents.*"))
   assert events and events[0].stat().st_size > 0  # what `tensorboard --logdir` reads
+  done = _run_lines(doc_blocks.block("docs/training.md", "# Training"), home, env)
+  assert len(done) == 4 and (home / "runs" / "synth" / "checkpoints").is_dir()
+  done = _run_lines(doc_blocks.block("docs/sft.md", "## Training: `configs/sft.py`"), home, env)
+  assert len(done) == 1 and (home / "runs" / "sft_smoke" / "checkpoints").is_dir()
+  done = _run_lines(doc_blocks.block("docs/training.md", "## See what it learned"), home, env)
+  printed = [out.stdout for out in done.values()]
+  assert len(printed) == 4
+  assert printed[0].count("=== prompt") == 1 and printed[1].count("=== prompt") == 6
+  assert "<|" not in printed[2]  # the chat answer only, no turn markers
+  assert printed[3].split("===")[-1].split("\n")[1].startswith("5,6,7 | ")
 
 
 def _inputs(home, tmp_path_factory):
@@ -89,7 +119,8 @@ def _inputs(home, tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_use_blocks(user, tmp_path_factory):
-  """The ingest block (every input kind), then the Python blocks that read its output."""
+  """The ingest block (every input kind) and docs/packing.md's "### Statistics CLI" block, then
+  the Python blocks that read their output."""
   home, env = user
   counts = _inputs(home, tmp_path_factory)
   commands = doc_blocks.commands("## Use")
@@ -99,6 +130,10 @@ def test_the_use_blocks(user, tmp_path_factory):
       assert "planning time" in out.stdout
   for name, count in counts.items():
     assert len(ShardSource(home / name)) == count, name
+  stats = doc_blocks.commands("### Statistics CLI", doc="docs/packing.md")
+  outs = [out.stdout for _, out in doc_blocks.run(stats, {"DIR": "data/builtin/train"},
+                                                   train_args=[], cwd=home, env=env)]
+  assert "planning time" in outs[0] and "sorted_pad" in outs[1]
   assert len(ShardSource(home / "data" / "builtin" / "train")) > 8000  # the full corpus
   ns = doc_blocks.python_block(doc_blocks.block("README.md", "## Use", 2).text, {}, home)
   batch = ns["batch"]

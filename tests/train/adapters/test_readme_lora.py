@@ -14,14 +14,14 @@ pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from support import hf_models  # noqa: E402
-from support import readme  # noqa: E402
+from support import doc_blocks  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
 
 
 def test_readme_lora_commands(tmp_path):
   import torch
   import transformers
-  commands = readme.commands("## Fine-tune with LoRA")
+  commands = doc_blocks.commands("## Fine-tune with LoRA")
   assert commands[0].startswith("python -m train.main --config=configs/sft.py")
   assert "--config.model.lora.rank=16" in commands[0] and "base_dtype=nf4" in commands[0]
   assert [c.split()[2] for c in commands[1:]] == ["train.sample", "train.hf.export",
@@ -38,7 +38,7 @@ def test_readme_lora_commands(tmp_path):
       "--config.train.num_steps=3", "--config.train.eval_every=3",
       "--config.train.batch_size=8", "--config.train.learning_rate=0.02",
       "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
-  for args, out in readme.run(commands, subs, train_args=fewer):
+  for args, out in doc_blocks.run(commands, subs, train_args=fewer):
     if args[0] == "train.main":
       assert re.search(r"model: llama, [\d,]+ trained parameters \(LoRA rank 16, alpha 16, on "
                        r"all\) over a frozen base of [\d,]+ \(nf4\)", out.stdout), out.stdout

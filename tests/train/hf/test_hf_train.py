@@ -1,13 +1,9 @@
 """Fine-tuning an imported Hugging Face model: the first step's loss equals transformers' on the
-same documents, the dataset's tokenizer must be the model's, and the README's commands run end
-to end (a tiny model and tokenizer made here with transformers; nothing is downloaded)."""
+same documents, and the dataset's tokenizer must be the model's (a tiny model and tokenizer made
+here with transformers; nothing is downloaded). The README's fine-tuning commands run end to end
+in tests/docs/test_fine_tune_blocks.py."""
 
 import json
-import re
-import os
-import pathlib
-import subprocess
-import sys
 
 import grain
 import numpy as np
@@ -23,7 +19,6 @@ from train.hf import config as hf_config  # noqa: E402
 from train import train as train_lib  # noqa: E402
 from support.train_configs import run_cli
 from support import paths
-from support import readme
 
 REPO = paths.REPO
 
@@ -122,43 +117,6 @@ def test_a_contradicting_override_names_both_values(model_dir, tmp_path):
   assert len(line.splitlines()) == 1
 
 
-def test_readme_fine_tune_commands(model_dir, tmp_path):
-  """The README's "Fine-tune a Hugging Face model" block, with fewer steps."""
-  commands = readme.commands("## Fine-tune a Hugging Face model")
-  assert commands[0].startswith("python -m segpack tokenize") and "hf:" in commands[0]
-  assert commands[1].startswith("python -m train.main --config=configs/sft.py")
-  assert commands[2].startswith("python -m train.sample") and "--chat" in commands[2]
-  hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 80, seed=1)
-  subs = {"MODEL_DIR": model_dir, "chat.jsonl": str(tmp_path / "chat.jsonl"),
-          "data/chat": str(tmp_path / "data" / "chat"), "runs/sft_hf": str(tmp_path / "run"),
-          "exported": str(tmp_path / "exported")}
-  fewer = [
-      "--config.train.num_steps=3", "--config.train.eval_every=3",
-      "--config.train.batch_size=8",  # 10 does not divide over the tests' 8 devices
-      "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
-  for args, out in readme.run(commands, subs, train_args=fewer):
-    if args[0] == "train.main":
-      # The fine-tuning recipe (train/recipe.py): TRL's rate, the steps as epochs, printed.
-      assert re.search(r"recipe: fine-tuning \(model\.init_from\): learning rate 2e-05, "
-                       r"warmup \d+ steps, 3 steps = \d+\.\d\d epochs of [\d.]+ steps", out.stdout)
-      assert "from-scratch rate" not in out.stderr
-  records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-  summary = records[-1]
-  assert summary["kind"] == "summary" and summary["steps"] == 3
-  assert np.isfinite(summary["final_loss"])
-  # What the export wrote loads in transformers, with the chat template the data was rendered
-  # with, and its tokenizer encodes a conversation with the model's own ids.
-  import transformers
-  model, info = transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "exported"), output_loading_info=True)
-  assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-  tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exported"))
-  ids = tok.apply_chat_template([{"role": "user", "content": "w1 w2"}], tokenize=True,
-                                add_generation_prompt=True)
-  ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-  assert ids[0] == tok.bos_token_id and "<|assistant|>" in tok.decode(ids)
-
-
 def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_dir, text_data,
                                                                         tmp_path, capsys):
   """160 embedding rows, 158 tokenizer ids: train.sample decodes with the dataset's copy of the
@@ -169,62 +127,3 @@ def test_sampling_an_imported_run_whose_embedding_outgrows_its_tokenizer(model_d
   answers = sample_lib.sample(str(tmp_path / "run"), prompts=["w1 w2 w3"], max_new_tokens=4,
                               num_samples=1)
   assert len(answers) == 1 and answers[0].text.startswith("w1 w2 w3")
-
-
-# A template of the model's own, unlike segpack's (BOS from the template, no newlines, the
-# end-of-turn token after every message): what a pretrained chat model brings.
-OWN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }} "
-                "{{ m['content'] }} <|end|> {% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-
-
-@pytest.mark.slow
-def test_a_chat_model_with_its_own_template_fine_tunes_samples_and_exports(tmp_path):
-  """A new user's walk with a chat model: tokenize with its template, fine-tune, `train.sample
-  --chat`, export. Oracles: the prompt is transformers' `apply_chat_template(...,
-  add_generation_prompt=True)` of the source tokenizer, and the answer `train.sample` prints is
-  transformers' greedy `generate` on the exported model, cut at the end of turn."""
-  import torch
-  import transformers
-  model = str(tmp_path / "chat-model")
-  hf_models.make_model(model, "llama", kv_heads=2)
-  hf_models.make_tokenizer(model)
-  tok = transformers.AutoTokenizer.from_pretrained(model)
-  tok.chat_template = OWN_TEMPLATE
-  tok.save_pretrained(model)
-  hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 60, seed=2)
-  run_cli("segpack", "tokenize", "--input", str(tmp_path / "chat.jsonl"), "--tokenizer",
-          f"hf:{model}", "--output", str(tmp_path / "data"))
-  manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
-  assert manifest["metadata"]["chat"]["renderer"] == "hf"
-  run_cli("train.main", "--config=configs/sft.py", f"--config.model.init_from={model}",
-          f"--config.data.train={tmp_path / 'data'}", f"--workdir={tmp_path / 'run'}",
-          "--config.train.num_steps=2", "--config.train.eval_every=0",
-          "--config.train.batch_size=8", "--config.train.checkpoint_every=2",
-          "--config.attention.self_check=False")
-  question = "w5 w6 w7"
-  out = run_cli("train.sample", f"--workdir={tmp_path / 'run'}", "--chat",
-                f"--prompt={question}", "--max_new_tokens=12")
-  printed = out.stdout.splitlines()[1:]
-  run_cli("train.hf.export", "--workdir", str(tmp_path / "run"), "--output", str(tmp_path / "out"))
-  exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
-  prompt = exported.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, tokenize=True)
-  prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-  source = tok.apply_chat_template([{"role": "user", "content": question}],
-                                   add_generation_prompt=True, tokenize=True)
-  assert prompt == list(source["input_ids"] if hasattr(source, "keys") else source)
-  lm = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
-                                                         dtype=torch.float32)
-  stops = [exported.eos_token_id, exported.convert_tokens_to_ids("<|end|>")]
-  # The export's generation_config.json stops at the template's end of turn: `generate` is
-  # given no stop ids of its own.
-  generation = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
-  assert set(stops) <= set(generation.eos_token_id), (stops, generation.eos_token_id)
-  with torch.no_grad():
-    new = lm.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                      pad_token_id=0, top_k=None, top_p=None,
-                      temperature=None)[0, len(prompt):].tolist()
-  if new and new[-1] in stops:
-    new = new[:-1]
-  assert len(new) >= 3 and printed == exported.decode(new).splitlines(), (new, printed)
