@@ -43,7 +43,11 @@ def closure(extras: tuple[str, ...]) -> set[str]:
     if name in found and not new_extras:
       continue
     found.add(name)
-    dist = importlib.metadata.distribution(name)
+    try:
+      dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError as e:
+      raise AssertionError(f"{name}, which pip install '.[{','.join(extras)}]' installs, is not "
+                           f"installed here: install the test extra") from e
     for text in dist.requires or []:
       sub = Requirement(text)
       for e in new_extras or {""}:
