@@ -29,7 +29,7 @@ README = "## Fine-tune a Hugging Face model"
 SFT = "docs/sft.md"
 OWN = "### Fine-tuning with the model's own chat template (`segpack.text.hf_chat`)"
 FEWER = ["--config.train.num_steps=3", "--config.train.eval_every=3",
-         "--config.train.batch_size=24",  # a minibatch of these chats; divisible by 8 devices
+         "--config.train.batch_size=24",  # the rows of a minibatch of these chats (21)
          "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]
 
 

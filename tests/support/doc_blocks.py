@@ -85,7 +85,8 @@ def run(commands: list[str], subs: dict[str, str], *, train_args: list[str], cwd
   `(args after "python -m", the finished process)` of each (a failed one fails the test).
 
   `pip install ...` before `&&` is what made this environment and is not run again; `NAME=VALUE`
-  words before `python` are the command's environment, beside `env`."""
+  words before `python` are the command's environment, beside `env`. A command sees one CPU
+  device, as on a new user's machine (`train_configs.run_cli`)."""
   for command in commands:
     for a, b in subs.items():
       command = command.replace(a, b)

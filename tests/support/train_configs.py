@@ -56,8 +56,17 @@ def short_run(config, workdir, *, steps=3):
   train_lib.train_and_evaluate(config, str(workdir))
 
 
+def one_cpu_device() -> str:
+  """The tests' XLA_FLAGS without `--xla_force_host_platform_device_count`: one CPU device, as a
+  user's machine has (the tests' eight are for the tests of meshes)."""
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def run_cli(*args, cwd=REPO, check=True, env=None):
-  env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+  """Runs `python -m ARGS` from `cwd` on one CPU device (unless `env` names XLA_FLAGS); a failure
+  fails the test when `check`."""
+  env = dict(os.environ, PYTHONPATH=str(REPO), **{"XLA_FLAGS": one_cpu_device(), **(env or {})})
   out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=900)
   if check:
