@@ -85,8 +85,8 @@ def test_the_main_job_then_the_training_blocks(user):
   assert readme.commands()[-1] == "tensorboard --logdir runs/packed/tensorboard"
   done = _run_lines(readme, home, env)
   assert "nothing to do" in done[_MAIN + "configs/packed.py"].stdout  # finished: kept as it is
-  assert (home / "runs" / "packed_smoke" / "checkpoints").is_dir()
-  assert (home / "runs" / "packed" / "curves.png").stat().st_size > 1000
+  _check_smoke_run(home / "runs" / "packed_smoke")
+  _check_plot(home / "runs" / "packed")
   events = list((home / "runs" / "packed" / "tensorboard").glob("events.out.tfevents.*"))
   assert events and events[0].stat().st_size > 0  # what `tensorboard --logdir` reads
   done = _run_lines(doc_blocks.block("docs/training.md", "# Training"), home, env)
@@ -96,9 +96,35 @@ def test_the_main_job_then_the_training_blocks(user):
   done = _run_lines(doc_blocks.block("docs/training.md", "## See what it learned"), home, env)
   printed = [out.stdout for out in done.values()]
   assert len(printed) == 4
-  assert printed[0].count("=== prompt") == 1 and printed[1].count("=== prompt") == 6
+  header, *text = printed[0].splitlines()
+  assert header.startswith("=== prompt 1, sample 1/1 (greedy)") and text[0].startswith("def ")
+  assert printed[1].count("=== prompt") == 6 and "top_k=40" in printed[1]
   assert "<|" not in printed[2]  # the chat answer only, no turn markers
   assert printed[3].split("===")[-1].split("\n")[1].startswith("5,6,7 | ")
+
+
+def _check_smoke_run(workdir):
+  """Every metric of the smoke run's steps is finite; evaluation at step 0 and at the end; the
+  last step's checkpoint."""
+  records = [json.loads(x) for x in (workdir / "metrics.jsonl").open()]
+  train = [r for r in records if r.get("kind") == "train"]
+  assert [r["step"] for r in train] == [1, 2]
+  for key in ("loss", "lr", "grad_norm", "real_tokens_per_s", "slot_utilization", "elapsed_s",
+              "eta_s"):
+    assert all(np.isfinite(r[key]) for r in train), key
+  assert all(0.5 < r["slot_utilization"] <= 1.0 for r in train)
+  evals = [r for r in records if r.get("kind") == "eval"]
+  assert [r["step"] for r in evals] == [0, 2] and evals[0]["eval_tokens"] > 0
+  assert (workdir / "checkpoints" / "2").is_dir()
+
+
+def _check_plot(workdir):
+  """One PNG, drawn (matplotlib is a test dependency), with the umask's mode, no temporary."""
+  assert (workdir / "curves.png").stat().st_size > 1000
+  umask = os.umask(0)
+  os.umask(umask)
+  assert (workdir / "curves.png").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
+  assert not list(workdir.glob("*.png.tmp*")) and len(list(workdir.glob("*.png"))) == 1
 
 
 def _inputs(home, tmp_path_factory):

@@ -17,6 +17,7 @@ from segpack.text import chat
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import train as train_lib
+from support import train_configs
 from support import paths
 
 REPO = str(paths.REPO)
@@ -240,7 +241,8 @@ def test_the_trainer_refuses_a_vocab_smaller_than_the_data(tmp_path):
 
 def _cli(*args, workdir):
   return subprocess.run([sys.executable, "-m", "train.main", *args, f"--workdir={workdir}"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300)
+                        cwd=REPO, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, XLA_FLAGS=train_configs.one_cpu_device()))
 
 
 @pytest.mark.parametrize("args, line", [
@@ -264,10 +266,9 @@ def _cli(*args, workdir):
      "python -m train.main: error: model.vocab_size must be None (the data's) or at least the data's vocabulary "
      "size 512, got 16"),
     (["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
-      f"--config.mesh.data={jax.device_count() + 1}"],
-     f"python -m train.main: error: mesh: axes {{'data': {jax.device_count() + 1}, 'fsdp': 1, 'context': 1, "
-     f"'tensor': 1}} need "
-     f"{jax.device_count() + 1} devices, but there are {jax.device_count()}"),
+      "--config.mesh.data=2"],  # the command sees one CPU device
+     "python -m train.main: error: mesh: axes {'data': 2, 'fsdp': 1, 'context': 1, "
+     "'tensor': 1} need 2 devices, but there are 1"),
 ], ids=["variant", "sft-variant", "missing-file", "key-typo", "bad-int", "max-checkpoints",
         "vocab", "mesh"])
 def test_cli_config_mistakes_exit_2_with_one_line(tmp_path, args, line):

@@ -32,32 +32,6 @@ def _batches(path):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow
-def test_smoke_run_on_builtin_corpus(tmp_path):
-  c = packed.get_config("smoke")
-  c.train.num_steps = 1
-  summary = train_lib.train_and_evaluate(c, str(tmp_path))
-  train = _records(tmp_path, "train")
-  assert [r["step"] for r in train] == [1]
-  for key in ("loss", "lr", "grad_norm", "real_tokens_per_s", "slot_utilization", "elapsed_s",
-              "eta_s"):
-    assert np.isfinite(train[0][key]), key
-  evals = _records(tmp_path, "eval")
-  assert [r["step"] for r in evals] == [0, 1] and evals[0]["eval_tokens"] > 0
-  assert summary["steps"] == 1 and np.isfinite(summary["final_eval_loss"])
-  assert 0.5 < train[0]["slot_utilization"] <= 1.0
-  assert os.path.isdir(tmp_path / "checkpoints" / "1")
-  plot = subprocess.run([sys.executable, "-m", "train.plot", str(tmp_path)], cwd=REPO,
-                        capture_output=True, text=True, timeout=120)
-  # matplotlib is a test dependency (pyproject.toml [test]): the plot is always drawn.
-  assert plot.returncode == 0, plot.stderr
-  assert (tmp_path / "curves.png").stat().st_size > 1000
-  umask = os.umask(0)
-  os.umask(umask)
-  assert (tmp_path / "curves.png").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
-  assert not list(tmp_path.glob("*.png.tmp*")) and len(list(tmp_path.glob("*.png"))) == 1
-
-
 _CHILD = WITHOUT_TORCH + """
 import json, os, signal, sys
 from train import metrics as M

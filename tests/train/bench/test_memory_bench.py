@@ -10,6 +10,7 @@ above the step's.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import time
 import ml_collections
 import pytest
 from support import paths
+from support import train_configs
 
 from train import memory
 from train.bench import memory as bench
@@ -31,7 +33,8 @@ FIELDS = ("vocab", "slots", "loss", "remat", "estimate", "estimate_parts", "meas
 def quick():
   start = time.perf_counter()
   proc = subprocess.run([sys.executable, "-m", "train.bench.memory", "--quick", "--json"],
-                        cwd=str(paths.REPO), capture_output=True, text=True, check=False)
+                        cwd=str(paths.REPO), capture_output=True, text=True, check=False,
+                        env=dict(os.environ, XLA_FLAGS=train_configs.one_cpu_device()))
   seconds = time.perf_counter() - start
   assert proc.returncode == 0, proc.stderr[-3000:]
   return [json.loads(line) for line in proc.stdout.splitlines()], seconds

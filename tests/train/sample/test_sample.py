@@ -21,6 +21,7 @@ from segpack.cli import main as cli_main
 from segpack.shards import staging
 from segpack.text import spm
 from support.train_configs import synthetic_config
+from support import train_configs
 from train import checkpoint_digest as digest_lib
 from train import model as model_lib
 from train.sample import decode as decode_lib
@@ -30,7 +31,6 @@ from train.sample import command as sample_lib
 from train.runs import saved as saved_run
 from train.runs.errors import RunError
 from train import train as train_lib
-from support.train_configs import one_step_run
 from support import paths
 
 REPO = str(paths.REPO)
@@ -69,7 +69,8 @@ def _training_logits(model, tokens):
 
 def _run_cli(*args):
   return subprocess.run([sys.executable, "-m", "train.sample", *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, XLA_FLAGS=train_configs.one_cpu_device()))
 
 
 def test_load_run_reads_the_config_step_and_vocabulary(loaded):
@@ -320,17 +321,6 @@ def test_an_empty_prompt_is_refused(synthetic_run):
     sample_lib.sample(synthetic_run)
 
 
-@pytest.mark.slow
-def test_cli_samples_text_from_a_builtin_smoke_run(tmp_path):
-  one_step_run(packed.get_config("smoke"), tmp_path)
-  proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=6")
-  assert proc.returncode == 0, proc.stderr
-  header, *text = proc.stdout.splitlines()
-  assert header.startswith("=== prompt 1, sample 1/1 (greedy)") and "\n".join(text).startswith("def ")
-  proc = _run_cli(f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=4", "--top_k=8",
-                  "--num_samples=2")
-  assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.count("=== prompt 1, sample ") == 2 and "top_k=8" in proc.stdout
 
 
 def _snapshot(root):

@@ -16,11 +16,14 @@ from configs import sft
 from segpack.text import chat
 from segpack.text import chat_corpus
 from support.train_configs import one_step_run
+from support import train_configs
 from train.sample import decode as decode_lib
 from train.sample import command as sample_lib
 from train.sample import bench as sample_bench
 from train.runs import saved as saved_run
 from support import paths
+
+_ONE_DEVICE = dict(os.environ, XLA_FLAGS=train_configs.one_cpu_device())  # a user's one
 
 REPO = str(paths.REPO)
 
@@ -55,7 +58,7 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
   assert answer.text == tok.decode(shown)
   proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",
                          f"--prompt={question}", "--max_new_tokens=12"], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, env=_ONE_DEVICE)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines()[1:] == answer.text.splitlines()
 
@@ -74,7 +77,7 @@ def test_a_template_marker_in_a_chat_prompt_is_a_sample_error_naming_the_flag(ch
     sample_lib.sample(chat_run, prompts=["a <|end|> b"], chat_mode=True, max_new_tokens=2)
   proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",
                          "--system=<|user|>", "--prompt=hi", "--max_new_tokens=2"], cwd=REPO,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, env=_ONE_DEVICE)
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.strip().splitlines() == [
       "python -m train.sample: error: --system and --prompt: messages[0] (role 'system'): "

@@ -98,7 +98,8 @@ def _generate(export, messages, tools):
 
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "train.sample", *args], cwd=paths.REPO,
-                        env=dict(os.environ, PYTHONPATH=str(paths.REPO)), capture_output=True,
+                        env=dict(os.environ, PYTHONPATH=str(paths.REPO),
+                                 XLA_FLAGS=train_configs.one_cpu_device()), capture_output=True,
                         text=True, timeout=300)
 
 
