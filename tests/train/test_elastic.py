@@ -253,7 +253,7 @@ def test_minibatch_steps_resume_on_another_process_count():
 
 def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
   """Resuming with another `train.batch_size` names the flag that allows it (the allowed
-  change is trained in `test_trainer_resumes_2_to_1_to_4_to_2_processes`)."""
+  change is trained in `test_trainer_resumes_2_to_1_to_2_processes_on_another_batch`)."""
   base = {"train.eval_every": 0, "attention.self_check": False}
   train_lib.train_and_evaluate(synthetic_config(**base, **{"train.num_steps": 1}), str(tmp_path))
   bigger = {**base, "train.num_steps": 2, "train.batch_size": 16}
@@ -320,24 +320,24 @@ def _logged(workdir):
 
 
 @pytest.mark.slow
-def test_trainer_resumes_2_to_1_to_4_to_2_processes(tmp_path):
-  """One run over 2, 1, 4 and 2 processes (batch 8, 8, 12, 8): every plan row once per epoch."""
+def test_trainer_resumes_2_to_1_to_2_processes_on_another_batch(tmp_path):
+  """One run over 2, 1 and 2 processes (batch 8, 8, 12): every plan row once per epoch. (The
+  stream itself resumes 1 -> 4 and back, balanced, in the tests above.)"""
   work = tmp_path / "run"
-  phases = [(2, 3, 8), (1, 7, 8), (4, 11, 12), (2, 16, 8)]  # (processes, last step, batch)
+  phases = [(2, 3, 8), (1, 7, 8), (2, 13, 12)]  # (processes, last step, batch)
   resumed, logs = [], []
   for count, steps, batch in phases:
     summary, log = _phase(work, count=count, steps=steps, batch=batch)
     resumed.append(summary["resumed_from"])
     logs.append(log)
-  assert resumed == [0, 3, 7, 11]
+  assert resumed == [0, 3, 7]
   assert "changes: processes: 2 -> 1\n" in logs[1]
-  assert "changes: processes: 1 -> 4; train.batch_size: 8 -> 12" in logs[2]
-  assert "changes: processes: 4 -> 2; train.batch_size: 12 -> 8" in logs[3]
+  assert "changes: processes: 1 -> 2; train.batch_size: 8 -> 12" in logs[2]
   records = _logged(work)
   # Oracle: the plan's rows from the documents' lengths, outside the trainer.
   docs = data_lib.synthetic_documents(num_docs=50, mean_len=30, vocab=97, seed=0)
   rows = packing.plan(np.array([len(d) for d in docs]), SEQ_LEN, extra_tokens=2).num_rows
-  consumed = sum(b * (s - prev) for (_, s, b), prev in zip(phases, [0, 3, 7, 11]))
+  consumed = sum(b * (s - prev) for (_, s, b), prev in zip(phases, [0, 3, 7]))
   assert consumed >= 3 * rows  # three whole epochs at least
   counts = collections.Counter()
   content = {}
@@ -352,8 +352,8 @@ def test_trainer_resumes_2_to_1_to_4_to_2_processes(tmp_path):
     assert [counts[epoch, r] for r in range(rows)] == [1] * rows, epoch
   assert all(c == 1 for c in counts.values())
   steps = sorted({rec["step"] for rec in records})
-  assert steps == list(range(1, 17))
+  assert steps == list(range(1, 14))
   with open(work / "metrics.jsonl") as f:
     losses = [json.loads(line)["loss"] for line in f if '"train"' in line]
-  assert len(losses) == 16 and all(np.isfinite(losses))
+  assert len(losses) == 13 and all(np.isfinite(losses))
   assert all(0.5 * np.log(97) < x < 1.2 * np.log(97) for x in losses), losses
