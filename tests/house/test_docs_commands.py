@@ -6,7 +6,6 @@ catches a renamed key or flag in every other block before a reader does."""
 
 import importlib
 import importlib.util
-import shlex
 
 import pytest
 
@@ -34,15 +33,11 @@ def commands() -> list[tuple[str, list[str]]]:
       continue
     for line in block.commands():
       try:
-        words = shlex.split(line)
-      except ValueError:
+        argv, _ = doc_blocks.python_m(line)
+      except ValueError:  # a line of a multi-line string
         continue
-      while words and ("=" in words[0] or words[0] == "time"):
-        words.pop(0)
-      if "&&" in words:
-        words = words[len(words) - words[::-1].index("&&"):]
-      if words[:2] == ["python", "-m"]:
-        out.append((f"{block.doc}: {line[:80]}", words[2:]))
+      if argv:
+        out.append((f"{block.doc}: {line[:80]}", argv))
   return out
 
 

@@ -78,6 +78,21 @@ def commands(section: str, *, doc: str = "README.md", index: int = 0) -> list[st
   return block(doc, section, index).commands()
 
 
+def python_m(command: str) -> tuple[list[str], dict[str, str]]:
+  """`(the words after "python -m", the NAME=VALUE words before it)` of a command line, past a
+  `pip install ... &&` and a `time`; `([], {})` for another command."""
+  words = shlex.split(command)
+  if "&&" in words:
+    words = words[len(words) - words[::-1].index("&&"):]
+  env = {}
+  while words and (words[0] == "time" or ("=" in words[0] and not words[0].startswith("-"))):
+    word = words.pop(0)
+    if word != "time":
+      name, value = word.split("=", 1)
+      env[name] = value
+  return (words[2:], env) if words[:2] == ["python", "-m"] else ([], {})
+
+
 def run(commands: list[str], subs: dict[str, str], *, train_args: list[str], cwd=paths.REPO,
         env: dict[str, str] | None = None):
   """Runs each command as a new user would, from `cwd`, with the document's names replaced by
@@ -90,15 +105,9 @@ def run(commands: list[str], subs: dict[str, str], *, train_args: list[str], cwd
   for command in commands:
     for a, b in subs.items():
       command = command.replace(a, b)
-    words = shlex.split(command)
-    while words[0] == "pip":
-      words = words[words.index("&&") + 1:]
-    command_env = dict(env or {})
-    while "=" in words[0] and not words[0].startswith("-"):
-      name, value = words.pop(0).split("=", 1)
-      command_env[name] = value
-    assert words[:2] == ["python", "-m"], f"not a python -m command: {command}"
-    args = words[2:]
+    args, command_env = python_m(command)
+    assert args, f"not a python -m command: {command}"
+    command_env = {**(env or {}), **command_env}
     if args[0] == "train.main":
       args += train_args
     yield args, run_cli(*args, cwd=cwd, env=command_env)
