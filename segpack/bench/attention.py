@@ -2,8 +2,9 @@
 
     segpack bench attention [--json] [--plot out.png]     # or python -m segpack.bench.attention
 
-Rows come from real packing (`segpack.packing.plan`, first-fit-decreasing) of lognormal document
-lengths (mean 800, sigma 1.0). For every
+Rows come from real packing (`segpack.packing.plan`, first-fit-decreasing) of document lengths:
+`--lengths lognormal` (default; `--mean 800 --sigma 1.0`, a larger sigma is a longer tail) or
+`--lengths builtin` (the built-in corpus's training documents, with BOS and EOS). For every
 (seq_len, head_dim) it reports, summed over the benchmark rows and per head:
 
 - `tiles_computed`: (query block, key block) tiles the segment kernel's forward visits;
@@ -14,15 +15,21 @@ lengths (mean 800, sigma 1.0). For every
 
 On a GPU it also times forward and forward+backward of the segment kernel, the XLA dense mask,
 the dense-mask kernel of the same family (`skip_blocks=False`), JAX's Pallas `mha` with
-`segment_ids` and (if it runs) cuDNN, and reports TFLOP/s on useful FLOPs (the causal
-per-document attention FLOPs). Elsewhere those columns say "not measured".
+`segment_ids`, and (where they run) cuDNN on segpack's packed layout (JAX's fused attention with
+per-document lengths and offsets) and `jax.nn.dot_product_attention(implementation="cudnn")` with
+a dense per-document mask, and reports TFLOP/s on useful FLOPs (the causal per-document attention
+FLOPs) and, for segpack's Pallas kernel, on the tiles it computes. `--sweep` also times segpack's
+Pallas kernel under the settings of `SWEEP` (blocks, warps, stages). Elsewhere those columns say
+"not measured".
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import io
+import json
 import os
 import pathlib
 import sys
@@ -56,16 +63,27 @@ def lognormal_lengths(n: int, *, mean: float, sigma: float, seed: int) -> np.nda
       np.int64)
 
 
-def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float,
-                seed: int) -> tuple[np.ndarray, str]:
-  """`[num_rows, seq_len]` segment ids of rows sampled from a real packing plan."""
-  lengths = lognormal_lengths(max(64, 8 * num_rows * seq_len // int(mean)), mean=mean,
-                              sigma=sigma, seed=seed)
+def builtin_lengths() -> np.ndarray:
+  """The built-in corpus's training documents' lengths, each + 2 for BOS and EOS (as trained)."""
+  from segpack import shards  # optional: builds or opens the corpus, only for --lengths builtin
+  from segpack.text import corpus  # optional: as above
+  return np.asarray(shards.ShardSource(corpus.ensure_builtin(size="full").train_dir).lengths,
+                    np.int64) + 2
+
+
+def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float, seed: int,
+                lengths: np.ndarray | None = None) -> tuple[np.ndarray, str]:
+  """`[num_rows, seq_len]` segment ids of rows sampled from a real packing plan of `lengths`
+  (None: lognormal lengths of `mean` and `sigma`); fewer rows when the plan has fewer."""
+  if lengths is None:
+    lengths = lognormal_lengths(max(64, 8 * num_rows * seq_len // int(mean)), mean=mean,
+                                sigma=sigma, seed=seed)
   p = packing.plan(lengths, seq_len, strategy="ffd")
   splits = np.asarray(p.row_splits)
   piece_len = np.asarray(p.length)
   rows = [list(piece_len[splits[r]:splits[r + 1]]) for r in range(p.num_rows)]
   source = "segpack.packing.plan(ffd)"
+  num_rows = min(num_rows, len(rows))
   picks = np.random.default_rng(seed).choice(len(rows), size=num_rows, replace=False)
   seg = np.zeros((num_rows, seq_len), np.int32)
   for out_row, r in enumerate(sorted(picks)):
@@ -134,6 +152,13 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
     return jax_attention.mha(q, k, v, seg, sm_scale=q.shape[-1]**-0.5, causal=True,
                              block_sizes=sizes, interpret=interpret)
 
+  def dpa_cudnn_mask(q, k, v, seg):
+    # The public API's per-document masking: a dense [B, 1, S, S] mask (same document, causal;
+    # padding slots see each other), cuDNN's fused kernel with it as a bias.
+    s = seg.shape[1]
+    mask = (seg[:, None, :, None] == seg[:, None, None, :]) & jnp.tril(jnp.ones((s, s), bool))
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+
   pallas = PallasOptions(block_q=block, block_k=block, interpret=interpret)  # both Pallas kernels
   return {
       "segment": lambda q, k, v, seg: segment_attention(
@@ -144,13 +169,61 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
       "jax_mha": jax_mha,
       "cudnn": lambda q, k, v, seg: segment_attention(
           q, k, v, seg, implementation="cudnn", cudnn_segment_bound=cudnn_segment_bound),
+      "dpa_cudnn_mask": dpa_cudnn_mask,
   }
 
 
+# `--sweep`: segpack's Pallas kernel under other settings than the benchmark's (forward blocks
+# `--block`, backward and the rest "auto"), each a `PallasOptions` override; name -> fields.
+SWEEP: dict[str, dict[str, int]] = {
+    "warps4": dict(num_warps=4),
+    "stages3": dict(num_stages=3),
+    "bwd32x64": dict(block_q_bwd=32, block_k_bwd=64),
+    "bwd64x128": dict(block_q_bwd=64, block_k_bwd=128),
+    "bwd128x64": dict(block_q_bwd=128, block_k_bwd=64),
+    "bwd128x128": dict(block_q_bwd=128, block_k_bwd=128),
+    "fwd64x64": dict(block_q=64, block_k=64),
+}
+
+
+def sweep_implementations(block: int, interpret: bool = False
+                          ) -> dict[str, Callable[..., jax.Array]]:
+  """segpack's Pallas kernel under every `SWEEP` setting, named `segment_<setting>`."""
+  out = {}
+  for name, fields in SWEEP.items():
+    options = PallasOptions(**{"block_q": block, "block_k": block, "interpret": interpret,
+                               **fields})
+    out[f"segment_{name}"] = functools.partial(_pallas_with, options)
+  return out
+
+
+def _pallas_with(options: PallasOptions, q, k, v, seg):
+  return segment_attention(q, k, v, seg, implementation="pallas", pallas=options)
+
+
+def _time_one(fn: Callable[..., jax.Array], q, k, v, seg_j, dout, *, repeats: int
+              ) -> tuple[float, float]:
+  """Median forward and forward+backward milliseconds of `fn` (each jitted, warmed up once)."""
+  fwd = jax.jit(fn)
+
+  @jax.jit
+  def fwd_bwd(q, k, v, seg, dout):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+    return out, vjp(dout)
+
+  fwd_ms = _median_ms(lambda: fwd(q, k, v, seg_j), repeats)
+  return fwd_ms, _median_ms(lambda: fwd_bwd(q, k, v, seg_j, dout), repeats)
+
+
 def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, block: int,
-                repeats: int, peak_tflops: float | None, interpret: bool = False
-                ) -> dict[str, Any]:
-  """Forward and forward+backward times (ms) and useful TFLOP/s of every implementation."""
+                repeats: int, peak_tflops: float | None, interpret: bool = False,
+                sweep: bool = False) -> dict[str, Any]:
+  """Forward and forward+backward times (ms) and TFLOP/s of every implementation.
+
+  `<name>_fwdbwd_tflops` counts useful FLOPs (causal per-document pairs); for segpack's Pallas
+  kernels `<name>_fwdbwd_tflops_computed` counts the FLOPs of the (block_q, block_k) tiles its
+  forward computes at `--block` (3.5x the forward's for forward+backward, as for useful FLOPs).
+  """
   b, s = seg.shape
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (b, s, heads, head_dim), jnp.bfloat16)
@@ -159,28 +232,30 @@ def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, bl
   dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
   seg_j = jnp.asarray(seg)
   flops = useful_flops(seg, heads=heads, head_dim=head_dim)
+  computed = (tile_counts(seg, block_q=block, block_k=block)["tiles_computed"] * block * block
+              * 4.0 * head_dim * heads)
   cudnn_segment_bound = int(max(len(_segment_lengths(r)) for r in seg))  # most segments
-  rec: dict[str, Any] = {}
-  for name, fn in _implementations(cudnn_segment_bound, block, interpret).items():
-    fwd = jax.jit(fn)
-
-    @jax.jit
-    def fwd_bwd(q, k, v, seg, dout, fn=fn):
-      out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
-      return out, vjp(dout)
-
+  impls = _implementations(cudnn_segment_bound, block, interpret)
+  if sweep:
+    impls.update(sweep_implementations(block, interpret))
+  rec: dict[str, Any] = dict(useful_flops_fwd=flops, computed_flops_fwd=computed)
+  for name, fn in impls.items():
     try:
-      rec[f"{name}_fwd_ms"] = _median_ms(lambda: fwd(q, k, v, seg_j), repeats)
-      ms = _median_ms(lambda: fwd_bwd(q, k, v, seg_j, dout), repeats)
-      rec[f"{name}_fwdbwd_ms"] = ms
-      tflops = 3.5 * flops / (ms * 1e-3) / 1e12  # backward = 2.5 x forward FLOPs
-      rec[f"{name}_fwdbwd_tflops"] = tflops
-      if peak_tflops:
-        rec[f"{name}_fwdbwd_peak_frac"] = tflops / peak_tflops
+      rec[f"{name}_fwd_ms"], ms = _time_one(fn, q, k, v, seg_j, dout, repeats=repeats)
     except Exception as e:  # pylint: disable=broad-except
-      msg = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-      rec[f"{name}_fwd_ms"] = rec.get(f"{name}_fwd_ms", msg)
-      rec[f"{name}_fwdbwd_ms"] = msg
+      msg = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+      rec[f"{name}_fwd_ms"] = rec[f"{name}_fwdbwd_ms"] = msg
+      continue
+    rec[f"{name}_fwdbwd_ms"] = ms
+    tflops = 3.5 * flops / (ms * 1e-3) / 1e12  # backward = 2.5 x forward FLOPs
+    rec[f"{name}_fwdbwd_tflops"] = tflops
+    if name.startswith("segment"):
+      rec[f"{name}_fwdbwd_tflops_computed"] = 3.5 * computed / (ms * 1e-3) / 1e12
+    if peak_tflops:
+      rec[f"{name}_fwdbwd_peak_frac"] = tflops / peak_tflops
+      if name.startswith("segment"):
+        rec[f"{name}_fwdbwd_peak_frac_computed"] = (
+            rec[f"{name}_fwdbwd_tflops_computed"] / peak_tflops)
   return rec
 
 
@@ -189,18 +264,20 @@ def _peak_tflops(device: jax.Device) -> float | None:
   return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in kind), None)
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-  """Every (seq_len, head_dim) config: one record."""
+def run(args: argparse.Namespace,
+        on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+  """Every (seq_len, head_dim) config: one record, passed to `on_record` as soon as measured."""
   on_gpu = jax.default_backend() == "gpu"
   device = jax.devices()[0]
   results = []
+  lengths = builtin_lengths() if args.lengths == "builtin" else None
   for s in args.seq_lens:
     seg, source = packed_rows(s, num_rows=args.rows, mean=args.mean, sigma=args.sigma,
-                              seed=args.seed)
+                              seed=args.seed, lengths=lengths)
     counts = tile_counts(seg, block_q=args.block, block_k=args.block)
     for d in args.head_dims:
       rec = dict(seq_len=s, head_dim=d, block_q=args.block, block_k=args.block, rows=len(seg),
-                 packing=source, **counts)
+                 packing=source, lengths=_lengths_name(args), **counts)
       rec["computed_over_ideal"] = counts["tiles_computed"] / counts["tiles_ideal"]
       rec["dense_over_computed"] = counts["tiles_dense"] / counts["tiles_computed"]
       if on_gpu or args.interpret:
@@ -208,12 +285,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind)
         rec.update(time_config(seg[:b], heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
                                block=args.block, repeats=args.repeats,
-                               peak_tflops=_peak_tflops(device), interpret=args.interpret))
+                               peak_tflops=_peak_tflops(device), interpret=args.interpret,
+                               sweep=args.sweep))
       else:
         rec.update(device=f"{device.platform} ({device.device_kind})", timings=NOT_MEASURED)
       rec["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
       results.append(rec)
+      if on_record is not None:
+        on_record(rec)
   return results
+
+
+def _lengths_name(args: argparse.Namespace) -> str:
+  if args.lengths == "builtin":
+    return "builtin corpus (train split, +BOS/EOS)"
+  return f"lognormal(mean {args.mean:g}, sigma {args.sigma:g})"
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -292,12 +378,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   ap.add_argument("--heads", type=int, default=16)
   ap.add_argument("--kv-heads", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--lengths", choices=("lognormal", "builtin"), default="lognormal",
+                  help="document lengths: lognormal (--mean, --sigma) or the built-in corpus's")
   ap.add_argument("--mean", type=float, default=800.0)
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--interpret", action="store_true",
                   help="run the GPU timing path in Pallas interpret mode (checks the code on a "
                   "CPU; the times mean nothing)")
+  ap.add_argument("--sweep", action="store_true",
+                  help="also time segpack's Pallas kernel under the settings of SWEEP")
   ap.add_argument("--json", action="store_true", help="one JSON record per config, one a line")
   ap.add_argument("--plot", default=None, help="write a PNG plot here")
   ap.add_argument("--context", action="store_true",
@@ -312,8 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   if "--context" in argv:
     return attention_context.main([a for a in argv if a != "--context"])
   args = parse_args(argv)
-  results = run(args)
-  tables.print_results(results, as_json=args.json, format_table=format_table)
+  # With --json each record is printed (and flushed) as soon as it is measured.
+  results = run(args, on_record=(lambda r: print(json.dumps(r), flush=True)) if args.json
+                else None)
+  if not args.json:
+    print(format_table(results))
   if not args.json and results and results[0].get("timings") == NOT_MEASURED:
     print(f"\nGPU timings: {NOT_MEASURED} (backend: {jax.default_backend()}).")
   if args.plot:

@@ -1,9 +1,11 @@
-"""Training benchmarks: `python -m train.bench packed|sft|preference [--json]` (`--help` after
+"""Training benchmarks: `python -m train.bench packed|sft|preference|steps [--json]` (`--help` after
 any).
 
 `packed`: packed vs padded training on the same documents (this module).
 `sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/bench/sft.py`, docs/sft.md).
 `preference`: DPO on packed pairs vs padded pairs (`train/bench/preference.py`, docs/preference.md).
+`steps`: the trainer's own step on any config, timed and profiled: MFU (`train/bench/steps.py`).
+`gpu-numbers`: every GPU figure in one JSON, stage by stage (`train/bench/gpu_numbers.py`).
 
 `packed`, algorithm:
   1. Sample `--docs` documents (seeded) from the built-in corpus's training split.
@@ -41,7 +43,9 @@ from segpack.data.packed import pack_dataset
 from segpack.text import corpus
 from train import model as model_lib
 from train.bench import preference as preference_bench
+from train.bench import gpu_numbers
 from train.bench import sft as sft_bench
+from train.bench import steps as steps_bench
 from train import sharding as sharding_lib
 from train import train as train_lib
 
@@ -159,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
   pref = sub.add_parser("preference", help="DPO: packed pairs vs pairs padded to the longest",
                         description=preference_bench.__doc__, formatter_class=raw)
   preference_bench.add_arguments(pref)
+  steps = sub.add_parser("steps", help="the trainer's step on a config: time, MFU, top kernels",
+                         description=steps_bench.__doc__, formatter_class=raw)
+  steps_bench.add_arguments(steps)
+  numbers = sub.add_parser("gpu-numbers", help="every GPU figure of docs/benchmarks.md, one JSON",
+                           description=gpu_numbers.__doc__, formatter_class=raw)
+  gpu_numbers.add_arguments(numbers)
   return parser
 
 
@@ -170,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return sft_bench.run(args)
   if args.benchmark == "preference":
     return preference_bench.run(args)
+  if args.benchmark == "steps":
+    return steps_bench.run(args)
+  if args.benchmark == "gpu-numbers":
+    return gpu_numbers.run(args)
   result = bench(size=args.size, num_docs=args.docs, seq_len=args.seq_len,
                  batch_size=args.batch_size, seed=args.seed)
   print(json.dumps(result, sort_keys=True) if args.json else _table(result))

@@ -254,10 +254,15 @@ def adopt(config: Any, *, explicit: set[str] | frozenset[str] = frozenset()) -> 
   dtype = torch_dtype(hf, where)
   if "model.param_dtype" not in explicit:  # float16 master weights overflow in AdamW's update
     config.model.param_dtype = "float32" if dtype == "float16" else dtype
+  set_architecture(config.model, arch)
+
+
+def set_architecture(model_cfg: Any, arch: dict[str, Any]) -> None:
+  """Writes `architecture(...)`'s values into a config's `model` group (in place)."""
   for key in ARCH_KEYS:
-    config.model[key] = arch[key]
+    model_cfg[key] = arch[key]
   for key in SCALING_KEYS:
-    config.model.rope_scaling[key] = arch["rope_scaling"][key]
+    model_cfg.rope_scaling[key] = arch["rope_scaling"][key]
 
 
 def check_window(model_cfg: Any, seq_len: int) -> None:
