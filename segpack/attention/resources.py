@@ -72,6 +72,11 @@ DEVICE_BUDGETS = (("H100 (sm_90)", H100_SMEM_BYTES), ("A100 (sm_80)", 166_912),
 FORWARD_BLOCKS = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 BACKWARD_BLOCKS = ((64, 64), (32, 64), (64, 32), (32, 32), (16, 32), (32, 16), (16, 16))
 STAGES = (2, 1)
+# Warps of the backward kernels (dQ, dK/dV) for 16-bit inputs at D >= 128. On an H200 (bf16,
+# D = 128, S = 8192, 64x64 blocks, docs/benchmarks.md) the backward took 8.2 ms with 4 warps
+# against 18.5 ms with 8 (forward+backward minus forward); the forward is faster with 8 (3.6 ms
+# against 6.2). float32 and other head dims: not yet measured.
+BACKWARD_WARPS_16BIT = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +170,14 @@ def device_smem_bytes() -> int:
   return smem_limit(cc) if cc else H100_SMEM_BYTES
 
 
-def default_num_warps(*, head_dim: int, block_q: int, block_k: int) -> int:
-  """4 warps for D <= 64 or tiles under 64 rows; 8 for tiles of 64+ rows at D >= 128."""
+def default_num_warps(*, head_dim: int, block_q: int, block_k: int, kernel: str = "forward",
+                      dtype: Any = jnp.float32) -> int:
+  """4 warps for D <= 64 or tiles under 64 rows; 8 for tiles of 64+ rows at D >= 128, except in
+  the backward kernels of 16-bit inputs: 4 (`BACKWARD_WARPS_16BIT`)."""
   if padded_head_dim(head_dim) <= 64 or max(block_q, block_k) < 64:
     return 4
+  if kernel != "forward" and jnp.dtype(dtype).itemsize == 2:
+    return BACKWARD_WARPS_16BIT
   return 8
 
 
@@ -218,8 +227,8 @@ def check_config(*, kernel: str, settings: KernelSettings, dtype: Any, head_dim:
                    smem_bytes=limit, what="the explicit setting does not fit in shared memory")
 
 
-def _candidates(*, kernel: str, head_dim: int, seq_len: int | None, block_q: int | Auto,
-                block_k: int | Auto, num_stages: int | Auto,
+def _candidates(*, kernel: str, dtype: Any, head_dim: int, seq_len: int | None,
+                block_q: int | Auto, block_k: int | Auto, num_stages: int | Auto,
                 num_warps: int | Auto) -> list[KernelSettings]:
   """Ordered candidates, explicit fields substituted, blocks capped by `next_pow2(seq_len)`."""
   cap = max(16, next_pow2(seq_len)) if seq_len else None
@@ -231,7 +240,8 @@ def _candidates(*, kernel: str, head_dim: int, seq_len: int | None, block_q: int
       if cap:
         bq, bk = min(bq, cap), min(bk, cap)
       s = stages if num_stages == AUTO else num_stages
-      w = (default_num_warps(head_dim=head_dim, block_q=bq, block_k=bk) if num_warps == AUTO
+      w = (default_num_warps(head_dim=head_dim, block_q=bq, block_k=bk, kernel=kernel,
+                             dtype=dtype) if num_warps == AUTO
            else num_warps)
       cand = KernelSettings(block_q=bq, block_k=bk, num_stages=s, num_warps=w)
       if cand not in out:
@@ -270,7 +280,8 @@ def resolve(*, kernel: str, dtype: Any, head_dim: int, group: int = 1, seq_len: 
   """
   kernels = _group_of(kernel)
   limit = device_smem_bytes() if smem_bytes is None else smem_bytes
-  cands = _candidates(kernel=kernel, head_dim=head_dim, seq_len=seq_len, block_q=block_q,
+  cands = _candidates(kernel=kernel, dtype=dtype, head_dim=head_dim, seq_len=seq_len,
+                      block_q=block_q,
                       block_k=block_k, num_stages=num_stages, num_warps=num_warps)
   if AUTO not in (block_q, block_k, num_stages):  # the warps do not change the model
     check_config(kernel=kernel, settings=cands[0], dtype=dtype, head_dim=head_dim, group=group,

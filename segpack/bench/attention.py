@@ -73,8 +73,9 @@ def builtin_lengths() -> np.ndarray:
 
 def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float, seed: int,
                 lengths: np.ndarray | None = None) -> tuple[np.ndarray, str]:
-  """`[num_rows, seq_len]` segment ids of rows sampled from a real packing plan of `lengths`
-  (None: lognormal lengths of `mean` and `sigma`); fewer rows when the plan has fewer."""
+  """`[num_rows, seq_len]` segment ids of rows drawn at random from a real packing plan of
+  `lengths` (None: lognormal lengths of `mean` and `sigma`), in the order drawn, so that any
+  first rows are a random sample too; fewer rows when the plan has fewer."""
   if lengths is None:
     lengths = lognormal_lengths(max(64, 8 * num_rows * seq_len // int(mean)), mean=mean,
                                 sigma=sigma, seed=seed)
@@ -84,9 +85,11 @@ def packed_rows(seq_len: int, *, num_rows: int, mean: float, sigma: float, seed:
   rows = [list(piece_len[splits[r]:splits[r + 1]]) for r in range(p.num_rows)]
   source = "segpack.packing.plan(ffd)"
   num_rows = min(num_rows, len(rows))
+  # In drawn order, not the plan's: the timing takes the first rows, and FFD's first rows hold
+  # the longest documents (one a row), so a prefix of the plan's order is no sample of its rows.
   picks = np.random.default_rng(seed).choice(len(rows), size=num_rows, replace=False)
   seg = np.zeros((num_rows, seq_len), np.int32)
-  for out_row, r in enumerate(sorted(picks)):
+  for out_row, r in enumerate(picks):
     seg[out_row, :sum(rows[r])] = np.repeat(np.arange(1, len(rows[r]) + 1), rows[r])
   return seg, source
 
@@ -282,7 +285,10 @@ def run(args: argparse.Namespace,
       rec["dense_over_computed"] = counts["tiles_dense"] / counts["tiles_computed"]
       if on_gpu or args.interpret:
         b = max(1, min(len(seg), args.tokens // s))
-        rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind)
+        timed = tile_counts(seg[:b], block_q=args.block, block_k=args.block)
+        rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind,
+                   timed_documents=sum(len(_segment_lengths(r)) for r in seg[:b]),
+                   timed_dense_over_computed=timed["tiles_dense"] / timed["tiles_computed"])
         rec.update(time_config(seg[:b], heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
                                block=args.block, repeats=args.repeats,
                                peak_tflops=_peak_tflops(device), interpret=args.interpret,

@@ -170,3 +170,4 @@ def test_pallas_head_dim_128_forward_and_grads():
   np.testing.assert_allclose(out, want, atol=2e-5)
   for name, got, ref in zip("qkv", grads, grads_want):
     np.testing.assert_allclose(got, ref, atol=1e-4, err_msg=f"d{name}")
+

@@ -100,6 +100,11 @@ def test_auto_settings_are_the_fastest_candidates():
   assert auto("forward", "bfloat16", 64, smem_bytes=H100) == KernelSettings(128, 128, 2, 4)
   assert auto("dkv", "bfloat16", 64, smem_bytes=H100) == KernelSettings(64, 64, 2, 4)
   assert auto("forward", "bfloat16", 128, smem_bytes=H100) == KernelSettings(128, 128, 2, 8)
+  # The backward kernels of 16-bit inputs run 4 warps at D = 128 too (measured 2.3x faster than 8
+  # on an H200); float32 keeps 8 there.
+  assert auto("dkv", "bfloat16", 128, smem_bytes=H100) == KernelSettings(64, 64, 2, 4)
+  assert auto("dq", "float16", 80, smem_bytes=H100) == KernelSettings(64, 64, 2, 4)
+  assert auto("dkv", "float32", 128, smem_bytes=H100) == KernelSettings(64, 64, 2, 8)
   # The measured failure (f32 D=128 at 128x128, 2 stages) halves block_k instead.
   assert auto("forward", "float32", 128, smem_bytes=H100) == KernelSettings(128, 64, 2, 8)
   assert auto("forward", "bfloat16", 256, smem_bytes=H100) == KernelSettings(128, 64, 2, 8)
@@ -173,7 +178,7 @@ def _triton_calls(text):
 
 @pytest.mark.parametrize("dtype,d,budget,fwd,bwd", [
     (jnp.float32, 128, None, (128, 64, 2, 8), (64, 64, 2, 8)),
-    (jnp.bfloat16, 256, None, (128, 64, 2, 8), (64, 64, 2, 8)),
+    (jnp.bfloat16, 256, None, (128, 64, 2, 8), (64, 64, 2, 4)),  # 16-bit backward: 4 warps
     (jnp.bfloat16, 256, SM89, (64, 32, 2, 8), (16, 32, 2, 4)),
 ])
 def test_auto_settings_reach_the_triton_calls(dtype, d, budget, fwd, bwd):

@@ -62,3 +62,17 @@ def test_cli_table_and_plot(tmp_path, capsys):
   assert "comp/ideal" in text and "not measured" in text
   assert out.stat().st_size > 1000
   assert [p.name for p in tmp_path.iterdir()] == ["att.png"]  # written atomically, no leftovers
+
+
+def test_timed_rows_are_a_sample_of_the_plan_not_its_longest_rows():
+  # The GPU timing takes the first `tokens // S` rows (4 at S = 8192). FFD's first rows hold
+  # the longest documents, one a row; taking the first rows in plan order timed only those.
+  lengths = bench.lognormal_lengths(8 * 32 * 8192 // 800, mean=800, sigma=1.5, seed=0)
+  plan = bench.packing.plan(lengths, 8192, strategy="ffd")
+  docs_per_row = np.diff(np.asarray(plan.row_splits))
+  assert np.all(docs_per_row[:8] == 1)  # negative control: a plan-order prefix is one-document rows
+  seg, _ = bench.packed_rows(8192, num_rows=32, mean=800, sigma=1.5, seed=0)
+  first = [len(bench._segment_lengths(r)) for r in seg[:4]]
+  every = [len(bench._segment_lengths(r)) for r in seg]
+  assert max(first) > 1
+  assert sorted(every) != every  # rows in drawn order, not the plan's

@@ -13,7 +13,8 @@ Algorithm:
   4. Model FLOPs (`train/flops.py`: `6 N` per real token plus `12 L H D` per pair) over the time
      give MFU against the devices' bf16 peak; the allocator's peak is the device memory.
   5. With `--profile-steps N`, trace N more steps (`jax.profiler.trace`, a Perfetto trace under
-     WORKDIR/profile) and list the device kernels that took the most time per step.
+     WORKDIR/profile): device kernel time per step, split into attention, matmul, fusion,
+     copy and other kernels (`KERNEL_GROUPS`), and the kernels that took the most time.
 
 Example: 20 steps of 4 rows x 8192 slots at 95% slot utilization are 622,592 real tokens; with
 N = 1.24e9 that is 4.6e15 model FLOPs (plus attention): in 12 s, 385 TFLOP/s, 39% of 989.
@@ -75,12 +76,26 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
       raise errors.ArgumentError(f"--set {item!r}: {' '.join(str(e).split())}") from None
 
 
-def top_kernels(trace_dir: str, *, steps: int, top: int) -> list[dict[str, Any]]:
-  """The device kernels of a Perfetto trace (`jax.profiler.trace(create_perfetto_trace=True)`)
-  with the most time: name, milliseconds per step, share of all device kernel time."""
+# Kernel groups of a profile, the first pattern that matches a kernel's name (case-insensitive).
+KERNEL_GROUPS = (("attention", ("segment_flash", "mha", "fmha", "cudnn", "attention")),
+                 ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "dot")),
+                 ("copy", ("memcpy", "memset", "copy")),
+                 ("fusion", ("fusion",)))
+
+
+def kernel_group(name: str) -> str:
+  """`KERNEL_GROUPS`' group of a device kernel's name, "other" when none matches."""
+  lower = name.lower()
+  return next((group for group, keys in KERNEL_GROUPS if any(k in lower for k in keys)), "other")
+
+
+def device_kernel_times(trace_dir: str) -> dict[str, float]:
+  """Microseconds per device kernel name in a Perfetto trace
+  (`jax.profiler.trace(create_perfetto_trace=True)`): the events on the device processes'
+  "Stream" lines (kernels and copies; not the XLA op or module lines); {} without a trace."""
   paths = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
   if not paths:
-    return []
+    return {}
   with gzip.open(paths[-1], "rt", encoding="utf-8") as f:
     events = json.load(f)
   events = events["traceEvents"] if isinstance(events, dict) else events
@@ -93,14 +108,25 @@ def top_kernels(trace_dir: str, *, steps: int, top: int) -> list[dict[str, Any]]
   for e in events:
     if e.get("ph") != "X" or e.get("pid") not in device:
       continue
-    line = thread.get((e["pid"], e.get("tid")), "")
-    if not line.lower().startswith("stream"):  # kernels and copies, not the XLA op/module lines
+    if not thread.get((e["pid"], e.get("tid")), "").lower().startswith("stream"):
       continue
     totals[e["name"]] = totals.get(e["name"], 0.0) + float(e.get("dur", 0.0))
-  whole = sum(totals.values()) or 1.0
+  return totals
+
+
+def profile_summary(trace_dir: str, *, steps: int, top: int) -> dict[str, Any]:
+  """Per step: device kernel time, its split by `KERNEL_GROUPS`, and the `top` kernels by time
+  (name, milliseconds, share of all device kernel time)."""
+  totals = device_kernel_times(trace_dir)
+  per_step = lambda us: us / 1e3 / max(steps, 1)
+  whole = sum(totals.values())
+  groups: dict[str, float] = {}
+  for name, us in totals.items():
+    groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + per_step(us)
   ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-  return [dict(kernel=name[:160], ms_per_step=us / 1e3 / max(steps, 1), share=us / whole)
-          for name, us in ranked]
+  return dict(kernel_ms_per_step=per_step(whole), kernel_groups_ms_per_step=groups,
+              top_kernels=[dict(kernel=name[:160], ms_per_step=per_step(us),
+                                share=us / (whole or 1.0)) for name, us in ranked])
 
 
 def _advance(run: Any, steps: int) -> list[dict[str, Any]]:
@@ -153,8 +179,7 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
     jax.block_until_ready(_advance(run, 1))
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       jax.block_until_ready(_advance(run, profile_steps))
-    rec.update(profile_dir=trace_dir,
-               top_kernels=top_kernels(trace_dir, steps=profile_steps, top=top))
+    rec.update(profile_dir=trace_dir, **profile_summary(trace_dir, steps=profile_steps, top=top))
   return rec
 
 
@@ -167,6 +192,10 @@ def format_table(rec: dict[str, Any]) -> str:
            f"{rec['steps']} steps in {rec['wall_s']:.2f} s ({rec['step_ms']:.1f} ms/step), slot "
            f"utilization {rec['slot_utilization']:.1%}, {rec['real_tokens_per_s']:,.0f} real "
            f"tokens/s, {rec['model_flops_per_s'] / 1e12:.1f} model TFLOP/s, MFU {mfu}"]
+  if rec.get("kernel_groups_ms_per_step"):
+    lines.append(f"device kernels {rec['kernel_ms_per_step']:.1f} ms/step: " + ", ".join(
+        f"{g} {ms:.1f}" for g, ms in sorted(rec["kernel_groups_ms_per_step"].items(),
+                                            key=lambda kv: -kv[1])))
   for k in rec.get("top_kernels", []):
     lines.append(f"  {k['ms_per_step']:9.2f} ms/step {k['share']:6.1%}  {k['kernel'][:100]}")
   return "\n".join(lines)
