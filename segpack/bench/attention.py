@@ -179,6 +179,7 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
 # `--sweep`: segpack's Pallas kernel under other settings than the benchmark's (forward blocks
 # `--block`, backward and the rest "auto"), each a `PallasOptions` override; name -> fields.
 SWEEP: dict[str, dict[str, int]] = {
+    "warps8": dict(num_warps=8),  # every kernel 8 warps (the 16-bit backward at D >= 128 was)
     "warps4": dict(num_warps=4),
     "stages3": dict(num_stages=3),
     "bwd32x64": dict(block_q_bwd=32, block_k_bwd=64),

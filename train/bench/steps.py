@@ -7,7 +7,8 @@ Algorithm:
   1. Load `--config FILE[:VARIANT]`; with `--hf-config DIR`, take the architecture of the Hugging
      Face `DIR/config.json` (no weights: the model starts from random initialisation); then apply
      the `--set KEY=VALUE` overrides (`train.batch_size=4`).
-  2. Set the run up in a fresh `--workdir`; run `--warmup` steps (the first compiles); wait.
+  2. Check the config (`preflight`, timed apart), set the run up in a fresh `--workdir`, run
+     `--warmup` steps (the first compiles) and wait.
   3. Time `--steps` steps, waiting only after the last; sum their real tokens, slots and causal
      within-document (query, key) pairs from the step's own metrics.
   4. Model FLOPs (`train/flops.py`: `6 N` per real token plus `12 L H D` per pair) over the time
@@ -143,7 +144,10 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
             profile_steps: int, top: int) -> dict[str, Any]:
   """Steps 2-5 of the algorithm: one record."""
   t0 = time.perf_counter()
-  run = train_lib.setup(config, workdir)
+  train_lib.preflight(config)  # the config checks and the attention self-check
+  preflight_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  run = train_lib.setup(config, workdir, checked=True)
   setup_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   jax.block_until_ready(_advance(run, warmup))
@@ -166,7 +170,7 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
              attention=config.attention.implementation, dtype=config.model.dtype,
              remat=config.model.remat, loss_block_size=config.loss.block_size,
              devices=jax.device_count(), device=jax.devices()[0].device_kind,
-             setup_s=setup_s, warmup_steps=warmup, warmup_s=warmup_s, steps=steps, wall_s=wall,
+             preflight_s=preflight_s, setup_s=setup_s, warmup_steps=warmup, warmup_s=warmup_s, steps=steps, wall_s=wall,
              step_ms=1e3 * wall / steps, real_tokens=real, slots=slots,
              slot_utilization=real / max(slots, 1.0), real_tokens_per_s=real / wall,
              slots_per_s=slots / wall, model_flops_per_s=flops / wall,
