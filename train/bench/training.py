@@ -1,5 +1,5 @@
-"""Training benchmarks: `python -m train.bench packed|sft|preference|steps [--json]` (`--help` after
-any).
+"""Training benchmarks: `python -m train.bench packed|sft|preference|steps|gpu-numbers [...]`
+(`--help` after any).
 
 `packed`: packed vs padded training on the same documents (this module).
 `sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/bench/sft.py`, docs/sft.md).
@@ -142,6 +142,17 @@ def _table(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+# The subcommands besides `packed`, each a module with `add_arguments(parser)` and `run(args)`.
+SUBCOMMANDS = {"sft": sft_bench, "preference": preference_bench, "steps": steps_bench,
+               "gpu-numbers": gpu_numbers}
+SUBCOMMAND_HELP = {
+    "sft": "chat fine-tuning: padding vs minibatch vs global packing",
+    "preference": "DPO: packed pairs vs pairs padded to the longest",
+    "steps": "the trainer's step on a config: time, MFU, top kernels",
+    "gpu-numbers": "every GPU figure of docs/benchmarks.md, one JSON",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The `python -m train.bench` parser: one declared subcommand per benchmark."""
   raw = argparse.RawDescriptionHelpFormatter
@@ -157,18 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
   packed.add_argument("--batch-size", type=errors.at_least(1), default=8, help="rows per step")
   packed.add_argument("--seed", type=int, default=0, help="document sampling seed")
   packed.add_argument("--json", action="store_true", help="print one JSON object")
-  sft = sub.add_parser("sft", help="chat fine-tuning: padding vs minibatch vs global packing",
-                       description=sft_bench.__doc__, formatter_class=raw)
-  sft_bench.add_arguments(sft)
-  pref = sub.add_parser("preference", help="DPO: packed pairs vs pairs padded to the longest",
-                        description=preference_bench.__doc__, formatter_class=raw)
-  preference_bench.add_arguments(pref)
-  steps = sub.add_parser("steps", help="the trainer's step on a config: time, MFU, top kernels",
-                         description=steps_bench.__doc__, formatter_class=raw)
-  steps_bench.add_arguments(steps)
-  numbers = sub.add_parser("gpu-numbers", help="every GPU figure of docs/benchmarks.md, one JSON",
-                           description=gpu_numbers.__doc__, formatter_class=raw)
-  gpu_numbers.add_arguments(numbers)
+  for name, module in SUBCOMMANDS.items():  # each declares its own flags and runs itself
+    module.add_arguments(sub.add_parser(name, help=SUBCOMMAND_HELP[name],
+                                        description=module.__doc__, formatter_class=raw))
   return parser
 
 
@@ -176,14 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs `python -m train.bench BENCHMARK ...`; returns the exit status."""
   args = build_parser().parse_args(argv)
-  if args.benchmark == "sft":
-    return sft_bench.run(args)
-  if args.benchmark == "preference":
-    return preference_bench.run(args)
-  if args.benchmark == "steps":
-    return steps_bench.run(args)
-  if args.benchmark == "gpu-numbers":
-    return gpu_numbers.run(args)
+  if args.benchmark in SUBCOMMANDS:
+    return SUBCOMMANDS[args.benchmark].run(args)
   result = bench(size=args.size, num_docs=args.docs, seq_len=args.seq_len,
                  batch_size=args.batch_size, seed=args.seed)
   print(json.dumps(result, sort_keys=True) if args.json else _table(result))
