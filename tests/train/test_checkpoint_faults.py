@@ -538,7 +538,7 @@ def _make(cp, kind, step, name):
 EXAMPLES = itertools.count()
 
 
-@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+@settings(max_examples=25, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(entries=st.lists(ENTRY, min_size=1, max_size=6), name=NAME,
        damaged_root_is_a_file=st.booleans())

@@ -37,14 +37,13 @@ def _config(**overrides):
 
 CASES = {
     "data8": {},
-    "data_fsdp_tensor": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+    # data 2 x fsdp 2 x tensor 2 alone is also the mesh of "tied_bias_norm_sequence" and "pallas".
     "fsdp8": {"mesh.data": 1, "mesh.fsdp": 8},
     # K=2 does not divide over 4: the heads stay whole, F=64 and V=128 split over 4.
     "tensor4": {"mesh.data": 2, "mesh.tensor": 4},
     "context_tensor": {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2},
     "context4_fsdp": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.context": 4},
-    "accumulation": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
-                     "train.batch_size": 16, "train.grad_accum_steps": 2},
+    # Accumulation over fsdp and tensor: "sources_context_accumulation" (with context too).
     # fsdp=1: the micro-batch reshape must keep the one-device axis on the rows.
     "accumulation_data8": {"train.batch_size": 16, "train.grad_accum_steps": 2},
     "tied_bias_norm_sequence": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
