@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import gzip
 import importlib.util
 import json
@@ -67,13 +68,19 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
-    *parents, last = key.split(".")
-    try:
-      node = config
-      for part in parents:
+    node, parts = config, key.split(".")
+    for depth, part in enumerate(parts):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        where = ".".join(parts[:depth]) or "the config"
+        known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        near = difflib.get_close_matches(part, known, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else f"; its keys: {', '.join(known)}"
+        raise errors.ArgumentError(f"--set {item!r}: {where} has no key {part!r}{hint}")
+      if depth < len(parts) - 1:
         node = node[part]
-      node[last] = value
-    except (KeyError, AttributeError, TypeError) as e:
+    try:
+      node[parts[-1]] = value
+    except (TypeError, ValueError) as e:
       raise errors.ArgumentError(f"--set {item!r}: {' '.join(str(e).split())}") from None
 
 
