@@ -236,13 +236,16 @@ def time_config(seg: np.ndarray, *, heads: int, kv_heads: int, head_dim: int, bl
   dout = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
   seg_j = jnp.asarray(seg)
   flops = useful_flops(seg, heads=heads, head_dim=head_dim)
-  computed = (tile_counts(seg, block_q=block, block_k=block)["tiles_computed"] * block * block
-              * 4.0 * head_dim * heads)
-  cudnn_segment_bound = int(max(len(_segment_lengths(r)) for r in seg))  # most segments
+  tiles = tile_counts(seg, block_q=block, block_k=block)
+  computed = tiles["tiles_computed"] * block * block * 4.0 * head_dim * heads
+  documents = [len(_segment_lengths(r)) for r in seg]
+  cudnn_segment_bound = max(documents)  # most segments
   impls = _implementations(cudnn_segment_bound, block, interpret)
   if sweep:
     impls.update(sweep_implementations(block, interpret))
-  rec: dict[str, Any] = dict(useful_flops_fwd=flops, computed_flops_fwd=computed)
+  rec: dict[str, Any] = dict(
+      useful_flops_fwd=flops, computed_flops_fwd=computed, timed_documents=sum(documents),
+      timed_dense_over_computed=tiles["tiles_dense"] / tiles["tiles_computed"])
   for name, fn in impls.items():
     try:
       rec[f"{name}_fwd_ms"], ms = _time_one(fn, q, k, v, seg_j, dout, repeats=repeats)
@@ -286,10 +289,7 @@ def run(args: argparse.Namespace,
       rec["dense_over_computed"] = counts["tiles_dense"] / counts["tiles_computed"]
       if on_gpu or args.interpret:
         b = max(1, min(len(seg), args.tokens // s))
-        timed = tile_counts(seg[:b], block_q=args.block, block_k=args.block)
-        rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind,
-                   timed_documents=sum(len(_segment_lengths(r)) for r in seg[:b]),
-                   timed_dense_over_computed=timed["tiles_dense"] / timed["tiles_computed"])
+        rec.update(batch=b, heads=args.heads, kv_heads=args.kv_heads, device=device.device_kind)
         rec.update(time_config(seg[:b], heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
                                block=args.block, repeats=args.repeats,
                                peak_tflops=_peak_tflops(device), interpret=args.interpret,

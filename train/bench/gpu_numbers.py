@@ -165,9 +165,8 @@ def run_stage(stage: Stage, *, out: pathlib.Path, dry: bool, limit: float,
   try:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=limit, env=env)
     rc, text, err = proc.returncode, proc.stdout, proc.stderr
-  except subprocess.TimeoutExpired as e:
-    rc, text = None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+  except subprocess.TimeoutExpired as e:  # what it printed before the limit (bytes, or None)
+    rc, text, err = None, (e.stdout or b"").decode(), (e.stderr or b"").decode()
   seconds = time.perf_counter() - t0
   log.write_text(f"$ {' '.join(argv)}\n{text}\n--- stderr ---\n{err}")
   status = "timed out" if rc is None else ("ok" if rc == 0 else f"exit {rc}")
