@@ -180,13 +180,10 @@ def _implementations(cudnn_segment_bound: int, block: int, interpret: bool = Fal
 # `--block`, backward and the rest "auto"), each a `PallasOptions` override; name -> fields.
 SWEEP: dict[str, dict[str, int]] = {
     "warps8": dict(num_warps=8),  # every kernel 8 warps (the 16-bit backward at D >= 128 was)
-    "warps4": dict(num_warps=4),
     "stages3": dict(num_stages=3),
-    "bwd32x64": dict(block_q_bwd=32, block_k_bwd=64),
-    "bwd64x128": dict(block_q_bwd=64, block_k_bwd=128),
+    "bwd64x64": dict(block_q_bwd=64, block_k_bwd=64),
     "bwd128x64": dict(block_q_bwd=128, block_k_bwd=64),
-    "bwd128x128": dict(block_q_bwd=128, block_k_bwd=128),
-    "fwd64x64": dict(block_q=64, block_k=64),
+    "bwd128x64w8": dict(block_q_bwd=128, block_k_bwd=64, num_warps=8),
 }
 
 

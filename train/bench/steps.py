@@ -15,7 +15,9 @@ Algorithm:
      give MFU against the devices' bf16 peak; the allocator's peak is the device memory.
   5. With `--profile-steps N`, trace N more steps (`jax.profiler.trace`, a Perfetto trace under
      WORKDIR/profile): device kernel time per step, split into attention, matmul, fusion,
-     copy and other kernels (`KERNEL_GROUPS`), and the kernels that took the most time.
+     copy and other kernels (`KERNEL_GROUPS`), and the kernels that took the most time; the
+     setup is then profiled too (`cProfile`): segpack's and the trainer's functions by
+     cumulative time, and any library's by its own time (a compile, a wait on the device).
 
 Example: 20 steps of 4 rows x 8192 slots at 95% slot utilization are 622,592 real tokens; with
 N = 1.24e9 that is 4.6e15 model FLOPs (plus attention): in 12 s, 385 TFLOP/s, 39% of 989.
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import cProfile
 import difflib
 import gzip
 import importlib.util
 import json
 import os
 import pathlib
+import pstats
+import re
 import tempfile
 import time
 from typing import Any, Sequence
@@ -137,6 +142,20 @@ def profile_summary(trace_dir: str, *, steps: int, top: int) -> dict[str, Any]:
                                 share=us / (whole or 1.0)) for name, us in ranked])
 
 
+def setup_summary(profiler: cProfile.Profile, *, top: int) -> dict[str, list[dict[str, Any]]]:
+  """Where `train.train.setup` spent its time: `own`, the `top` functions of segpack and the
+  trainer by cumulative seconds (callees included), outermost first; `self`, the `top` functions
+  of any library by their own seconds (a compile, a wait on the device, a copy)."""
+  stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tt, ct, callers)}
+  where = lambda f, name: f"{pathlib.Path(f).parent.name}/{pathlib.Path(f).name}:{name}"
+  own = [(ct, where(f, name)) for (f, _, name), (_, _, _, ct, _) in stats.items()
+         if re.search(r"/(segpack|train)/", f) and "/site-packages/" not in f]
+  self_ = [(tt, where(f, name)) for (f, _, name), (_, _, tt, _, _) in stats.items()]
+  rows = lambda pairs: [dict(function=w, seconds=round(t, 2))
+                        for t, w in sorted(pairs, reverse=True)[:top]]
+  return dict(own=rows(own), self=rows(self_))
+
+
 def _advance(run: Any, steps: int) -> list[dict[str, Any]]:
   """`steps` training steps on the run's own data stream; their metrics (not yet fetched)."""
   out = []
@@ -154,7 +173,9 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
   train_lib.preflight(config)  # the config checks and the attention self-check
   preflight_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  run = train_lib.setup(config, workdir, checked=True)
+  profiler = cProfile.Profile() if profile_steps else None
+  run = (train_lib.setup(config, workdir, checked=True) if profiler is None else
+         profiler.runcall(train_lib.setup, config, workdir, checked=True))
   setup_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   jax.block_until_ready(_advance(run, warmup))
@@ -190,7 +211,8 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
     jax.block_until_ready(_advance(run, 1))
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
       jax.block_until_ready(_advance(run, profile_steps))
-    rec.update(profile_dir=trace_dir, **profile_summary(trace_dir, steps=profile_steps, top=top))
+    rec.update(profile_dir=trace_dir, **profile_summary(trace_dir, steps=profile_steps, top=top),
+               setup_profile=setup_summary(profiler, top=top))
   return rec
 
 
@@ -209,6 +231,9 @@ def format_table(rec: dict[str, Any]) -> str:
                                             key=lambda kv: -kv[1])))
   for k in rec.get("top_kernels", []):
     lines.append(f"  {k['ms_per_step']:9.2f} ms/step {k['share']:6.1%}  {k['kernel'][:100]}")
+  if rec.get("setup_profile"):
+    lines.append(f"setup {rec['setup_s']:.1f} s; its own longest calls: " + ", ".join(
+        f"{r['function']} {r['seconds']:.1f} s" for r in rec["setup_profile"]["self"][:5]))
   return "\n".join(lines)
 
 

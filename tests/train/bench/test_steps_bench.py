@@ -2,9 +2,11 @@
 trace, overrides, a tiny step run against transformers' parameter count, the GPU command's
 stages (argv parsed by each command's own parser; one stage run at toy size)."""
 
+import cProfile
 import gzip
 import json
 import pathlib
+import time
 
 import pytest
 
@@ -45,6 +47,20 @@ def test_profile_summary_sums_device_stream_kernels_only(tmp_path):
                                                        "segment_flash_bwd_dkv"]
   assert got["top_kernels"][0]["share"] == pytest.approx(4000 / 6000)
   assert steps.profile_summary(str(tmp_path / "none"), steps=1, top=3)["top_kernels"] == []
+
+
+def test_setup_summary_ranks_own_code_by_cumulative_and_any_code_by_own_time():
+  def setup_like():
+    time.sleep(0.2)  # a wait in a library call: its own time, not the caller's
+    return steps.load_config("configs/packed.py:smoke")
+  profiler = cProfile.Profile()
+  profiler.runcall(setup_like)
+  got = steps.setup_summary(profiler, top=3)
+  assert "sleep" in got["self"][0]["function"] and got["self"][0]["seconds"] >= 0.15
+  own = [r["function"] for r in got["own"]]
+  assert "bench/steps.py:load_config" in own  # the trainer's own function, by cumulative time
+  assert not any("sleep" in f or "site-packages" in f for f in own)  # libraries stay out of own
+  assert len(got["own"]) <= 3 and got["own"] == sorted(got["own"], key=lambda r: -r["seconds"])
 
 
 def test_overrides_are_typed_and_mistakes_name_the_item():
