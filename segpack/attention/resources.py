@@ -68,14 +68,16 @@ DEVICE_BUDGETS = (("H100 (sm_90)", H100_SMEM_BYTES), ("A100 (sm_80)", 166_912),
                   ("sm_89 / sm_86", 101_376))
 
 # Candidate (block_q, block_k) pairs, fastest-looking first; every pair is tried at 2 stages
-# before any at 1 stage (no pipelining). 3+ stages are not offered: not yet measured to help.
+# before any at 1 stage (no pipelining). 3+ stages are not offered: on one H200 (bf16, D = 128,
+# S = 8192, docs/benchmarks.md) 3 stages made forward+backward 7.12 ms against 6.49 with "auto".
 FORWARD_BLOCKS = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 BACKWARD_BLOCKS = ((64, 64), (32, 64), (64, 32), (32, 32), (16, 32), (32, 16), (16, 16))
 STAGES = (2, 1)
 # Warps of the backward kernels (dQ, dK/dV) for 16-bit inputs at D >= 128. On an H200 (bf16,
 # D = 128, S = 8192, 64x64 blocks, docs/benchmarks.md) the backward took 8.2 ms with 4 warps
 # against 18.5 ms with 8 (forward+backward minus forward); the forward is faster with 8 (3.6 ms
-# against 6.2). float32 and other head dims: not yet measured.
+# against 6.2). Measured whole on rows with document boundaries: 6.49 ms against 11.23 with 8
+# warps everywhere, the fastest of five settings. float32 and other head dims: not yet measured.
 BACKWARD_WARPS_16BIT = 4
 
 

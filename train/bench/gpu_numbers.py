@@ -5,13 +5,14 @@ figure into ONE JSON file, `DIR/gpu_numbers.json` (rewritten atomically after ev
 
   1. `gpu_report`: `segpack bench gpu-report --quick --no-bench` (correctness grid of every
      backend, forward and gradients, bf16 and f32; cuDNN memory; versions and device).
-  2. `attention_builtin`: `segpack bench attention` at S = 8192, 2048, 32768 on rows packed from
-     the built-in corpus's document lengths: segpack's Pallas and cuDNN paths, XLA with a dense
-     mask, `jax.nn.dot_product_attention` cuDNN with a dense per-document mask, JAX's Pallas
-     `mha` with segment ids, Pallas with a dense mask.
-  3. `attention_longtail_sweep`: the same at S = 8192 on long-tailed lengths (lognormal, sigma
-     1.5), with segpack's Pallas kernel also under the settings of `segpack.bench.attention.SWEEP`.
-  4. `attention_longtail`: long-tailed lengths at S = 2048 and 32768.
+  2. `attention_longtail_sweep`: `segpack bench attention` at S = 8192 on long-tailed lengths
+     (lognormal, sigma 1.5): segpack's Pallas and cuDNN paths, XLA with a dense mask,
+     `jax.nn.dot_product_attention` cuDNN with a dense per-document mask, JAX's Pallas `mha`
+     with segment ids, Pallas with a dense mask; and segpack's Pallas kernel under the settings
+     of `segpack.bench.attention.SWEEP`.
+  3. `attention_longtail`: the same at S = 2048 and 32768, without the sweep.
+  4. `attention_builtin`: S = 8192, 2048, 32768 on rows packed from the built-in corpus's
+     document lengths (the corpus is built meanwhile).
   5. `train_gpu_config`: `python -m train.main --config=configs/packed.py:gpu` for 30 steps (its
      logged tokens/s and MFU).
   6. `train_1b_packed`, `train_1b_padded`: `train.bench steps` on a Llama-3.2-1B-shaped model (a
@@ -20,9 +21,11 @@ figure into ONE JSON file, `DIR/gpu_numbers.json` (rewritten atomically after ev
      MFU, peak memory, the kernels of a profiled step, where the setup's time went.
 
 The built-in corpus is built in the background from the start (CPU only). A stage starts only
-while `--budget` seconds are not spent; its limit is what is left. On an H200 (the stages then in
-another order, the sweep with 8 settings) they took 43 s (gpu_report), 113 s (attention_builtin),
-89 s (the sweep), 138 s and 129 s (the 1B runs, 85 to 89 s of it the trainer's setup).
+while `--budget` seconds are not spent; its limit is what is left. On an H200, with the built-in
+stage second, the whole took 501 s: 98 s waiting for the corpus, then 39 s (gpu_report), 77 s
+(attention_builtin), 30 s (the sweep), 26 s (long-tailed), 108 s (train_gpu_config), 100 s and
+22 s (the 1B runs: 62 s of the first was compiling the random initialisation, the second read
+both programs from the compilation cache).
 `--dry-run` runs every stage on the CPU at toy sizes (Pallas in interpret mode): it proves the
 command, not the numbers.
 """
@@ -117,11 +120,11 @@ def stages(out: pathlib.Path) -> list[Stage]:
                            str(out / "gpu_report.json")),
             ("segpack", "bench", "gpu-report", "--quick", "--no-bench", "--platform", "cpu",
              "--out", str(out / "gpu_report.json")), 150),
-      _attention_stage("attention_builtin", ("--lengths", "builtin", "--seq-lens", "8192", "2048",
-                                             "32768"), 130, needs_corpus=True),
       _attention_stage("attention_longtail_sweep", ("--sigma", "1.5", "--seq-lens", "8192",
                                                     "--sweep"), 110),
       _attention_stage("attention_longtail", ("--sigma", "1.5", "--seq-lens", "2048", "32768"), 90),
+      _attention_stage("attention_builtin", ("--lengths", "builtin", "--seq-lens", "8192", "2048",
+                                             "32768"), 130, needs_corpus=True),
       Stage("train_gpu_config", main[:1] + ("--config=configs/packed.py:gpu",) + main[1:],
             main[:2] + ("--config=configs/packed.py:smoke", "--config.train.num_steps=4"), 120,
             True),
