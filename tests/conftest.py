@@ -49,13 +49,17 @@ def texts():
   return small_corpus.train_texts()
 
 
+_ABSL_VERBOSITY = absl_logging.get_verbosity()  # the process's own, before any command ran
+
+
 @pytest.fixture(autouse=True)
 def _absl_verbosity():
-  """Puts absl's verbosity back after each test: a command run in-process (`train.hf.export`
-  sets ERROR) must not hide the warnings a later test of the same worker reads."""
-  verbosity = absl_logging.get_verbosity()
+  """Sets absl's verbosity to the process's own before each test and after it: a command run
+  in-process (`train.hf.export` sets ERROR), in a test or in a shared fixture set up just before
+  this test, must not hide the warnings a test of the same worker reads."""
+  absl_logging.set_verbosity(_ABSL_VERBOSITY)
   yield
-  absl_logging.set_verbosity(verbosity)
+  absl_logging.set_verbosity(_ABSL_VERBOSITY)
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
