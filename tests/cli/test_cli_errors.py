@@ -88,6 +88,8 @@ def test_every_entry_point_goes_through_the_shared_wrapper():
 
 # (entry point, argv, what the last line must hold: the argument and the value)
 USER_ERRORS = [
+    (train_bench.main, ["gpu-numbers", "--out", "x", "--dry-run", "--only", "train_1b_pakced"],
+     ["--only", "train_1b_pakced"]),
     (train_bench.main, ["steps", "--config", "configs/packed.py:smoke", "--set",
                         "train.batch_sizes=4"], ["--set", "train.batch_sizes=4", "batch_size"]),
     (train_bench.main, ["steps", "--config", "configs/nope.py"], ["--config", "configs/nope.py"]),
