@@ -35,7 +35,6 @@ import json
 import os
 import pathlib
 import pstats
-import re
 import tempfile
 import time
 from typing import Any, Sequence
@@ -43,7 +42,9 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 
+import segpack
 from segpack import errors
+import train
 from train import data as data_lib
 from train import flops as flops_lib
 from train import model as model_lib
@@ -148,8 +149,9 @@ def setup_summary(profiler: cProfile.Profile, *, top: int) -> dict[str, list[dic
   of any library by their own seconds (a compile, a wait on the device, a copy)."""
   stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tt, ct, callers)}
   where = lambda f, name: f"{pathlib.Path(f).parent.name}/{pathlib.Path(f).name}:{name}"
+  roots = tuple(str(pathlib.Path(d).parent) + os.sep for d in (segpack.__file__, train.__file__))
   own = [(ct, where(f, name)) for (f, _, name), (_, _, _, ct, _) in stats.items()
-         if re.search(r"/(segpack|train)/", f) and "/site-packages/" not in f]
+         if f.startswith(roots)]
   self_ = [(tt, where(f, name)) for (f, _, name), (_, _, tt, _, _) in stats.items()]
   rows = lambda pairs: [dict(function=w, seconds=round(t, 2))
                         for t, w in sorted(pairs, reverse=True)[:top]]
