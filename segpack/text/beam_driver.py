@@ -7,8 +7,8 @@ is cleared of every file the shard format owns except the units an interrupted r
 whose files still match their checksums (`clear_output`, `kept_units`). After the run it raises the bad inputs the
 pipeline reported (`raise_input_errors`) and reads its counters (`read_counter`). Also here: the
 names the pipeline's steps and the driver share (`unit_names`, `ERRORS_FILE`,
-`METRICS_NAMESPACE`), and Apache Beam's import and options, which the extra `segpack[beam]`
-provides.
+`METRICS_NAMESPACE`), and Apache Beam's import, options and local runner (`local_runner`), which
+the extra `segpack[beam]` provides.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from segpack.text import encode
 from segpack.text.inputs import InputFormatError
 
 __all__ = ["ERRORS_FILE", "METRICS_NAMESPACE", "clear_output", "finished_manifest", "import_beam",
-           "kept_units", "pipeline_options", "quiet_step_errors", "raise_input_errors",
-           "read_counter", "unit_names"]
+           "kept_units", "local_runner", "pipeline_options", "quiet_step_errors",
+           "raise_input_errors", "read_counter", "unit_names"]
 
 METRICS_NAMESPACE = "segpack"  # The namespace of the pipeline's Beam counters.
 ERRORS_FILE = "beam-errors.json"  # Where the final step leaves the bad inputs for the driver.
@@ -177,6 +177,31 @@ def _check_runner(options: Any, beam_options: str) -> None:
   except (ValueError, ImportError) as e:
     raise InputFormatError(f"beam_options={beam_options!r} (--beam-options): runner {name!r} is "
                            f"not one Beam can run here ({' '.join(str(e).split())[:300]})") from e
+
+
+_DIRECT = (None, "DirectRunner", "SwitchingDirectRunner")
+
+
+def local_runner(options: Any):
+  """The runner for `options` that names no runner, or Beam's DirectRunner: Beam's FnApiRunner,
+  built as the DirectRunner builds it for a batch pipeline (the options reach the SDK workers, so
+  `--direct_num_workers`, `--direct_running_mode` and the S3 flags work in each worker). None for
+  any other runner, which Beam then creates from the options.
+
+  Since Beam 2.6x the DirectRunner first tries its Prism runner, which downloads a Go binary from
+  GitHub at run time (or builds one with `go install`) and, offline, fails and leaves temporary
+  directories behind before falling back to the FnApiRunner. segpack downloads nothing while it
+  runs, so it goes to the FnApiRunner directly. `--runner=PrismRunner` still asks for Prism.
+  """
+  from apache_beam.options.pipeline_options import StandardOptions  # optional: segpack[beam]
+  if options.view_as(StandardOptions).runner not in _DIRECT:
+    return None
+  from apache_beam.portability.api import beam_provision_api_pb2  # optional: segpack[beam]
+  from apache_beam.runners.portability.fn_api_runner import fn_runner  # optional: segpack[beam]
+  from apache_beam.runners.portability import portable_runner  # optional: segpack[beam]
+  encoded = portable_runner.JobServiceHandle.encode_pipeline_options(options.get_all_options())
+  return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(
+      beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
 
 
 def import_beam():

@@ -280,7 +280,7 @@ def write_dataset_beam(
     shard_tokens: a shard closes once it holds this many tokens (shards never span units).
     unit_records: records per unit (the unit of parallelism, retry and resume).
     beam_options: Beam pipeline flags, as on a command line (`--runner=FlinkRunner ...`); none:
-      the DirectRunner.
+      Beam's FnApiRunner, as the DirectRunner runs a batch pipeline (`beam_driver.local_runner`).
     metadata: stored in the manifest, with `tokenizer` (`describe()`) and `runner` added.
     overwrite: rebuild the dataset, also a complete one with the same key; without it a complete
       dataset made with another key, or with an unreadable manifest or missing or damaged files,
@@ -312,7 +312,7 @@ def write_dataset_beam(
   # As `ShardWriter` writes it; also fails early when the metadata is not serialisable.
   header["metadata_sha256"] = metadata_sha256(json.loads(json.dumps(header["metadata"])))
   kept_units = frozenset(tuple(r["unit"]) for r in kept)
-  pipeline = beam.Pipeline(options=options)
+  pipeline = beam.Pipeline(runner=beam_driver.local_runner(options), options=options)
   if files_in is not None:
     items = [(i, str(p) if remote_files.is_url(p) else str(Path(p).resolve()))
              for i, p in enumerate(files_in)]

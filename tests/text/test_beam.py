@@ -124,7 +124,9 @@ def test_killed_beam_run_reruns_complete_and_identical(tmp_path, model, texts):
   cmd = [sys.executable, "-m", "segpack", "tokenize", "--input", str(inp), "--output", str(out),
          "--spm-model", str(model), "--runner", "beam", "--unit-records", "8",
          "--shard-tokens", "3000", "--no-progress"]
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  # A killed Beam leaves its pipeline's temporary directory behind: keep it in the test's own.
+  (tmp_path / "tmp").mkdir()
+  env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path / "tmp"))
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True)
   deadline = time.monotonic() + 60

@@ -65,3 +65,38 @@ def test_the_local_commands_of_docs_ingest_as_written(tmp_path_factory, tmp_path
   for n in range(2):
     got = ShardSource(tmp_path / "data" / f"mine{n}")
     assert [list(np.asarray(got[i])) for i in range(len(got))] == want
+
+
+@pytest.mark.parametrize("beam_options", [
+    "", "--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"])
+def test_the_local_runner_downloads_nothing_and_leaves_no_temporary_directory(
+    tmp_path_factory, tmp_path, monkeypatch, beam_options):
+  """Beam's DirectRunner (2.6x on) first tries its Prism runner, which downloads a binary from
+  GitHub; segpack's local runs never reach it, and leave nothing in the temporary directory.
+  Negative control: a plain Beam pipeline on the DirectRunner does reach Prism here."""
+  import tempfile
+
+  import apache_beam as beam
+  from apache_beam.runners.portability import prism_runner
+  reached = []
+
+  def refuse(self, *args, **kwargs):
+    reached.append(type(self).__name__)
+    raise RuntimeError("Prism is not reachable in this test")
+
+  monkeypatch.setattr(prism_runner.PrismRunner, "run_pipeline", refuse)
+  temporary = tmp_path / "tmp"
+  temporary.mkdir()
+  monkeypatch.setenv("TMPDIR", str(temporary))  # The worker processes' too.
+  monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+  model = small_corpus.spm_model(tmp_path_factory)
+  texts = small_corpus.train_texts()[:20]
+  docs = small_corpus.write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+  rc = tokenize_cli.main(["--input", str(docs), "--spm-model", str(model), "--runner", "beam",
+                          "--beam-options", beam_options, "--output", str(tmp_path / "out"),
+                          "--no-progress"])
+  assert rc == 0 and len(ShardSource(tmp_path / "out")) == 20
+  assert reached == [] and list(temporary.iterdir()) == []
+  with beam.Pipeline() as control:
+    _ = control | beam.Create([1, 2]) | beam.Map(lambda x: x + 1)
+  assert reached == ["PrismRunner"]

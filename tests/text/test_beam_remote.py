@@ -386,14 +386,15 @@ def test_finished_s3_dataset_is_checked_on_rerun_and_rebuilt_with_overwrite(
 
 
 @pytest.mark.slow
-def test_sigkilled_s3_run_reruns_complete_and_identical(s3, remote_dataset, capsys):
+def test_sigkilled_s3_run_reruns_complete_and_identical(s3, remote_dataset, capsys, tmp_path):
   """`segpack tokenize` in its own process, killed (SIGKILL) once units are done in the bucket;
   the rerun equals the uninterrupted run (`remote_dataset`, same settings) file for file."""
   out = f"s3://{BUCKET}/sigkilled"
   args = ["--input", f"s3://{BUCKET}/in", "--output", out, "--spm-model",
           f"s3://{BUCKET}/models/m.model", "--unit-records", "16", "--shard-tokens", "3000",
           "--beam-options", s3.options]
-  env = {**os.environ, **s3.env, "PYTHONPATH": ROOT}
+  # A killed Beam leaves its pipeline's temporary directory behind: keep it in the test's own.
+  env = {**os.environ, **s3.env, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)}
   proc = subprocess.Popen(
       [sys.executable, "-m", "segpack", "tokenize", *args, "--runner", "beam", "--no-progress"],
       cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
