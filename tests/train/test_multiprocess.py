@@ -3,7 +3,9 @@
 Each process owns 2 CPU devices and reads its own block of every global batch of the row stream.
 Their rows must be disjoint, together be exactly the single process's rows, and the loss of every
 step must equal the loss of one 4-device process on the same global batch. (Resuming on another
-process count: tests/train/test_elastic.py.)
+process count: tests/train/test_elastic.py.) The two processes then export the run to Hugging
+Face files together (each gathers the parameters split over both); the files must be, byte for
+byte, those that one process exporting the same checkpoint writes.
 """
 
 import json
@@ -18,6 +20,7 @@ from support import paths
 from support.train_configs import WITHOUT_TORCH
 
 REPO = str(paths.REPO)
+EXPORT_SHARD_BYTES = 30_000  # The tiny model's 0.1 MB in several files, with their index.
 
 _CHILD = WITHOUT_TORCH + """
 import json, os, sys
@@ -34,6 +37,9 @@ c = synthetic_config(**{"train.num_steps": 3, "train.eval_every": 3, "train.chec
 summary = T.train_and_evaluate(c, workdir)
 print("DEVICES", jax.device_count(), jax.local_device_count())
 print(json.dumps(summary))
+if num_processes > 1:
+  from train.hf import export as E
+  E.export(workdir=workdir, output=workdir + "_export", max_shard_bytes=int(sys.argv[5]))
 """
 
 
@@ -43,7 +49,8 @@ def _spawn(workdir, num_processes, process_id, port):
                                                                       else "4"),
              JAX_PLATFORMS="cpu")
   return subprocess.Popen(
-      [sys.executable, "-c", _CHILD, str(workdir), str(num_processes), str(process_id), str(port)],
+      [sys.executable, "-c", _CHILD, str(workdir), str(num_processes), str(process_id), str(port),
+       str(EXPORT_SHARD_BYTES)],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -86,3 +93,24 @@ def test_two_processes_match_one(tmp_path):
   want_eval = _lines(single / "metrics.jsonl", "eval")[-1]["eval_loss"]
   got_eval = _lines(multi / "metrics.jsonl", "eval")[-1]["eval_loss"]
   np.testing.assert_allclose(got_eval, want_eval, rtol=1e-5)
+
+  _check_export(tmp_path, multi)
+
+
+def _check_export(tmp_path, multi):
+  """The two processes' export of `multi` equals one process's, file for file; nothing else is
+  left beside it."""
+  one = subprocess.run(
+      [sys.executable, "-m", "train.hf.export", "--workdir", str(multi), "--output",
+       str(tmp_path / "one_export"), "--max-shard-size", str(EXPORT_SHARD_BYTES)],
+      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+  assert one.returncode == 0, one.stderr[-2000:]
+  two = tmp_path / "multi_export"
+  names = sorted(p.name for p in two.iterdir())
+  assert names == sorted(p.name for p in (tmp_path / "one_export").iterdir())
+  assert "model.safetensors.index.json" in names
+  assert sum(n.endswith(".safetensors") for n in names) > 1
+  for name in names:
+    assert (two / name).read_bytes() == (tmp_path / "one_export" / name).read_bytes(), name
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["multi", "multi_export", "one_export",
+                                                        "single"]
