@@ -18,10 +18,8 @@ pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from support import hf_models  # noqa: E402
-from support.train_configs import run_cli  # noqa: E402
-from configs import packed  # noqa: E402
+from support.train_configs import lora_config, run_cli, train_on_processes  # noqa: E402
 from train.adapters import lora as lora_lib  # noqa: E402
-from train.hf import config as hf_config  # noqa: E402
 from train.hf import export as hf_export  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
@@ -45,24 +43,6 @@ def data_dir(base_dir, tmp_path_factory):
   run_cli("segpack", "tokenize", "--input", str(root / "docs.jsonl"), "--tokenizer",
           f"hf:{base_dir}", "--output", str(root / "data"))
   return str(root / "data")
-
-
-def lora_config(base_dir, data_dir, *, steps, rank=4, targets="all", lr=3e-2, **lora):
-  config = packed.get_config()
-  config.model.init_from = base_dir
-  config.data.train = data_dir
-  config.packing.seq_len = 128
-  config.attention.implementation = "xla"
-  config.attention.self_check = False
-  t = config.train
-  t.batch_size, t.num_steps, t.log_every, t.eval_every, t.checkpoint_every = 8, steps, 1, 0, 0
-  t.learning_rate, t.warmup_steps, t.log_batches = lr, 0, False
-  config.model.lora.rank, config.model.lora.alpha = rank, 8.0
-  config.model.lora.targets = targets
-  for key, value in lora.items():
-    config.model.lora[key] = value
-  hf_config.adopt(config)
-  return config
 
 
 @pytest.fixture(scope="module")
@@ -190,19 +170,27 @@ def _losses(workdir):
     return [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
 
 
-def test_resume_equals_an_uninterrupted_run_and_another_base_is_refused(base_dir, data_dir,
-                                                                         tmp_path):
+@pytest.mark.slow
+def test_resume_on_another_process_count_equals_an_uninterrupted_run_and_another_base_is_refused(
+    base_dir, data_dir, tmp_path):
+  """2 steps on two processes (jax.distributed, 4 CPU devices each), resumed for 2 more in this
+  process (8 devices): the losses of one uninterrupted run here, and its adapters."""
   whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
 
   def config(steps, base=base_dir):
-    c = lora_config(base, data_dir, steps=steps)
-    c.train.min_lr_ratio = 1.0  # a constant rate: a 2-step run's schedule is a 4-step run's
-    return c
+    return lora_config(base, data_dir, steps=steps, constant_rate=True)
 
   train_lib.train_and_evaluate(config(4), whole)
-  train_lib.train_and_evaluate(config(2), split)
-  train_lib.train_and_evaluate(config(4), split)
-  assert _losses(split) == pytest.approx(_losses(whole), rel=1e-6, abs=1e-6)
+  train_on_processes(split, f"lora_config({base_dir!r}, {data_dir!r}, steps=2, "
+                            f"constant_rate=True)", count=2)
+  summary = train_lib.train_and_evaluate(config(4), split)
+  assert summary["resumed_from"] == 2
+  assert _losses(split) == pytest.approx(_losses(whole), rel=1e-5, abs=1e-5)
+  adapters = [jax.tree_util.tree_leaves(lora_lib.split(saved_run.load_run(w)[1], adapters=True)[1])
+              for w in (split, whole)]
+  assert len(adapters[0]) == 2 * 7 * 2
+  for got, want in zip(*adapters):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=1e-6)
   other = str(tmp_path / "other")
   shutil.copytree(base_dir, other)
   hf_models.make_model(other, "llama", kv_heads=2, seed=5)  # another base's weights, same shape
