@@ -12,11 +12,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
-from configs import packed  # noqa: E402
 from support import hf_models  # noqa: E402
-from support.train_configs import run_cli  # noqa: E402
+from support.train_configs import lora_config, run_cli  # noqa: E402
 from train import train as train_lib  # noqa: E402
-from train.hf import config as hf_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +30,14 @@ def dirs(tmp_path_factory):
 
 
 def _config(base, data, **keys):
-  config = packed.get_config()
-  config.model.init_from = base
-  config.data.train = data
-  config.packing.seq_len = 128
-  config.attention.implementation = "xla"
-  config.attention.self_check = False
-  t = config.train
-  t.batch_size, t.num_steps, t.log_every, t.eval_every, t.checkpoint_every = 8, 2, 1, 0, 0
-  t.learning_rate, t.warmup_steps, t.log_batches = 1e-2, 0, False
-  config.model.lora.rank = 4
+  """LoRA of rank 4 (alpha 16: the config's own) for 2 steps; `keys` as `group__name=value`."""
+  config = lora_config(base, data, steps=2, lr=1e-2, alpha=16.0)
   for key, value in keys.items():
     group, *rest = key.split("__")
     node = config[group]
     for name in rest[:-1]:
       node = node[name]
     node[rest[-1]] = value
-  hf_config.adopt(config)
   return config
 
 
