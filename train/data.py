@@ -183,6 +183,7 @@ def _mixture_sources(config: Any,
       splits = [subset.held_out_split(src, share=config.data.eval_share) for src in opened]
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
+    _warn_lopsided(config, splits)
     train_parts = [t for t, _ in splits]
     held_out = subset.DocumentSubset(
         opened, ids=np.concatenate([h.parent_ids for _, h in splits]),
@@ -193,6 +194,22 @@ def _mixture_sources(config: Any,
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
   return (train, held_out, max(int(src.vocab_size) for src in opened), pad_id(opened[0]),
           opened[0].tokenizer_fingerprint)
+
+
+def _warn_lopsided(config: Any, splits: list[tuple[Any, Any]]) -> None:
+  """A warning when `data.eval_share`, a share of the documents, holds out a share of the
+  tokens far from it (more than 3x, or less than a third; a few long documents do that)."""
+  share = config.data.eval_share
+  held = sum(int(h.lengths.sum()) for _, h in splits)
+  total = held + sum(int(t.lengths.sum()) for t, _ in splits)
+  fraction = held / max(total, 1)
+  if share / 3 <= fraction <= 3 * share:
+    return
+  documents = sum(len(h) for _, h in splits), sum(len(t) + len(h) for t, h in splits)
+  _LOG.warning("data.eval_share=%r held out %d of the %d documents of data.train, %.1f%% of its "
+               "tokens (the share is drawn by document); pass held-out data of its own "
+               "(data.eval=DIR) for a held-out split of another size", share, *documents,
+               100 * fraction)
 
 
 def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
@@ -215,6 +232,7 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
       train, held_out = subset.held_out_split(train, share=config.data.eval_share)
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
+    _warn_lopsided(config, [(train, held_out)])
   # BOS/EOS: from the manifest's record, read by the pipeline
   return train, held_out, int(train.vocab_size), pad_id(train), train.tokenizer_fingerprint
 
