@@ -188,10 +188,11 @@ def local_runner(options: Any):
   `--direct_num_workers`, `--direct_running_mode` and the S3 flags work in each worker). None for
   any other runner, which Beam then creates from the options.
 
-  Since Beam 2.6x the DirectRunner first tries its Prism runner, which downloads a Go binary from
-  GitHub at run time (or builds one with `go install`) and, offline, fails and leaves temporary
-  directories behind before falling back to the FnApiRunner. segpack downloads nothing while it
-  runs, so it goes to the FnApiRunner directly. `--runner=PrismRunner` still asks for Prism.
+  Recent Beam releases' DirectRunner (2.77's; not 2.60's) first tries its Prism runner, which
+  downloads a Go binary from GitHub at run time (or builds one with `go install`) and, offline,
+  fails and leaves temporary directories behind before falling back to the FnApiRunner. segpack
+  downloads nothing while it runs, so it goes to the FnApiRunner directly; `--runner=PrismRunner`
+  still asks for Prism.
   """
   from apache_beam.options.pipeline_options import StandardOptions  # optional: segpack[beam]
   if options.view_as(StandardOptions).runner not in _DIRECT:

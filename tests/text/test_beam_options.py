@@ -71,9 +71,10 @@ def test_the_local_commands_of_docs_ingest_as_written(tmp_path_factory, tmp_path
     "", "--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"])
 def test_the_local_runner_downloads_nothing_and_leaves_no_temporary_directory(
     tmp_path_factory, tmp_path, monkeypatch, beam_options):
-  """Beam's DirectRunner (2.6x on) first tries its Prism runner, which downloads a binary from
-  GitHub; segpack's local runs never reach it, and leave nothing in the temporary directory.
-  Negative control: a plain Beam pipeline on the DirectRunner does reach Prism here."""
+  """Recent Beam releases' DirectRunner (2.77's) first tries its Prism runner, which downloads a
+  binary from GitHub; segpack's local runs never reach it, and leave nothing in the temporary
+  directory. Negative control: with such a Beam, a plain pipeline on the DirectRunner does."""
+  import inspect
   import tempfile
 
   import apache_beam as beam
@@ -97,6 +98,8 @@ def test_the_local_runner_downloads_nothing_and_leaves_no_temporary_directory(
                           "--no-progress"])
   assert rc == 0 and len(ShardSource(tmp_path / "out")) == 20
   assert reached == [] and list(temporary.iterdir()) == []
-  with beam.Pipeline() as control:
-    _ = control | beam.Create([1, 2]) | beam.Map(lambda x: x + 1)
-  assert reached == ["PrismRunner"]
+  from apache_beam.runners.direct import direct_runner
+  if "PrismRunner" in inspect.getsource(direct_runner.SwitchingDirectRunner.run_pipeline):
+    with beam.Pipeline() as control:
+      _ = control | beam.Create([1, 2]) | beam.Map(lambda x: x + 1)
+    assert reached == ["PrismRunner"]
