@@ -183,7 +183,6 @@ def _mixture_sources(config: Any,
       splits = [subset.held_out_split(src, share=config.data.eval_share) for src in opened]
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
-    _warn_lopsided(config, splits)
     train_parts = [t for t, _ in splits]
     held_out = subset.DocumentSubset(
         opened, ids=np.concatenate([h.parent_ids for _, h in splits]),
@@ -194,22 +193,6 @@ def _mixture_sources(config: Any,
                   tokens_per_epoch=mixture.tokens_per_epoch, segment_sources=True)
   return (train, held_out, max(int(src.vocab_size) for src in opened), pad_id(opened[0]),
           opened[0].tokenizer_fingerprint)
-
-
-def _warn_lopsided(config: Any, splits: list[tuple[Any, Any]]) -> None:
-  """A warning when `data.eval_share`, a share of the documents, holds out a share of the
-  tokens far from it (more than 3x, or less than a third; a few long documents do that)."""
-  share = config.data.eval_share
-  held = sum(int(h.lengths.sum()) for _, h in splits)
-  total = held + sum(int(t.lengths.sum()) for t, _ in splits)
-  fraction = held / max(total, 1)
-  if share / 3 <= fraction <= 3 * share:
-    return
-  documents = sum(len(h) for _, h in splits), sum(len(t) + len(h) for t, h in splits)
-  _LOG.warning("data.eval_share=%r held out %d of the %d documents of data.train, %.1f%% of its "
-               "tokens (the share is drawn by document); pass held-out data of its own "
-               "(data.eval=DIR) for a held-out split of another size", share, *documents,
-               100 * fraction)
 
 
 def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
@@ -232,7 +215,6 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
       train, held_out = subset.held_out_split(train, share=config.data.eval_share)
     except PipelineConfigError as e:
       raise DataConfigError(f"data.eval_share={config.data.eval_share!r} with data.train: {e}") from e
-    _warn_lopsided(config, [(train, held_out)])
   # BOS/EOS: from the manifest's record, read by the pipeline
   return train, held_out, int(train.vocab_size), pad_id(train), train.tokenizer_fingerprint
 
@@ -301,6 +283,7 @@ def pack_data(config: Any, *, batch_size: int, process_index: int,
     raise DataConfigError(
         f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
   train_src, eval_src, vocab, ids, tokenizer = _sources(config)
+  held_note = _held_out_note(config, train_src, eval_src)
   if sources_lib.template_writes_special_tokens(train_src, fn=f"data.train={config.data.train!r}"):
     _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
               "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", data_name(config))
@@ -323,6 +306,7 @@ def pack_data(config: Any, *, batch_size: int, process_index: int,
                            dict(common, process_index=process_index, process_count=process_count),
                            batch_size=batch_size, vocab=vocab)
     data.tokenizer_fingerprint = tokenizer
+    data.description += held_note
     return data
   train_rows = pack_dataset(train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
                             max_segments_per_row=config.packing.max_segments_per_row, repack=config.packing.repack,
@@ -341,12 +325,31 @@ def pack_data(config: Any, *, batch_size: int, process_index: int,
       description=(f"{data_name(config)}{f' (mixture: {train_src.shares()})' if names else ''}, "
                    f"{config.packing.strategy} packing, seq_len {config.packing.seq_len}: "
                    f"{train_rows.rows_in_epoch(0)} train rows/epoch, {_eval_rows(eval_rows)}, "
-                   f"vocab {vocab}"),
+                   f"vocab {vocab}{held_note}"),
       segment_bound=max(train_rows.segment_bound,
                         eval_rows.segment_bound if eval_rows else 0),
       source_names=names, eval_by_source=by_source, context=context_order(config),
       source_weights=tuple(float(m.weight) for m in train_src.sources) if names else (),
       tokenizer_fingerprint=tokenizer)
+
+
+def _held_out_note(config: Any, train_src: Any, eval_src: Any) -> str:
+  """With `data.eval_share`'s held-out split: `; held out: k of n documents, x% of the tokens`
+  for the data line, and a warning when that share of the tokens is over 3x `data.eval_share`
+  and 15 points above it (the share is drawn by document: a few long documents do that)."""
+  if config.data.train is None or config.data.eval is not None or eval_src is None:
+    return ""
+  parts = [m.source for m in train_src.sources] if isinstance(train_src, Mixture) else [train_src]
+  held = int(eval_src.lengths.sum())
+  fraction = held / max(held + sum(int(p.lengths.sum()) for p in parts), 1)
+  documents = len(eval_src), len(eval_src) + sum(len(p) for p in parts)
+  share = config.data.eval_share
+  if fraction > max(3 * share, share + 0.15):
+    _LOG.warning("data.eval_share=%r held out %d of the %d documents of data.train, %.1f%% of "
+                 "its tokens (the share is drawn by document); pass held-out data of its own "
+                 "(data.eval=DIR) for a held-out split of another size", share, *documents,
+                 100 * fraction)
+  return f"; held out: {documents[0]} of {documents[1]} documents, {fraction:.1%} of the tokens"
 
 
 def _eval_rows(eval_rows: Any) -> str:

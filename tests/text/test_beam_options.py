@@ -67,8 +67,8 @@ def test_the_local_commands_of_docs_ingest_as_written(tmp_path_factory, tmp_path
     assert [list(np.asarray(got[i])) for i in range(len(got))] == want
 
 
-@pytest.mark.parametrize("beam_options", [
-    "", "--runner=DirectRunner --direct_num_workers=2 --direct_running_mode=multi_processing"])
+@pytest.mark.parametrize("beam_options", ["", "--runner=DirectRunner"])  # the workers' runs:
+# test_the_local_commands_of_docs_ingest_as_written
 def test_the_local_runner_downloads_nothing_and_leaves_no_temporary_directory(
     tmp_path_factory, tmp_path, monkeypatch, beam_options):
   """Recent Beam releases' DirectRunner (2.77's) first tries its Prism runner, which downloads a

@@ -17,6 +17,7 @@ import numpy as np
 import portpicker
 import pytest
 from support import paths
+from train.hf import export as hf_export
 from support.train_configs import WITHOUT_TORCH
 
 REPO = str(paths.REPO)
@@ -100,11 +101,8 @@ def test_two_processes_match_one(tmp_path):
 def _check_export(tmp_path, multi):
   """The two processes' export of `multi` equals one process's, file for file; nothing else is
   left beside it."""
-  one = subprocess.run(
-      [sys.executable, "-m", "train.hf.export", "--workdir", str(multi), "--output",
-       str(tmp_path / "one_export"), "--max-shard-size", str(EXPORT_SHARD_BYTES)],
-      cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
-  assert one.returncode == 0, one.stderr[-2000:]
+  hf_export.export(workdir=str(multi), output=str(tmp_path / "one_export"),
+                   max_shard_bytes=EXPORT_SHARD_BYTES)  # this process
   two = tmp_path / "multi_export"
   names = sorted(p.name for p in two.iterdir())
   assert names == sorted(p.name for p in (tmp_path / "one_export").iterdir())

@@ -102,9 +102,10 @@ def _write_lengths(path, lengths):
 
 
 def test_a_held_out_share_of_the_tokens_far_from_eval_share_is_a_warning(tmp_path, caplog):
-  """Documents of one length: the held-out documents' token share is theirs, no warning. Then
-  the same split (by document index) with the held-out documents long and the others short: a
-  warning naming the documents and the tokens' share, counted here from the held-out rows."""
+  """Documents of one length: the held-out documents' token share is theirs, said in the data
+  line, no warning. Then the same split (by document index) with the held-out documents long and
+  the others short: a warning naming the documents and the tokens' share (counted here from the
+  held-out rows)."""
   _write_lengths(tmp_path / "even", [20] * 60)
   with caplog.at_level("WARNING", logger="train.data"):
     data = data_lib.make_data(spec(train=str(tmp_path / "even"), eval_share=0.1), batch_size=8,
@@ -112,6 +113,8 @@ def test_a_held_out_share_of_the_tokens_far_from_eval_share_is_a_warning(tmp_pat
   assert not [r for r in caplog.records if "eval_share" in r.getMessage()]
   held = sorted(docs_in(data.eval[k] for k in range(len(data.eval))))
   assert 0 < len(held) < 60
+  assert data.description.endswith(f"; held out: {len(held)} of 60 documents, "
+                                   f"{len(held) / 60:.1%} of the tokens")
   lengths = [60 if d in held else 2 for d in range(60)]
   _write_lengths(tmp_path / "lopsided", lengths)
   caplog.clear()
@@ -119,10 +122,11 @@ def test_a_held_out_share_of_the_tokens_far_from_eval_share_is_a_warning(tmp_pat
     data = data_lib.make_data(spec(train=str(tmp_path / "lopsided"), eval_share=0.1),
                               batch_size=8, process_index=0, process_count=1)
   assert sorted(docs_in(data.eval[k] for k in range(len(data.eval)))) == held
-  fraction = 100 * 60 * len(held) / sum(lengths)
+  fraction = 60 * len(held) / sum(lengths)
   (message,) = [r.getMessage() for r in caplog.records if "eval_share" in r.getMessage()]
   assert (f"data.eval_share=0.1 held out {len(held)} of the 60 documents of data.train, "
-          f"{fraction:.1f}% of its tokens") in message and "data.eval=DIR" in message
+          f"{100 * fraction:.1f}% of its tokens") in message and "data.eval=DIR" in message
+  assert data.description.endswith(f"{fraction:.1%} of the tokens")
 
 
 def test_eval_share_zero_trains_on_every_document_without_evaluation(tmp_path):
