@@ -113,6 +113,7 @@ def test_the_packing_blocks(tmp_path):
 def test_the_timing_blocks_at_a_smaller_size(tmp_path, capsys):
   _run(PACKING, "### Rows", {}, tmp_path, subs={"1_000_000": "20_000"})
   _run(PACKING, "### Speed", {}, tmp_path, subs={
+      "tempfile.mkdtemp()": repr(str(tmp_path / "speed")),  # the test's directory, removed
       "60_000": "3_000", "b[next(ix)], 400,": "b[next(ix)], 4,", "next(it1), 400,": "next(it1), 4,",
       "g[next(ix)], 200,": "g[next(ix)], 2,", "next(it2), 200,": "next(it2), 2,",
       "ds[next(ix)], 1600,": "ds[next(ix)], 8,"})
