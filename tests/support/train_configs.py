@@ -67,8 +67,9 @@ import json, sys
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 count, index, port, workdir, expression = sys.argv[1:6]
-jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=int(count),
-                           process_id=int(index))
+if int(count) > 1:
+  jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=int(count),
+                             process_id=int(index))
 from support import train_configs
 from train import train as T
 print(json.dumps(T.train_and_evaluate(eval(expression, vars(train_configs)), workdir)))

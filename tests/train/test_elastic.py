@@ -14,11 +14,8 @@ logged content fingerprint consistent with its plan row.
 import collections
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
-import portpicker
 import pytest
 
 import segpack
@@ -26,17 +23,15 @@ from segpack import packing
 from segpack.data.balance import BalanceOptions
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
-from support.train_configs import WITHOUT_TORCH, synthetic_config
+from support.train_configs import synthetic_config, train_on_processes
 from train import checkpoint as ckpt_lib
 from train import config_checks
 from train import data as data_lib
 from train import train as train_lib
 from support import data_configs  # noqa: E402
 from segpack.errors import PipelineConfigError  # noqa: E402
-from support import paths
 
 SEQ_LEN, SEED, BOS, EOS = 64, 3, 1, 2
-REPO = str(paths.REPO)
 
 
 def make_docs(n=160, seed=0):
@@ -267,47 +262,15 @@ def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
                                    "epoch_length": data_item["iterator"]["epoch_length"]}
 
 
-_CHILD = WITHOUT_TORCH + """
-import json, sys
-import jax
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-workdir, count, index, port, steps, batch = sys.argv[1:7]
-if int(count) > 1:
-  jax.distributed.initialize(coordinator_address=f"localhost:{port}",
-                             num_processes=int(count), process_id=int(index))
-from train import train as T
-from configs import packed
-from support.train_configs import synthetic_config
-c = synthetic_config(**{"train.num_steps": int(steps), "train.batch_size": int(batch),
-                  "train.allow_batch_size_change": True, "train.eval_every": 0,
-                  "train.checkpoint_every": 0, "train.log_every": 1,
-                  "data.synthetic_docs": 50, "packing.balance": "attention",
-                  "model.num_layers": 1, "attention.self_check": False})
-print(json.dumps(T.train_and_evaluate(c, workdir)))
-"""
-
-
 def _phase(workdir, *, count, steps, batch):
   """Trains `workdir` up to `steps` on `count` local CPU processes (4 devices in all)."""
-  port = portpicker.pick_unused_port()
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // count}",
-             JAX_PLATFORMS="cpu")
-  procs = [subprocess.Popen(
-      [sys.executable, "-c", _CHILD, str(workdir), str(count), str(p), str(port), str(steps),
-       str(batch)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for p in range(count)]
-  outs = []
-  for proc in procs:
-    try:
-      out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for other in procs:
-        other.kill()
-      raise
-    assert proc.returncode == 0, err[-4000:]
-    outs.append(out)
-  return json.loads(outs[0].strip().splitlines()[-1]), outs[0]
+  overrides = {"train.num_steps": steps, "train.batch_size": batch,
+               "train.allow_batch_size_change": True, "train.eval_every": 0,
+               "train.checkpoint_every": 0, "train.log_every": 1, "data.synthetic_docs": 50,
+               "packing.balance": "attention", "model.num_layers": 1,
+               "attention.self_check": False}
+  out = train_on_processes(workdir, f"synthetic_config(**{overrides!r})", count=count, devices=4)
+  return json.loads(out.strip().splitlines()[-1]), out
 
 
 def _logged(workdir):
