@@ -17,16 +17,17 @@ figure into ONE JSON file, `DIR/gpu_numbers.json` (rewritten atomically after ev
      logged tokens/s and MFU).
   6. `train_1b_packed`, `train_1b_padded`: `train.bench steps` on a Llama-3.2-1B-shaped model (a
      Hugging Face config.json written here, random weights, bf16, Pallas attention, rows of 8192,
-     vocabulary 128,256) on the same synthetic documents, FFD-packed and one per row: tokens/s,
-     MFU, peak memory, the kernels of a profiled step, where the setup's time went.
+     vocabulary 128,256) on the same synthetic documents, FFD-packed and one per row, 2 warm-up,
+     24 timed and 2 profiled steps: tokens/s, MFU, peak memory, the kernels of a profiled step,
+     where the setup's time went.
 
 The built-in corpus is built in the background from the start (CPU only). A stage starts only
 while `--budget` seconds are not spent; its limit is what is left. On an H200, in this order, the
 whole took 471 s: 45 s (gpu_report), 111 s (the sweep, then also at D = 64: its D = 128 record
 came within the stage's 110 s limit, the D = 64 one did not, so the sweep is at D = 128 alone
 now), 80 s (long-tailed), 45 s (attention_builtin, its corpus ready), 71 s (train_gpu_config),
-65 s and 30 s (the 1B runs; the second read both programs from the compilation cache), 25 s
-writing the 1B config and starting processes.
+65 s and 30 s (the 1B runs, then 10 timed steps each, at 527 and 400 ms a step; the second read
+both programs from the compilation cache), 25 s writing the 1B config and starting processes.
 `--dry-run` runs every stage on the CPU at toy sizes (Pallas in interpret mode): it proves the
 command, not the numbers.
 """
@@ -84,7 +85,7 @@ def _steps_stage(out: pathlib.Path, layout: str, limit_s: float) -> Stage:
   argv = ("train.bench", "steps", "--config", f"configs/{layout}.py", "--hf-config",
           str(out / "llama_1b"), "--workdir", str(out / "runs" / f"1b_{layout}"), "--warmup", "2",
           "--json", *[a for s in TRAIN_1B for a in ("--set", s)])
-  return Stage(f"train_1b_{layout}", argv + ("--steps", "10", "--profile-steps", "2"),
+  return Stage(f"train_1b_{layout}", argv + ("--steps", "24", "--profile-steps", "2"),
                argv + tuple(a for s in TRAIN_1B_DRY for a in ("--set", s))
                + ("--steps", "2", "--profile-steps", "1"), limit_s)
 
