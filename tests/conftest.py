@@ -34,7 +34,7 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
 import pytest  # noqa: E402  (imports after the device flags)
 from absl import logging as absl_logging  # noqa: E402
 
-from support import small_corpus  # noqa: E402
+from support import file_order, small_corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +66,17 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
   """Removes the compilation cache this run made (not one the caller named)."""
   if _OWN_XLA_CACHE is not None:
     shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+  """Longest files first, so that CI's two loadfile workers end together (support.file_order)."""
+  file_order.order_longest_first(items, file_order.recorded_seconds())
+
+
+def pytest_runtest_logreport(report):
+  file_order.record(report)
+
+
+def pytest_sessionfinish(session):
+  if not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
+    file_order.write_recorded()
