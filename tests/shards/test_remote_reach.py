@@ -30,7 +30,7 @@ def _env(**extra):
 def test_a_refused_endpoint_ends_in_one_line_within_the_bound(tmp_path):
   closed = f"http://127.0.0.1:{portpicker.pick_unused_port()}"  # nothing listens there
   env = _env(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-             AWS_ENDPOINT_URL_S3=closed, SEGPACK_REMOTE_TIMEOUT="8",
+             AWS_ENDPOINT_URL_S3=closed, SEGPACK_REMOTE_TIMEOUT="3",
              SEGPACK_CACHE=str(tmp_path / "cache"))
   start = time.perf_counter()
   run = subprocess.run(
@@ -42,12 +42,12 @@ def test_a_refused_endpoint_ends_in_one_line_within_the_bound(tmp_path):
   assert run.returncode == 2, run.stderr[-3000:]
   assert "Traceback" not in run.stderr and lines[-1].startswith("python -m train.main: error: "), lines
   assert "s3://no-such-bucket/data" in lines[-1] and "cannot be reached" in lines[-1]
-  assert elapsed < 120  # bounded: the 8 s wait plus start-up, not the client's minutes
+  assert elapsed < 120  # bounded: the 3 s wait plus start-up, not the client's minutes
 
 
 def test_missing_credentials_name_the_url_and_the_cause(tmp_path, monkeypatch):
   for key, value in _env(AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{portpicker.pick_unused_port()}",
-                         SEGPACK_REMOTE_TIMEOUT="6").items():
+                         SEGPACK_REMOTE_TIMEOUT="2").items():
     monkeypatch.setenv(key, value)
   for key in [k for k in os.environ if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                              "AWS_PROFILE", "AWS_SESSION_TOKEN")]:
