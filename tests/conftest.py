@@ -68,6 +68,14 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
     shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
 
 
+def pytest_configure(config):
+  """pytest-xdist's loadfile mode would reorder the files by how many tests each holds (its
+  `--no-loadscope-reorder` turns that off); the order of pytest_collection_modifyitems is kept.
+  Without pytest-xdist there is no such option, and nothing to turn off."""
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
   """Longest files first, so that CI's two loadfile workers end together (support.file_order)."""
   file_order.order_longest_first(items, file_order.recorded_seconds())
