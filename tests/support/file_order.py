@@ -31,6 +31,8 @@ import pathlib
 
 import pytest
 
+from segpack.files import atomic_write_bytes
+
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 UNKNOWN_SECONDS = 10.0
 RECORD_ENV = "SEGPACK_RECORD_FILE_SECONDS"
@@ -74,6 +76,4 @@ def write_recorded() -> None:
     return
   rows = sorted(_recorded.items(), key=lambda kv: -kv[1])
   text = json.dumps({f: round(s, 1) for f, s in rows}, indent=0) + "\n"
-  tmp = pathlib.Path(path + ".tmp")
-  tmp.write_text(text)
-  tmp.replace(path)
+  atomic_write_bytes(pathlib.Path(path), text.encode())
