@@ -81,14 +81,34 @@ class LockHeldError(UserError, OSError):
     self.owner = owner
 
 
-def _lock_owner(f: Any) -> str:
-  """The owner line of an open lock file (written by `file_lock(..., wait=False)`)."""
+def _recorded_owner(f: Any) -> str | None:
+  """The owner line the lock file records, or None: nothing readable yet, or the record of an
+  earlier holder on this host that has exited (the new holder has not written its own yet)."""
   f.seek(0)
   try:
     info = json.loads(f.read(4096).decode("utf-8"))
-    return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    pid, host = int(info["pid"]), str(info["host"])
+    owner = f"pid {pid} on host {host}, started {info['started']}"
   except (ValueError, KeyError, TypeError):
-    return "its pid is not recorded in the lock file"
+    return None
+  if host == socket.gethostname():
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return None
+    except PermissionError:  # alive, another user's
+      pass
+  return owner
+
+
+def _lock_owner(f: Any, *, patience_s: float = 1.0) -> str:
+  """The owner line of a lock file another process holds (written by `file_lock(...,
+  wait=False)` just after it took the lock): waits up to `patience_s` for a holder that took it
+  a moment ago to write its record."""
+  deadline = time.monotonic() + patience_s
+  while (owner := _recorded_owner(f)) is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  return owner or "its pid is not recorded in the lock file"
 
 
 def _is_current(path: Path, f: Any) -> bool:
@@ -112,8 +132,9 @@ def file_lock(path: Path, *, wait: bool = True, remove: bool = False) -> Iterato
   Args:
     path: the lock file, created with its parent directory when missing.
     wait: True (several processes may build the same cache entry): block until the lock is
-      free. False: raise `LockHeldError` at once when another process holds it; once acquired,
-      the file records this process's pid, host and start time for that error message.
+      free. False: raise `LockHeldError` when another process holds it, naming the holder
+      (read from the file: at most a second's wait for one that has just taken the lock); once
+      acquired, the file records this process's pid, host and start time for that message.
     remove: remove the lock file when the block ends (a lock beside a user's output).
   """
   path.parent.mkdir(parents=True, exist_ok=True)
