@@ -9,6 +9,7 @@ completions' summed log-probs and their trained tokens. Every pair is scored exa
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import preference_loss
 from segpack.data.stream import StreamBatches
+from segpack.mesh import BATCH_AXES
 from train import head_loss
 from train.adapters import lora as lora_lib
 from train import sharding as sharding_lib
@@ -56,6 +58,13 @@ def _token_runs(out: dict[str, np.ndarray], batch: dict[str, np.ndarray],
                                      & trained_BxS[b]] for w in ("chosen", "rejected")]
 
 
+def _pass_batch_size(batch_size: int, num_rows: int, mesh: Any) -> int:
+  """`batch_size`, or fewer rows when the whole pass is smaller than one batch: its rows rounded
+  up to what the batch's devices and the processes split evenly (no all-padding rows computed)."""
+  unit = math.lcm(jax.process_count(), math.prod(mesh.shape[a] for a in BATCH_AXES))
+  return min(batch_size, max(1, -(-num_rows // unit)) * unit)
+
+
 def score_pairs(*, step: Callable[..., Any], params: Any, rows: Any, mesh: Any,
                 batch_size: int, num_pairs: int, per_token: bool = False,
                 ) -> tuple[np.ndarray, dict[int, list[np.ndarray]] | None]:
@@ -66,7 +75,8 @@ def score_pairs(*, step: Callable[..., Any], params: Any, rows: Any, mesh: Any,
     params: the model's parameters (placed as the run places them).
     rows: one unshuffled epoch of pair rows (`pack_pairs(..., shuffle=False, num_epochs=1)`).
     mesh: the run's mesh.
-    batch_size: rows per global batch (this process reads its block of each).
+    batch_size: rows per global batch (this process reads its block of each); a pass of fewer
+      rows runs only those, rounded up to split evenly over the batch's devices and processes.
     num_pairs: the pairs the table holds (pair indices of `rows` lie in `[0, num_pairs)`).
     per_token: also return every pair's `[chosen, rejected]` token log-probs.
 
@@ -77,8 +87,8 @@ def score_pairs(*, step: Callable[..., Any], params: Any, rows: Any, mesh: Any,
   Raises:
     RuntimeError: a pair scored twice (a bug: rows hold each pair once).
   """
-  batches = StreamBatches(rows, global_batch_size=batch_size, process_index=jax.process_index(),
-                          process_count=jax.process_count())
+  batches = StreamBatches(rows, global_batch_size=_pass_batch_size(batch_size, len(rows), mesh),
+                          process_index=jax.process_index(), process_count=jax.process_count())
   jitted = jax.jit(step, out_shardings=NamedSharding(mesh, P()))
   table = np.full((num_pairs, len(COLUMNS)), np.nan)
   seen = np.zeros(num_pairs, np.int64)

@@ -125,6 +125,29 @@ def test_packed_scores_equal_transformers_per_sequence(models, pairs, tmp_path, 
   assert np.abs(other[:, :2] - want[:, :2]).max() > 1.0
 
 
+@pytest.mark.parametrize("data_devices", [1, 8])
+def test_a_pass_smaller_than_a_batch_computes_only_its_rows(pairs, data_devices):
+  """`score_pairs` with a batch of 64 rows over a pass of a few: the step sees the pass's rows
+  rounded up to the mesh's data devices, not 64 (most of them all padding), and every pair is
+  scored once. The step is a stand-in that returns each pair's index as its score."""
+  import jax
+  from train.preference import scoring
+  rows = pairs_lib.pack_pairs(str(pairs / "uneven"), seq_len=512, shuffle=False, num_epochs=1)
+  assert 8 < len(rows) < 16
+  seen = []
+
+  def step(params, batch):  # pylint: disable=unused-argument
+    seen.append(batch["segment_ids"].shape)
+    index = batch["pair_index"].astype(np.float32)
+    return {"pair_index": batch["pair_index"], **{c: index for c in scoring.COLUMNS}}
+
+  mesh = sharding_lib.make_mesh(data=data_devices, devices=jax.devices()[:data_devices])
+  table, _ = scoring.score_pairs(step=step, params={}, rows=rows, mesh=mesh, batch_size=64,
+                                 num_pairs=30)
+  assert seen == [(len(rows) if data_devices == 1 else 16, 512)]
+  np.testing.assert_array_equal(table, np.arange(30)[:, None] * np.ones(4))
+
+
 def _batches(run):
   """Every training batch of epoch 0, then every held-out batch, as global arrays."""
   epoch = -(-run.data.train_rows_in_epoch0 // run.config.train.batch_size)
