@@ -29,7 +29,7 @@ if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not i
   _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="segpack-tests-xla-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
   # programs that compile in under 0.2 s are cheaper to compile again than to read back
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402  (imports after the device flags)
 from absl import logging as absl_logging  # noqa: E402
