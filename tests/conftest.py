@@ -24,11 +24,18 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
   # assignment, what the memory tests read) run as before; the commands the tests start inherit
   # it. Set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to compile as a user's CPU run does.
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+  # XLA's CPU code generation for the same reason: the older fusion emitters, and each
+  # program's LLVM module in one piece instead of split for parallel compiling, compile a test
+  # file such as tests/train/test_model.py in about half the CPU time (the same HLO: results
+  # differ by float rounding at most). XLA_FLAGS that set them already are kept.
+  if "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += (" --xla_cpu_use_fusion_emitters=false"
+                                " --xla_cpu_parallel_codegen_split_count=1")
 _OWN_XLA_CACHE = None
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _OWN_XLA_CACHE = tempfile.mkdtemp(prefix="segpack-tests-xla-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_XLA_CACHE
-  # programs that compile in under 0.2 s are cheaper to compile again than to read back
+  # every program, the small ones too (orbax's, a step's helpers): reading one back is cheaper
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402  (imports after the device flags)

@@ -82,7 +82,7 @@ def train_on_processes(workdir, expression, *, count, devices=8):
   `"lora_config('base', 'data', steps=2)"`); returns process 0's output."""
   port = str(portpicker.pick_unused_port())
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices // count}",
+             XLA_FLAGS=cpu_devices(devices // count),
              JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen([sys.executable, "-c", _PROCESS, str(count), str(i), port,
                              str(workdir), expression], cwd=REPO, env=env, text=True,
@@ -125,6 +125,11 @@ def one_cpu_device() -> str:
   user's machine has (the tests' eight are for the tests of meshes)."""
   flags = os.environ.get("XLA_FLAGS", "").split()
   return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+def cpu_devices(count: int) -> str:
+  """The tests' XLA_FLAGS (tests/conftest.py's compile options kept) with `count` CPU devices."""
+  return f"{one_cpu_device()} --xla_force_host_platform_device_count={count}".strip()
 
 
 def run_cli(*args, cwd=REPO, check=True, env=None):

@@ -17,6 +17,7 @@ import numpy as np
 import portpicker
 import pytest
 from support import paths
+from support import train_configs
 from train.hf import export as hf_export
 from support.train_configs import WITHOUT_TORCH
 
@@ -46,8 +47,7 @@ if num_processes > 1:
 
 def _spawn(workdir, num_processes, process_id, port):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
-             XLA_FLAGS="--xla_force_host_platform_device_count=" + ("2" if num_processes > 1
-                                                                      else "4"),
+             XLA_FLAGS=train_configs.cpu_devices(2 if num_processes > 1 else 4),
              JAX_PLATFORMS="cpu")
   return subprocess.Popen(
       [sys.executable, "-c", _CHILD, str(workdir), str(num_processes), str(process_id), str(port),

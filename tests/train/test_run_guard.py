@@ -28,6 +28,7 @@ from train import metrics as metrics_lib
 from train import run_guard
 from train.runs import saved as saved_run
 from support import paths
+from support import train_configs
 
 REPO = paths.REPO
 SYNTHETIC = ["--config=configs/packed.py:smoke", "--config.data.source=synthetic",
@@ -39,7 +40,7 @@ SYNTHETIC = ["--config=configs/packed.py:smoke", "--config.data.source=synthetic
 
 def _env(**more):
   return dict(os.environ, PYTHONPATH=str(REPO),
-              XLA_FLAGS="--xla_force_host_platform_device_count=1", **more)
+              XLA_FLAGS=train_configs.one_cpu_device(), **more)
 
 
 def _start(workdir, *extra, env=None):

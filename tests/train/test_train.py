@@ -19,6 +19,7 @@ from train import sharding as sharding_lib
 from train import train as train_lib
 from support.train_configs import WITHOUT_TORCH, synthetic_config
 from support import paths
+from support import train_configs
 
 REPO = str(paths.REPO)
 
@@ -53,7 +54,7 @@ print(json.dumps(T.train_and_evaluate(c, sys.argv[1])))
 def _child(workdir, kill_at):
   """Starts a 1-device training subprocess that SIGKILLs itself after fetching batch `kill_at`."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=train_configs.one_cpu_device())
   return subprocess.Popen([sys.executable, "-c", _CHILD, str(workdir), str(kill_at)], cwd=REPO,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
