@@ -131,7 +131,7 @@ def base_config() -> ml_collections.ConfigDict:
   # per-sequence training computes it; a chunk of a split document weighs as its own sequence.
   # Changes the objective, so a run cannot resume with another value (docs/training.md).
   c.loss.weighting = "token"
-  # Positions per block of the blocked cross-entropy (segpack/loss_blocks.py): > 0 computes the
+  # Positions per block of the blocked cross-entropy (segpack/loss/blocks.py): > 0 computes the
   # loss from the final hidden states a block at a time, never the whole [batch, seq, vocab]
   # logits (forward or backward; counted per device); 0: the full logits. Same loss and gradients
   c.loss.block_size = 0

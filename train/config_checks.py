@@ -23,7 +23,7 @@ from typing import Any
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack import packing
-from segpack import preference_loss
+from segpack.loss import preference as preference_loss
 from segpack.data.context_order import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
 from segpack.errors import UserError

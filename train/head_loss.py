@@ -2,7 +2,7 @@
 
 With `block_size=0` the decoder's float32 logits `[B, S, V]` are made whole and
 `segpack.loss.token_cross_entropy` reads them. With `block_size > 0` the decoder stops at its
-final hidden states `[B, S, E]` and `segpack.loss_blocks.blocked_token_losses` projects them
+final hidden states `[B, S, E]` and `segpack.loss.blocked_token_losses` projects them
 through the head's weight a block of positions at a time (and `vocab_block_size` columns of
 the vocabulary at a time when > 0), so neither pass holds more than a block's logits. Both give
 the same float32 `[B, S]` token losses, which the weightings and per-source sums then read
@@ -25,7 +25,6 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from segpack import loss as loss_lib
-from segpack import loss_blocks
 from train import layout as layout_lib
 
 
@@ -51,16 +50,16 @@ def token_losses(model: Any, batch: dict[str, jax.Array], *, block_size: int,
   options = dict(block_size=block_size, vocab_block_size=vocab_block_size or None)
   layout = layout_lib.layout_of(hidden_BxSxE)
   if layout is None:
-    return loss_blocks.blocked_token_losses(hidden_BxSxE, labels_BxS, **options,
-                                            **{name: weight})
+    return loss_lib.blocked_token_losses(hidden_BxSxE, labels_BxS, **options,
+                                         **{name: weight})
   split = layout.split(weight.shape[0 if tied else 1])
   weight_spec = P(split, None) if tied else P(None, split)
   rows_spec = P(layout.rows, layout.slots)
   hidden_spec = P(layout.rows, layout.slots, None)
 
   def per_device(h_BxSxE, w, labels):
-    return loss_blocks.blocked_token_losses(h_BxSxE, labels, **options, vocab_axis=split,
-                                            **{name: w})
+    return loss_lib.blocked_token_losses(h_BxSxE, labels, **options, vocab_axis=split,
+                                         **{name: w})
 
   return jax.shard_map(per_device, mesh=layout.mesh,
                        in_specs=(hidden_spec, weight_spec, rows_spec), out_specs=rows_spec)(

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from segpack.data.options import SpecialTokens
+from segpack.loss import IGNORE_INDEX
 from segpack.packing.plan_format import Plan
 from segpack.shards.reader import make_mask_reader, make_token_reader
 
-IGNORE_LABEL = -100
 FEATURES = ("input_ids", "labels", "segment_ids", "segment_positions")
 PADDING_ROW = -1
 
@@ -156,16 +156,16 @@ class RowBuilder:
     # Labels: the next slot's token, then -100 at every piece's last slot and on padding.
     labels_BxS = np.empty((batch, seq_len), dtype=np.int32)
     labels_BxS[:, :-1] = input_ids_BxS[:, 1:]
-    labels_BxS[:, -1] = IGNORE_LABEL
-    labels_BxS.reshape(-1)[offset_P + length_P - 1] = IGNORE_LABEL
+    labels_BxS[:, -1] = IGNORE_INDEX
+    labels_BxS.reshape(-1)[offset_P + length_P - 1] = IGNORE_INDEX
     for b, n in enumerate(used_B.tolist()):
-      labels_BxS[b, n:] = IGNORE_LABEL
+      labels_BxS[b, n:] = IGNORE_INDEX
     self._mask_overlap(labels_BxS.reshape(-1), start_P, length_P, offset_P)
     if self._mask_reader is not None:
       trained = np.zeros(batch * seq_len, dtype=np.uint8)
       self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
       trained_BxS = trained.reshape(batch, seq_len)
-      labels_BxS[:, :-1][trained_BxS[:, 1:] == 0] = IGNORE_LABEL
+      labels_BxS[:, :-1][trained_BxS[:, 1:] == 0] = IGNORE_INDEX
     out = {
         "input_ids": input_ids_BxS,
         "labels": labels_BxS,
@@ -188,7 +188,7 @@ class RowBuilder:
     """
     plan, seq_len, special = self._plan_views(), self._plan.seq_len, self._special
     input_ids = np.full(seq_len, special.pad_id, dtype=np.int32)
-    labels = np.full(seq_len, IGNORE_LABEL, dtype=np.int32)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
     segment_ids = np.zeros(seq_len, dtype=np.int32)
     positions = np.zeros(seq_len, dtype=np.int32)
     if row >= 0:
@@ -207,7 +207,7 @@ class RowBuilder:
       if self._mask_reader is not None:
         trained = np.zeros(seq_len, dtype=np.uint8)
         self._copy_mask(trained, doc_P, start_P, length_P, offset_P)
-        labels[:-1][trained[1:] == 0] = IGNORE_LABEL
+        labels[:-1][trained[1:] == 0] = IGNORE_INDEX
     out = {"input_ids": input_ids, "labels": labels, "segment_ids": segment_ids,
            "segment_positions": positions}
     if self._doc_sources is not None:
@@ -269,4 +269,4 @@ class RowBuilder:
     total = int(n_P.sum())
     base = np.repeat(offset_P[cont], n_P)
     within = np.arange(total) - np.repeat(np.cumsum(n_P) - n_P, n_P)
-    labels[base + within] = IGNORE_LABEL
+    labels[base + within] = IGNORE_INDEX

@@ -9,14 +9,15 @@ import pytest
 from support.masked_source import MaskedDocs
 from segpack import packing
 from segpack.data.options import SpecialTokens
-from segpack.data.rows import IGNORE_LABEL, PADDING_ROW, RowBuilder
+from segpack.data.rows import PADDING_ROW, RowBuilder
+from segpack.loss import IGNORE_INDEX
 
 BOS, EOS, PAD = 1, 2, 0
 
 
 def naive_row(pieces, docs, masks, *, seq_len, overlap, add_bos, add_eos):
   """The four features of one row, slot by slot."""
-  ids, labels = [PAD] * seq_len, [IGNORE_LABEL] * seq_len
+  ids, labels = [PAD] * seq_len, [IGNORE_INDEX] * seq_len
   seg, pos = [0] * seq_len, [0] * seq_len
   o = 0
   for k, (d, start, n) in enumerate(pieces):

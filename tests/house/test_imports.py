@@ -46,8 +46,7 @@ MAX_PACK_DATASET_PARAMETERS = 12
 # The floors of the house, lowest first: a module's floor is that of its longest prefix here.
 FLOORS = (
     ("segpack.errors",),
-    ("segpack.files", "segpack.mesh", "segpack.loss", "segpack.loss_blocks", "segpack.interop",
-     "segpack.segments", "segpack.preference_loss"),
+    ("segpack.files", "segpack.mesh", "segpack.loss", "segpack.interop", "segpack.segments"),
     ("segpack.remote_files",),
     ("segpack.shards", "segpack.attention"),
     ("segpack.packing", "segpack.text"),

@@ -76,7 +76,7 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
   def loss_sum(m, b):
     logits = m(b["input_ids"], segment_ids=b["segment_ids"],
                segment_positions=b["segment_positions"])
-    return loss.cross_entropy_sum(logits, b["labels"])
+    return loss.token_loss_sum(loss.token_cross_entropy(logits, b["labels"]), b["labels"])
 
   for step in (0, 1):
     losses = []

@@ -63,6 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import packed as packed_config
 from segpack import errors
 from segpack.bench import tables
+from segpack.loss import IGNORE_INDEX
 from train import memory as memory_lib
 from train.bench import hf_import
 from train import model as model_lib
@@ -177,7 +178,7 @@ def _row(rows: int, vocab: int) -> dict[str, np.ndarray]:
   ids = np.random.default_rng(0).integers(0, vocab, size=(1, rows), dtype=np.int32)
   slot = np.arange(rows, dtype=np.int32)
   labels = np.roll(ids, -1, axis=1)
-  labels[0, (slot % DOC_LEN == DOC_LEN - 1) | (slot == rows - 1)] = -100
+  labels[0, (slot % DOC_LEN == DOC_LEN - 1) | (slot == rows - 1)] = IGNORE_INDEX
   return dict(input_ids=ids, labels=labels, segment_ids=(slot // DOC_LEN + 1)[None],
               segment_positions=(slot % DOC_LEN)[None])
 

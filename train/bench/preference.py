@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import dpo as dpo_config
 from segpack import errors
-from segpack import preference_loss
+from segpack.loss import preference as preference_loss
 from segpack.data import pairs as pairs_lib
 from segpack.data.options import SpecialTokens
 from train import model as model_lib

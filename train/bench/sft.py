@@ -118,7 +118,8 @@ def _train_step(model, optimizer, batch):
 def _eval_step(model, batch):
   logits_BxSxV = model(batch["input_ids"], segment_ids=batch["segment_ids"],
                        segment_positions=batch["segment_positions"])
-  return loss_lib.cross_entropy_sum(logits_BxSxV, batch["labels"])
+  token_loss_BxS = loss_lib.token_cross_entropy(logits_BxSxV, batch["labels"])
+  return loss_lib.token_loss_sum(token_loss_BxS, batch["labels"])
 
 
 def heldout_loss(model, batches: Sequence[dict]) -> float:
@@ -138,7 +139,7 @@ def run_method(method: str, train_source: Any, eval_batches: Sequence[dict],
   optimizer = nnx.Optimizer(model, optax.adamw(args.lr, weight_decay=0.0), wrt=nnx.Param)
   slots = sum(b["input_ids"].size for b in batches)
   real = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
-  trained = sum(int((b["labels"] != -100).sum()) for b in batches)
+  trained = sum(int((b["labels"] != loss_lib.IGNORE_INDEX).sum()) for b in batches)
   seen_shapes, timed_real, seconds = set(), 0, 0.0
   for batch in batches:
     jb = {k: jnp.asarray(v) for k, v in batch.items()}

@@ -40,6 +40,7 @@ from segpack import shards
 from segpack import errors
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
+from segpack.loss import IGNORE_INDEX
 from segpack.text import corpus
 from train import model as model_lib
 from train.bench import preference as preference_bench
@@ -57,7 +58,7 @@ def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
     return batch
   out = {}
   for key, value in batch.items():
-    fill = -100 if key == "labels" else 0
+    fill = IGNORE_INDEX if key == "labels" else 0
     out[key] = np.concatenate([value, np.full((rows - n,) + value.shape[1:], fill, value.dtype)])
   return out
 

@@ -2,7 +2,7 @@
 
 `PreferenceObjective` plugs into `train.train.make_train_step` (`objective=`): the loss of a
 step is the mean over its pairs (the global batch's count, so micro-batches sum to it), from
-each sequence's summed completion log-probs (`segpack.preference_loss`). The token losses come
+each sequence's summed completion log-probs (`segpack.loss.preference`). The token losses come
 from `train.head_loss` (full or blocked logits), so large vocabularies cost what they cost SFT.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from segpack import preference_loss
+from segpack.loss import preference as preference_loss
 from train import head_loss
 
 __all__ = ["METRICS", "PreferenceObjective", "from_config"]
@@ -29,7 +29,7 @@ class PreferenceObjective:
   """A preference loss (`preference.*` keys) over the token losses of a batch.
 
   Attributes:
-    pair_loss: the loss and its settings (`segpack.preference_loss.PreferenceLoss`).
+    pair_loss: the loss and its settings (`segpack.loss.preference.PreferenceLoss`).
     blocks: `train.head_loss.token_losses`'s `block_size` and `vocab_block_size` (`loss.*`).
   """
 

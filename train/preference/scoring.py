@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from segpack import preference_loss
+from segpack.loss import IGNORE_INDEX
+from segpack.loss import preference as preference_loss
 from segpack.data.stream import StreamBatches
 from segpack.mesh import BATCH_AXES
 from train import head_loss
@@ -51,7 +52,7 @@ def make_score_step(graphdef: Any, *, block_size: int = 0, vocab_block_size: int
 def _token_runs(out: dict[str, np.ndarray], batch: dict[str, np.ndarray],
                 runs: dict[int, list[np.ndarray]]) -> None:
   """Each completion's token log-probs of a scored batch, in slot order, into `runs`."""
-  trained_BxS = batch["labels"] != preference_loss.IGNORE_LABEL
+  trained_BxS = batch["labels"] != IGNORE_INDEX
   for b, j in zip(*np.nonzero(out["pair_index"] >= 0)):
     k = int(out["pair_index"][b, j])
     runs[k] = [out["token_logp"][b][(batch["segment_ids"][b] == batch[f"pair_{w}_segment"][b, j])

@@ -10,9 +10,10 @@ parallelism: count the trained tokens of the full batch once (`count_trained_tok
 that count as `normalizer` to every micro-batch; the micro-batch losses (and their gradients) then
 simply add up to the loss of the full batch.
 
-Each function of the logits is two steps: every token's loss (`token_cross_entropy`), then
-its weighting (`token_loss_sum`, `token_loss_by_source`); the second reads token losses from
-anywhere, such as `segpack.loss_blocks`, which computes them without the full logits.
+A loss is two steps: every token's loss (`token_cross_entropy` of the logits, or
+`segpack.loss.blocks.blocked_token_losses` of the final hidden states, without the full
+logits), then its weighting (`token_loss_sum`, `token_loss_by_source`), which reads token losses
+from either. `cross_entropy_loss` is the two of the logits, divided by the normaliser.
 
 Two weightings (`weighting=`):
   * `"token"` (the default): every trained token alike, `sum of token losses / trained tokens`.
@@ -35,8 +36,8 @@ import jax.numpy as jnp
 
 from segpack import mesh as mesh_lib
 from segpack.errors import ArgumentError
+from segpack.loss.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 WEIGHTINGS = ("token", "sequence")
 
 
@@ -51,7 +52,8 @@ def count_trained_tokens(labels_BxS: jax.Array, *, ignore_index: int = IGNORE_IN
 
 
 def check_weighting(weighting: str, *, name: str = "weighting") -> str:
-  """Returns `weighting` if it is one of `WEIGHTINGS`, else raises a ValueError naming `name`."""
+  """Returns `weighting` if it is one of `WEIGHTINGS`, else raises an ArgumentError (a
+  ValueError) naming `name`."""
   if weighting not in WEIGHTINGS:
     raise ArgumentError(f"{name} must be one of {list(WEIGHTINGS)}, got {weighting!r}")
   return weighting
@@ -177,11 +179,14 @@ def token_loss_by_source(
     num_sources: int,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, jax.Array]:
-  """`cross_entropy_by_source` of given token losses (`token_cross_entropy`, or the blocked
-  `segpack.loss_blocks.blocked_token_losses`): per source `(sum, trained tokens)`, `[N]` each.
+  """Per mixture source: `(sum of token losses, trained tokens)`, float32 `[N]` each.
+
+  A trained token counts for the source of its slot (`sources_BxS`, the rows'
+  `segment_sources`: 0..N-1, -1 on padding); `sum / tokens` is the source's mean token loss.
 
   Args:
-    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored.
+    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored
+      (`token_cross_entropy`, or the blocked `segpack.loss.blocks.blocked_token_losses`).
     labels_BxS: integer targets; `ignore_index` carries no loss.
     sources_BxS: integer source of every slot, -1 (or anything outside `[0, N)`) for none.
     num_sources: N.
@@ -200,32 +205,6 @@ def token_loss_by_source(
   return sums[:num_sources], counts[:num_sources]
 
 
-def cross_entropy_by_source(
-    logits_BxSxV: jax.Array,
-    labels_BxS: jax.Array,
-    sources_BxS: jax.Array,
-    *,
-    num_sources: int,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[jax.Array, jax.Array]:
-  """Per mixture source: `(sum of token cross-entropies, trained tokens)`, float32 `[N]` each.
-
-  A trained token counts for the source of its slot (`sources_BxS`, the rows'
-  `segment_sources`: 0..N-1, -1 on padding); `sum / tokens` is the source's mean token loss.
-
-  Args:
-    logits_BxSxV: unnormalised scores `[B, S, V]`.
-    labels_BxS: integer targets; `ignore_index` carries no loss.
-    sources_BxS: integer source of every slot, -1 (or anything outside `[0, N)`) for none.
-    num_sources: N.
-    ignore_index: the label value that carries no loss.
-  """
-  token_loss_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index,
-                                 "cross_entropy_by_source")
-  return token_loss_by_source(token_loss_BxS, labels_BxS, sources_BxS, num_sources=num_sources,
-                              ignore_index=ignore_index)
-
-
 def token_loss_sum(
     token_loss_BxS: jax.Array,
     labels_BxS: jax.Array,
@@ -234,23 +213,31 @@ def token_loss_sum(
     segment_ids_BxS: jax.Array | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, jax.Array]:
-  """`cross_entropy_sum` of given token losses (`token_cross_entropy`, or the blocked
-  `segpack.loss_blocks.blocked_token_losses`): `(weighted sum, count)`, float32 scalars.
+  """Returns `(weighted sum of token losses, count)`, both float32 scalars.
+
+  `weighting="token"`: the plain sum and the number of trained tokens. `"sequence"`: the sum
+  over documents (segments) of their mean token loss, and the number of documents with trained
+  tokens; dividing the two gives the mean of per-document means.
 
   Args:
-    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored.
-    labels_BxS: integer targets; `ignore_index` carries no loss.
+    token_loss_BxS: every token's cross-entropy, float32, 0 where the label is ignored
+      (`token_cross_entropy`, or the blocked `segpack.loss.blocks.blocked_token_losses`).
+    labels_BxS: integer targets of the token losses' shape; `ignore_index` carries no loss.
     weighting: `"token"` or `"sequence"` (module docstring).
     segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding; required for
       `"sequence"`, unused for `"token"`.
     ignore_index: the label value that carries no loss.
+
+  Raises:
+    ArgumentError: the shapes of token losses, labels and segment ids do not line up, an
+      unknown `weighting`, or `"sequence"` without `segment_ids_BxS`.
   """
   check_weighting(weighting)
   _check_token_losses(token_loss_BxS, labels_BxS, "token_loss_sum")
   if weighting == "token":
     return (jnp.sum(token_loss_BxS),
             jnp.sum(labels_BxS != ignore_index, dtype=jnp.float32))
-  _check_segments(labels_BxS, segment_ids_BxS, "cross_entropy_sum")
+  _check_segments(labels_BxS, segment_ids_BxS, "token_loss_sum")
   counts_BxN = document_token_counts(labels_BxS, segment_ids_BxS=segment_ids_BxS,
                                      ignore_index=ignore_index)
   seg_BxS = jnp.clip(segment_ids_BxS, 0, counts_BxN.shape[1] - 1)
@@ -259,41 +246,6 @@ def token_loss_sum(
   # Tokens on padding (segment 0) have doc_count 0 and get weight 0.
   weight_BxS = jnp.where(doc_count_BxS > 0, 1.0 / jnp.maximum(doc_count_BxS, 1.0), 0.0)
   return jnp.sum(token_loss_BxS * weight_BxS), jnp.sum(counts_BxN > 0, dtype=jnp.float32)
-
-
-def cross_entropy_sum(
-    logits_BxSxV: jax.Array,
-    labels_BxS: jax.Array,
-    *,
-    weighting: str = "token",
-    segment_ids_BxS: jax.Array | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[jax.Array, jax.Array]:
-  """Returns `(weighted sum of token cross-entropies, count)`, both float32 scalars.
-
-  `weighting="token"`: the plain sum and the number of trained tokens. `"sequence"`: the sum
-  over documents (segments) of their mean token loss, and the number of documents with trained
-  tokens; dividing the two gives the mean of per-document means.
-
-  The log-softmax is computed in float32 whatever the dtype of the logits. Labels equal to
-  `ignore_index` contribute nothing (and no gradient); every other label must lie in `[0, V)`.
-
-  Args:
-    logits_BxSxV: unnormalised scores, `[..., V]` (`[B, S, V]` for `"sequence"`).
-    labels_BxS: integer targets with the leading shape of the logits.
-    weighting: `"token"` or `"sequence"` (module docstring).
-    segment_ids_BxS: segment ids `[B, S]`, 1..n per row, 0 on padding; required for
-      `"sequence"`, unused for `"token"`.
-    ignore_index: the label value that carries no loss.
-
-  Raises:
-    ValueError: the shapes of logits, labels and segment ids do not line up, an unknown
-      `weighting`, or `"sequence"` without `segment_ids_BxS`.
-  """
-  check_weighting(weighting)
-  token_loss_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index, "cross_entropy_sum")
-  return token_loss_sum(token_loss_BxS, labels_BxS, weighting=weighting,
-                        segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
 
 
 def cross_entropy_loss(
@@ -305,11 +257,16 @@ def cross_entropy_loss(
     segment_ids_BxS: jax.Array | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, jax.Array]:
-  """Cross-entropy that ignores `ignore_index` labels, divided by a global count.
+  """Cross-entropy that ignores `ignore_index` labels, divided by a global count:
+  `token_loss_sum` of `token_cross_entropy`, over `normalizer`.
+
+  The log-softmax is computed in float32 whatever the dtype of the logits. Labels equal to
+  `ignore_index` contribute nothing (and no gradient); every other label must lie in `[0, V)`.
 
   Args:
     logits_BxSxV: unnormalised scores, `[..., V]` (`[B, S, V]` for `"sequence"`).
-    labels_BxS: integer targets with the leading shape of the logits; `-100` = no loss.
+    labels_BxS: integer targets with the leading shape of the logits; `ignore_index` (-100) =
+      no loss.
     normalizer: the count of the *global* batch this slice belongs to (`loss_normalizer` on the
       full accumulated batch, with the same `weighting`: trained tokens for `"token"`, documents
       with trained tokens for `"sequence"`). `None` uses this slice's own count, which is the
@@ -325,13 +282,19 @@ def cross_entropy_loss(
     `(loss, count)`: `weighted sum of token losses / normalizer` and this slice's count (trained
     tokens for `"token"`, documents with trained tokens for `"sequence"`), float32 scalars.
 
+  Raises:
+    ArgumentError: the shapes of logits, labels and segment ids do not line up, an unknown
+      `weighting`, or `"sequence"` without `segment_ids_BxS`.
+
   Example:
     >>> total = loss_normalizer(labels, weighting=w, segment_ids_BxS=seg)  # the whole batch
     >>> loss = sum(cross_entropy_loss(lo, la, normalizer=total, weighting=w,
     ...                               segment_ids_BxS=sg)[0]
     ...            for lo, la, sg in micro_batches)  # == cross_entropy_loss(all, ...)[0]
   """
-  loss_sum, count = cross_entropy_sum(logits_BxSxV, labels_BxS, weighting=weighting,
-                                      segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
+  check_weighting(weighting)
+  token_loss_BxS = _token_losses(logits_BxSxV, labels_BxS, ignore_index, "cross_entropy_loss")
+  loss_sum, count = token_loss_sum(token_loss_BxS, labels_BxS, weighting=weighting,
+                                   segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
   denominator = count if normalizer is None else jnp.asarray(normalizer, jnp.float32)
   return loss_sum / jnp.maximum(denominator, 1.0), count

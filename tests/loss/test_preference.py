@@ -1,10 +1,11 @@
-"""`segpack.preference_loss` against the papers' formulas written here in NumPy (float64), and
+"""`segpack.loss.preference` against the papers' formulas written here in NumPy (float64), and
 per-segment sums against a loop over slots."""
 
 import numpy as np
 import pytest
 
-from segpack import preference_loss as pl
+from segpack.errors import ArgumentError
+from segpack.loss import preference as pl
 
 
 def _log_sigmoid(x):
@@ -51,9 +52,12 @@ def test_losses_equal_the_papers_formulas(loss):
 def test_a_reference_loss_without_reference_scores_is_refused():
   x = _inputs()
   del x["ref_chosen_logp"], x["ref_rejected_logp"]
-  with pytest.raises(ValueError, match="needs the reference"):
+  with pytest.raises(ArgumentError, match="needs the reference's log-probs, got "
+                                           "ref_chosen_logp=None and ref_rejected_logp=None"):
     pl.pair_losses(loss="dpo", **x)
-  with pytest.raises(ValueError, match=r"loss must be one of"):
+  with pytest.raises(ValueError, match=r"got ref_rejected_logp=None$"):
+    pl.pair_losses(loss="ipo", ref_chosen_logp=x["chosen_logp"], **x)
+  with pytest.raises(ArgumentError, match=r"loss must be one of .*got 'kto'"):
     pl.check_loss("kto")
 
 

@@ -16,10 +16,8 @@ the hidden states and of the projection (float32 sums). The largest temporary is
 
 The result is every token's loss, float32 `[B, S]` (0 where the label is ignored), the very
 numbers `segpack.loss.token_cross_entropy` computes from the full logits, so the weightings
-and per-source sums are the plain loss's own (`segpack.loss.token_loss_sum`,
-`token_loss_by_source`); `blocked_cross_entropy_sum`, `blocked_cross_entropy_loss` and
-`blocked_cross_entropy_by_source` are `cross_entropy_sum`, `cross_entropy_loss` and
-`cross_entropy_by_source` of the hidden states and the projection.
+and per-source sums are the plain loss's own: `segpack.loss.token_loss_sum` and
+`token_loss_by_source` read them as they are.
 
 The projection is `weight_ExV` (an untied output layer, `logits = hidden @ W`) or
 `embedding_VxE` (tied to the input embedding, `logits = hidden @ table.T`); the matmul runs in
@@ -40,9 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from segpack import loss as loss_lib
 from segpack.errors import ArgumentError
-from segpack.loss import IGNORE_INDEX
+from segpack.loss.labels import IGNORE_INDEX
 
 
 def _projection(weight_ExV: jax.Array | None, embedding_VxE: jax.Array | None,
@@ -279,105 +276,3 @@ def blocked_token_losses(
                                    labels_N.reshape(blocks, block))
   return loss_MxK.reshape(-1)[:n].reshape(labels_BxS.shape)
 
-
-def blocked_cross_entropy_sum(
-    hidden_BxSxE: jax.Array,
-    labels_BxS: jax.Array,
-    *,
-    block_size: int,
-    weight_ExV: jax.Array | None = None,
-    embedding_VxE: jax.Array | None = None,
-    vocab_block_size: int | None = None,
-    weighting: str = "token",
-    segment_ids_BxS: jax.Array | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[jax.Array, jax.Array]:
-  """`segpack.loss.cross_entropy_sum` of the logits `hidden @ W`, computed in blocks:
-  `(weighted sum of token cross-entropies, count)`, float32 scalars.
-
-  Args:
-    hidden_BxSxE: the final hidden states `[B, S, E]`.
-    labels_BxS: integer targets `[B, S]`; `ignore_index` carries no loss.
-    block_size: positions per block (`blocked_token_losses`).
-    weight_ExV: the untied output projection `[E, V]`.
-    embedding_VxE: or the tied one `[V, E]`; exactly one of the two.
-    vocab_block_size: vocabulary columns per chunk (`blocked_token_losses`); None: V whole.
-    weighting: `"token"` or `"sequence"` (`segpack.loss`).
-    segment_ids_BxS: segment ids `[B, S]`; required for `"sequence"`.
-    ignore_index: the label value that carries no loss.
-  """
-  loss_lib.check_weighting(weighting)
-  token_loss_BxS = blocked_token_losses(
-      hidden_BxSxE, labels_BxS, block_size=block_size, weight_ExV=weight_ExV,
-      embedding_VxE=embedding_VxE, vocab_block_size=vocab_block_size, ignore_index=ignore_index)
-  return loss_lib.token_loss_sum(token_loss_BxS, labels_BxS, weighting=weighting,
-                                 segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
-
-
-def blocked_cross_entropy_loss(
-    hidden_BxSxE: jax.Array,
-    labels_BxS: jax.Array,
-    *,
-    block_size: int,
-    weight_ExV: jax.Array | None = None,
-    embedding_VxE: jax.Array | None = None,
-    vocab_block_size: int | None = None,
-    normalizer: jax.Array | float | None = None,
-    weighting: str = "token",
-    segment_ids_BxS: jax.Array | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[jax.Array, jax.Array]:
-  """`segpack.loss.cross_entropy_loss` of the logits `hidden @ W`, computed in blocks:
-  `(weighted sum / normalizer, count)`.
-
-  Args:
-    hidden_BxSxE: the final hidden states `[B, S, E]`.
-    labels_BxS: integer targets `[B, S]`; `ignore_index` carries no loss.
-    block_size: positions per block (`blocked_token_losses`).
-    weight_ExV: the untied output projection `[E, V]`.
-    embedding_VxE: or the tied one `[V, E]`; exactly one of the two.
-    vocab_block_size: vocabulary columns per chunk (`blocked_token_losses`); None: V whole.
-    normalizer: the global batch's count (`segpack.loss.loss_normalizer`); None: this slice's.
-    weighting: `"token"` or `"sequence"` (`segpack.loss`).
-    segment_ids_BxS: segment ids `[B, S]`; required for `"sequence"`.
-    ignore_index: the label value that carries no loss.
-  """
-  loss_sum, count = blocked_cross_entropy_sum(
-      hidden_BxSxE, labels_BxS, block_size=block_size, weight_ExV=weight_ExV,
-      embedding_VxE=embedding_VxE, vocab_block_size=vocab_block_size, weighting=weighting,
-      segment_ids_BxS=segment_ids_BxS, ignore_index=ignore_index)
-  denominator = count if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-  return loss_sum / jnp.maximum(denominator, 1.0), count
-
-
-def blocked_cross_entropy_by_source(
-    hidden_BxSxE: jax.Array,
-    labels_BxS: jax.Array,
-    sources_BxS: jax.Array,
-    *,
-    block_size: int,
-    num_sources: int,
-    weight_ExV: jax.Array | None = None,
-    embedding_VxE: jax.Array | None = None,
-    vocab_block_size: int | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[jax.Array, jax.Array]:
-  """`segpack.loss.cross_entropy_by_source` of the logits `hidden @ W`, computed in blocks:
-  per source `(sum of token cross-entropies, trained tokens)`, float32 `[N]` each.
-
-  Args:
-    hidden_BxSxE: the final hidden states `[B, S, E]`.
-    labels_BxS: integer targets `[B, S]`; `ignore_index` carries no loss.
-    sources_BxS: integer source of every slot, -1 (or anything outside `[0, N)`) for none.
-    block_size: positions per block (`blocked_token_losses`).
-    num_sources: N.
-    weight_ExV: the untied output projection `[E, V]`.
-    embedding_VxE: or the tied one `[V, E]`; exactly one of the two.
-    vocab_block_size: vocabulary columns per chunk (`blocked_token_losses`); None: V whole.
-    ignore_index: the label value that carries no loss.
-  """
-  token_loss_BxS = blocked_token_losses(
-      hidden_BxSxE, labels_BxS, block_size=block_size, weight_ExV=weight_ExV,
-      embedding_VxE=embedding_VxE, vocab_block_size=vocab_block_size, ignore_index=ignore_index)
-  return loss_lib.token_loss_by_source(token_loss_BxS, labels_BxS, sources_BxS,
-                                       num_sources=num_sources, ignore_index=ignore_index)

@@ -2,8 +2,8 @@
 
 Rows from `segpack.data.pack_pairs` hold whole pairs; `pair_chosen_segment_BxJ` and
 `pair_rejected_segment_BxJ` name the segments of a row's pairs. `pair_logps` sums the trained
-tokens' log-probabilities of every such segment (its completion: the labels not -100), and
-`pair_losses` turns them into one loss per pair:
+tokens' log-probabilities of every such segment (its completion: the labels not `IGNORE_INDEX`,
+-100), and `pair_losses` turns them into one loss per pair:
 
 - `dpo` (Rafailov et al. 2023), with conservative label smoothing `eps`:
   `-(1 - eps) log s(b d) - eps log s(-b d)`, `d = (c - c_ref) - (r - r_ref)`;
@@ -25,18 +25,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from segpack.errors import ArgumentError
+from segpack.loss.labels import IGNORE_INDEX
+
 __all__ = ["LOSSES", "PreferenceLoss", "REFERENCE_FREE", "check_loss", "pair_logps",
            "pair_losses"]
 
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")
-IGNORE_LABEL = -100
 
 
 def check_loss(loss: str, *, name: str = "loss") -> str:
-  """`loss` if it is one of `LOSSES`, else ValueError naming `name` and the value."""
+  """`loss` if it is one of `LOSSES`, else an ArgumentError (a ValueError) naming `name` and
+  the value."""
   if loss not in LOSSES:
-    raise ValueError(f"{name} must be one of {list(LOSSES)}, got {loss!r}")
+    raise ArgumentError(f"{name} must be one of {list(LOSSES)}, got {loss!r}")
   return loss
 
 
@@ -47,7 +50,7 @@ def pair_logps(token_logp_BxS: jax.Array, labels_BxS: jax.Array, segment_ids_BxS
 
   Args:
     token_logp_BxS: float32 log-probability of every slot's label (any value where ignored).
-    labels_BxS: the labels; slots with -100 are not summed.
+    labels_BxS: the labels; slots with `IGNORE_INDEX` are not summed.
     segment_ids_BxS: the rows' segment ids.
     chosen_segment_BxJ, rejected_segment_BxJ: the segment id of pair `j` of each row's chosen
       and rejected sequence (0: no pair `j`).
@@ -56,7 +59,7 @@ def pair_logps(token_logp_BxS: jax.Array, labels_BxS: jax.Array, segment_ids_BxS
     `chosen_logp`, `rejected_logp`, `chosen_tokens`, `rejected_tokens`: float32 `[B, J]`
     (0 where there is no pair).
   """
-  trained_BxS = (labels_BxS != IGNORE_LABEL).astype(jnp.float32)
+  trained_BxS = (labels_BxS != IGNORE_INDEX).astype(jnp.float32)
   logp_BxS = jnp.where(trained_BxS > 0, token_logp_BxS.astype(jnp.float32), 0.0)
   out = {}
   for name, seg_BxJ in (("chosen", chosen_segment_BxJ), ("rejected", rejected_segment_BxJ)):
@@ -91,6 +94,9 @@ def pair_losses(*, loss: str, chosen_logp: jax.Array, rejected_logp: jax.Array,
 
   Returns:
     `loss`, `chosen_reward`, `rejected_reward`: float32, the shape of the inputs.
+
+  Raises:
+    ArgumentError: an unknown `loss`, or "dpo" or "ipo" without the reference's log-probs.
   """
   check_loss(loss)
   c_avg = chosen_logp / jnp.maximum(chosen_tokens, 1.0)
@@ -103,8 +109,10 @@ def pair_losses(*, loss: str, chosen_logp: jax.Array, rejected_logp: jax.Array,
       per_pair = -c_avg - beta * jax.nn.log_sigmoid(_log_odds(c_avg) - _log_odds(r_avg))
     return dict(loss=per_pair, chosen_reward=chosen_reward, rejected_reward=rejected_reward)
   if ref_chosen_logp is None or ref_rejected_logp is None:
-    raise ValueError(f"loss={loss!r} needs the reference's log-probs (ref_chosen_logp, "
-                     f"ref_rejected_logp)")
+    missing = [name for name, value in (("ref_chosen_logp", ref_chosen_logp),
+                                        ("ref_rejected_logp", ref_rejected_logp)) if value is None]
+    raise ArgumentError(f"loss={loss!r} needs the reference's log-probs, got "
+                        f"{' and '.join(f'{name}=None' for name in missing)}")
   chosen_ratio = chosen_logp - ref_chosen_logp
   rejected_ratio = rejected_logp - ref_rejected_logp
   if loss == "dpo":

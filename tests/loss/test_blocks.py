@@ -1,8 +1,10 @@
-"""`segpack.loss_blocks`: the blocked cross-entropy equals the full-logits one, and never holds
+"""`segpack.loss.blocks`: the blocked cross-entropy equals the full-logits one, and never holds
 the full logits.
 
 The reference is `segpack.loss` on the full logits `hidden @ W` (itself checked against a plain
-loop in tests/core/test_loss.py) and, for the token losses, a float64 NumPy loop written here.
+loop in tests/loss/test_tokens.py) and, for the token losses, a float64 NumPy loop written here.
+The blocked token losses are weighted as the full ones are (`token_loss_sum`,
+`token_loss_by_source`).
 Rows are packed (several segments, `-100` at every segment's last slot and on padding, one row
 wholly ignored); block sizes divide the row count of positions or do not; vocabulary chunks
 divide V or do not. Negative controls: a blocked loss that drops the last partial block, and
@@ -25,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from segpack import loss as loss_lib
-from segpack import loss_blocks
+from segpack.loss import blocks
 from segpack.errors import ArgumentError
 
 B, S, E, V = 3, 37, 16, 101  # B*S = 111 positions
@@ -75,6 +77,11 @@ def _numpy_token_losses(hidden, weight, labels):
   return np.where(labels != -100, lse - picked, 0.0)
 
 
+def _mean(loss_sum, count):
+  """`cross_entropy_loss`'s division of a summed loss by its own count."""
+  return loss_sum / jnp.maximum(count, 1.0)
+
+
 def _full(hidden, weight, labels, seg, sources, tied):
   """(token-weighted loss, sequence-weighted loss, per-source sums) from the full logits."""
   table = weight.T  # the tied head's [V, E] embedding, as the model multiplies it
@@ -82,18 +89,19 @@ def _full(hidden, weight, labels, seg, sources, tied):
   token = loss_lib.cross_entropy_loss(logits, labels)[0]
   sequence = loss_lib.cross_entropy_loss(logits, labels, weighting="sequence",
                                          segment_ids_BxS=seg)[0]
-  by_source = loss_lib.cross_entropy_by_source(logits, labels, sources, num_sources=2)[0]
+  by_source = loss_lib.token_loss_by_source(loss_lib.token_cross_entropy(logits, labels), labels,
+                                           sources, num_sources=2)[0]
   return token, sequence, by_source
 
 
 def _blocked(hidden, weight, labels, seg, sources, tied, block, chunk):
   kw = dict(block_size=block, vocab_block_size=chunk,
             **_projection(weight.T if tied else weight, tied))
-  token = loss_blocks.blocked_cross_entropy_loss(hidden, labels, **kw)[0]
-  sequence = loss_blocks.blocked_cross_entropy_loss(hidden, labels, weighting="sequence",
-                                                    segment_ids_BxS=seg, **kw)[0]
-  by_source = loss_blocks.blocked_cross_entropy_by_source(hidden, labels, sources,
-                                                          num_sources=2, **kw)[0]
+  token_loss = blocks.blocked_token_losses(hidden, labels, **kw)
+  token = _mean(*loss_lib.token_loss_sum(token_loss, labels))
+  sequence = _mean(*loss_lib.token_loss_sum(token_loss, labels, weighting="sequence",
+                                            segment_ids_BxS=seg))
+  by_source = loss_lib.token_loss_by_source(token_loss, labels, sources, num_sources=2)[0]
   return token, sequence, by_source
 
 
@@ -135,7 +143,7 @@ def test_blocked_equals_full_losses_and_gradients(tied, block, chunk):
 def test_token_losses_equal_a_float64_loop_and_are_zero_where_ignored():
   hidden, weight, labels, _, _ = _inputs()
   for block, chunk in ((16, None), (5, 9)):
-    got = np.asarray(loss_blocks.blocked_token_losses(
+    got = np.asarray(blocks.blocked_token_losses(
         jnp.asarray(hidden), jnp.asarray(labels), block_size=block, vocab_block_size=chunk,
         weight_ExV=jnp.asarray(weight)))
     want = _numpy_token_losses(hidden, weight, labels)
@@ -179,8 +187,8 @@ def test_vocabulary_split_over_a_mesh_axis_equals_one_device(tied, chunk):
 
   def split(h, w, chunk):
     def per_device(h_, w_, l_):
-      return loss_blocks.blocked_token_losses(h_, l_, block_size=5, vocab_block_size=chunk,
-                                              vocab_axis="tensor", **_projection(w_, tied))
+      return blocks.blocked_token_losses(h_, l_, block_size=5, vocab_block_size=chunk,
+                                         vocab_axis="tensor", **_projection(w_, tied))
     specs = (P("data", None, None), w_spec, P("data", None))
     args = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
             for x, spec in zip((h, w.T if tied else w, labels), specs)]
@@ -207,8 +215,9 @@ def _temp_bytes(vocab, *, block, chunk=None, seq=2048, e=64):
   def loss(h, w, lab):
     if block == 0:
       return loss_lib.cross_entropy_loss(jnp.dot(h, w), lab)[0]
-    return loss_blocks.blocked_cross_entropy_loss(h, lab, block_size=block,
-                                                  vocab_block_size=chunk, weight_ExV=w)[0]
+    token_loss = blocks.blocked_token_losses(h, lab, block_size=block, vocab_block_size=chunk,
+                                             weight_ExV=w)
+    return _mean(*loss_lib.token_loss_sum(token_loss, lab))
 
   step = jax.jit(jax.value_and_grad(loss, (0, 1)))
   return step.lower(hidden, weight, labels).compile().memory_analysis().temp_size_in_bytes, step
@@ -250,16 +259,16 @@ def test_the_blocked_loss_never_builds_the_full_logits():
 def test_bad_arguments_are_named():
   hidden, weight, labels, _, _ = (jnp.asarray(x) for x in _inputs())
   with pytest.raises(ArgumentError, match="exactly one of weight_ExV"):
-    loss_blocks.blocked_token_losses(hidden, labels, block_size=4)
+    blocks.blocked_token_losses(hidden, labels, block_size=4)
   with pytest.raises(ArgumentError, match="both"):
-    loss_blocks.blocked_token_losses(hidden, labels, block_size=4, weight_ExV=weight,
-                                     embedding_VxE=weight.T)
+    blocks.blocked_token_losses(hidden, labels, block_size=4, weight_ExV=weight,
+                                embedding_VxE=weight.T)
   with pytest.raises(ArgumentError, match="block_size must be a positive int, got 0"):
-    loss_blocks.blocked_token_losses(hidden, labels, block_size=0, weight_ExV=weight)
+    blocks.blocked_token_losses(hidden, labels, block_size=0, weight_ExV=weight)
   with pytest.raises(ArgumentError, match="vocab_block_size must be a positive int, got -1"):
-    loss_blocks.blocked_token_losses(hidden, labels, block_size=4, vocab_block_size=-1,
-                                     weight_ExV=weight)
+    blocks.blocked_token_losses(hidden, labels, block_size=4, vocab_block_size=-1,
+                                weight_ExV=weight)
   with pytest.raises(ArgumentError, match=r"embedding_VxE shape \(16, 101\)"):
-    loss_blocks.blocked_token_losses(hidden, labels, block_size=4, embedding_VxE=weight)
+    blocks.blocked_token_losses(hidden, labels, block_size=4, embedding_VxE=weight)
   with pytest.raises(ArgumentError, match="must be labels shape"):
-    loss_blocks.blocked_token_losses(hidden, labels[:, :5], block_size=4, weight_ExV=weight)
+    blocks.blocked_token_losses(hidden, labels[:, :5], block_size=4, weight_ExV=weight)

@@ -1,6 +1,9 @@
-"""Tests for segpack.loss: a naive per-token oracle, exact accumulation and sharding."""
+"""Tests for segpack.loss.tokens: a naive per-token oracle, exact accumulation and sharding;
+the package's exports and its one ignored label."""
 
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from segpack import loss as loss_lib
+from segpack.data import rows
+from segpack.errors import ArgumentError
+from segpack.loss import tokens
 
 
 def _naive_loss(logits, labels):
@@ -98,3 +104,42 @@ def test_bfloat16_logits_are_upcast():
 def test_shape_mismatch_names_both_shapes():
   with pytest.raises(ValueError, match=r"\(2, 3, 5\).*\(2, 4\)"):
     loss_lib.cross_entropy_loss(jnp.zeros((2, 3, 5)), jnp.zeros((2, 4), jnp.int32))
+
+
+def test_the_loss_is_the_summed_token_losses_over_their_count():
+  """`cross_entropy_loss` is `token_loss_sum` of `token_cross_entropy` over the count, to the
+  bit, for both weightings."""
+  logits, labels = (jnp.asarray(x) for x in _random_batch(6))
+  seg = jnp.asarray(np.repeat(np.arange(1, 5), 4)[None].repeat(labels.shape[0], 0), jnp.int32)
+  token_loss = loss_lib.token_cross_entropy(logits, labels)
+  for weighting in loss_lib.WEIGHTINGS:
+    loss_sum, count = loss_lib.token_loss_sum(token_loss, labels, weighting=weighting,
+                                              segment_ids_BxS=seg)
+    got, got_count = loss_lib.cross_entropy_loss(logits, labels, weighting=weighting,
+                                                 segment_ids_BxS=seg)
+    assert float(got) == float(loss_sum / jnp.maximum(count, 1.0))
+    assert float(got_count) == float(count)
+
+
+def test_an_unknown_weighting_is_an_argument_error_naming_it():
+  logits, labels = (jnp.asarray(x) for x in _random_batch(7))
+  with pytest.raises(ArgumentError, match="weighting must be one of .*got 'document'"):
+    loss_lib.cross_entropy_loss(logits, labels, weighting="document")
+  with pytest.raises(ValueError, match="token_loss_sum: weighting='sequence' needs"):
+    loss_lib.token_loss_sum(jnp.zeros(labels.shape), labels, weighting="sequence")
+
+
+def test_the_package_exports_every_name_and_one_ignored_label():
+  for name in loss_lib.__all__:
+    assert getattr(loss_lib, name) is not None, name
+  assert loss_lib.cross_entropy_loss is tokens.cross_entropy_loss
+  assert loss_lib.IGNORE_INDEX == tokens.IGNORE_INDEX == rows.IGNORE_INDEX == -100
+  with pytest.raises(AttributeError, match="cross_entropy_sum"):
+    loss_lib.cross_entropy_sum  # pylint: disable=pointless-statement
+
+
+def test_the_ignored_label_is_read_without_jax():
+  """The row builder (NumPy only) reads `IGNORE_INDEX` from the package without importing JAX."""
+  code = ("import sys\nfrom segpack.data import rows\n"
+          "assert rows.IGNORE_INDEX == -100 and 'jax' not in sys.modules, sorted(sys.modules)")
+  subprocess.run([sys.executable, "-c", code], check=True)
