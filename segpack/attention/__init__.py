@@ -8,7 +8,8 @@
   on the CPU; its settings come grouped, `pallas=PallasOptions(...)`.
 - `"cudnn"` (`cudnn.py`): JAX's cuDNN fused attention with its packed (offsets/seqlens) layout;
   it needs `cudnn_segment_bound=`, e.g. `round_segment_bound(dataset.segment_bound)`.
-- `None`: Pallas on a GPU, XLA elsewhere.
+- `None`: Pallas on a GPU (cuDNN, with one warning, on a JAX without Pallas's Triton backend),
+  XLA elsewhere.
 
 A setting for another backend is refused. `resolve_implementation` and `backend_mesh` hold the
 rules about backends (which one runs, what it accepts, where it runs, whether it takes a mesh).

@@ -6,16 +6,19 @@ With a `mesh`, `sharded.py` runs the backend per device.
 
 The rules about backends are written here and nowhere else (the trainer calls these functions):
 
-- `resolve_implementation`: which backend runs (None: Pallas on a GPU, XLA elsewhere); every
+- `resolve_implementation`: which backend runs (None: Pallas on a GPU, or cuDNN with one warning
+  where JAX has no Pallas Triton backend; XLA elsewhere); every
   setting goes to a backend that uses it (`pallas=` to Pallas, `cudnn_segment_bound=` to cuDNN),
   else it is refused; for a named platform, the backend can run there (Pallas on the CPU only in
-  interpret mode).
+  interpret mode); Pallas outside interpret mode needs JAX's Pallas Triton backend.
 - `backend_mesh`: the kernel backends run per device under a model's mesh; XLA is left to the jit
   partitioner.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Literal
 
 import jax
@@ -48,14 +51,30 @@ __all__ = [
 ]
 
 
+@functools.cache
+def _warn_no_triton() -> None:
+  """Says once per process that `implementation=None` runs cuDNN instead of Pallas on a GPU."""
+  warnings.warn(f"segment_attention: this JAX {jax.__version__} has no Pallas Triton backend "
+                "(jax.experimental.pallas.triton), so implementation=None runs 'cudnn' instead "
+                "of 'pallas' on the GPU", stacklevel=3)
+
+
 def default_implementation(*, platform: str | None = None) -> str:
   """The backend `implementation=None` picks: `"pallas"` on a GPU, `"xla"` elsewhere.
+
+  On a GPU with a JAX that has no Pallas Triton backend (`jax.experimental.pallas.triton`,
+  deprecated from JAX 0.11), `"cudnn"`, with one warning per process.
 
   Args:
     platform: a JAX platform name ("cpu", "gpu", "tpu", ...); None: `jax.default_backend()`.
   """
   platform = jax.default_backend() if platform is None else platform
-  return "pallas" if platform in GPU_PLATFORMS else "xla"
+  if platform not in GPU_PLATFORMS:
+    return "xla"
+  if pallas_lib.has_triton():
+    return "pallas"
+  _warn_no_triton()
+  return "cudnn"
 
 
 def _named(implementation: str | None, impl: str) -> str:
@@ -85,6 +104,9 @@ def resolve_implementation(
        host can still lower for a GPU (`lowering_platforms=("cuda",)`); lowered for the CPU
        without interpret mode, the kernel then fails with one line naming
        `PallasOptions(interpret=True)` (`pallas.cpu_guard`).
+    4. "pallas" without interpret mode needs JAX's Pallas Triton backend; a JAX without it
+       refuses an explicit "pallas" in one line naming "cudnn" and "xla" (None picks "cudnn" on
+       a GPU then, rule 1).
 
   Example: `resolve_implementation(implementation="pallas", platform="cpu",
   pallas=PallasOptions(interpret=True))` is "pallas"; without `pallas` it raises.
@@ -99,8 +121,9 @@ def resolve_implementation(
     "xla", "pallas" or "cudnn".
 
   Raises:
-    AttentionInputError: an unknown implementation, a setting for another backend, or Pallas on
-      the CPU without interpret mode.
+    AttentionInputError: an unknown implementation, a setting for another backend, Pallas on
+      the CPU without interpret mode, or Pallas without interpret mode on a JAX without its
+      Triton backend.
   """
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise AttentionInputError(
@@ -125,6 +148,9 @@ def resolve_implementation(
         f"segment_attention: {_named(implementation, impl)} on the CPU needs "
         "`pallas.interpret=True` (pallas=PallasOptions(interpret=True): the GPU kernels in Pallas "
         f"interpret mode, slowly), got pallas={pallas!r}; or use implementation='xla'")
+  interpret = pallas is not None and pallas.interpret
+  if impl == "pallas" and not interpret and not pallas_lib.has_triton():
+    raise AttentionInputError(pallas_lib.no_triton_message(_named(implementation, impl)))
   return impl
 
 

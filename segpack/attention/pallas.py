@@ -9,7 +9,9 @@ the whole (gathered) row, placed by slot index.
 
 Without interpret mode, a call lowered for the CPU fails with one line naming
 `PallasOptions(interpret=True)` (`cpu_guard`), not Pallas's own message; the check is made when
-the computation is lowered for its platform, so a CPU host can still lower it for a GPU.
+the computation is lowered for its platform, so a CPU host can still lower it for a GPU. Without
+interpret mode on a JAX that has no Pallas Triton backend, a call is refused in one line naming
+it and the other backends (`require_triton`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,27 @@ CPU_NEEDS_INTERPRET = (
     "segment_attention: implementation='pallas' on the CPU needs "
     "pallas=PallasOptions(interpret=True) (the GPU kernels in Pallas interpret mode, slowly), got "
     "interpret=False; or use implementation='xla'")
+
+
+def has_triton() -> bool:
+  """Whether this JAX has Pallas's Triton backend (`jax.experimental.pallas.triton`), which the
+  GPU kernels are lowered with (deprecated from JAX 0.11; interpret mode runs without it)."""
+  return pallas_fwd.triton_backend() is not None
+
+
+def no_triton_message(implementation: str) -> str:
+  """The one line refusing the Pallas GPU kernels on a JAX without their Triton backend."""
+  return (f"segment_attention: {implementation} needs Pallas's Triton backend "
+          f"(jax.experimental.pallas.triton), which this JAX {jax.__version__} does not have: "
+          "use implementation='cudnn' or implementation='xla' (or pallas=PallasOptions("
+          "interpret=True): the kernels in Pallas interpret mode, slowly)")
+
+
+def require_triton(*, interpret: bool) -> None:
+  """Raises `AttentionInputError(no_triton_message(...))` when the kernels are to be lowered
+  (not interpret mode) and this JAX has no Pallas Triton backend."""
+  if not interpret and not has_triton():
+    raise AttentionInputError(no_triton_message("implementation='pallas'"))
 
 
 def _refuse_cpu(ctx, **params):
@@ -290,6 +313,7 @@ def _kernel_config(q_BxQxHxD, k_BxSxKxD, *, seq_len: int, causal: bool, scale: f
                    prefix: bool = False) -> tuple[KernelConfig, int]:
   """The kernels' static config and the multiple that every padded length must be."""
   h, d = q_BxQxHxD.shape[2], q_BxQxHxD.shape[3]
+  require_triton(interpret=pallas.interpret)
   if d > MAX_HEAD_DIM:
     raise AttentionInputError(
         f"segment_attention(implementation='pallas'): head dim D={d} is above {MAX_HEAD_DIM}")

@@ -15,17 +15,21 @@ of its prefix segment; the ranges (`blocks.q_block_ranges(prefix_ids_BxS=...)`) 
 
 `KernelConfig`, the static settings of a kernel call, lives here because the forward and the
 backward kernels (`pallas_bwd.py`) both read it; `pallas.py` builds it.
+
+Pallas's Triton backend (`jax.experimental.pallas.triton`, deprecated from JAX 0.11) is imported
+when a kernel is built (`triton_backend`), not with this module: a JAX without it imports segpack
+and runs the other backends, and interpret mode runs without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 MASK_VALUE = -1e30
 
@@ -72,9 +76,23 @@ class KernelConfig:
   prefix: bool = False
 
 
-def compiler_params(cfg: KernelConfig) -> pltriton.CompilerParams:
-  """Triton compiler parameters (selects the Triton lowering on a GPU)."""
-  return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+@functools.cache
+def triton_backend() -> Any | None:
+  """Pallas's Triton backend, `jax.experimental.pallas.triton`, or None where this JAX has none."""
+  try:
+    from jax.experimental.pallas import triton  # optional: the Pallas GPU kernels alone need it
+  except ImportError:
+    return None
+  return triton
+
+
+def compiler_params(cfg: KernelConfig) -> Any | None:
+  """Triton compiler parameters (selects the Triton lowering on a GPU); None without the Triton
+  backend, which only interpret mode runs without (`pallas.require_triton` refuses the rest)."""
+  triton = triton_backend()
+  if triton is None:
+    return None
+  return triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def element_mask(seg_q_Q, seg_k_C, q_pos_Q, k_pos_C, causal: bool, pre_q_Q=None) -> jax.Array:
