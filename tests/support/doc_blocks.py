@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import sys
 
 from support import paths
 from support.train_configs import run_cli
@@ -94,14 +95,15 @@ def python_m(command: str) -> tuple[list[str], dict[str, str]]:
 
 
 def run(commands: list[str], subs: dict[str, str], *, train_args: list[str], cwd=paths.REPO,
-        env: dict[str, str] | None = None):
+        env: dict[str, str] | None = None, python: str | None = None):
   """Runs each command as a new user would, from `cwd`, with the document's names replaced by
   `subs` (in order) and `train_args` added to `python -m train.main` (fewer steps); yields
   `(args after "python -m", the finished process)` of each (a failed one fails the test).
 
   `pip install ...` before `&&` is what made this environment and is not run again; `NAME=VALUE`
   words before `python` are the command's environment, beside `env`. A command sees one CPU
-  device, as on a new user's machine (`train_configs.run_cli`)."""
+  device, as on a new user's machine (`train_configs.run_cli`); `python` runs it in another
+  environment (None: this one's)."""
   for command in commands:
     for a, b in subs.items():
       command = command.replace(a, b)
@@ -110,7 +112,7 @@ def run(commands: list[str], subs: dict[str, str], *, train_args: list[str], cwd
     command_env = {**(env or {}), **command_env}
     if args[0] == "train.main":
       args += train_args
-    yield args, run_cli(*args, cwd=cwd, env=command_env)
+    yield args, run_cli(*args, cwd=cwd, env=command_env, python=python or sys.executable)
 
 
 def python_block(text: str, namespace: dict, cwd) -> dict:

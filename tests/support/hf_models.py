@@ -53,6 +53,20 @@ def make_model(directory: str, family: str = "llama", *, seed: int = 0, dtype: s
   return directory
 
 
+def make_chat_model(directory) -> tuple[str, object]:
+  """A tiny Qwen3 (E=32, 2 layers) with Qwen3's chat template and vocabulary
+  (`chat_fixtures.make_tokenizer`) saved to `directory`, the README's MODEL_DIR in the tests of
+  its fine-tune block; returns `(directory, its transformers tokenizer)`."""
+  import transformers
+  from support import chat_fixtures
+  model_dir = chat_fixtures.make_tokenizer(directory, "qwen3")
+  tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+  make_model(str(model_dir), "qwen3", vocab_size=len(tok), hidden_size=32, head_dim=8,
+             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+             bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+  return str(model_dir), tok
+
+
 TOKENS = [f"w{i}" for i in range(150)]
 
 

@@ -132,11 +132,12 @@ def cpu_devices(count: int) -> str:
   return f"{one_cpu_device()} --xla_force_host_platform_device_count={count}".strip()
 
 
-def run_cli(*args, cwd=REPO, check=True, env=None):
-  """Runs `python -m ARGS` from `cwd` on one CPU device (unless `env` names XLA_FLAGS); a failure
-  fails the test when `check`."""
+def run_cli(*args, cwd=REPO, check=True, env=None, python=sys.executable):
+  """Runs `python -m ARGS` from `cwd` on one CPU device (unless `env` names XLA_FLAGS), with
+  `python` (another environment's, e.g. `support.fresh_env.make`'s); a failure fails the test
+  when `check`."""
   env = dict(os.environ, PYTHONPATH=str(REPO), **{"XLA_FLAGS": one_cpu_device(), **(env or {})})
-  out = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+  out = subprocess.run([str(python), "-m", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=900)
   if check:
     assert out.returncode == 0, out.stderr[-3000:]

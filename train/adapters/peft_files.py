@@ -32,8 +32,6 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-import safetensors
-import safetensors.numpy as safetensors_numpy
 
 from segpack.errors import UserError
 
@@ -79,6 +77,18 @@ Tensors = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
 
 class AdapterError(UserError, ValueError):
   """A PEFT adapter directory that cannot be read (or adapter tensors that cannot be written)."""
+
+
+def _safetensors() -> Any:
+  """The `safetensors` package, or an AdapterError naming the extra that installs it."""
+  try:
+    import safetensors  # optional: only PEFT adapter files need it (extra segpack[hf])
+    import safetensors.numpy  # optional: as above
+  except ImportError as e:
+    raise AdapterError(f"a PEFT adapter (model.init_adapter, train.export --adapter) needs the "
+                       f"`{e.name or 'safetensors'}` package, which is not installed: pip "
+                       f"install 'segpack[hf]'") from None
+  return safetensors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,9 +195,10 @@ def write_adapter(*, directory: str, spec: AdapterSpec, tensors: Tensors,
       out[weight_key(layer=layer, target=target, part=part)] = x
   config_path = os.path.join(directory, CONFIG_NAME)
   weights_path = os.path.join(directory, WEIGHTS_NAME)
+  encoded = _safetensors().numpy.save(out, metadata={"format": "pt"})
   _write_bytes(config_path, (json.dumps(_config_dict(spec), indent=2, sort_keys=True)
                              + "\n").encode())
-  _write_bytes(weights_path, safetensors_numpy.save(out, metadata={"format": "pt"}))
+  _write_bytes(weights_path, encoded)
   return [config_path, weights_path]
 
 
@@ -315,6 +326,7 @@ def _read_weights(path: str, rank: int, num_layers: int) -> dict[tuple[int, str,
   if not os.path.isfile(path):
     raise AdapterError(f"{path}: no such file (a PEFT LoRA adapter directory holds {CONFIG_NAME} "
                        f"and {WEIGHTS_NAME})")
+  safetensors = _safetensors()
   factors, keys = {}, {}
   try:
     with safetensors.safe_open(path, framework="np") as f:

@@ -251,3 +251,30 @@ def test_a_missing_file_is_refused_by_name(tmp_path, name):
   (directory / name).unlink()
   with pytest.raises(peft_files.AdapterError, match=f"{directory / name}: no such file"):
     peft_files.read_adapter(directory=str(directory), num_layers=LAYERS)
+
+
+def test_without_safetensors_an_adapter_is_refused_in_one_line_naming_it_and_its_extra(
+    tmp_path, monkeypatch):
+  """The package is imported where adapter files are read or written, so a base install (no
+  `[hf]` extra) trains without it; reading or writing an adapter then names the package and the
+  extra, and a refused write leaves no file."""
+  import builtins  # pylint: disable=g-import-not-at-top
+  (tmp_path / "read").mkdir()
+  directory = _write(tmp_path / "read")
+  real_import = builtins.__import__
+
+  def no_safetensors(name, *args, **kwargs):
+    if name == "safetensors" or name.startswith("safetensors."):
+      raise ImportError(f"No module named {name!r}", name=name)
+    return real_import(name, *args, **kwargs)
+
+  monkeypatch.setattr(builtins, "__import__", no_safetensors)
+  want = r"needs the `safetensors` package, which is not installed: pip install 'segpack\[hf\]'$"
+  with pytest.raises(peft_files.AdapterError, match=want):
+    peft_files.read_adapter(directory=str(directory), num_layers=LAYERS)
+  spec = peft_files.AdapterSpec(rank=2, alpha=4, targets=("q",))
+  (tmp_path / "write").mkdir()
+  with pytest.raises(peft_files.AdapterError, match=want):
+    peft_files.write_adapter(directory=str(tmp_path / "write"), spec=spec,
+                             tensors=_random_tensors(spec.targets, rank=2))
+  assert not list((tmp_path / "write").iterdir())
