@@ -45,9 +45,9 @@ from segpack.data.stream import StreamBatches
 from segpack.errors import UserError
 from segpack.packing.chunking import LongDocs
 from segpack.packing.minibatch_planner import RowsPerBatchError
-from segpack.text import chat_corpus
+from segpack.text.chat import corpus as chat_corpus
 from segpack.text import corpus
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from train import config_checks
 from train import context_batches
 

@@ -7,7 +7,7 @@ A chat template is prefix-stable for a conversation when rendering more messages
 text; then the conversation stored once trains every assistant turn as the model sees it when it
 answers. Where it is not (Qwen3 writes an empty think block into the last assistant turn only),
 `segpack tokenize --turns auto` stores one sample per assistant turn instead
-(`segpack.text.hf_chat.HfChatTemplate`). This benchmark counts the tokens that costs. They are
+(`segpack.text.chat.hf_chat.HfChatTemplate`). This benchmark counts the tokens that costs. They are
 counts, not times: the same on every machine for the same tokenizer, template and data.
 
 Algorithm, for each template (the tokenizer directory's own, or each `--template` instead):
@@ -56,12 +56,12 @@ from typing import Any, Sequence
 
 from segpack import errors
 from segpack.bench import tables
-from segpack.text import chat_corpus
-from segpack.text import chat_files
-from segpack.text import tokenizer_spec
 from segpack.text.chat import ChatFormatError, Conversation
-from segpack.text.hf_chat import ChatOptions, HfChatTemplate
-from segpack.text.hf_chat.messages import validate_tools
+from segpack.text.chat import corpus as chat_corpus
+from segpack.text.chat import files as chat_files
+from segpack.text.chat.hf_chat import ChatOptions, HfChatTemplate
+from segpack.text.chat.hf_chat.messages import validate_tools
+from segpack.text.tokenizers import spec as tokenizer_spec
 
 __all__ = ["builtin_turn_conversations", "format_table", "main", "measure_template"]
 

@@ -53,7 +53,7 @@ import segpack
 from segpack.bench import tokenize_inputs
 from segpack import errors
 from segpack.text import encode
-from segpack.text import spm as spm_lib
+from segpack.text.tokenizers import spm as spm_lib
 from segpack.text.dataset import LOCK_NAME
 
 __all__ = ["PATHS", "format_table", "main", "run_tokenize", "same_bytes"]

@@ -35,9 +35,10 @@ import sentencepiece
 
 from segpack import shards as shards_lib
 from segpack.cli import tokenize as tokenize_cli
-from segpack.text import encode, tokenizer_spec
-from segpack.text import spm as spm_lib
+from segpack.text import encode
 from segpack.text.inputs import InputFormatError
+from segpack.text.tokenizers import spec as tokenizer_spec
+from segpack.text.tokenizers import spm as spm_lib
 
 __all__ = ["BEFORE_IMPORTS", "encode_lists", "main", "summarize_before", "write_dataset_before"]
 

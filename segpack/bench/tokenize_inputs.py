@@ -4,10 +4,10 @@
   `stdlib` directory, `site-packages` and `__pycache__` left out, files that are not UTF-8
   skipped), one JSONL record `{"text": ...}` per file in path order, the whole list repeated
   until the file holds `mb` MB: text that nobody here wrote.
-- `train_tokenizers`: a SentencePiece model (`segpack.text.spm.train_spm`, segpack's settings;
-  its first 300,000 lines) and a byte-level BPE `tokenizer.json` (the `tokenizers` library, the
-  kind GPT-2 and Llama 3 ship), both of `vocab_size` pieces, trained on one pass of those
-  sources (on less when the text is smaller).
+- `train_tokenizers`: a SentencePiece model (`segpack.text.tokenizers.spm.train_spm`, segpack's
+  settings; its first 300,000 lines) and a byte-level BPE `tokenizer.json` (the `tokenizers`
+  library, the kind GPT-2 and Llama 3 ship), both of `vocab_size` pieces, trained on one pass of
+  those sources (on less when the text is smaller).
 - `alone`: the tokenizer without segpack. The texts are read into memory first (not timed), cut
   into the batches `segpack tokenize` would send its workers (`segpack.text.encode.chunk_texts`:
   about 1 MB each), and `procs` forked processes, each with its own tokenizer and an equal share
@@ -37,8 +37,8 @@ import sentencepiece
 
 from segpack import files
 from segpack.text import encode
-from segpack.text import spm as spm_lib
 from segpack.text.corpus import stdlib_dir
+from segpack.text.tokenizers import spm as spm_lib
 
 __all__ = ["KINDS", "alone", "batch_call_name", "build_corpus", "stdlib_sources",
            "train_tokenizers"]
@@ -155,7 +155,7 @@ def _batch_call(kind: str, tokenizer_file: str, numpy_ids: bool) -> Any:
   tok = tokenizers.Tokenizer.from_file(tokenizer_file)
   tok.no_truncation()
   tok.no_padding()
-  tok.encode_special_tokens = True  # as segpack.text.hf.HfTokenizer encodes
+  tok.encode_special_tokens = True  # as segpack.text.tokenizers.hf.HfTokenizer encodes
   return lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 

@@ -23,14 +23,14 @@ import sys
 from collections.abc import Sequence
 
 from segpack import errors
-from segpack.text.beam_pipeline import DEFAULT_UNIT_RECORDS
-from segpack.text.beam_remote import tokenize_remote
+from segpack.text.beam.pipeline import DEFAULT_UNIT_RECORDS
+from segpack.text.beam.remote import tokenize_remote
+from segpack.text.beam.remote_inputs import remote_flags
+from segpack.text.chat.hf_chat.options import DEFAULT_DATE, REASONING, TURNS, ChatOptions
 from segpack.text.dataset import CHAT_TEMPLATES
 from segpack.text.dataset import refuse_chat_template
 from segpack.text.dataset import tokenize_files
 from segpack.text.encode import DEFAULT_SHARD_TOKENS
-from segpack.text.hf_chat.options import DEFAULT_DATE, REASONING, TURNS, ChatOptions
-from segpack.text.remote_inputs import remote_flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _tokenize_urls(args: argparse.Namespace) -> list | None:
-  """With a URL among the paths: `beam_remote.tokenize_remote` (Beam's filesystems,
+  """With a URL among the paths: `beam.remote.tokenize_remote` (Beam's filesystems,
   docs/ingest.md; the local runner refuses URLs in one line); else None."""
   if not remote_flags(paths=[*args.input, args.output, args.spm_model, args.tokenizer]):
     return None

@@ -31,7 +31,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 OFFSET_DTYPE = np.dtype("<i8")
 # Every file a writer may own in a dataset directory (finished or temporary): the local writer's
-# shard-NNNNN.* and the Beam pipeline's shard-FFFFF-BBBBB[-SSSSS].* (segpack/text/beam_pipeline.py).
+# shard-NNNNN.* and the Beam pipeline's shard-FFFFF-BBBBB[-SSSSS].* (segpack/text/beam/pipeline.py).
 OWNED_FILE = re.compile(
     r"^(shard-\d{5,}(-\d{5,}){0,2}\.(tokens|offsets|mask|done\.json)|manifest\.json)(\..*\.tmp)?$")
 HASH_BLOCK = 1 << 24

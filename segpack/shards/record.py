@@ -151,7 +151,8 @@ def _none() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerRecord(_Record):
-  """`metadata.tokenizer`: the tokenizer's `describe()` (`segpack.text.spm`, `segpack.text.hf`).
+  """`metadata.tokenizer`: the tokenizer's `describe()` (`segpack.text.tokenizers.spm`,
+  `segpack.text.tokenizers.hf`).
 
   Attributes:
     type: "sentencepiece" or "hf".
@@ -184,7 +185,7 @@ class TokenizerRecord(_Record):
 @dataclasses.dataclass(frozen=True)
 class ChatRecord(_Record):
   """`metadata.chat`: the renderer's `describe()` (`segpack.text.chat.ChatEncoder`,
-  `segpack.text.hf_chat.HfChatTemplate`) and the counts of `write_chat_dataset`.
+  `segpack.text.chat.hf_chat.HfChatTemplate`) and the counts of `write_chat_dataset`.
 
   Attributes:
     renderer: "segpack" (segpack's template; None in manifests written before the key, read the
@@ -197,7 +198,7 @@ class ChatRecord(_Record):
     generation_markers: "hf": whether the template marks what to train (`{% generation %}`).
     add_bos_eos: "hf": false: the template writes BOS and end of turn, packing adds neither.
     files: "hf": `{name: "sha256:<hex>"}` of the tokenizer and template copies in the dataset.
-    turns, reasoning, date: "hf": the rendering choices (`segpack.text.hf_chat.ChatOptions`:
+    turns, reasoning, date: "hf": the rendering choices (`segpack.text.chat.hf_chat.ChatOptions`:
       whole conversations or one sample per assistant turn, reasoning trained or masked, the
       date the template read).
     trained_tokens_by_role: `{role: trained tokens}` of the whole dataset.

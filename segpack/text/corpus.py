@@ -23,7 +23,7 @@ group is held out when the first 8 bytes of the SHA-256 of its name, as an integ
 below `EVAL_PER_MILLE` (about 2%).
 
 `ensure_builtin` tokenizes both splits with a SentencePiece model trained on the training split and
-caches the result (see `segpack.text.spm` for the cache and the tokenizer).
+caches the result (see `segpack.text.tokenizers.spm` for the cache and the tokenizer).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from segpack import files
 from segpack import shards as shards_lib
 from segpack.errors import ArgumentError
 from segpack.text import encode
-from segpack.text import spm as spm_lib
-from segpack.text import tokenizer_cache
 from segpack.text.inputs import InputFormatError
+from segpack.text.tokenizers import cache as tokenizer_cache
+from segpack.text.tokenizers import spm as spm_lib
 
 __all__ = [
     "BuiltinDataset",

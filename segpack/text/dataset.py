@@ -25,16 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from segpack.files import LockHeldError, file_lock
-from segpack.text import beam_pipeline
-from segpack.text import chat_tokenize
-from segpack.text.preference import write as preference_write
+from segpack.text.beam import pipeline as beam_pipeline
+from segpack.text.chat import write as chat_write
+from segpack.text.chat.preference import write as preference_write
 from segpack.text import corpus
 from segpack.text import encode
-from segpack.text import hf_chat
+from segpack.text.chat import hf_chat
 from segpack.text import input_ranges
-from segpack.text import spm as spm_lib
-from segpack.text import tokenizer_cache
-from segpack.text import tokenizer_spec
+from segpack.text.tokenizers import spm as spm_lib
+from segpack.text.tokenizers import cache as tokenizer_cache
+from segpack.text.tokenizers import spec as tokenizer_spec
 from segpack.text.inputs import (
     InputFormatError, ReadCounters, describe_inputs, expand_inputs, is_chat, iter_documents)
 
@@ -168,7 +168,7 @@ def tokenize_files(
           iter_documents(files, **read), output / "spm.model", vocab_size=vocab_size, key=ident,
           protect=[output], overwrite=overwrite, progress=progress)
     else:
-      raise InputFormatError(chat_tokenize.NO_TOKENIZER)
+      raise InputFormatError(chat_write.NO_TOKENIZER)
     if runner == "beam":
       summary = beam_pipeline.tokenize_files_beam(
           files, output, tokenizer=tokenizer, read=read, ident=ident,
@@ -225,7 +225,7 @@ def _no_documents(inputs: Sequence[str | os.PathLike[str]], report: str,
 def _structured(files: Sequence[Path], output: Path, *, input_format: str, runner: str,
                 text_field: str | None, messages_field: str, train_on: str,
                 **kwargs) -> encode.Summary | None:
-  """Preference pairs (`segpack.text.preference`) or chat (`chat_tokenize`), tokenized
+  """Preference pairs (`segpack.text.chat.preference`) or chat (`chat.write`), tokenized
   locally; None for plain text."""
   chat = input_format != "preference" and is_chat(
       files, input_format, text_field=text_field, messages_field=messages_field)
@@ -235,8 +235,8 @@ def _structured(files: Sequence[Path], output: Path, *, input_format: str, runne
     raise InputFormatError(f"runner='beam' (--runner) tokenizes plain text; run "
                            f"{'chat' if chat else 'preference pairs'} locally")
   if chat:
-    return chat_tokenize.tokenize_chat(files, output, train_on=train_on,
-                                       messages_field=messages_field, **kwargs)
+    return chat_write.tokenize_chat(files, output, train_on=train_on,
+                                    messages_field=messages_field, **kwargs)
   return preference_write.tokenize_preference(files, output, **kwargs)
 
 

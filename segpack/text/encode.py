@@ -36,8 +36,9 @@ import tqdm
 from segpack import shards as shards_lib
 from segpack.shards.format import OFFSET_DTYPE, load_manifest, read_manifest
 from segpack.shards.record import stored_metadata
-from segpack.text import input_ranges, tokenizer_spec
+from segpack.text import input_ranges
 from segpack.text.inputs import InputFormatError
+from segpack.text.tokenizers import spec as tokenizer_spec
 
 __all__ = ["DEFAULT_SHARD_TOKENS", "STAGES", "Summary", "chunk_texts", "counted", "file_identity",
            "finished_dataset", "resume_key", "say", "summarize", "write_dataset"]

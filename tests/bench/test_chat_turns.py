@@ -27,7 +27,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from segpack.bench import chat_turns  # noqa: E402
 from segpack.cli import main as cli_main  # noqa: E402
-from segpack.text.hf_chat import ChatOptions  # noqa: E402
+from segpack.text.chat.hf_chat import ChatOptions  # noqa: E402
 from support import chat_fixtures  # noqa: E402
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -19,7 +19,7 @@ from segpack.cli import main as cli_main
 from segpack.cli import stats as stats_cli
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardFormatError
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from train.bench import adapters as bench_adapters
 from train.bench import training as train_bench
 from train.bench import hf_import as bench_hf_import

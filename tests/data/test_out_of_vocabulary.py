@@ -16,8 +16,8 @@ import pytest
 
 import segpack
 from segpack import shards
-from segpack.text import chat_corpus
 from segpack.text import corpus
+from segpack.text.chat import corpus as chat_corpus
 from train import data as data_lib
 
 from support import small_corpus

@@ -27,7 +27,7 @@ from support import paths  # noqa: E402
 
 README = "## Fine-tune a Hugging Face model"
 SFT = "docs/sft.md"
-OWN = "### Fine-tuning with the model's own chat template (`segpack.text.hf_chat`)"
+OWN = "### Fine-tuning with the model's own chat template (`segpack.text.chat.hf_chat`)"
 FEWER = ["--config.train.num_steps=3", "--config.train.eval_every=3",
          "--config.train.batch_size=24",  # the rows of a minibatch of these chats (21)
          "--config.train.checkpoint_every=3", "--config.attention.self_check=False"]

@@ -20,7 +20,7 @@ _TRAINING_BLOCKS = "tests/docs/test_readme_blocks.py::test_the_main_job_then_the
 _USE = "tests/docs/test_readme_blocks.py::test_the_use_blocks"
 _PY = "tests/docs/test_python_blocks.py::"
 _SFT = "tests/docs/test_fine_tune_blocks.py::test_fine_tune_then_ask"
-_OWN = "### Fine-tuning with the model's own chat template (`segpack.text.hf_chat`)"
+_OWN = "### Fine-tuning with the model's own chat template (`segpack.text.chat.hf_chat`)"
 _BENCH = ("the command that measured the figures below it, at full size (minutes, or a GPU); "
           "the benchmark runs at a tiny size in tests/bench/ and tests/train/bench/")
 _HEADING_BENCH = "## Chat stored one sample per assistant turn: `segpack bench chat-turns` (2026-11-26)"
@@ -77,13 +77,16 @@ INVENTORY = {
     ("docs/ingest.md", "# Tokenizing on Apache Beam", 0): (
         NOT, "installs a package (the test extra holds apache-beam and boto3)"),
     ("docs/ingest.md", "## Command lines", 0): (
-        RUN, "tests/text/test_beam_options.py::test_the_local_commands_of_docs_ingest_as_written"),
+        RUN, "tests/text/beam/test_beam_options.py"
+             "::test_the_local_commands_of_docs_ingest_as_written"),
     ("docs/ingest.md", "## Command lines", 1): (
         NOT, "Dataflow, Flink and Spark clusters with their buckets; the flags parse "
              "(tests/house/test_docs_commands.py)"),
-    ("docs/ingest.md", "## Command lines", 2): (RUN, "tests/text/test_beam_remote.py::remote_dataset"),
+    ("docs/ingest.md", "## Command lines", 2): (
+        RUN, "tests/text/beam/test_beam_remote.py::remote_dataset"),
     ("docs/ingest.md", "## Training on a remote dataset", 0): (
-        RUN, "tests/text/test_beam_remote.py::test_remote_dataset_trains_after_staging_and_stages_once"),
+        RUN, "tests/text/beam/test_beam_remote.py"
+             "::test_remote_dataset_trains_after_staging_and_stages_once"),
     ("docs/packing.md", "## Packers and plans (`segpack.packing`)", 0): (
         RUN, _PY + "test_the_packing_blocks"),
     ("docs/packing.md", "### Statistics CLI", 0): (RUN, _USE),

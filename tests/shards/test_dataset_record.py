@@ -24,7 +24,7 @@ from support import chat_datasets
 
 transformers = pytest.importorskip("transformers")
 
-from segpack.text import hf_chat  # noqa: E402
+from segpack.text.chat import hf_chat  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from train.runs.errors import RunError  # noqa: E402
 from configs import packed  # noqa: E402

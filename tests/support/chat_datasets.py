@@ -9,11 +9,11 @@ import pathlib
 
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import format as shard_format
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from support import hf_models
 
 # A template of a tokenizer's own, unlike segpack's: BOS first, the end-of-turn after every
-# message (tests/text/test_chat_template_flag.py renders it).
+# message (tests/text/chat/test_chat_template_flag.py renders it).
 OWN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' }} "
                 "{{ m['content'] }} {{ '<|end|>' }} {% endfor %}{% if add_generation_prompt %}"
                 "{{ '<|assistant|>' }} {% endif %}")

@@ -1,11 +1,12 @@
-"""The built-in corpus (segpack/text/corpus.py); SentencePiece itself is in tests/text/test_spm.py."""
+"""The built-in corpus (segpack/text/corpus.py); SentencePiece itself is in
+tests/text/tokenizers/test_spm.py."""
 
 import ast
 
 import pytest
 
 from segpack.text import corpus
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from segpack.shards import ShardSource
 
 

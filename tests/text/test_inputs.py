@@ -16,7 +16,7 @@ from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardSource
 from segpack.text import arrow_inputs
 from segpack.text import inputs
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 
 TEXTS = [f"document {i}: " + "word " * (i % 7) + "\nsecond line é 中" for i in range(23)]
 

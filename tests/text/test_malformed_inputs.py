@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from segpack.cli import tokenize as tokenize_cli
 from segpack.shards import ShardSource
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 
 try:
   import zstandard
@@ -50,7 +50,8 @@ SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, der
 # Training a tokenizer per case costs most: fewer cases (each outcome is still reached often).
 TRAIN_SETTINGS = settings(SETTINGS, max_examples=100)
 CASES: collections.Counter = collections.Counter()
-# The training phase leaves lines longer than this out (segpack.text.spm.MAX_SENTENCE_BYTES).
+# The training phase leaves lines longer than this out
+# (segpack.text.tokenizers.spm.MAX_SENTENCE_BYTES).
 MAX_TRAIN_LINE_BYTES = 16384
 
 OK, BAD, BLANK = "ok", "bad", "blank"
@@ -333,7 +334,8 @@ def test_bad_inputs_while_training_the_tokenizer(files, skip):
   # A first file with a space: a model trained on text without one has no piece for it and
   # decodes a space of a later document as "\u2581" (a limit of the training, not of reading).
   # 1000 pieces: more than 4 reserved + 256 bytes + one per distinct character of any generated
-  # case, so a valid case never meets the too-small-vocabulary error (tests/text/test_spm.py).
+  # case, so a valid case never meets the too-small-vocabulary error
+  # (tests/text/tokenizers/test_spm.py).
   _check([SEED] + files, skip, "train", ["--vocab-size", "1000"])
 
 

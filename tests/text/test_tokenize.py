@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from segpack.text import corpus
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from segpack.cli import tokenize as tokenize_cli
 from segpack.text import dataset
 from segpack.text import encode

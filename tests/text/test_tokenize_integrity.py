@@ -16,7 +16,7 @@ from segpack.data import options
 from segpack.data.packed import pack_dataset
 from segpack.shards import format as format_lib
 from segpack.text import dataset as dataset_lib
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from configs import packed
 from train.runs.errors import RunError
 from train.runs import tokenizer as run_tokenizer

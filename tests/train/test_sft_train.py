@@ -26,7 +26,7 @@ def test_sft_config_trains_minibatches_of_conversations(spec):
   assert (s.data.source, s.packing.mode, s.packing.examples_per_batch) == ("builtin_chat", "minibatch", 4)
   data = data_lib.make_data(s, batch_size=config.train.batch_size, process_index=0,
                             process_count=1)
-  from segpack.text import chat_corpus  # pylint: disable=g-import-not-at-top
+  from segpack.text.chat import corpus as chat_corpus  # pylint: disable=g-import-not-at-top
   train_dir = chat_corpus.ensure_builtin_chat(size="small", cache_dir=cache).train_dir
   n = len(shards.ShardSource(train_dir))
   # One step per minibatch of 4 conversations: the step count of unpacked training.
@@ -58,7 +58,7 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from segpack import loss
-  from segpack.text import chat_corpus
+  from segpack.text.chat import corpus as chat_corpus
   from train import model as model_lib  # pylint: disable=g-import-not-at-top
 
   _, _, cache = spec

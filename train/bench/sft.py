@@ -37,7 +37,7 @@ import optax
 from flax import nnx
 
 from segpack import errors
-from segpack.text import chat_corpus
+from segpack.text.chat import corpus as chat_corpus
 from segpack import loss as loss_lib
 from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.packed import pack_dataset

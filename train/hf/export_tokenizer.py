@@ -23,8 +23,8 @@ Algorithm of `write_tokenizer`:
      `tokenizer_config.json`; the ids are the SentencePiece model's.
   3. The run's chat template (`train.runs.tokenizer.chat_renderer`, as `train.sample --chat`
      reads it), when it has one: segpack's (`exported_template`) into `tokenizer_config.json`
-     and `chat_template.jinja`; the tokenizer's own (data rendered by `segpack.text.hf_chat`, or
-     an imported model's) keeps that template's files as they are.
+     and `chat_template.jinja`; the tokenizer's own (data rendered by
+     `segpack.text.chat.hf_chat`, or an imported model's) keeps that template's files as they are.
 
 Chat template: `chat_template_jinja` renders a conversation exactly as
 `segpack.text.chat.ChatTemplate.render` does, after the BOS the pipeline puts first.
@@ -51,10 +51,10 @@ from segpack import shards
 from segpack.errors import UserError
 from segpack.text import chat
 from segpack.text import corpus
-from segpack.text import hf as hf_tokenizer
-from segpack.text import hf_chat
-from segpack.text import spm
-from segpack.text import spm_proto
+from segpack.text.tokenizers import hf as hf_tokenizer
+from segpack.text.chat import hf_chat
+from segpack.text.tokenizers import spm
+from segpack.text.tokenizers import spm_proto
 from train import data as data_lib
 from train.hf import init_from as hf_init
 from train.runs.errors import NoTokenizerError

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import jax
 
-from segpack.text import hf as hf_tokenizer
+from segpack.text.tokenizers import hf as hf_tokenizer
 from train.hf import config as hf_config
 from train.hf import weights as hf_weights
 

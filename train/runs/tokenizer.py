@@ -27,10 +27,10 @@ from segpack.shards import staging
 from segpack.shards.format import read_manifest
 from segpack.shards.record import ChatRecord, DatasetRecord, TokenizerRecord
 from segpack.text import chat
-from segpack.text import chat_corpus
+from segpack.text.chat import corpus as chat_corpus
 from segpack.text import corpus
-from segpack.text import hf_chat
-from segpack.text import tokenizer_spec
+from segpack.text.chat import hf_chat
+from segpack.text.tokenizers import spec as tokenizer_spec
 from train import data as data_lib
 from train.hf import init_from as hf_init
 from train.runs.errors import NoTokenizerError, RunError
@@ -195,9 +195,9 @@ def chat_renderer(config: ml_collections.ConfigDict, workdir: str, *,
   it has none.
 
   In order: the template its data was rendered with, a chat dataset's
-  (`segpack.text.hf_chat.for_dataset`: segpack's template, or the tokenizer's own) or the
+  (`segpack.text.chat.hf_chat.for_dataset`: segpack's template, or the tokenizer's own) or the
   built-in chat corpus's (`segpack.text.chat.ChatEncoder`); else an imported model's own
-  template (`WORKDIR/hf_source` holding one, `segpack.text.hf_chat.has_template`). The result
+  template (`WORKDIR/hf_source` holding one, `segpack.text.chat.hf_chat.has_template`). The result
   has `prompt_ids` and `stop_ids`.
 
   Args:

@@ -42,8 +42,8 @@ from absl import app, flags, logging
 from segpack.errors import UserError
 from segpack import errors
 from segpack.text import chat
-from segpack.text import hf_chat
-from segpack.text.hf_chat import messages as hf_messages
+from segpack.text.chat import hf_chat
+from segpack.text.chat.hf_chat import messages as hf_messages
 from train.sample import decode as decode_lib
 from train.runs import tokenizer as run_tokenizer
 from train.runs import saved as saved_run
@@ -115,7 +115,7 @@ def _read_json(path: str, *, flag: str) -> Any:
 
 
 def check_tools(tools: Any, *, where: str = "tools") -> list[dict[str, Any]]:
-  """`tools` as a list of tool schemas (`segpack.text.hf_chat.validate_tools`); SampleError
+  """`tools` as a list of tool schemas (`segpack.text.chat.hf_chat.validate_tools`); SampleError
   naming `where` otherwise (None included)."""
   try:
     checked = hf_chat.validate_tools(tools, where=where)
@@ -128,8 +128,8 @@ def check_tools(tools: Any, *, where: str = "tools") -> list[dict[str, Any]]:
 
 def check_conversation(conversation: Any, *, where: str = "conversation") -> chat.Conversation:
   """`conversation` (a `chat.Conversation` or a list of messages) checked for a model's own
-  template (`segpack.text.hf_chat.validate_conversation`) and ending with a user or tool message,
-  whose next assistant turn the model answers; SampleError naming `where` otherwise."""
+  template (`segpack.text.chat.hf_chat.validate_conversation`) and ending with a user or tool
+  message, whose next assistant turn the model answers; SampleError naming `where` otherwise."""
   try:
     messages, tools = hf_chat.validate_conversation(conversation, where=where, train_on="all")
   except chat.ChatFormatError as e:

@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from configs import packed  # noqa: E402
 from segpack.text import dataset as dataset_lib  # noqa: E402
-from segpack.text import spm  # noqa: E402
+from segpack.text.tokenizers import spm  # noqa: E402
 from train.hf import export_tokenizer as export_tok  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while code and data train models".split()

@@ -31,9 +31,9 @@ from configs import packed  # noqa: E402
 from segpack import files  # noqa: E402
 from segpack import shards  # noqa: E402
 from segpack.text import chat  # noqa: E402
-from segpack.text import chat_corpus  # noqa: E402
 from segpack.text import corpus  # noqa: E402
-from segpack.text import hf as hf_tokenizer  # noqa: E402
+from segpack.text.chat import corpus as chat_corpus  # noqa: E402
+from segpack.text.tokenizers import hf as hf_tokenizer  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train.hf import export as export_lib  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402

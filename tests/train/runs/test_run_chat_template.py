@@ -1,6 +1,6 @@
 """A run's chat template, one answer for `train.sample --chat` and `train.hf.export`
 (`train.runs.tokenizer.chat_renderer`), and the one rule of a directory holding a chat template
-(`segpack.text.hf_chat.has_template`).
+(`segpack.text.chat.hf_chat.has_template`).
 
 Oracles: the template text written into the directory (transformers renders it); a mixture's
 refusal is compared, character for character, between the sampler and the export.
@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from configs import packed  # noqa: E402
 from segpack.text import chat  # noqa: E402
-from segpack.text import hf_chat  # noqa: E402
+from segpack.text.chat import hf_chat  # noqa: E402
 from support import chat_datasets  # noqa: E402
 from train.hf import export_files  # noqa: E402
 from train.hf import export_tokenizer  # noqa: E402

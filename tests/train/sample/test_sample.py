@@ -19,7 +19,7 @@ from flax import nnx
 from configs import packed
 from segpack.cli import main as cli_main
 from segpack.shards import staging
-from segpack.text import spm
+from segpack.text.tokenizers import spm
 from support.train_configs import synthetic_config
 from support import train_configs
 from train import checkpoint_digest as digest_lib

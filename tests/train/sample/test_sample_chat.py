@@ -14,7 +14,7 @@ import pytest
 from configs import packed
 from configs import sft
 from segpack.text import chat
-from segpack.text import chat_corpus
+from segpack.text.chat import corpus as chat_corpus
 from support.train_configs import one_step_run
 from support import train_configs
 from train.sample import decode as decode_lib
