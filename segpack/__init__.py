@@ -23,6 +23,7 @@ _EXPORTS = {
     "MinibatchPackedDataset": "segpack.data.minibatch_dataset",
     "SpecialTokens": "segpack.data.options",
     "LongDocs": "segpack.packing",
+    "PlanOptions": "segpack.packing",
     "PipelineConfigError": "segpack.data.options",
     "plan": "segpack.packing",
     "Plan": "segpack.packing",

@@ -43,7 +43,7 @@ from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.data.stream import StreamBatches
 from segpack.errors import UserError
-from segpack.packing.chunking import LongDocs
+from segpack.packing import LongDocs, PlanOptions
 from segpack.packing.minibatch_planner import RowsPerBatchError
 from segpack.text.chat import corpus as chat_corpus
 from segpack.text import corpus
@@ -287,15 +287,14 @@ def pack_data(config: Any, *, batch_size: int, process_index: int,
   if sources_lib.template_writes_special_tokens(train_src, fn=f"data.train={config.data.train!r}"):
     _LOG.info("%s: its documents hold their chat template's BOS and end-of-turn tokens; packing "
               "adds no BOS/EOS (data.add_bos and data.add_eos do not apply)", data_name(config))
-  common = dict(
-      seq_len=config.packing.seq_len, strategy=config.packing.strategy,
-      long_docs=LongDocs(mode=config.packing.long_docs),
-      special_tokens=SpecialTokens(add_bos=config.data.add_bos, add_eos=config.data.add_eos, **ids))
+  plan = PlanOptions(seq_len=config.packing.seq_len, strategy=config.packing.strategy,
+                     long_docs=LongDocs(mode=config.packing.long_docs),
+                     max_segments_per_row=config.packing.max_segments_per_row)
+  special = SpecialTokens(add_bos=config.data.add_bos, add_eos=config.data.add_eos, **ids)
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)
   eval_rows = None if eval_src is None else pack_dataset(
-      eval_src, shuffle=False, num_epochs=1, max_segments_per_row=config.packing.max_segments_per_row,
-      **common)
+      eval_src, plan=plan, special_tokens=special, shuffle=False, num_epochs=1)
   eval_batches = None if eval_rows is None else StreamBatches(eval_rows, **layout)
   if config.packing.mode == "minibatch":
     if isinstance(train_src, Mixture):
@@ -303,21 +302,20 @@ def pack_data(config: Any, *, batch_size: int, process_index: int,
           f"data.train={config.data.train!r} is a mixture, which packs globally; set "
           f"packing.mode='global'")
     data = _minibatch_data(config, train_src, eval_rows, eval_batches,
-                           dict(common, process_index=process_index, process_count=process_count),
-                           batch_size=batch_size, vocab=vocab)
+                           plan=dataclasses.replace(plan, max_segments_per_row=None),
+                           special=special, process_index=process_index,
+                           process_count=process_count, batch_size=batch_size, vocab=vocab)
     data.tokenizer_fingerprint = tokenizer
     data.description += held_note
     return data
-  train_rows = pack_dataset(train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
-                            max_segments_per_row=config.packing.max_segments_per_row, repack=config.packing.repack,
-                            **common)
+  train_rows = pack_dataset(train_src, plan=plan, special_tokens=special, seed=config.data.seed,
+                            shuffle=True, num_epochs=None, repack=config.packing.repack)
   train = StreamBatches(train_rows, balance=_balance(config, num_ranks=num_ranks), **layout)
   names = tuple(m.name for m in train_src.sources) if isinstance(train_src, Mixture) else ()
   by_source = {}
   if names and isinstance(eval_src, subset.DocumentSubset) and len(eval_src.parents) > 1:
     for name, part in zip(names, eval_src.by_parent()):
-      rows = pack_dataset(part, shuffle=False, num_epochs=1,
-                          max_segments_per_row=config.packing.max_segments_per_row, **common)
+      rows = pack_dataset(part, plan=plan, special_tokens=special, shuffle=False, num_epochs=1)
       by_source[name] = StreamBatches(rows, **layout)
   return Data(
       train=train, eval=eval_batches, vocab_size=vocab,
@@ -362,14 +360,16 @@ def _balance(config: Any, *, num_ranks: int) -> BalanceOptions | None:
   return None if config.packing.balance == "none" else BalanceOptions(num_ranks=num_ranks)
 
 
-def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: Any,
-                    common: dict[str, Any], *, batch_size: int, vocab: int) -> Data:
+def _minibatch_data(config: Any, train_src: Any, eval_rows: Any, eval_batches: Any, *,
+                    plan: PlanOptions, special: SpecialTokens, process_index: int,
+                    process_count: int, batch_size: int, vocab: int) -> Data:
   """`packing.mode="minibatch"`: each step is one packed minibatch of `batch_size` rows."""
   try:  # the dataset plans epoch 0 as it is made
     train = pack_minibatches(
-        train_src, seed=config.data.seed, shuffle=True, num_epochs=None,
+        train_src, plan=plan, special_tokens=special, process_index=process_index,
+        process_count=process_count, seed=config.data.seed, shuffle=True, num_epochs=None,
         examples_per_batch=config.packing.examples_per_batch,
-        tokens_per_batch=config.packing.tokens_per_batch, rows_per_batch=batch_size, **common)
+        tokens_per_batch=config.packing.tokens_per_batch, rows_per_batch=batch_size)
     steps = train.batches_in_epoch(0)
   except RowsPerBatchError as e:
     raise rows_per_batch_error(e) from e

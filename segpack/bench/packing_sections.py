@@ -116,8 +116,8 @@ def bench_load(lengths: np.ndarray, *, seq_len: int, batch_size: int, num_batche
     data = os.path.join(tmp, "data")
     write_synthetic_shards(data, lengths, vocab_size=32000)
     t0 = time.perf_counter()
-    ds = pack_dataset(data, seq_len=seq_len, strategy=strategy, seed=0,
-                      special_tokens=SpecialTokens(bos_id=1, eos_id=2)
+    ds = pack_dataset(data, plan=packing.PlanOptions(seq_len=seq_len, strategy=strategy),
+                      seed=0, special_tokens=SpecialTokens(bos_id=1, eos_id=2)
                       ).batch(batch_size, drop_remainder=True)
     setup_s = time.perf_counter() - t0
     n = min(num_batches, len(ds))
@@ -213,15 +213,15 @@ def bench_repack(lengths: np.ndarray, *, seq_len: int, repeats: int) -> list[dic
   call, then reused; each timed call plans a new epoch). Seconds are the best of `repeats`.
   """
   out, plans = [], {}
-  kwargs = dict(strategy="ffd", extra_tokens=2)
-  repack_planner = packing.RepackPlanner(lengths, seq_len, seed=0, **kwargs)
+  options, extra = packing.PlanOptions(seq_len=seq_len, strategy="ffd"), 2
+  repack_planner = options.repack_planner(lengths, extra_tokens=extra, seed=0)
   c0, t0 = time.process_time(), time.perf_counter()
   repack_planner.plan(1)
   first = (time.perf_counter() - t0, time.process_time() - c0)
   epochs = iter(range(2, 2 + max(1, repeats)))
-  cases = (("fixed", lambda: packing.plan(lengths, seq_len, **kwargs)),
-           ("repack epoch 1, plan()", lambda: packing.plan(lengths, seq_len, tie_seed=(0, 1),
-                                                          **kwargs)),
+  cases = (("fixed", lambda: options.plan(lengths, extra_tokens=extra)),
+           ("repack epoch 1, plan()", lambda: options.plan(lengths, extra_tokens=extra,
+                                                          tie_seed=(0, 1))),
            ("repack epoch 2+, RepackPlanner", lambda: repack_planner.plan(next(epochs))))
   for case, make in cases:
     best = best_cpu = math.inf

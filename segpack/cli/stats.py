@@ -18,6 +18,7 @@ draw.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -133,8 +134,8 @@ def parse_mixture(data: str, *,
     raise DataArgumentError(f"--data {data!r}: {e}") from e
 
 
-def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, seq_len: int, strategy: str,
-                  special: SpecialTokens, **plan_kwargs: Any) -> dict[str, Any]:
+def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, options: packing.PlanOptions,
+                  special: SpecialTokens) -> dict[str, Any]:
   """Per-source figures of mixture epoch 0's draw and the summary of its whole plan.
 
   Epoch 0 is drawn and planned by `segpack.data.epoch_plans.MixturePlanner`, as
@@ -143,15 +144,12 @@ def mixture_stats(mixture: mixture_lib.Mixture, *, seed: int, seq_len: int, stra
   Args:
     mixture: the sources (opened and checked here, `MixtureDraws`).
     seed: the draw's seed (`pack_dataset`'s `seed`).
-    seq_len, strategy, plan_kwargs: `packing.plan`'s arguments for the drawn documents (but
-      `extra_tokens`, which is `special.extra_tokens`).
-    special: BOS/EOS insertion (`--add-bos`, `--add-eos`).
+    options: the packing settings of the drawn documents.
+    special: BOS/EOS insertion (`--add-bos`, `--add-eos`): every document's `extra_tokens`.
   """
   draws = mixture_lib.MixtureDraws(mixture, seed=seed, fn="--data")
-  planner = epoch_plans.MixturePlanner(
-      draws=draws, plan_kwargs=dict(plan_kwargs, seq_len=seq_len, strategy=strategy,
-                                    extra_tokens=special.extra_tokens),
-      special=special, loss_mask=False)
+  planner = epoch_plans.MixturePlanner(draws=draws, options=options, special=special,
+                                       loss_mask=False)
   t0 = time.perf_counter()
   draw, p = planner.plan(0)
   plan_row = summarize(p, seconds=time.perf_counter() - t0)
@@ -183,16 +181,25 @@ def format_mixture(stats: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n" + format_summary(stats["plan"])
 
 
-def compare(lengths: np.ndarray, *, strategies: Sequence[str], seq_lens: Sequence[int],
-            **plan_kwargs: Any) -> list[dict[str, Any]]:
-  """Plans every strategy at every seq_len; returns one summary per pair."""
+def compare(lengths: np.ndarray, *, options: packing.PlanOptions, extra_tokens: int,
+            strategies: Sequence[str], seq_lens: Sequence[int]) -> list[dict[str, Any]]:
+  """Plans every strategy at every seq_len (the other settings `options`'); returns one summary
+  per pair."""
   rows = []
   for seq_len in seq_lens:
     for strategy in strategies:
       t0 = time.perf_counter()
-      p = packing.plan(lengths, seq_len, strategy=strategy, **plan_kwargs)
+      p = _plan(lengths, dataclasses.replace(options, seq_len=seq_len, strategy=strategy),
+                extra_tokens=extra_tokens)
       rows.append(summarize(p, seconds=time.perf_counter() - t0))
   return rows
+
+
+def _plan(lengths: np.ndarray, options: packing.PlanOptions, *, extra_tokens: int) -> packing.Plan:
+  """`packing.plan` of `lengths` with `options` (which set no segment cap here)."""
+  return packing.plan(lengths, options.seq_len, strategy=options.strategy,
+                      long_docs=options.long_docs, extra_tokens=extra_tokens,
+                      batch_size=options.batch_size, pad_multiple=options.pad_multiple)
 
 
 def format_compare(rows: list[dict[str, Any]]) -> str:
@@ -265,9 +272,7 @@ def _seq_len(flag: str, text: str) -> int:
 @errors.command("segpack stats")
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  kwargs = dict(long_docs=packing.LongDocs(mode=args.long_docs, min_len=args.min_len,
-                                           overlap=args.overlap),
-                extra_tokens=int(args.add_bos) + int(args.add_eos))
+  extra_tokens = int(args.add_bos) + int(args.add_eos)
   try:
     _seq_len("--seq-len", str(args.seq_len))
     packing.planner.check_strategy(args.strategy)
@@ -278,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"--tokens-per-epoch must be a positive number of tokens, got {args.tokens_per_epoch}")
     mixture = parse_mixture(args.data, tokens_per_epoch=args.tokens_per_epoch)
     if mixture is not None:
-      return _main_mixture(args, mixture, kwargs)
+      return _main_mixture(args, mixture)
     if args.tokens_per_epoch is not None:
       raise DataArgumentError(
           f"--tokens-per-epoch={args.tokens_per_epoch} applies to a mixture "
@@ -286,18 +291,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths, key, directory = load_lengths(args.data)
     if args.compare:
       seq_lens = [_seq_len("--seq-lens", s) for s in args.seq_lens.split(",") if s]
-      rows = compare(lengths, strategies=list(packing.STRATEGIES), seq_lens=seq_lens,
-                     batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+      rows = compare(lengths, options=_options(args, seq_len=(seq_lens or [args.seq_len])[0]),
+                     extra_tokens=extra_tokens, strategies=list(packing.STRATEGIES),
+                     seq_lens=seq_lens)
       print(json.dumps(rows, indent=1) if args.json else format_compare(rows))
       return 0
+    options = _options(args, seq_len=args.seq_len)
     t0 = time.perf_counter()
     if args.save_plan and directory is not None:
-      p = packing.load_or_plan(lengths, args.seq_len, cache_dir=os.path.join(directory, "plans"),
-                               key=key, strategy=args.strategy, batch_size=args.batch_size,
-                               pad_multiple=args.pad_multiple, **kwargs)
+      p = options.load_or_plan(lengths, extra_tokens=extra_tokens, key=key,
+                               cache_dir=os.path.join(directory, "plans"))
     else:
-      p = packing.plan(lengths, args.seq_len, strategy=args.strategy,
-                       batch_size=args.batch_size, pad_multiple=args.pad_multiple, **kwargs)
+      p = _plan(lengths, options, extra_tokens=extra_tokens)
     row = summarize(p, seconds=time.perf_counter() - t0)
   except (ValueError, OSError, EOFError) as e:  # bad arguments, unreadable or damaged files
     if not (errors.is_user_error(e) or isinstance(e, EOFError)):
@@ -308,19 +313,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   return 0
 
 
-def _main_mixture(args: argparse.Namespace, mixture: mixture_lib.Mixture,
-                  kwargs: dict[str, Any]) -> int:
+def _options(args: argparse.Namespace, *, seq_len: int) -> packing.PlanOptions:
+  """The packing settings the flags spell, with `seq_len` slots per row."""
+  return packing.PlanOptions(
+      seq_len=seq_len, strategy=args.strategy, batch_size=args.batch_size,
+      pad_multiple=args.pad_multiple,
+      long_docs=packing.LongDocs(mode=args.long_docs, min_len=args.min_len,
+                                 overlap=args.overlap))
+
+
+def _main_mixture(args: argparse.Namespace, mixture: mixture_lib.Mixture) -> int:
   """`main` for a mixture `--data`: prints `mixture_stats` (errors raise ValueError)."""
   for flag, on in (("--compare", args.compare), ("--save-plan", args.save_plan)):
     if on:
       raise DataArgumentError(
           f"{flag} applies to one dataset; a mixture draws and plans every epoch anew, got "
           f"--data {args.data!r}")
-  plan_kwargs = {k: v for k, v in kwargs.items() if k != "extra_tokens"}
-  stats = mixture_stats(mixture, seed=args.seed, seq_len=args.seq_len, strategy=args.strategy,
-                        special=SpecialTokens(add_bos=args.add_bos, add_eos=args.add_eos),
-                        batch_size=args.batch_size, pad_multiple=args.pad_multiple,
-                        **plan_kwargs)
+  stats = mixture_stats(mixture, seed=args.seed, options=_options(args, seq_len=args.seq_len),
+                        special=SpecialTokens(add_bos=args.add_bos, add_eos=args.add_eos))
   print(json.dumps(stats, indent=1) if args.json else format_mixture(stats))
   return 0
 

@@ -18,41 +18,36 @@ import threading
 from typing import Any
 
 from segpack import packing
-from segpack.packing import cap as cap_lib
 from segpack.data import mixture as mixture_lib
 from segpack.data import rows as rows_lib
 from segpack.data.options import SpecialTokens
+from segpack.packing.options import PlanOptions
 
 __all__ = ["EpochBuilders", "MixturePlanner"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MixturePlanner:
-  """Each mixture epoch: its draw, planned by `packing.plan`, capped at `max_segments_per_row`
-  when given. Every epoch is a pure function of `(seed, epoch)`.
+  """Each mixture epoch: its draw, planned by `PlanOptions.plan` (capped at the options'
+  `max_segments_per_row` when set). Every epoch is a pure function of `(seed, epoch)`.
 
   Attributes:
     draws: the mixture's draws (`MixtureDraws`, seeded).
-    plan_kwargs: `packing.plan`'s arguments, `seq_len` included.
-    special: the row builder's special tokens.
+    options: the packing settings (`segpack.packing.PlanOptions`).
+    special: the row builder's special tokens; every document adds its `extra_tokens` slots.
     loss_mask: whether the row builder applies the sources' loss masks.
-    max_segments_per_row: the segment cap, or None.
   """
 
   draws: mixture_lib.MixtureDraws
-  plan_kwargs: dict[str, Any]
+  options: PlanOptions
   special: SpecialTokens
   loss_mask: bool
-  max_segments_per_row: int | None = None
 
   def plan(self, epoch: int) -> tuple[mixture_lib.Draw, packing.Plan]:
     """The draw of `epoch` and its plan (document ids index `draw.documents`)."""
     draw = self.draws.draw(epoch)
-    kwargs = dict(self.plan_kwargs)
-    plan = packing.plan(draw.documents.lengths, kwargs.pop("seq_len"), **kwargs)
-    if self.max_segments_per_row is not None:
-      plan = cap_lib.cap_segments_per_row(plan, self.max_segments_per_row)
-    return draw, plan
+    return draw, self.options.plan(draw.documents.lengths,
+                                   extra_tokens=self.special.extra_tokens)
 
   def builder(self, epoch: int) -> rows_lib.RowBuilder:
     """The row builder of `epoch`: its plan over its drawn documents."""

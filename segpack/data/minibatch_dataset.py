@@ -24,8 +24,9 @@ from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.position import StreamIterator, StreamPosition
-from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
+from segpack.packing.chunking import LongDocs
 from segpack.packing.minibatch_planner import MinibatchPlan, MinibatchPlanner
+from segpack.packing.options import PlanOptions
 
 __all__ = ["MinibatchPackedDataset", "pack_minibatches"]
 
@@ -240,26 +241,29 @@ class MinibatchPackedDataset(grain.MapDataset):
 def pack_minibatches(
     source: Any,
     *,
-    seq_len: int,
+    plan: PlanOptions | None = None,
+    seq_len: int | None = None,
     process_index: int,
     process_count: int,
     examples_per_batch: int | None = None,
     tokens_per_batch: int | None = None,
     rows_per_batch: int | None = None,
     drop_remainder: bool = False,
-    strategy: str = "ffd",
+    strategy: str | None = None,
     seed: int = 0,
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = DEFAULT_LONG_DOCS,
+    long_docs: LongDocs | None = None,
     loss_mask: bool | None = None,
 ) -> MinibatchPackedDataset:
   """Packs the minibatches that unpacked random sampling draws, each on its own.
 
   Element `i` is optimizer step `i`'s batch: this process's dict of int32 `[rows_per_batch /
   process_count, seq_len]` arrays `input_ids`, `labels`, `segment_ids`, `segment_positions`
-  (docs/packing.md, "Minibatch packing"). The algorithm:
+  (docs/packing.md, "Minibatch packing"). The packing settings are one `segpack.PlanOptions`
+  (`plan=`), or the keywords `seq_len`, `strategy` and `long_docs` that spell it. The
+  algorithm:
 
   1. Each epoch's example order is a permutation seeded by `(seed, epoch)` (the order unpacked
      sampling uses; plan order without `shuffle`); documents with fewer than
@@ -282,7 +286,11 @@ def pack_minibatches(
   Args:
     source: a dataset directory, a `segpack.ShardSource`, or any random-access sequence of 1-D
       integer arrays (a `grain.MapDataset` included).
-    seq_len: slots per row.
+    plan: the packing settings, a `segpack.PlanOptions` (`seq_len`, `strategy`: the packer of
+      each minibatch, `long_docs`); its `max_segments_per_row`, `batch_size` and
+      `pad_multiple` do not apply here and must stay at their defaults. None: the keywords
+      `seq_len`, `strategy`, `long_docs` spell it.
+    seq_len: `PlanOptions.seq_len`, without `plan`.
     process_index: this process, `0 <= process_index < process_count`
       (`jax.process_index()` in a JAX program).
     process_count: processes that split every batch's rows (`jax.process_count()`).
@@ -293,13 +301,13 @@ def pack_minibatches(
     rows_per_batch: static rows per batch (over all processes); None: the most any batch needs
       over `num_epochs` epochs (for an infinite dataset a bound no batch can exceed).
     drop_remainder: drop each epoch's last, short minibatch.
-    strategy: packer for each minibatch, one of `segpack.packing.STRATEGIES`.
+    strategy: `PlanOptions.strategy`, without `plan` (None: "ffd").
     seed: sampling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the examples of every epoch (else source order).
     num_epochs: None for an infinite dataset, else the number of epochs.
     special_tokens: BOS/EOS insertion and the BOS/EOS/padding ids; None ids come from the
       source's tokenizer.
-    long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
+    long_docs: `PlanOptions.long_docs`, without `plan` (None: `LongDocs()`).
     loss_mask: apply the source's per-token loss mask; None: when the source has one.
 
   Returns:
@@ -312,8 +320,11 @@ def pack_minibatches(
   fn = "pack_minibatches"
   index, count = processes.check_processes(fn, process_index=process_index,
                                            process_count=process_count)
-  options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
-                     special_tokens=special_tokens, long_docs=long_docs)
+  plan = options.plan_options(fn, plan, seq_len=seq_len, strategy=strategy, long_docs=long_docs)
+  options.check_args(fn, plan=plan, seed=seed, num_epochs=num_epochs,
+                     special_tokens=special_tokens)
+  options.refuse_fields(fn, plan, ("max_segments_per_row", "batch_size", "pad_multiple"),
+                        why="minibatch packing caps no row and keeps no plan statistics")
   if (examples_per_batch is None) == (tokens_per_batch is None):
     raise PipelineConfigError(
         f"{fn}: needs exactly one of examples_per_batch and tokens_per_batch, got "
@@ -325,10 +336,10 @@ def pack_minibatches(
     raise PipelineConfigError(f"{fn}: drop_remainder must be a bool, got {drop_remainder!r}")
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
   planner = MinibatchPlanner(
-      prepared.lengths, seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
-      extra_tokens=prepared.special.extra_tokens, seed=int(seed), shuffle=bool(shuffle),
-      examples_per_batch=examples_per_batch, tokens_per_batch=tokens_per_batch,
-      drop_remainder=bool(drop_remainder))
+      prepared.lengths, seq_len=int(plan.seq_len), strategy=plan.strategy,
+      long_docs=plan.long_docs, extra_tokens=prepared.special.extra_tokens, seed=int(seed),
+      shuffle=bool(shuffle), examples_per_batch=examples_per_batch,
+      tokens_per_batch=tokens_per_batch, drop_remainder=bool(drop_remainder))
   builder = rows_lib.RowBuilder(prepared.source, planner.empty_plan(), special=prepared.special,
                                 doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
   return MinibatchPackedDataset(

@@ -1,21 +1,24 @@
-"""The options of `pack_dataset` and `pack_minibatches`: their groups, validation and error type.
+"""The options of `pack_dataset`, `pack_minibatches` and `pack_pairs`: their groups, validation
+and error type.
 
 The groups are small frozen dataclasses, in the style of `grain.sharding.ShardOptions`:
-`SpecialTokens` (BOS/EOS/padding ids) and `LongDocs` (documents longer than a row; defined with
-the chunking rule, `segpack.packing.chunking`). Which process
-owns which rows is `segpack.data.processes`' (`process_index` and `process_count`).
+`SpecialTokens` (BOS/EOS/padding ids), `PlanOptions` (the packing settings: `seq_len`, the
+strategy, `LongDocs`, the segment cap; defined with the planner, `segpack.packing.options`) and
+`LongDocs` (documents longer than a row; defined with the chunking rule,
+`segpack.packing.chunking`). Which process owns which rows is `segpack.data.processes`'
+(`process_index` and `process_count`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from segpack import packing
 from segpack.errors import PipelineConfigError
-from segpack.packing.chunking import LongDocs
+from segpack.packing.chunking import DEFAULT_LONG_DOCS
+from segpack.packing.options import PlanOptions, check_fields, not_int
 
 __all__ = ["PipelineConfigError"]  # defined with the error base, where packing can raise it too
 
@@ -49,53 +52,89 @@ class SpecialTokens:
 
 DEFAULT_SPECIAL_TOKENS = SpecialTokens()
 
-def strategies() -> tuple[str, ...]:
-  return tuple(packing.STRATEGIES)
-
-
-def not_int(value: Any) -> bool:
-  """True unless `value` is a Python or NumPy integer (a bool is not taken for one)."""
-  return isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-
 
 def _not_bool(value: Any) -> bool:
   return not isinstance(value, (bool, np.bool_))
 
 
-def check_args(fn: str, *, seq_len: Any, strategy: Any, seed: Any, num_epochs: Any,
-               special_tokens: Any, long_docs: Any) -> None:
-  """Validates the arguments shared by both entry points (before any pass over the data).
+def plan_options(fn: str, plan: Any, *, seq_len: Any, strategy: Any = None,
+                 long_docs: Any = None) -> PlanOptions:
+  """The `PlanOptions` of an entry point: `plan`, or the one its keywords spell.
+
+  The keywords are the short spelling of `plan=PlanOptions(seq_len=..., strategy=...,
+  long_docs=...)`; None is a keyword not given (then the field's default), and the two
+  spellings are refused together.
 
   Args:
     fn: the entry point's name, the first word of every message.
-    seq_len: slots per row.
-    strategy: packer name.
+    plan: None, or a `PlanOptions`.
+    seq_len, strategy, long_docs: the keywords (None: not given).
+
+  Raises:
+    PipelineConfigError: naming the argument or field and echoing its value.
+  """
+  given = [f"{name}={value!r}" for name, value in
+           (("seq_len", seq_len), ("strategy", strategy), ("long_docs", long_docs))
+           if value is not None]
+  if plan is not None:
+    if not isinstance(plan, PlanOptions):
+      raise PipelineConfigError(f"{fn}: plan must be a segpack.PlanOptions, got plan={plan!r}")
+    if given:
+      raise PipelineConfigError(
+          f"{fn}: pass the packing settings once, as plan=PlanOptions(...) or as keywords, "
+          f"got plan={plan!r} and {', '.join(given)}")
+    return plan
+  if seq_len is None:
+    raise PipelineConfigError(
+        f"{fn}: needs seq_len=... (or plan=segpack.PlanOptions(seq_len=...)), got neither")
+  strategy = "ffd" if strategy is None else strategy
+  long_docs = DEFAULT_LONG_DOCS if long_docs is None else long_docs
+  check_fields(fn, seq_len=seq_len, strategy=strategy, long_docs=long_docs)
+  return PlanOptions(seq_len=seq_len, strategy=strategy, long_docs=long_docs)
+
+
+def check_args(fn: str, *, plan: PlanOptions, seed: Any, num_epochs: Any,
+               special_tokens: Any) -> None:
+  """Validates the arguments every entry point shares (before any pass over the data).
+
+  Args:
+    fn: the entry point's name, the first word of every message.
+    plan: the `PlanOptions` (from `plan_options`: its fields are checked already).
     seed: shuffling seed.
     num_epochs: None or the number of epochs.
     special_tokens: a `SpecialTokens`.
-    long_docs: a `LongDocs`.
 
   Raises:
     PipelineConfigError: naming the argument and echoing its value.
   """
   if not_int(seed) or seed < 0:
     raise PipelineConfigError(f"{fn}: seed must be an int >= 0, got {seed!r}")
-  if not_int(seq_len):
-    raise PipelineConfigError(f"{fn}: seq_len must be an int, got {seq_len!r}")
-  valid = strategies()
-  if strategy not in valid:
-    raise PipelineConfigError(
-        f"{fn}: unknown strategy {strategy!r}; valid strategies: {', '.join(valid)}")
   if num_epochs is not None and (not_int(num_epochs) or num_epochs <= 0):
     raise PipelineConfigError(
         f"{fn}: num_epochs must be None (infinite) or a positive int, got {num_epochs!r}")
   _check_special_tokens(fn, special_tokens)
   extra = special_tokens.extra_tokens
-  if seq_len <= extra:
+  if plan.seq_len <= extra:
     raise PipelineConfigError(
-        f"{fn}: seq_len={seq_len} leaves no slot for a token next to the {extra} "
+        f"{fn}: seq_len={plan.seq_len} leaves no slot for a token next to the {extra} "
         f"BOS/EOS slot(s) of every document; use seq_len > {extra}")
-  _check_long_docs(fn, long_docs, seq_len)
+
+
+def refuse_fields(fn: str, plan: PlanOptions, names: Sequence[str], *, why: str) -> None:
+  """Refuses a `PlanOptions` field the entry point does not apply, unless at its default.
+
+  Args:
+    fn: the entry point's name.
+    plan: its `PlanOptions`.
+    names: the fields it does not apply.
+    why: the reason, for the message.
+  """
+  defaults = PlanOptions(seq_len=plan.seq_len)
+  for name in names:
+    value, default = getattr(plan, name), getattr(defaults, name)
+    if value != default:
+      raise PipelineConfigError(
+          f"{fn}: plan.{name}={value!r} does not apply ({why}); leave it at {default!r}")
 
 
 def _check_special_tokens(fn: str, special: Any) -> None:
@@ -114,30 +153,6 @@ def _check_special_tokens(fn: str, special: Any) -> None:
   if not_int(special.pad_id) or special.pad_id < 0:
     raise PipelineConfigError(
         f"{fn}: special_tokens.pad_id must be an int >= 0, got {special.pad_id!r}")
-
-
-def _check_long_docs(fn: str, long_docs: Any, seq_len: int) -> None:
-  if not isinstance(long_docs, LongDocs):
-    raise PipelineConfigError(f"{fn}: long_docs must be a segpack.LongDocs, got {long_docs!r}")
-  if long_docs.mode not in packing.LONG_DOC_MODES:
-    raise PipelineConfigError(
-        f"{fn}: long_docs.mode must be one of {', '.join(packing.LONG_DOC_MODES)}, got "
-        f"{long_docs.mode!r}")
-  if not_int(long_docs.min_len) or long_docs.min_len < 0:
-    raise PipelineConfigError(
-        f"{fn}: long_docs.min_len must be an int >= 0, got {long_docs.min_len!r}")
-  if not_int(long_docs.overlap) or not 0 <= long_docs.overlap < seq_len:
-    raise PipelineConfigError(
-        f"{fn}: long_docs.overlap must be an int in [0, seq_len) = [0, {seq_len}), "
-        f"got {long_docs.overlap!r}")
-
-
-def check_max_segments(fn: str, max_segments_per_row: Any) -> None:
-  if max_segments_per_row is not None and (
-      not_int(max_segments_per_row) or max_segments_per_row < 1):
-    raise PipelineConfigError(
-        f"{fn}: max_segments_per_row must be None or an int >= 1, got "
-        f"{max_segments_per_row!r}")
 
 
 def positive_or_none(fn: str, name: str, value: Any) -> None:

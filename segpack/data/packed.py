@@ -27,13 +27,14 @@ from segpack.data import options
 from segpack.data import rows as rows_lib
 from segpack.data import sources
 from segpack.data.options import PipelineConfigError, SpecialTokens
-from segpack.packing.chunking import DEFAULT_LONG_DOCS, LongDocs
+from segpack.packing.chunking import LongDocs
+from segpack.packing.options import PlanOptions
 from segpack.packing.permutation import epoch_permutation
 
 REPACK_MODES = ("none", "epoch")
 
-__all__ = ["LongDocs", "PackedDataset", "PipelineConfigError", "REPACK_MODES", "SpecialTokens",
-           "pack_dataset"]
+__all__ = ["LongDocs", "PackedDataset", "PipelineConfigError", "PlanOptions", "REPACK_MODES",
+           "SpecialTokens", "pack_dataset"]
 
 
 class PackedDataset(grain.MapDataset):
@@ -250,11 +251,10 @@ class PackedDataset(grain.MapDataset):
                                           drop_remainder=drop_remainder)
 
 
-def _make_plan(lengths: np.ndarray, *, source: Any, plan_kwargs: dict[str, Any],
-               max_segments_per_row: int | None,
-               plan_cache_dir: str | os.PathLike | None) -> packing.Plan:
-  """The plan of the source's documents, capped at `max_segments_per_row`, from the plan cache
-  or computed and cached (`segpack.packing.load_or_plan`).
+def _make_plan(lengths: np.ndarray, *, source: Any, settings: PlanOptions,
+               extra_tokens: int, plan_cache_dir: str | os.PathLike | None) -> packing.Plan:
+  """The plan of the source's documents, capped at `settings.max_segments_per_row`, from the plan
+  cache or computed and cached (`segpack.packing.load_or_plan`).
 
   The cache is keyed by the source's fingerprint (a hash of the lengths when it has none) and all
   packing parameters; for a shard directory it defaults to `<dataset dir>/plans`.
@@ -264,25 +264,21 @@ def _make_plan(lengths: np.ndarray, *, source: Any, plan_kwargs: dict[str, Any],
     root = getattr(source, "path", None) or getattr(source, "root", None)
     if root is not None:
       plan_cache_dir = os.path.join(os.fspath(root), "plans")
-  kwargs = dict(plan_kwargs)
-  seq_len = kwargs.pop("seq_len")
-  return packing.load_or_plan(
-      lengths, seq_len, cache_dir=plan_cache_dir,
-      key=None if fingerprint is None else str(fingerprint),
-      max_segments_per_row=max_segments_per_row, **kwargs)
+  return settings.load_or_plan(lengths, extra_tokens=extra_tokens, cache_dir=plan_cache_dir,
+                               key=None if fingerprint is None else str(fingerprint))
 
 
 def pack_dataset(
     source: Any,
     *,
-    seq_len: int,
-    strategy: str = "ffd",
+    plan: PlanOptions | None = None,
+    seq_len: int | None = None,
+    strategy: str | None = None,
+    long_docs: LongDocs | None = None,
     seed: int = 0,
     shuffle: bool = True,
     num_epochs: int | None = None,
     special_tokens: SpecialTokens = options.DEFAULT_SPECIAL_TOKENS,
-    long_docs: LongDocs = DEFAULT_LONG_DOCS,
-    max_segments_per_row: int | None = None,
     loss_mask: bool | None = None,
     plan_cache_dir: str | os.PathLike | None = None,
     repack: str = "none",
@@ -290,7 +286,9 @@ def pack_dataset(
   """Packs the documents of `source` into rows: a `PackedDataset` (a `grain.MapDataset`).
 
   Every element is a dict of int32 `[seq_len]` arrays `input_ids`, `labels`, `segment_ids`,
-  `segment_positions` (docs/architecture.md, "Rows"). The algorithm:
+  `segment_positions` (docs/architecture.md, "Rows"). The packing settings are one
+  `segpack.PlanOptions` (`plan=`), or its short spelling, the keywords `seq_len`, `strategy` and
+  `long_docs` (`plan=PlanOptions(seq_len=..., strategy=..., long_docs=...)`). The algorithm:
 
   1. Every document becomes a virtual sequence `[BOS] + tokens + [EOS]` (as `special_tokens`
      says); documents with fewer than `long_docs.min_len` tokens are dropped, and one longer
@@ -298,7 +296,7 @@ def pack_dataset(
      `long_docs.overlap` slots (or, with `long_docs.mode="truncate"`, cut to its first chunk).
   2. `strategy` packs the pieces into rows once for the whole data set: the plan, cached on
      disk (beside the shards for a dataset directory, else in `plan_cache_dir`). With
-     `max_segments_per_row`, pieces beyond the cap move to other rows.
+     `plan.max_segments_per_row`, pieces beyond the cap move to other rows.
      With `repack="epoch"` every later epoch packs them again, equal lengths in a seeded order.
   3. Each epoch is a permutation of the plan's rows seeded by `(seed, epoch)` (plan order
      without `shuffle`), so no row mixes epochs.
@@ -319,17 +317,20 @@ def pack_dataset(
       integer arrays (a `grain.MapDataset` included), or a `segpack.Mixture` of sources whose
       weights are shares of trained tokens: every epoch draws its documents and plans them anew
       (`Mixture` documents the draw; `rows_in_epoch(e)` differs between epochs).
-    seq_len: slots per row.
-    strategy: packer, one of `segpack.packing.STRATEGIES` ("ffd", "bfd", "greedy", "pad",
-      "sorted_pad").
+    plan: the packing settings, a `segpack.PlanOptions`: `seq_len` (slots per row), `strategy`
+      (one of `segpack.packing.STRATEGIES`: "ffd", "bfd", "greedy", "pad", "sorted_pad"),
+      `long_docs` (splitting or truncating long documents, chunk overlap, the minimum length),
+      `max_segments_per_row` (a cap on segments per row: pieces beyond it go to other rows, and
+      the result's `segment_bound`, the plan's actual most, is then at most the cap). None:
+      the keywords below spell it.
+    seq_len: `PlanOptions.seq_len`, without `plan`.
+    strategy: `PlanOptions.strategy`, without `plan` (None: "ffd").
+    long_docs: `PlanOptions.long_docs`, without `plan` (None: `LongDocs()`).
     seed: shuffling seed; epoch `e` uses a generator seeded by `(seed, e)`.
     shuffle: shuffle the row order of every epoch (else plan order).
     num_epochs: None for an infinite dataset, else the number of epochs.
     special_tokens: BOS/EOS insertion and the BOS/EOS/padding ids; None ids come from the
       source's tokenizer.
-    long_docs: splitting or truncating long documents, chunk overlap, the minimum length.
-    max_segments_per_row: cap on segments per row (pieces beyond it go to other rows); the
-      result's `segment_bound` (the plan's actual most) is then at most the cap.
     loss_mask: apply the source's per-token loss mask (label -100 where the target token has
       mask 0); None: when the source has one (`has_loss_mask`).
     plan_cache_dir: where plans are cached; default `<dataset dir>/plans` for shard sources.
@@ -346,14 +347,14 @@ def pack_dataset(
     A `PackedDataset`.
 
   Raises:
-    PipelineConfigError: an argument is invalid, the source is empty, or no document survives.
+    PipelineConfigError: an argument is invalid (`plan` and the keywords together included), the
+      source is empty, or no document survives.
   """
   fn = "pack_dataset"
-  options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
-                     special_tokens=special_tokens, long_docs=long_docs)
-  options.check_max_segments(fn, max_segments_per_row)
-  plan_kwargs = dict(seq_len=int(seq_len), strategy=strategy, long_docs=long_docs,
-                     extra_tokens=special_tokens.extra_tokens)
+  plan = options.plan_options(fn, plan, seq_len=seq_len, strategy=strategy, long_docs=long_docs)
+  options.check_args(fn, plan=plan, seed=seed, num_epochs=num_epochs,
+                     special_tokens=special_tokens)
+  cap = plan.max_segments_per_row
   if isinstance(source, mixture_lib.Mixture):
     if repack != "none":
       raise PipelineConfigError(
@@ -362,27 +363,25 @@ def pack_dataset(
     draws = mixture_lib.MixtureDraws(source, seed=int(seed), fn=fn)
     prepared = sources.prepare(draws.draw(0).documents, fn=fn, special_tokens=special_tokens,
                                loss_mask=loss_mask)
-    plan_kwargs["extra_tokens"] = prepared.special.extra_tokens
-    planner = epoch_plans.MixturePlanner(
-        draws=draws, plan_kwargs=plan_kwargs, special=prepared.special,
-        loss_mask=prepared.loss_mask, max_segments_per_row=max_segments_per_row)
+    planner = epoch_plans.MixturePlanner(draws=draws, options=plan, special=prepared.special,
+                                         loss_mask=prepared.loss_mask)
     builder = planner.builder(0)
-    bound = int(seq_len) if max_segments_per_row is None else int(max_segments_per_row)
+    bound = int(plan.seq_len) if cap is None else int(cap)
   else:
-    _check_repack(fn, repack, strategy=strategy, max_segments_per_row=max_segments_per_row)
+    _check_repack(fn, repack, strategy=plan.strategy, max_segments_per_row=cap)
     prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=loss_mask)
-    plan_kwargs["extra_tokens"] = prepared.special.extra_tokens
-    plan = _make_plan(prepared.lengths, source=prepared.source, plan_kwargs=plan_kwargs,
-                      max_segments_per_row=max_segments_per_row, plan_cache_dir=plan_cache_dir)
-    builder = rows_lib.RowBuilder(prepared.source, plan, special=prepared.special,
+    extra = prepared.special.extra_tokens
+    fixed = _make_plan(prepared.lengths, source=prepared.source, settings=plan,
+                       extra_tokens=extra, plan_cache_dir=plan_cache_dir)
+    builder = rows_lib.RowBuilder(prepared.source, fixed, special=prepared.special,
                                   doc_lengths=prepared.lengths, loss_mask=prepared.loss_mask)
-    planner = (None if repack == "none" else packing.RepackPlanner(
-        prepared.lengths, seed=int(seed), **plan_kwargs))
-    bound = int(np.diff(np.asarray(plan.row_splits, dtype=np.int64)).max(initial=0))
+    planner = (None if repack == "none" else plan.repack_planner(
+        prepared.lengths, extra_tokens=extra, seed=int(seed)))
+    bound = int(np.diff(np.asarray(fixed.row_splits, dtype=np.int64)).max(initial=0))
   if builder.num_rows == 0 or len(builder.plan.doc) == 0:
     raise PipelineConfigError(
         f"{fn}: no document of the {prepared.lengths.size} in the source survives "
-        f"long_docs.min_len={long_docs.min_len}; nothing to pack")
+        f"long_docs.min_len={plan.long_docs.min_len}; nothing to pack")
   builders = epoch_plans.EpochBuilders(builder, planner=planner, num_epochs=num_epochs)
   return PackedDataset(builders, seed=int(seed), shuffle=bool(shuffle), num_epochs=num_epochs,
                        segment_bound=bound)

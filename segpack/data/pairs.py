@@ -21,7 +21,7 @@ from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.packed import PackedDataset
 from segpack.errors import UserError
 from segpack.packing import pairs as pairs_lib
-from segpack.packing.chunking import DEFAULT_LONG_DOCS
+from segpack.packing.options import PlanOptions
 
 __all__ = ["NotPreferenceDataError", "PAIR_FEATURES", "PairRowBuilder", "pack_pairs",
            "prompt_lengths"]
@@ -165,8 +165,9 @@ def _pair_source(source: Any, *, fn: str, special_tokens: SpecialTokens):
 def pack_pairs(
     source: Any,
     *,
-    seq_len: int,
-    strategy: str = "ffd",
+    plan: PlanOptions | None = None,
+    seq_len: int | None = None,
+    strategy: str | None = None,
     seed: int = 0,
     shuffle: bool = True,
     num_epochs: int | None = None,
@@ -179,13 +180,18 @@ def pack_pairs(
   Every element is a dict: the int32 `[seq_len]` row features of `pack_dataset`, the int32
   `[J]` pair features of `PairRowBuilder` (`J` = `builder.pairs_per_row`), and with
   `shared_prefix` an int32 `[seq_len]` `prefix_segment_ids` for
-  `segment_attention(prefix_segment_ids=...)`.
+  `segment_attention(prefix_segment_ids=...)`. The packing settings are one
+  `segpack.PlanOptions` (`plan=`), or the keywords `seq_len` and `strategy` that spell it.
 
   Args:
     source: a preference dataset directory, `ShardSource` or random-access source whose
       documents `2k`, `2k + 1` are pair `k`'s chosen and rejected sequences with loss masks.
-    seq_len: slots per row.
-    strategy: the packer of the pairs (`segpack.packing.STRATEGIES`).
+    plan: the packing settings, a `segpack.PlanOptions`: `seq_len` and `strategy` (the packer
+      of the pairs); its other fields do not apply to pairs, which are planned whole, and must
+      stay at their defaults (`truncate` cuts a pair longer than a row). None: the keywords
+      `seq_len` and `strategy` spell it.
+    seq_len: `PlanOptions.seq_len`, without `plan`.
+    strategy: `PlanOptions.strategy`, without `plan` (None: "ffd").
     seed: shuffling seed; epoch `e` uses `(seed, e)`.
     shuffle: shuffle the rows of every epoch.
     num_epochs: None for an infinite dataset, else the number of epochs.
@@ -201,15 +207,20 @@ def pack_pairs(
     PipelineConfigError: another bad argument.
   """
   fn = "pack_pairs"
-  options.check_args(fn, seq_len=seq_len, strategy=strategy, seed=seed, num_epochs=num_epochs,
-                     special_tokens=special_tokens, long_docs=DEFAULT_LONG_DOCS)
+  plan = options.plan_options(fn, plan, seq_len=seq_len, strategy=strategy)
+  options.check_args(fn, plan=plan, seed=seed, num_epochs=num_epochs,
+                     special_tokens=special_tokens)
+  options.refuse_fields(
+      fn, plan, ("long_docs", "max_segments_per_row", "batch_size", "pad_multiple"),
+      why="pairs are planned whole, each in one row; truncate=True cuts a pair longer than a row")
   prepared = _pair_source(source, fn=fn, special_tokens=special_tokens)
   virtual = prepared.lengths + prepared.special.extra_tokens
   pair_plan = pairs_lib.plan_pairs(
       chosen_lengths=virtual[0::2], rejected_lengths=virtual[1::2],
       prompt_lengths=prompt_lengths(prepared.source, prepared.lengths,
                                     add_bos=prepared.special.add_bos, fn=fn),
-      seq_len=int(seq_len), strategy=strategy, shared_prefix=shared_prefix, truncate=truncate)
+      seq_len=int(plan.seq_len), strategy=plan.strategy, shared_prefix=shared_prefix,
+      truncate=truncate)
   base = rows_lib.RowBuilder(prepared.source, pair_plan.plan, special=prepared.special,
                              doc_lengths=prepared.lengths, loss_mask=True)
   builder = PairRowBuilder(base, pair_plan, shared_prefix=shared_prefix)

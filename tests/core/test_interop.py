@@ -89,8 +89,8 @@ def test_agrees_with_pipeline_rows():
   rng = np.random.default_rng(0)
   docs = [rng.integers(3, 100, size=int(rng.integers(1, 30))).astype(np.uint16)
           for _ in range(40)]
-  ds = segpack.pack_dataset(docs, seq_len=32, num_epochs=1, max_segments_per_row=4,
-                            special_tokens=segpack.SpecialTokens(bos_id=1, eos_id=2))
+  ds = segpack.pack_dataset(docs, plan=segpack.PlanOptions(seq_len=32, max_segments_per_row=4),
+                            num_epochs=1, special_tokens=segpack.SpecialTokens(bos_id=1, eos_id=2))
   batch = ds.batch(len(ds))[0]
   np.testing.assert_array_equal(segpack.position_ids(batch["segment_ids"]),
                                 batch["segment_positions"])

@@ -100,12 +100,18 @@ def row_key(row):
 
 
 def pack(docs, *, add_bos=True, add_eos=True, bos_id=BOS, eos_id=EOS, pad_id=PAD,
-         long_docs="split", overlap=0, min_len=0, **kwargs):
-  """`pack_dataset` with the tests' ids, the flat arguments put into their groups."""
-  return segpack.pack_dataset(
-      docs, special_tokens=segpack.SpecialTokens(add_bos=add_bos, add_eos=add_eos, bos_id=bos_id,
-                                                 eos_id=eos_id, pad_id=pad_id),
-      long_docs=segpack.LongDocs(mode=long_docs, overlap=overlap, min_len=min_len), **kwargs)
+         long_docs="split", overlap=0, min_len=0, max_segments_per_row=None, **kwargs):
+  """`pack_dataset` with the tests' ids, the flat arguments put into their groups (with a
+  segment cap, the packing settings as one `PlanOptions`, the cap's only spelling)."""
+  special = segpack.SpecialTokens(add_bos=add_bos, add_eos=add_eos, bos_id=bos_id,
+                                  eos_id=eos_id, pad_id=pad_id)
+  long_docs = segpack.LongDocs(mode=long_docs, overlap=overlap, min_len=min_len)
+  if max_segments_per_row is None:
+    return segpack.pack_dataset(docs, special_tokens=special, long_docs=long_docs, **kwargs)
+  plan = segpack.PlanOptions(seq_len=kwargs.pop("seq_len"),
+                             strategy=kwargs.pop("strategy", "ffd"), long_docs=long_docs,
+                             max_segments_per_row=max_segments_per_row)
+  return segpack.pack_dataset(docs, plan=plan, special_tokens=special, **kwargs)
 
 
 @pytest.mark.parametrize("strategy", ["ffd", "bfd", "greedy", "pad", "sorted_pad"])

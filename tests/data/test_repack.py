@@ -134,6 +134,7 @@ def test_refused_combinations():
   with pytest.raises(PipelineConfigError, match="strategy='greedy'"):
     _pack(docs, repack="epoch", strategy="greedy")
   with pytest.raises(PipelineConfigError, match="max_segments_per_row=3"):
-    _pack(docs, repack="epoch", max_segments_per_row=3)
+    segpack.pack_dataset(docs, plan=segpack.PlanOptions(seq_len=SEQ_LEN, max_segments_per_row=3),
+                         repack="epoch")
   with pytest.raises(PipelineConfigError, match="repack='yes'"):
     _pack(docs, repack="yes")

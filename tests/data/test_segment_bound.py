@@ -11,7 +11,7 @@ import pytest
 from configs import packed
 from segpack.attention import cudnn
 from segpack.data.options import SpecialTokens
-from segpack.data.packed import pack_dataset
+from segpack.data.packed import PlanOptions, pack_dataset
 from train import data as data_lib
 from train import model as model_lib
 from support import data_configs  # noqa: E402
@@ -41,8 +41,8 @@ def _naive_max(datasets):
 @pytest.mark.parametrize("cap", [None, 3, 5])
 def test_segment_bound_is_the_most_any_yielded_row_holds(cap):
   docs = _docs(300, seed=0, max_len=12)  # short documents: many per row
-  kw = dict(seq_len=48, num_epochs=1, special_tokens=IDS, max_segments_per_row=cap)
-  rows = pack_dataset(docs, **kw)
+  rows = pack_dataset(docs, plan=PlanOptions(seq_len=48, max_segments_per_row=cap),
+                      num_epochs=1, special_tokens=IDS)
   want = _naive_max([rows])  # over every row of the epoch
   assert rows.segment_bound == want
   if cap is None:

@@ -19,6 +19,7 @@ from segpack.data import pairs as pairs_lib
 from segpack.data import subset
 from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.stream import StreamBatches
+from segpack.packing.options import PlanOptions
 from segpack.packing.pairs import PairTooLongError
 from train import data as data_lib
 
@@ -72,7 +73,7 @@ def _pack(config: Any, source: Any, key: str, *, shuffle: bool, num_epochs: int 
   p = config.preference
   try:
     return pairs_lib.pack_pairs(
-        source, seq_len=config.packing.seq_len, strategy=config.packing.strategy,
+        source, plan=PlanOptions(seq_len=config.packing.seq_len, strategy=config.packing.strategy),
         seed=config.data.seed, shuffle=shuffle, num_epochs=num_epochs, special_tokens=special,
         shared_prefix=bool(p.shared_prefix), truncate=bool(p.truncate))
   except pairs_lib.NotPreferenceDataError as e:
