@@ -1,7 +1,7 @@
 """The decoder's architecture, declared once: `Architecture` and its `RopeScaling`.
 
 Their fields, defaults and comments are the trainer config's `model.*` keys: `configs/packed.py`
-builds its `model` group from them (`declared_group`), `train.model.DecoderConfig` extends
+builds its `model` group from them (`declared_group`), `train.model.config.DecoderConfig` extends
 `Architecture` with the attention backend, `train.hf.config` reads a Hugging Face config.json into
 the fields a checkpoint sets (`checkpoint_keys`), and export writes them back. A key is added here,
 with its comment, and read where it is used; nothing else lists it.
@@ -46,7 +46,7 @@ class RopeScaling:
   `type="linear"`: every frequency divided by `factor` (positions interpolated). `type="llama3"`
   (Llama 3.1+): with `L = original_max_position_embeddings`, frequencies whose wavelength is
   below `L / high_freq_factor` stay, those above `L / low_freq_factor` are divided by `factor`,
-  and the ones between are interpolated smoothly between the two (`train.rope.rope_inv_freq`).
+  and the ones between are interpolated smoothly between the two (`train.model.rope.rope_inv_freq`).
   """
 
   type: str | None = None  # None (plain RoPE), "linear" or "llama3" (Llama 3.1's smooth scaling)
@@ -127,7 +127,7 @@ class Lora:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Architecture:
-  """A Llama-like decoder's hyper-parameters (`train.model.Decoder`), as the config keys them.
+  """A Llama-like decoder's hyper-parameters (`train.model.decoder.Decoder`), as the config keys them.
 
   With `model.init_from` the checkpoint's config.json sets every field but the run's settings
   (`init_std`, `dtype`, `param_dtype`; the last from its torch dtype unless given): docs/hf.md.

@@ -158,7 +158,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.preference.truncate = False
   # Where "dpo" and "ipo" read the reference's log-probs: "init" scores every pair once with the
   # initial weights (model.init_from, the usual SFT model) before the first step, into
-  # WORKDIR/reference; or a directory written by `python -m train.score` for another model
+  # WORKDIR/reference; or a directory written by `python -m train.preference.score` for another model
   c.preference.reference = "init"
 
   c.train = ml_collections.ConfigDict()
@@ -190,7 +190,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.max_checkpoints = 2  # checkpoints kept
   c.train.log_batches = True  # append per-step batch fingerprints to WORKDIR/batches*.jsonl
   # Peak FLOP/s of one device for the logged MFU; None: from the device kind (bf16 dense peak of
-  # H100/H200/A100, see train/flops.py), else MFU is logged as n/a (CPU, other GPUs, float32).
+  # H100/H200/A100, see train/model/flops.py), else MFU is logged as n/a (CPU, other GPUs, float32).
   c.train.peak_flops = config_dict.placeholder(float)
   return c
 
@@ -221,7 +221,7 @@ def gpu(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   Parameters (vocabulary V = 8192 of the full built-in corpus, untied output projection): per layer
   attention E*H*D + 2*E*K*D + H*D*E = 1,572,864, SwiGLU 3*E*F = 4,718,592, norms 2*E = 1,536, so
   6,292,992; 16 layers 100,687,872; embedding and output projection 2*V*E = 12,582,912; final norm
-  768: 113,271,552 in all, 106,954,752 of them in matmuls (the FLOP count's N, train/flops.py).
+  768: 113,271,552 in all, 106,954,752 of them in matmuls (the FLOP count's N, train/model/flops.py).
 
   Memory of one step (how it fits in 80 GB): docs/training.md, "The `:gpu` config's memory".
 

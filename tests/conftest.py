@@ -62,7 +62,7 @@ _ABSL_VERBOSITY = absl_logging.get_verbosity()  # the process's own, before any 
 @pytest.fixture(autouse=True)
 def _absl_verbosity():
   """Sets absl's verbosity to the process's own before each test and after it: a command run
-  in-process (`train.hf.export` sets ERROR), in a test or in a shared fixture set up just before
+  in-process (`train.export` sets ERROR), in a test or in a shared fixture set up just before
   this test, must not hide the warnings a test of the same worker reads."""
   absl_logging.set_verbosity(_ABSL_VERBOSITY)
   yield

@@ -3,7 +3,7 @@ place.
 
 Each key's choices are one tuple: the library's own where it has one (`segpack.packing.STRATEGIES`,
 `segpack.data.packed.REPACK_MODES`, `segpack.loss.WEIGHTINGS`, ...), else one defined here (the
-trainer-only keys `data.source`, `packing.mode`, `packing.balance`). `train.train.setup` calls
+trainer-only keys `data.source`, `packing.mode`, `packing.balance`). `train.setup.setup` calls
 `check_config` before anything else, so a misspelt value stops the run at once with an error
 that names the key, echoes the value and lists the choices, instead of deep inside the data or
 model code (or after the corpus was built).
@@ -31,7 +31,7 @@ from segpack.text import chat
 from segpack.text import corpus
 from configs import architecture
 from train.hf import config as hf_config
-from train import model as model_lib
+from train.model import config as model_config
 
 # `data.source`: the built-in text corpus, the built-in chat corpus, or random documents.
 SOURCES = ("builtin", "builtin_chat", "synthetic")
@@ -39,7 +39,7 @@ SOURCES = ("builtin", "builtin_chat", "synthetic")
 PACKING_MODES = ("global", "minibatch")
 # `packing.balance`: epoch order, or global batches dealt to the ranks by attention cost.
 BALANCE_MODES = ("none", "attention")
-_DTYPES = tuple(model_lib.DTYPES)
+_DTYPES = tuple(model_config.DTYPES)
 
 # Every string-choice key of the config (`group.name`) and its choices.
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -188,7 +188,7 @@ def check_config(config: Any) -> None:
 
 
 def check_model(config: Any) -> None:
-  """Runs the model's own checks (`train.model.DecoderConfig`, `RopeScaling`) on the `model`
+  """Runs the model's own checks (`train.model.config.DecoderConfig`, `RopeScaling`) on the `model`
   group before anything is built; the vocabulary size, known from the data only, stands in as 1
   when unset (`check_vocab_size` checks it then).
 
@@ -197,12 +197,12 @@ def check_model(config: Any) -> None:
       an odd head size, a RoPE scaling without its factors.
   """
   try:
-    model_lib.DecoderConfig(
-        **dict(model_lib.architecture_fields(config.model),
+    model_config.DecoderConfig(
+        **dict(model_config.architecture_fields(config.model),
                vocab_size=config.model.vocab_size or 1),
         attention_implementation="xla")
-  except model_lib.ModelConfigError as e:  # the fields are the config's model.* keys
-    raise model_lib.ModelConfigError(str(e).replace("DecoderConfig.", "model.")) from e
+  except model_config.ModelConfigError as e:  # the fields are the config's model.* keys
+    raise model_config.ModelConfigError(str(e).replace("DecoderConfig.", "model.")) from e
 
 
 def check_data(config: Any) -> None:
@@ -335,7 +335,7 @@ def check_attention(attention_cfg: Any, *, platform: str) -> str:
   try:
     return attention_lib.resolve_implementation(
         implementation=attention_cfg.implementation, platform=platform,
-        pallas=model_lib.pallas_options(attention_cfg))
+        pallas=model_config.pallas_options(attention_cfg))
   except attention_lib.AttentionInputError as e:
     raise AttentionConfigError(
         f"attention.implementation={attention_cfg.implementation!r} with attention.interpret="
@@ -353,5 +353,5 @@ def check_attention_leaks(config: Any, *,
   if not a.self_check:
     return None
   return attention_lib.self_check(implementation=implementation,
-                                  pallas=model_lib.pallas_options(a),
-                                  dtype=model_lib.compute_dtype(config.model.dtype))
+                                  pallas=model_config.pallas_options(a),
+                                  dtype=model_config.compute_dtype(config.model.dtype))

@@ -15,8 +15,8 @@ import ml_collections
 from absl import flags, logging
 
 from segpack import errors
-from train import checkpoint as ckpt_lib
-from train.adapters import state as adapter_state
+from train import checkpoint_compat as ckpt_compat
+from train.adapters import trainable
 from train.hf import config as hf_config
 from train import run_guard
 from train import train
@@ -24,13 +24,13 @@ from train import train
 
 def default_workdir(config_path: str, overrides: dict[str, Any] | None = None) -> str:
   """`configs/packed.py:smoke` -> `./runs/packed_smoke`; with `--config.*` overrides that a run
-  cannot resume across (any key outside `train.checkpoint.RESUMABLE_CHANGES`), a suffix of
+  cannot resume across (any key outside `train.checkpoint_compat.RESUMABLE_CHANGES`), a suffix of
   their hash, so that two documented commands never share a workdir by accident:
   `--config.data.train=data/mine` -> `./runs/packed-5dd894db`."""
   path, _, arg = config_path.partition(":")
   name = os.path.splitext(os.path.basename(path))[0]
   name = f"{name}_{arg}" if arg else name
-  kept = {k: v for k, v in (overrides or {}).items() if k not in ckpt_lib.RESUMABLE_CHANGES}
+  kept = {k: v for k, v in (overrides or {}).items() if k not in ckpt_compat.RESUMABLE_CHANGES}
   if kept:
     digest = hashlib.sha256(json.dumps(sorted(kept.items()), default=str).encode()).hexdigest()
     name = f"{name}-{digest[:8]}"
@@ -114,7 +114,7 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
   try:
     run_guard.absolute_paths(config)  # recorded where they are, whatever directory reads them
     hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
-    adapter_state.adopt_adapter(config, explicit=set(overrides))  # adapter_config.json does
+    trainable.adopt_adapter(config, explicit=set(overrides))  # adapter_config.json does
     train.train_and_evaluate(config, workdir)
   except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
     print(f"{PROG}: {e}", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """The peak memory of one training step per device, estimated before anything is compiled.
 
-`estimate(...)` adds up the arrays a step of `train.train.make_train_step` holds at its peak
+`estimate(...)` adds up the arrays a step of `train.steps.make_train_step` holds at its peak
 (`MemoryEstimate`), `from_config(config, ...)` reads its settings from a trainer config,
 `device_memory()` tells how much the device has, and `check_fits` refuses a step that will not
 fit in one line naming the config keys that shrink its largest parts.
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from configs.architecture import REMATS
 from segpack.errors import ArgumentError
-from train import model as model_lib
+from train.model import config as model_config
 from train import sharding as sharding_lib
 
 GIB = 2**30
@@ -222,7 +222,7 @@ def _group_get(config: Any, group: str, key: str, default: Any) -> Any:
 
 
 def _itemsize(dtype: str) -> int:
-  return jnp.dtype(model_lib.DTYPES[dtype]).itemsize
+  return jnp.dtype(model_config.DTYPES[dtype]).itemsize
 
 
 def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int = 1,
@@ -247,7 +247,7 @@ def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int =
   m = config.model
   rows = -(-int(config.train.batch_size) // (int(config.train.grad_accum_steps) * devices))
   dtype = _group_get(config, "model", "dtype", "auto")
-  compute = model_lib.default_compute_dtype(platform) if dtype == "auto" else dtype
+  compute = model_config.default_compute_dtype(platform) if dtype == "auto" else dtype
   implementation = _group_get(config, "attention", "implementation", None)
   attention = implementation or ("xla" if platform == "cpu" else "pallas")
   return estimate(

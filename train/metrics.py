@@ -13,14 +13,13 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from train import data as data_lib
-from train import flops as flops_lib
+from train.model import flops as flops_lib
 from train import memory as memory_lib
-from train.preference import objective as preference_objective
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # `tensorboard --logdir WORKDIR/tensorboard`
@@ -30,26 +29,26 @@ def _percent(value: float | None) -> str:
   return "n/a" if value is None else f"{value:.1%}"
 
 
-def _rewards(record: dict[str, Any], prefix: str = "") -> str:
-  """A preference loss's reward accuracy and margin (nothing for other runs)."""
-  if f"{prefix}reward_accuracy" not in record:
-    return ""
-  return (f" | reward acc {record[prefix + 'reward_accuracy']:.1%}, margin "
-          f"{record[prefix + 'reward_margin']:.4f}")
+def no_description(record: dict[str, Any], prefix: str = "") -> str:
+  """What a record's printed line adds when its objective adds nothing."""
+  del record, prefix
+  return ""
 
 
-def _format(record: dict[str, Any]) -> str:
+def _format(record: dict[str, Any], describe: Callable[..., str] = no_description) -> str:
+  """The printed line of a record; `describe(record, prefix)` adds an objective's own part
+  (`train.objective.Objective.describe`)."""
   kind = record.get("kind", "train")
   if kind == "train":
     return (f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"gnorm {record['grad_norm']:.3f} | {record['real_tokens_per_s']:,.0f} real tok/s | "
             f"util {record['slot_utilization']:.1%} | MFU {_percent(record.get('mfu'))} | "
-            f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s{_rewards(record)}")
+            f"{record['elapsed_s']:.0f}s elapsed, ETA {record['eta_s']:.0f}s{describe(record)}")
   if kind == "eval":
     sources = "".join(f" | {k.split('/', 1)[1]} {v:.4f}" for k, v in record.items()
                       if k.startswith("eval_loss/") and v is not None)
     return (f"step {record['step']:>6} | eval loss {record['eval_loss']:.4f} over "
-            f"{record['eval_tokens']:,} tokens{sources}{_rewards(record, prefix='eval_')}")
+            f"{record['eval_tokens']:,} tokens{sources}{describe(record, 'eval_')}")
   body = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in record.items() if k != "kind")
   return f"{kind}: {body}"
@@ -79,8 +78,10 @@ class MetricsWriter:
   (`WORKDIR/tensorboard`, through tensorboardX; tag `train/loss`, `eval/eval_loss/web`, ...);
   process 0 only."""
 
-  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True, echo: bool = True):
+  def __init__(self, workdir: str | os.PathLike, *, enabled: bool = True, echo: bool = True,
+               describe: Callable[..., str] = no_description):
     self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+    self.describe = describe
     self.enabled = enabled
     self.echo = echo
     self._board = (summary_writer(os.path.join(os.fspath(workdir), TENSORBOARD_DIR))
@@ -101,7 +102,7 @@ class MetricsWriter:
           self._board.add_scalar(f"{kind}/{key}", value, global_step=int(record["step"]))
       self._board.flush()
     if self.echo:
-      print(_format(record), flush=True)
+      print(_format(record, self.describe), flush=True)
 
   def close(self) -> None:
     """Closes the TensorBoard event file."""
@@ -125,7 +126,7 @@ def read(workdir: str | os.PathLike) -> list[dict[str, Any]]:
 class Throughput:
   """Tokens per second, model FLOP/s, MFU and ETA between log steps (wall clock, excluding nothing).
 
-  Model FLOPs count only real tokens and within-document attention (`train/flops.py`); MFU divides
+  Model FLOPs count only real tokens and within-document attention (`train/model/flops.py`); MFU divides
   their rate by `peak_flops` (all devices together), and is None when that is unknown.
   """
 
@@ -167,8 +168,9 @@ class Throughput:
 
 
 def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
-                 source_names: tuple[str, ...] = ()) -> dict[str, Any]:
-  """One `train` record from the (fetched) metrics of the steps since the last record."""
+                 objective: Any) -> dict[str, Any]:
+  """One `train` record from the (fetched) metrics of the steps since the last record; the
+  objective adds its own means (`train.objective.Objective.window_means`)."""
   for m in window:
     meter.add(real_tokens=float(m["real_tokens"]), slots=float(m["slots"]),
               attention_pairs=float(m["attention_pairs"]))
@@ -179,14 +181,7 @@ def train_record(step: int, window: list[dict[str, Any]], meter: "Throughput",
   last = window[-1]
   record = dict(kind="train", step=step, loss=loss, lr=float(last["lr"]),
                 grad_norm=float(last["grad_norm"]), **meter.report(step))
-  for name in preference_objective.METRICS:  # a preference loss: per-pair means
-    if name in last:
-      record[name] = sum(float(m[name]) for m in window) / max(counts, 1.0)
-  for n, name in enumerate(source_names):  # a mixture: every source's loss over the window
-    tokens = sum(float(m["source_tokens"][n]) for m in window)
-    record[f"tokens/{name}"] = int(tokens)
-    record[f"loss/{name}"] = (sum(float(m["source_loss_sum"][n]) for m in window) / tokens
-                              if tokens else None)
+  record.update(objective.window_means(window, counts))
   return record
 
 

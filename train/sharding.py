@@ -8,7 +8,7 @@ matmul) and `tensor` (Megatron style: the head/feed-forward dimension) by explic
 parameter path; a dimension that does not divide by its mesh axis is replicated instead. The
 shardings are derived from abstract shapes (`jax.eval_shape` / `nnx.eval_shape`), never from
 materialised arrays. The mesh's axes are `Explicit` (sharding in types, `jax.make_mesh`'s
-default); `train.layout` names the shardings of the decoder's ops on it.
+default); `train.model.layout` names the shardings of the decoder's ops on it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 
 
   Its axes are `Explicit` (`jax.sharding.AxisType`), what `jax.make_mesh` makes by default: every
   array's type carries its sharding, and the decoder names the sharding of each op whose output
-  JAX cannot infer (`train.layout`: the ZeRO-3 gathers of `fsdp`-split kernels, the Megatron
+  JAX cannot infer (`train.model.layout`: the ZeRO-3 gathers of `fsdp`-split kernels, the Megatron
   splits over `tensor`, the embedding lookup, the whole-vocabulary logits). `segment_attention`
   runs its kernels under `shard_map` on it (`segpack.attention.sharded.run_shard_map`).
   """
@@ -84,11 +84,6 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1, context: int = 
 def batch_partitions(mesh: Mesh) -> int:
   """Number of row shards of a batch (`data` x `fsdp`)."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
-def context_size(mesh: Any) -> int:
-  """Devices that split every row's slots (the `context` axis; 1 for a mesh without it)."""
-  return int(dict(getattr(mesh, "shape", {})).get(CONTEXT_AXIS, 1))
 
 
 def check_batch(batch_size: int, *, mesh: Mesh, grad_accum_steps: int = 1,

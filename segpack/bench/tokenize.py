@@ -20,7 +20,7 @@ reported, and the ratios are of those bests, measured side by side):
   starting the workers, the summary. `worker_read` and `worker_encode` are its workers' seconds
   reading and encoding, summed over the workers;
 - `before` (unless `--no-baseline`): the same command as it ran before it wrote whole chunks
-  (`python -m segpack.bench.tokenize_baseline`, the same flags); its output directory is
+  (`python -m segpack.cli.tokenize_baseline`, the same flags); its output directory is
   compared with segpack's file by file (`same_bytes`).
 
 Throughput is text MB (of the JSONL file) and tokens per second; `of_alone` is the alone
@@ -95,7 +95,7 @@ def run_tokenize(path: str, kind: str, tokenizer_file: str, corpus: str, output:
                  workers: int | None, env: dict[str, str]) -> dict[str, Any]:
   """One `segpack tokenize` run (`path` "segpack") or one of its baseline ("before") into an
   empty `output`: seconds from outside, CPU seconds of its processes, its stage seconds."""
-  module = "segpack" if path == "segpack" else "segpack.bench.tokenize_baseline"
+  module = "segpack" if path == "segpack" else "segpack.cli.tokenize_baseline"
   command = [sys.executable, "-m", module] + (["tokenize"] if path == "segpack" else [])
   command += ["--input", corpus, "--output", str(output), "--no-progress",
               *_tokenizer_flags(kind, tokenizer_file)]

@@ -7,7 +7,7 @@ segment plus one; padding (id 0) costs 0. A row's cost is the sum over its queri
 inside each segment keeps, proportional to the row's attention FLOPs.
 
 The rank balance of `StreamBatches` (`segpack.data.balance`), the context-parallel slot orders
-(`segpack.data.context_order`), the trainer's model FLOPs (`train.flops`) and the attention
+(`segpack.data.context_order`), the trainer's model FLOPs (`train.model.flops`) and the attention
 benchmarks all take their costs from here. The functions accept JAX arrays (jit-compatible,
 int32) or anything else NumPy reads (computed with NumPy, int64).
 

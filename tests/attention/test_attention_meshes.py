@@ -221,9 +221,10 @@ def test_the_decoder_and_the_pair_count_run_on_an_explicit_data_parallel_mesh():
   from flax import nnx
   from jax.sharding import NamedSharding, PartitionSpec
   from support.packing_oracles import naive_rows
-  from train import flops as flops_lib
-  from train import model as model_lib
-  cfg = model_lib.DecoderConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2,
+  from train.model import flops as flops_lib
+  from train.model import config as model_config
+  from train.model import decoder as model_lib
+  cfg = model_config.DecoderConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2,
                                 num_kv_heads=1, head_dim=8, d_ff=32, init_std=0.3,
                                 attention_implementation="xla")
   model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))

@@ -1,5 +1,5 @@
 """`segpack bench tokenize` at a tiny size, and the oracle it rests on: `segpack tokenize` writes
-the same bytes as it did before it wrote whole chunks (`segpack.bench.tokenize_baseline`).
+the same bytes as it did before it wrote whole chunks (`segpack.cli.tokenize_baseline`).
 
 `ShardWriter.write_many` is checked against `ShardWriter.write` of each document (shard
 boundaries, empty documents, an id out of range); the whole command against the frozen old
@@ -15,7 +15,7 @@ from support import small_corpus
 
 from segpack import shards
 from segpack.bench import tokenize as bench
-from segpack.bench import tokenize_baseline
+from segpack.cli import tokenize_baseline
 from segpack.text import dataset, encode, input_ranges
 
 

@@ -25,8 +25,8 @@ from train.bench import training as train_bench
 from train.bench import hf_import as bench_hf_import
 from train.bench import memory as bench_memory
 from train.bench import revisions as bench_revisions
-from train.hf import export as train_export
-from train import score as train_score
+from train.export import command as train_export
+from train.preference import score as train_score
 from train import main as train_main
 from train import plot as train_plot
 from train.sample import bench as sample_bench
@@ -39,14 +39,14 @@ ENTRY_POINTS = {
     "segpack bench attention": bench_attention.main,
     "segpack bench gpu-report": bench_gpu_report.main,
     "python -m segpack.bench.verify": bench_verify.main, "python -m train.bench": train_bench.main,
-    "python -m train.plot": train_plot.main, "python -m train.hf.export": train_export.main,
+    "python -m train.plot": train_plot.main, "python -m train.export": train_export.main,
     "python -m train.bench.hf_import": bench_hf_import.main,
     "python -m train.main": train_main.cli, "python -m train.sample": sample_command.cli,
     "python -m train.sample.bench": sample_bench.main,
     "python -m train.bench.revisions": bench_revisions.main,
     "python -m train.bench.memory": bench_memory.main,
     "python -m train.bench.adapters": bench_adapters.main,
-    "python -m train.score": train_score.main,
+    "python -m train.preference.score": train_score.main,
 }
 REPO = str(paths.REPO)
 
@@ -69,7 +69,7 @@ def _commands_in(package: str) -> set[str]:
 def test_every_train_command_is_an_entry_point():
   """Every `python -m train...` command ends through the shared wrapper (none is left out)."""
   commands = _commands_in("train")
-  assert {"python -m train.main", "python -m train.sample", "python -m train.hf.export"} <= commands
+  assert {"python -m train.main", "python -m train.sample", "python -m train.export"} <= commands
   assert commands <= set(ENTRY_POINTS), sorted(commands - set(ENTRY_POINTS))
 
 

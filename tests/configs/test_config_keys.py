@@ -216,7 +216,7 @@ def test_negative_controls_each_check_catches_its_mistake():
 def test_the_model_group_and_decoder_config_are_the_architecture_fields():
   """The declaration reaches both ends: the config's model group and `DecoderConfig`."""
   architecture = importlib.import_module("configs.architecture")
-  model = importlib.import_module("train.model")
+  model = importlib.import_module("train.model.config")
   fields = set(_fields_of(architecture.Architecture))
   assert fields <= set(packed.base_config().model.keys())
   assert set(packed.base_config().model.keys()) - fields == {"init_from", "init_adapter"}

@@ -13,7 +13,7 @@ from segpack.bench import attention as bench_attention
 from segpack.data import context_order
 from segpack.data.attention_cost import (AttentionCostError, query_costs, row_attention_cost,
                                          segment_pairs)
-from train import flops
+from train.model import flops
 
 
 def naive_query_costs(ids_BxS):

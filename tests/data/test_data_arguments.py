@@ -18,6 +18,7 @@ import segpack
 from segpack import shards
 from segpack.cli import main as cli_main
 from segpack.data.mixture import Mixture
+from train import data_sources as data_sources
 from train import data as data_lib
 from support import data_configs  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_a_weight_on_some_entries_only_is_one_line_naming_the_bare_entry(root, c
   with pytest.raises(segpack.PipelineConfigError,
                      match=f"entry 'm={root / 'man'}' has no weight but 'k=.*:0.7' has one"):
     Mixture.parse(text)
-  with pytest.raises(data_lib.DataConfigError, match="'m=.*man' has no weight"):
+  with pytest.raises(data_sources.DataConfigError, match="'m=.*man' has no weight"):
     make(text)
   rc, out, err = stats(["--data", text], capsys)
   assert rc == 2 and out == "" and err.count("\n") == 1 and "'m=" in err and "no weight" in err
@@ -100,7 +101,7 @@ def test_no_weights_mean_equal_token_shares_and_the_log_says_so(root, capsys):
 
 def test_a_spelling_that_reads_two_ways_is_refused_naming_both(root, capsys):
   text = str(root / "ds:2")  # the dataset ds:2, or ds with weight 2: both exist
-  with pytest.raises(data_lib.DataConfigError) as e:
+  with pytest.raises(data_sources.DataConfigError) as e:
     make(text)
   message = str(e.value)
   assert "\n" not in message
@@ -144,7 +145,7 @@ def test_bad_weights_are_refused_by_name_when_parsed(root, weights, match, capsy
   text = f"k={root / 'kernel'}:{weights[0]},m={root / 'man'}:{weights[1]}"
   with pytest.raises(segpack.PipelineConfigError, match=f"mixture entry 'k=.*kernel:.*{match}"):
     Mixture.parse(text)
-  with pytest.raises(data_lib.DataConfigError, match=match):
+  with pytest.raises(data_sources.DataConfigError, match=match):
     make(text)
   rc, out, err = stats(["--data", text], capsys)
   assert rc == 2 and out == "" and err.count("\n") == 1 and "'k=" in err
@@ -168,7 +169,7 @@ def test_the_trainer_and_stats_read_every_spelling_alike(root, text, capsys):
   text = text.format(r=root)
   try:
     trainer = "mixture" if make(text).source_names else "one"
-  except data_lib.DataConfigError:
+  except data_sources.DataConfigError:
     trainer = "error"
   rc, out, _ = stats(["--data", text, "--json", "--seq-len", "64"], capsys)
   cli = "error" if rc else "mixture" if "sources" in json.loads(out) else "one"

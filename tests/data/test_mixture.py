@@ -20,8 +20,10 @@ from segpack import shards
 from segpack.data.mixture import Mixture, MixtureDraws, MixtureSource
 from segpack.data.stream import StreamBatches
 from train import data as data_lib
-from train import model as model_lib
-from train import train as train_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
+from train import steps as steps_lib
+from train.objective import TokenObjective
 from support import data_configs  # noqa: E402
 
 BASE, STRIDE, BOS, EOS = 16, 1 << 12, 1, 2
@@ -200,13 +202,14 @@ def test_per_source_loss_equals_a_per_source_recomputation():
   batch = {k: jnp.asarray(v) for k, v in ds.get_batch(np.arange(8)).items()}
   sources = np.asarray(batch["segment_sources"])
   assert set(np.unique(sources).tolist()) >= {0, 1}
-  cfg = model_lib.DecoderConfig(vocab_size=100, num_layers=1, d_model=32, num_heads=4,
+  cfg = model_config.DecoderConfig(vocab_size=100, num_layers=1, d_model=32, num_heads=4,
                                 num_kv_heads=2, head_dim=8, d_ff=48, init_std=0.2,
                                 attention_implementation="xla", dtype="float32")
   graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
   tx, schedule = optax.sgd(0.0), optax.constant_schedule(0.0)
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-  step = train_lib.make_train_step(graphdef, tx, schedule, accum=2, num_sources=3)
+  step = steps_lib.make_train_step(graphdef, tx, schedule, accum=2,
+                                   objective=TokenObjective(source_names=("a", "b", "c")))
   _, metrics = jax.jit(step)(state, batch)
   forward = jax.jit(lambda p, b: nnx.merge(graphdef, p)(  # one program, not op by op
       b["input_ids"], segment_ids=b["segment_ids"], segment_positions=b["segment_positions"]))

@@ -22,7 +22,7 @@ import pytest
 import segpack
 from segpack import packing
 from segpack.data.position import STATE_KEYS, StreamIterator, StreamStateError
-from train import checkpoint as ckpt_lib
+from train import checkpoint_compat as ckpt_compat
 from train import data as data_lib
 from support import data_configs  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_a_state_of_another_format_is_refused_in_one_line(stream, state, match):
 
 def test_the_checkpoint_data_item_is_checked_one_way():
   good = {"version": 1, "unit": "steps", "epoch": 2, "index": 5, "epoch_length": 15}
-  ckpt_lib.check_data_item({"format": 3, "iterator": good, "process_count": 2}, where="D")
+  ckpt_compat.check_data_item({"format": 3, "iterator": good, "process_count": 2}, where="D")
   cases = [
       ({"format": 2, "iterator": {"epoch": 0, "index": 8, "rows_per_epoch": 40},
         "process_count": 2}, "^D: its data item has format 2, this version reads format 3 only"),
@@ -228,8 +228,8 @@ def test_the_checkpoint_data_item_is_checked_one_way():
       ({"format": 3, "iterator": good, "process_count": 0}, "process_count=0"),
   ]
   for item, match in cases:
-    with pytest.raises(ckpt_lib.DataStateError, match=match) as caught:
-      ckpt_lib.check_data_item(item, where="D")
+    with pytest.raises(ckpt_compat.DataStateError, match=match) as caught:
+      ckpt_compat.check_data_item(item, where="D")
     assert "\n" not in str(caught.value)
 
 

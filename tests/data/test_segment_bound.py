@@ -13,7 +13,7 @@ from segpack.attention import cudnn
 from segpack.data.options import SpecialTokens
 from segpack.data.packed import PlanOptions, pack_dataset
 from train import data as data_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 from support import data_configs  # noqa: E402
 
 IDS = SpecialTokens(bos_id=1, eos_id=2)
@@ -94,7 +94,7 @@ def test_trainer_data_bound_minibatch_mode():
 def test_trainer_hands_the_data_bound_to_the_model(tmp_path, monkeypatch):
   """`train.setup` builds the model with the data's bound (not `packing.max_segments_per_row`),
   which `build` rounds up to the cuDNN N."""
-  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  from train import setup as setup_lib  # pylint: disable=g-import-not-at-top
   c = packed.get_config("smoke")
   with c.unlocked():
     c.data.source = "synthetic"
@@ -112,7 +112,7 @@ def test_trainer_hands_the_data_bound_to_the_model(tmp_path, monkeypatch):
     return model
 
   monkeypatch.setattr(model_lib, "build", build)
-  run = train_lib.setup(c, str(tmp_path))
+  run = setup_lib.setup(c, str(tmp_path))
   assert seen and all(got == (run.data.segment_bound, 8) for got in seen)
   assert run.data.segment_bound == 7  # the cap binds on these short documents
   assert cudnn.round_segment_bound(7) == 8

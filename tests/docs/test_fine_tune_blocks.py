@@ -79,7 +79,7 @@ def test_fine_tune_then_ask(tmp_path):
   subs = {"MODEL_DIR": model_dir}
   commands = doc_blocks.commands(README)
   assert [c.split()[2] for c in commands] == ["segpack", "train.main", "train.sample",
-                                              "train.hf.export"]
+                                              "train.export"]
   outs = [out for _, out in doc_blocks.run(commands, subs, train_args=FEWER, cwd=home)]
   assert re.search(r"recipe: fine-tuning \(model\.init_from\): learning rate 2e-05, warmup \d+ "
                    r"steps, 3 steps = \d+\.\d\d epochs of [\d.]+ steps", outs[1].stdout)

@@ -14,7 +14,7 @@ from support import paths
 
 REPO = paths.REPO
 # `python -m MODULE` -> (module, function) of its argparse parser, for the flags check.
-PARSERS = {"train.hf.export": ("train.hf.export", "build_parser"),
+PARSERS = {"train.export": ("train.export.command", "build_parser"),
            "train.bench.adapters": ("train.bench.adapters", "build_parser"),
            "train.bench.memory": ("train.bench.memory", "build_parser"),
            "train.bench.hf_import": ("train.bench.hf_import", "build_parser")}
@@ -97,10 +97,10 @@ def test_a_renamed_key_or_a_missing_module_is_caught():
   with pytest.raises(AssertionError, match="does not exist"):
     _check_train_main("x", ["--config=configs/nope.py"])
   with pytest.raises(AssertionError, match="unknown flags"):
-    _check_parses("x", "train.hf.export", "build_parser",
+    _check_parses("x", "train.export.command", "build_parser",
                   ["--workdir", "W", "--output", "O", "--adaptor"])
   with pytest.raises(AssertionError, match="unknown flags"):
     _check_parses("x", "segpack.cli.tokenize", "_parser",
                   ["--input", "a", "--output", "b", "--formatt", "chat"])
-  _check_parses("x", "train.hf.export", "build_parser",
+  _check_parses("x", "train.export.command", "build_parser",
                 ["--workdir", "W", "--output", "O", "--adapter"])

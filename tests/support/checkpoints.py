@@ -12,6 +12,7 @@ from support.train_configs import synthetic_config
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train import train as train_lib
+from train import setup as setup_lib
 
 
 BASE = {"train.num_steps": 4, "train.checkpoint_every": 2, "train.max_checkpoints": 3,
@@ -25,7 +26,7 @@ def trained(tmp_path_factory):
   config = synthetic_config(**BASE)
   train_lib.train_and_evaluate(config, str(workdir))
   assert digest_lib.step_dirs(str(workdir / "checkpoints")) == [4, 2]
-  probe = train_lib.setup(config, str(tmp_path_factory.mktemp("probe")))  # a fresh state
+  probe = setup_lib.setup(config, str(tmp_path_factory.mktemp("probe")))  # a fresh state
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           probe.state)
   probe.checkpointer.close()

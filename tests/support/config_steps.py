@@ -1,6 +1,6 @@
 """The full-size trainer configs' steps on abstract shapes (tests/train/test_gpu_config.py,
 tests/train/test_long_config.py): no real arrays of the model are made, the state and the batch are
-`jax.ShapeDtypeStruct`s (as `train.train._abstract_state` builds them), so lowering and compiling
+`jax.ShapeDtypeStruct`s (as `train.state.abstract_state` builds them), so lowering and compiling
 cost seconds."""
 
 import re
@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from configs import packed
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
+from train import state as state_lib
 
 VOCAB = 8192  # the full built-in corpus's tokenizer
 H100_BYTES = 80e9
@@ -42,9 +43,8 @@ def abstract_step(config, mesh, *, batch_keys=BATCH_KEYS, sharded=False):
   Returns:
     `(traced step, abstract state)`.
   """
-  tx, schedule = train_lib.make_optimizer(config.train)
-  abstract_state = train_lib._abstract_state  # pylint: disable=protected-access
-  graphdef, abstract = abstract_state(config, VOCAB, tx, mesh)
+  tx, schedule = steps_lib.make_optimizer(config.train)
+  graphdef, abstract, _ = state_lib.abstract_state(config, tx, vocab_size=VOCAB, mesh=mesh)
   shardings = {}
   if sharded:
     params_sh = sharding_lib.param_shardings(abstract["params"], mesh)
@@ -54,7 +54,7 @@ def abstract_step(config, mesh, *, batch_keys=BATCH_KEYS, sharded=False):
                                                                mesh))
     shardings = dict(in_shardings=(state_sh, sharding_lib.batch_sharding(mesh)),
                      out_shardings=(state_sh, replicated))
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule,
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule,
                                            accum=config.train.grad_accum_steps),
                  donate_argnums=(0,), **shardings)
   rows = jax.ShapeDtypeStruct((config.train.batch_size, config.packing.seq_len), jnp.int32)

@@ -42,6 +42,7 @@ from support.paths import REPO
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 from train import train as train_lib
 from segpack.errors import UserError
 
@@ -429,7 +430,7 @@ def test_odd_entries_do_not_stop_the_run_or_its_reruns(trained, tmp_path, case):
   trainer saves 6 and 8 (names some entries took), and a rerun chooses 8."""
   workdir = copy_checkpoints(trained["workdir"], tmp_path)
   check = ODD[case](workdir)  # None, or what must hold after the rerun
-  assert saved_run.load_run(str(workdir))[2] == 4  # reads its parameters among the entries
+  assert loaded_run.load_run(str(workdir))[2] == 4  # reads its parameters among the entries
   restored, warnings = restore(workdir, trained["abstract"], trained["config_dict"])
   assert restored.step == 4, warnings
   state, data_state = trained["intact"][4]

@@ -18,6 +18,7 @@ from support.train_configs import synthetic_config
 from train import checkpoint as ckpt_lib
 from train import checkpoint_digest as digest_lib
 from train import train as train_lib
+from train import setup as setup_lib
 from segpack.errors import UserError
 from support.checkpoints import BASE, copy_checkpoints, own_warnings, restore, trained  # noqa: F401 (a fixture)
 from support import paths
@@ -63,7 +64,7 @@ def test_damaged_newest_falls_back_to_the_older_checkpoint_saying_so(trained, tm
   handler.emit = records.append
   logging.getLogger("absl").addHandler(handler)
   try:
-    run = train_lib.setup(trained["config"], str(workdir))
+    run = setup_lib.setup(trained["config"], str(workdir))
   finally:
     logging.getLogger("absl").removeHandler(handler)
   run.checkpointer.close()

@@ -14,9 +14,10 @@ from segpack import loss as loss_lib
 from segpack import packing
 from segpack.data.packed import REPACK_MODES
 from segpack.text import chat
-from train import checkpoint as ckpt_lib
+from train import checkpoint_compat as ckpt_compat
 from train import config_checks
 from train import train as train_lib
+from train import setup as setup_lib
 from support import train_configs
 from support import paths
 
@@ -25,7 +26,7 @@ MODULES = {"packed": packed, "padded": padded, "sft": sft}
 
 
 def _keys(config):
-  return set(ckpt_lib.flatten(config.to_dict()))
+  return set(ckpt_compat.flatten(config.to_dict()))
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -227,7 +228,7 @@ def test_check_vocab_size():
 
 @pytest.mark.parametrize("vocab_size, rows", [(None, 97), (128, 128)])
 def test_the_trainer_honours_model_vocab_size(tmp_path, vocab_size, rows):
-  run = train_lib.setup(_vocab_config(vocab_size), str(tmp_path))
+  run = setup_lib.setup(_vocab_config(vocab_size), str(tmp_path))
   assert run.data.vocab_size == 97 and run.vocab_size == rows
   shapes = {tuple(np.shape(x)) for x in jax.tree.leaves(run.state["params"])}
   assert (rows, 64) in shapes and (64, rows) in shapes  # embedding table and output projection
@@ -236,7 +237,7 @@ def test_the_trainer_honours_model_vocab_size(tmp_path, vocab_size, rows):
 
 def test_the_trainer_refuses_a_vocab_smaller_than_the_data(tmp_path):
   with pytest.raises(config_checks.ConfigError, match=r"vocabulary size 97, got 16$"):
-    train_lib.setup(_vocab_config(16), str(tmp_path))
+    setup_lib.setup(_vocab_config(16), str(tmp_path))
 
 
 def _cli(*args, workdir):

@@ -9,6 +9,7 @@ from configs import packed  # noqa: E402
 from segpack.cli import tokenize as tokenize_cli  # noqa: E402
 from support import chat_fixtures  # noqa: E402
 from support import hf_models  # noqa: E402
+from train import data_sources as data_sources  # noqa: E402
 from train import data as data_lib  # noqa: E402
 
 
@@ -19,7 +20,7 @@ def test_a_tokenizer_without_bos_names_the_config_key(tmp_path):
                             str(tmp_path / "data")]) == 0
   config = packed.get_config("smoke")
   config.data.train = str(tmp_path / "data")
-  with pytest.raises(data_lib.DataConfigError, match=r"has no BOS token.*--config.data.add_bos="
+  with pytest.raises(data_sources.DataConfigError, match=r"has no BOS token.*--config.data.add_bos="
                                                      r"False"):
     data_lib.make_data(config, batch_size=8, process_index=0, process_count=1)
   config.data.add_bos = False
@@ -38,7 +39,7 @@ def test_a_minibatch_larger_than_a_step_names_train_batch_size(tmp_path):
   config.data.train = str(tmp_path / "data")
   config.packing.mode, config.packing.examples_per_batch = "minibatch", 24
   config.packing.seq_len = 64
-  with pytest.raises(data_lib.DataConfigError, match=r"but train.batch_size=2 rows make a step; "
+  with pytest.raises(data_sources.DataConfigError, match=r"but train.batch_size=2 rows make a step; "
                                                      r"raise --config.train.batch_size to \d+"):
     data_lib.make_data(config, batch_size=2, process_index=0, process_count=1)
   assert data_lib.make_data(config, batch_size=64, process_index=0,

@@ -24,8 +24,9 @@ from segpack.data.balance import BalanceOptions
 from segpack.data.stream import StreamBatches, StreamPosition, StreamStateError
 from configs import packed
 from support.train_configs import synthetic_config, train_on_processes
-from train import checkpoint as ckpt_lib
+from train import checkpoint_compat as ckpt_compat
 from train import config_checks
+from train import data_sources as data_sources
 from train import data as data_lib
 from train import train as train_lib
 from support import data_configs  # noqa: E402
@@ -213,9 +214,9 @@ def test_trainer_data_stream_and_checkpoint_format(tmp_path):
                                                                     "examples_per_batch": 4}))
   saved = {"train": {"batch_size": 8}, "packing": {"repack": "epoch"}}
   current = {"train": {"batch_size": 4}, "packing": {"repack": "epoch"}}
-  assert ckpt_lib.config_differences(saved, current) == [
+  assert ckpt_compat.config_differences(saved, current) == [
       "train.batch_size: checkpoint has 8, config has 4"]
-  assert ckpt_lib.config_differences(saved, current,
+  assert ckpt_compat.config_differences(saved, current,
                                      also_resumable=frozenset({"train.batch_size"})) == []
 
 
@@ -252,7 +253,7 @@ def test_trainer_refuses_a_batch_size_change_unless_allowed(tmp_path):
   base = {"train.eval_every": 0, "attention.self_check": False}
   train_lib.train_and_evaluate(synthetic_config(**base, **{"train.num_steps": 1}), str(tmp_path))
   bigger = {**base, "train.num_steps": 2, "train.batch_size": 16}
-  with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+  with pytest.raises(ckpt_compat.IncompatibleCheckpointError,
                      match=r"batch_size: checkpoint has 8, config has 16(.|\n)*"
                            r"allow_batch_size_change=True"):
     train_lib.train_and_evaluate(synthetic_config(**bigger), str(tmp_path))
@@ -298,7 +299,7 @@ def test_trainer_resumes_2_to_1_to_2_processes_on_another_batch(tmp_path):
   assert "changes: processes: 1 -> 2; train.batch_size: 8 -> 12" in logs[2]
   records = _logged(work)
   # Oracle: the plan's rows from the documents' lengths, outside the trainer.
-  docs = data_lib.synthetic_documents(num_docs=50, mean_len=30, vocab=97, seed=0)
+  docs = data_sources.synthetic_documents(num_docs=50, mean_len=30, vocab=97, seed=0)
   rows = packing.plan(np.array([len(d) for d in docs]), SEQ_LEN, extra_tokens=2).num_rows
   consumed = sum(b * (s - prev) for (_, s, b), prev in zip(phases, [0, 3, 7]))
   assert consumed >= 3 * rows  # three whole epochs at least

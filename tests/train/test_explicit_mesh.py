@@ -19,9 +19,11 @@ from support.train_configs import synthetic_config
 
 from train import context_batches as context_lib
 from train import data as data_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
+from train import setup as setup_lib
+from train.objective import TokenObjective
 
 EXPLICIT = AxisType.Explicit
 NUM_SOURCES = 2  # the "sources" cases' per-source losses: each slot's source is its segment % 2
@@ -70,9 +72,11 @@ def _step(config, mesh, state, batch, *, num_sources):
   t = config.train
   graphdef = nnx.split(nnx.eval_shape(lambda: model_lib.build(
       config, t.seed, vocab_size=config.model.vocab_size, mesh=mesh)))[0]
-  tx, schedule = train_lib.make_optimizer(t)
-  step = train_lib.make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
-                                   weighting=config.loss.weighting, num_sources=num_sources)
+  tx, schedule = steps_lib.make_optimizer(t)
+  objective = TokenObjective(weighting=config.loss.weighting,
+                             source_names=tuple(f"s{i}" for i in range(num_sources)))
+  step = steps_lib.make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
+                                   objective=objective)
   return jax.jit(step)(state, batch)
 
 
@@ -87,7 +91,7 @@ def _assert_explicit(tree, mesh):
 def test_a_step_on_the_explicit_mesh_equals_one_device(tmp_path, name):
   overrides = CASES[name]
   config = _config(**overrides)
-  run = train_lib.setup(config, str(tmp_path))
+  run = setup_lib.setup(config, str(tmp_path))
   assert run.mesh.axis_types == (EXPLICIT,) * 4
   sizes = {k.split(".")[1]: v for k, v in overrides.items() if k.startswith("mesh.")}
   assert all(run.mesh.shape[axis] == size for axis, size in sizes.items())

@@ -24,11 +24,11 @@ from support.paths import REPO
 from support.train_configs import synthetic_config
 
 from configs import packed
-from train.hf import export as export_lib
+from train.export import command as export_lib
 from train.hf import config as hf_config
-from train import layout as layout_lib
+from train.model import layout as layout_lib
 from train import metrics as metrics_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
 

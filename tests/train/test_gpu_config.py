@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from configs import packed
-from train import flops as flops_lib
+from train.model import flops as flops_lib
 from train import metrics as metrics_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
 

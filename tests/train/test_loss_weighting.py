@@ -19,9 +19,11 @@ from flax import nnx
 
 from support.packing_oracles import naive_rows
 from segpack import loss as loss_lib
-from train import checkpoint as ckpt_lib
-from train import model as model_lib
-from train import train as train_lib
+from train import checkpoint_compat as ckpt_compat
+from train.model import config as model_config
+from train.model import decoder as model_lib
+from train import steps as steps_lib
+from train.objective import TokenObjective
 
 VOCAB = 37
 LENGTHS = [9, 4, 15, 6, 1, 11, 3, 20, 2]  # unequal; the 1-token document has no trained token
@@ -31,7 +33,7 @@ SEQ_LEN = 28
 
 @functools.lru_cache(maxsize=None)
 def _model():
-  cfg = model_lib.DecoderConfig(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
+  cfg = model_config.DecoderConfig(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4,
                                 num_kv_heads=2, head_dim=8, d_ff=48, init_std=0.2,
                                 attention_implementation="xla", dtype="float32")
   return nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
@@ -136,7 +138,8 @@ def _step(graphdef, params, batch, *, accum, weighting):
   """One plain-SGD (lr 1) train step: new params = params - gradient of the step's loss."""
   tx, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-  step = train_lib.make_train_step(graphdef, tx, schedule, accum=accum, weighting=weighting)
+  step = steps_lib.make_train_step(graphdef, tx, schedule, accum=accum,
+                                   objective=TokenObjective(weighting=weighting))
   return jax.jit(step)(state, batch)
 
 
@@ -167,7 +170,8 @@ def test_eval_step_gives_the_mean_of_per_document_means_over_batches():
   docs = _docs()
   batches = [_pack([[docs[i] for i in row] for row in ROWS[:2]], SEQ_LEN),
              _pack([[docs[i] for i in row] for row in ROWS[2:]], SEQ_LEN)]
-  step = jax.jit(train_lib.make_eval_step(graphdef, weighting="sequence"))
+  step = jax.jit(steps_lib.make_eval_step(graphdef,
+                                          objective=TokenObjective(weighting="sequence")))
   loss_sum, count, tokens = 0.0, 0.0, 0.0
   for b in batches:
     out = step(params, b)
@@ -264,17 +268,17 @@ def test_bad_weighting_and_missing_segments_are_refused():
   with pytest.raises(ValueError, match="segment_ids_BxS"):
     loss_lib.cross_entropy_loss(logits, labels, weighting="sequence")
   with pytest.raises(ValueError, match=r"loss.weighting.*'mean'"):
-    train_lib.make_eval_step(None, weighting="mean")
+    TokenObjective(weighting="mean")
 
 
 def test_weighting_is_not_a_resumable_change():
   saved = dict(train=dict(seed=0), loss=dict(weighting="token"))
-  assert ckpt_lib.config_differences(saved, saved) == []
-  diffs = ckpt_lib.config_differences(saved, dict(train=dict(seed=0),
+  assert ckpt_compat.config_differences(saved, saved) == []
+  diffs = ckpt_compat.config_differences(saved, dict(train=dict(seed=0),
                                                   loss=dict(weighting="sequence")))
   assert diffs == ["loss.weighting: checkpoint has 'token', config has 'sequence'"]
-  assert "loss.weighting" not in ckpt_lib.RESUMABLE_CHANGES
-  absent = ckpt_lib.config_differences(dict(train=dict(seed=0)), saved)  # no silent default
+  assert "loss.weighting" not in ckpt_compat.RESUMABLE_CHANGES
+  absent = ckpt_compat.config_differences(dict(train=dict(seed=0)), saved)  # no silent default
   assert absent == ["loss.weighting: checkpoint has '<absent>', config has 'token'"]
 
 

@@ -18,7 +18,7 @@ import portpicker
 import pytest
 from support import paths
 from support import train_configs
-from train.hf import export as hf_export
+from train.export import command as hf_export
 from support.train_configs import WITHOUT_TORCH
 
 REPO = str(paths.REPO)
@@ -40,7 +40,7 @@ summary = T.train_and_evaluate(c, workdir)
 print("DEVICES", jax.device_count(), jax.local_device_count())
 print(json.dumps(summary))
 if num_processes > 1:
-  from train.hf import export as E
+  from train.export import command as E
   E.export(workdir=workdir, output=workdir + "_export", max_shard_bytes=int(sys.argv[5]))
 """
 

@@ -14,6 +14,9 @@ from support.train_configs import synthetic_config
 from train import sharding as sharding_lib
 from train import run_guard
 from train import train as train_lib
+from train import steps as steps_lib
+from train import setup as setup_lib
+from train import state as state_lib
 from segpack.errors import UserError
 from support import paths
 
@@ -61,16 +64,16 @@ def test_check_finite_names_the_first_bad_step_and_value():
 def test_the_step_flags_a_non_finite_state(tmp_path):
   """A finite loss and gradient norm with a non-finite update (learning rate inf) is flagged."""
   config = synthetic_config(**{"attention.self_check": False, "train.warmup_steps": 0})
-  run = train_lib.setup(config, str(tmp_path))
+  run = setup_lib.setup(config, str(tmp_path))
   batch = sharding_lib.global_batch(next(run.iterator), run.mesh)
   flags = {}
   for lr in (1e-3, float("inf")):  # inf: refused by the config checks, so built by hand here
     config.train.learning_rate = lr
-    tx, schedule = train_lib.make_optimizer(config.train)
-    graphdef = train_lib._abstract_state(config, run.vocab_size, tx, run.mesh)[0]
+    tx, schedule = steps_lib.make_optimizer(config.train)
+    graphdef = state_lib.abstract_state(config, tx, vocab_size=run.vocab_size, mesh=run.mesh)[0]
     params = jax.tree.map(np.asarray, run.state["params"])
     state = dict(params=params, opt_state=tx.init(params), step=np.int32(0))
-    step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1))
+    step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1))
     metrics = jax.device_get(step(state, batch)[1])
     assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
     flags[lr] = bool(metrics["finite"])
@@ -95,7 +98,7 @@ def test_a_diverging_run_stops_at_the_bad_step_and_keeps_the_last_good_checkpoin
   assert saved == ([s for s in (bad - 2, bad - 1) if s >= 1] if checkpoint_every else []), saved
   if saved:
     assert f"the checkpoint of step {saved[-1]} is kept" in str(e.value)
-    run = train_lib.setup(config, str(tmp_path))  # resumes from the last good checkpoint
+    run = setup_lib.setup(config, str(tmp_path))  # resumes from the last good checkpoint
     assert run.start_step == saved[-1]
     for leaf in jax.tree.leaves(run.state):
       assert np.isfinite(np.asarray(leaf)).all()

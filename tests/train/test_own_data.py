@@ -19,6 +19,7 @@ from segpack import shards
 from segpack.data import subset
 from segpack.text import dataset as dataset_lib
 from train import config_checks
+from train import data_sources as data_sources
 from train import data as data_lib
 from support import data_configs  # noqa: E402
 from support import paths
@@ -147,7 +148,7 @@ def test_bad_data_keys_are_one_line_errors_naming_the_key(tmp_path):
       (dict(train=str(tmp_path / "ds"), eval_share=0.99), "data.eval_share=0.99"),
   ]
   for kw, match in cases:
-    with pytest.raises(data_lib.DataConfigError, match=match):
+    with pytest.raises(data_sources.DataConfigError, match=match):
       data_lib.make_data(spec(**kw), batch_size=8, process_index=0, process_count=1)
   # Rules between keys are checked once, before anything is built (train.config_checks).
   combinations = [

@@ -59,11 +59,12 @@ def test_packed_minibatch_computes_the_padded_loss(spec):
 
   from segpack import loss
   from segpack.text.chat import corpus as chat_corpus
-  from train import model as model_lib  # pylint: disable=g-import-not-at-top
+  from train.model import config as model_config  # pylint: disable=g-import-not-at-top
+  from train.model import decoder as model_lib  # pylint: disable=g-import-not-at-top
 
   _, _, cache = spec
   train_dir = chat_corpus.ensure_builtin_chat(size="small", cache_dir=cache).train_dir
-  cfg = model_lib.DecoderConfig(vocab_size=2048, num_layers=1, d_model=32, num_heads=2,
+  cfg = model_config.DecoderConfig(vocab_size=2048, num_layers=1, d_model=32, num_heads=2,
                                 num_kv_heads=2, head_dim=16, d_ff=64,
                                 attention_implementation="xla")
   model = model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0))

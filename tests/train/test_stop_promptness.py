@@ -19,7 +19,9 @@ from flax import nnx
 
 from train import run_guard
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 from train import train as train_lib
+from train import steps as steps_lib
 
 SIGNAL_AT = 12  # the host's step when the signal is sent
 
@@ -35,13 +37,13 @@ def _stopped_run(tmp_path, monkeypatch, *, signum, signal_at, num_steps=40):
     with lock:
       done["steps"] += 1
 
-  real_make = train_lib.make_train_step
+  real_make = steps_lib.make_train_step
 
   def slow_make(*args, **kwargs):
     step = real_make(*args, **kwargs)
 
-    def slow(state, batch):
-      new_state, metrics = step(state, batch)
+    def slow(state, batch, frozen=None):
+      new_state, metrics = step(state, batch, frozen)
       jax.debug.callback(finished, ordered=False)
       return new_state, metrics
     return slow
@@ -56,7 +58,7 @@ def _stopped_run(tmp_path, monkeypatch, *, signum, signal_at, num_steps=40):
       os.kill(os.getpid(), signum)
     return real_next(iterator)
 
-  monkeypatch.setattr(train_lib, "make_train_step", slow_make)
+  monkeypatch.setattr(steps_lib, "make_train_step", slow_make)
   monkeypatch.setattr(data_lib, "next_batch", next_batch)
   with pytest.raises(run_guard.RunStopped, match=r"at step \d+") as stopped:
     train_lib.train_and_evaluate(_config(num_steps), tmp_path / "run")
@@ -86,12 +88,12 @@ def test_a_stop_at_a_random_step_lands_promptly_and_the_rerun_continues_exactly(
   saved, at_signal = _stopped_run(tmp_path, monkeypatch, signum=signum, signal_at=signal_at,
                                   num_steps=16)
   assert saved - at_signal <= 2, (signal_at, saved, at_signal)
-  stopped = nnx.split(saved_run.load_run(str(tmp_path / "run"))[1])[1]
+  stopped = nnx.split(loaded_run.load_run(str(tmp_path / "run"))[1])[1]
   rerun = train_lib.train_and_evaluate(_config(16), tmp_path / "run")  # the same command
   whole = train_lib.train_and_evaluate(_config(16), tmp_path / "whole")
   assert rerun["resumed_from"] == saved and whole["resumed_from"] == 0
   # The same 16 batches in the same order: the final parameters agree.
-  got, want = (nnx.split(saved_run.load_run(str(tmp_path / d))[1])[1] for d in ("run", "whole"))
+  got, want = (nnx.split(loaded_run.load_run(str(tmp_path / d))[1])[1] for d in ("run", "whole"))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   # Negative control: the parameters a few steps earlier (the stop's checkpoint) differ.

@@ -12,11 +12,16 @@ import pytest
 from flax import nnx
 
 from configs import packed, padded
-from train import checkpoint as ckpt_lib
+from train import checkpoint_compat as ckpt_compat
 from train import metrics as metrics_lib
-from train import model as model_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
+from train import run_guard
+from train import config_checks
+from train import steps as steps_lib
+from train import setup as setup_lib
 from support.train_configs import WITHOUT_TORCH, synthetic_config
 from support import paths
 from support import train_configs
@@ -91,10 +96,10 @@ def test_kill_minus_9_then_resume_sees_the_same_batches(tmp_path):
 
 @pytest.mark.slow
 def test_gradient_accumulation_is_exact():
-  cfg = model_lib.DecoderConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2,
+  cfg = model_config.DecoderConfig(vocab_size=50, num_layers=1, d_model=16, num_heads=2,
                                 num_kv_heads=1, head_dim=8, d_ff=32)
   graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
-  tx, schedule = train_lib.make_optimizer(synthetic_config().train)
+  tx, schedule = steps_lib.make_optimizer(synthetic_config().train)
   rng = np.random.default_rng(0)
   seg = np.sort(rng.integers(0, 4, size=(8, 16)), axis=1).astype(np.int32)
   labels = np.where(seg > 0, rng.integers(0, 50, size=(8, 16)), -100).astype(np.int32)
@@ -104,7 +109,7 @@ def test_gradient_accumulation_is_exact():
                segment_ids=jnp.asarray(seg), segment_positions=jnp.zeros((8, 16), jnp.int32),
                labels=jnp.asarray(labels))
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(3))
-  results = [jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=a))(state, batch)
+  results = [jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=a))(state, batch)
              for a in (1, 2, 4)]
   for new_state, metrics in results[1:]:
     np.testing.assert_allclose(metrics["loss"], results[0][1]["loss"], rtol=1e-6)
@@ -126,7 +131,7 @@ def test_fsdp_tensor_mesh_matches_data_parallel(tmp_path):
       jax.sharding.PartitionSpec("tensor", "fsdp")
   assert sharding_lib.param_spec("embed/embedding", (97, 32), mesh) == \
       jax.sharding.PartitionSpec(None, "fsdp")  # 97 rows do not split over tensor=2
-  run = train_lib.setup(sharded, str(tmp_path / "probe"))
+  run = setup_lib.setup(sharded, str(tmp_path / "probe"))
   q = run.state["params"]["layers"][0]["attn"]["q"]["kernel"]
   assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   mu = run.state["opt_state"][1][0].mu["layers"][0]["attn"]["q"]["kernel"]
@@ -164,14 +169,14 @@ def test_batch_not_divisible_by_devices_names_both_numbers(tmp_path):
 def test_unwritable_workdir(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
-  with pytest.raises(train_lib.WorkdirError, match="a_file"):
+  with pytest.raises(run_guard.WorkdirError, match="a_file"):
     train_lib.train_and_evaluate(synthetic_config(), str(blocker / "run"))
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
 def test_pallas_on_the_cpu_needs_interpret_mode(tmp_path):
   c = synthetic_config(**{"attention.implementation": "pallas"})
-  with pytest.raises(train_lib.AttentionConfigError, match="attention.interpret=True"):
+  with pytest.raises(config_checks.AttentionConfigError, match="attention.interpret=True"):
     train_lib.train_and_evaluate(c, str(tmp_path))
   assert not os.listdir(tmp_path)  # refused before anything was written
 
@@ -181,7 +186,7 @@ def test_resume_with_incompatible_config_says_what_differs(tmp_path):
   train_lib.train_and_evaluate(c, str(tmp_path))
   other = synthetic_config(**{"train.num_steps": 2, "train.eval_every": 0, "model.d_ff": 96,
                         "train.learning_rate": 1e-3})
-  with pytest.raises(ckpt_lib.IncompatibleCheckpointError,
+  with pytest.raises(ckpt_compat.IncompatibleCheckpointError,
                      match=r"model\.d_ff: checkpoint has 64, config has 96(.|\n)*learning_rate"):
     train_lib.train_and_evaluate(other, str(tmp_path))
 

@@ -15,6 +15,7 @@ from train import config_checks
 from train import metrics as metrics_lib
 from train import sharding as sharding_lib
 from train import train as train_lib
+from train import setup as setup_lib
 
 from support.train_configs import synthetic_config
 
@@ -51,7 +52,7 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("balance", ["zigzag", "documents"])
 def test_context_4_gives_the_losses_of_context_1(baseline, tmp_path, balance):
   config = _config(**{"mesh.data": 2, "mesh.context": 4, "packing.context_balance": balance})
-  run = train_lib.setup(config, str(tmp_path / "probe"))
+  run = setup_lib.setup(config, str(tmp_path / "probe"))
   assert dict(run.mesh.shape) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
   assert sharding_lib.batch_sharding(run.mesh).spec == P(("data", "fsdp"), "context")
   batch, plain = next(run.iterator), run.data.train[0]  # step 1, in context and in row order

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.adapters import quantize as quantize_lib
+from train.model import quantize as quantize_lib
 from train.hf import weights as hf_weights
 
 SCALE_SUFFIX = "_scale"  # `kernel_scale`: a quantized kernel's block scales
@@ -67,7 +67,7 @@ def _quantized_reader(read: Any, *, kind: str, part: str, in_features: int, rows
 
 def load_base(*, model_dir: str, abstract_frozen: Any, shardings: Any, model_cfg: Any,
               kind: str | None) -> Any:
-  """The frozen parameters (`train.adapters.lora.split`'s third part) read from `model_dir`.
+  """The frozen parameters (`train.model.lora.split`'s third part) read from `model_dir`.
 
   Args:
     model_dir: the Hugging Face directory (`model.init_from`).

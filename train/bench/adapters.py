@@ -5,7 +5,7 @@
 Memory: one Llama-shaped model (`MODEL`: E = 2048, 16 layers, 16 heads of 128, 8 KV heads,
 F = 5632, V = 32,000; one row of `--rows` = 2,048 slots; `--quick`: 2 layers and rows of 256),
 with the CPU's compute dtype (float32: bfloat16 and quantized kernels are converted), trained five
-ways with the trainer's own step (`train.train.make_train_step`, AdamW): full fine-tuning with
+ways with the trainer's own step (`train.steps.make_train_step`, AdamW): full fine-tuning with
 float32 and with bfloat16 parameters, LoRA of rank 16 on the seven projections over a bfloat16
 base, and QLoRA of rank 16 over an nf4 and an int8 base (`model.lora.base_dtype`). Nothing is
 allocated: the step is compiled for abstract shapes on one device and XLA accounts for it
@@ -16,7 +16,7 @@ bfloat16), and the ratios LoRA's optimizer / full fine-tuning's and QLoRA's base
 
 Quality: the `configs/packed.py:smoke` model trained `--steps` steps on the small built-in
 corpus, then its weights as a frozen base stored in float32, bfloat16, nf4 and int8 (quantized
-with `train.adapters.quantize` from the trained float32 kernels) under fresh adapters (B = 0, so
+with `train.model.quantize` from the trained float32 kernels) under fresh adapters (B = 0, so
 each adapted model is its base), and a deliberately broken nf4 base (scales doubled: the
 negative control). On held-out packed rows, each base against the bfloat16 one: the mean and
 largest absolute difference of the label tokens' log-probabilities, the mean absolute logit
@@ -24,7 +24,7 @@ difference (real slots), and each base's held-out loss.
 
 Algorithm:
   1. Memory, per case: the config (`case_config`), the abstract model split into trained and
-     frozen parts (`train.adapters.state.abstract_parts`), the abstract AdamW state
+     frozen parts (`train.state.abstract_parts`), the abstract AdamW state
      (`jax.eval_shape(tx.init, trained)`), an abstract batch `int32 [1, S]`.
   2. Count parameters and bytes of each part from the shapes.
   3. Lower `jax.jit(step, donate_argnames=("state",))` on the abstract state, batch and frozen
@@ -59,12 +59,14 @@ from configs import packed as packed_config
 from segpack import errors
 from segpack.bench import tables
 from train import data as data_lib
-from train import model as model_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
-from train import train as train_lib
-from train.adapters import lora as lora_lib
-from train.adapters import quantize as quantize_lib
-from train.adapters import state as adapter_state
+from train import steps as steps_lib
+from train.model import lora as lora_lib
+from train.model import quantize as quantize_lib
+from train.adapters import trainable
+from train import state as state_lib
 
 PROG = "python -m train.bench.adapters"
 MODEL = dict(d_model=2048, num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, d_ff=5632,
@@ -138,14 +140,14 @@ def _count(tree: Any) -> int:
 def memory_case(case: Case, *, quick: bool, rows: int | None = None) -> dict[str, Any]:
   """Steps 1-3 for one case: its parameters, bytes and XLA's account of its compiled step."""
   config = case_config(case, quick=quick, rows=rows)
-  graphdef, trained, frozen = adapter_state.abstract_parts(
+  graphdef, trained, frozen = state_lib.abstract_parts(
       config, vocab_size=config.model.vocab_size, mesh=None, segment_bound=None)
-  tx, schedule = train_lib.make_optimizer(config.train)
+  tx, schedule = steps_lib.make_optimizer(config.train)
   state = dict(params=trained, opt_state=jax.eval_shape(tx.init, trained),
                step=jax.ShapeDtypeStruct((), jnp.int32))
   row = jax.ShapeDtypeStruct((1, config.packing.seq_len), jnp.int32)
   batch = {k: row for k in ("input_ids", "labels", "segment_ids", "segment_positions")}
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1),
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1),
                  donate_argnames=("state",))
   start = time.perf_counter()
   args = (state, batch) if frozen is None else (state, batch, frozen)
@@ -195,10 +197,10 @@ def train_smoke(steps: int, *, seed: int = 0) -> tuple[Any, Any, Any]:
   config.train.seed = seed
   data = data_lib.make_data(config, batch_size=config.train.batch_size, process_index=0,
                             process_count=1)
-  tx, schedule = train_lib.make_optimizer(config.train)
+  tx, schedule = steps_lib.make_optimizer(config.train)
   graphdef, params = nnx.split(model_lib.build(config, seed, vocab_size=data.vocab_size))
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1),
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1),
                  donate_argnames=("state",))
   for i in range(steps):
     state, metrics = step(state, _rows(data.train[i]))
@@ -254,9 +256,9 @@ def base_logits(floats: dict[str, np.ndarray], *, base_dtype: str,
   config.model.lora.base_dtype = base_dtype
   graphdef, trained, frozen = lora_lib.split(
       model_lib.build(config, 0, vocab_size=vocab_size), adapters=True)
-  kind = lora_lib.quantized(model_lib.architecture_fields(config.model)["lora"])
+  kind = lora_lib.quantized(model_config.architecture_fields(config.model)["lora"])
   frozen = fill_base(frozen, floats, kind=kind, scale_factor=scale_factor)
-  trained = adapter_state.adapters_off(trained)  # B = 0: the adapted model is its base
+  trained = trainable.adapters_off(trained)  # B = 0: the adapted model is its base
 
   @jax.jit
   def forward(trained, frozen, batch):

@@ -69,7 +69,7 @@ from configs import packed
 from segpack import errors
 from train.hf import config as hf_config
 from train.hf import weights as hf_weights
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 
 GB = 10**9
@@ -210,7 +210,7 @@ def measure(model_dir: str) -> dict[str, Any]:
   config.attention.implementation = "xla"
   hf_config.adopt(config)
   mesh = sharding_lib.make_mesh()
-  nnx.eval_shape(lambda: model_lib.build(config, 0, mesh=mesh))  # traced once before the baseline
+  model_lib.abstract(config, mesh=mesh)  # traced once before the baseline
   gc.collect()
   baseline = rss_bytes()
   peak_reset = reset_peak()

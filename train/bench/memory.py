@@ -1,7 +1,7 @@
 """Peak memory of a training step, measured beside `train.memory`'s estimate.
 
 `python -m train.bench.memory [--quick] [--json]` runs one training step of the trainer
-(`train.train.make_train_step` on `train.model.build`'s decoder: value_and_grad of the loss,
+(`train.steps.make_train_step` on `train.model.decoder.build`'s decoder: value_and_grad of the loss,
 then AdamW) with the full-logits loss and the blocked loss (`loss.block_size`), with and without
 remat (`model.remat`), on one small model (E = 64, 2 layers, one head of 64, F = 128: its dense
 XLA attention's `[S, S]` scores, which a GPU's flash kernel never holds, stay small beside the
@@ -66,9 +66,10 @@ from segpack.bench import tables
 from segpack.loss import IGNORE_INDEX
 from train import memory as memory_lib
 from train.bench import hf_import
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
+from train import objective as objective_lib
 
 PROG = "python -m train.bench.memory"
 QWEN_VOCAB = 151_643
@@ -129,25 +130,23 @@ def case_config(case: Case) -> Any:
 def unwired(case: Case) -> str | None:
   """What of `case` the trainer does not read yet ("loss.block_size", "model.remat"), or None."""
   config = packed_config.get_config()
-  step_keys = inspect.signature(train_lib.make_train_step).parameters
-  if case.loss == "blocked" and ("block_size" not in config.get("loss", {})
-                                 or "block_size" not in step_keys):
+  if case.loss == "blocked" and "block_size" not in config.get("loss", {}):
     return "loss.block_size"
   if case.remat != "none" and "remat" not in config.model:
     return "model.remat"
   return None
 
 
-def _loss_options(config: Any) -> dict[str, int]:
-  loss = config.get("loss", {})
-  return {k: int(loss[k]) for k in ("block_size", "vocab_block_size") if k in loss}
+def _objective(config: Any) -> objective_lib.TokenObjective:
+  """The token loss of `config`, full or blocked (`loss.block_size`)."""
+  return objective_lib.TokenObjective.from_config(config)
 
 
 def case_estimate(case: Case) -> memory_lib.MemoryEstimate:
   """`train.memory.from_config` of the case's config on the CPU (parameters counted from the
   model's abstract shapes)."""
   config = case_config(case)
-  abstract = nnx.eval_shape(lambda: model_lib.build(config, 0, vocab_size=case.vocab))
+  abstract = model_lib.abstract(config, vocab_size=case.vocab)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
   return memory_lib.from_config(config, num_params=num_params, vocab_size=case.vocab,
                                 platform="cpu")
@@ -186,14 +185,14 @@ def _row(rows: int, vocab: int) -> dict[str, np.ndarray]:
 def _compiled_step(config: Any, vocab: int) -> tuple[Any, Any, Any]:
   """`(state, batch, compiled step)` as the trainer makes them, on its mesh."""
   mesh = sharding_lib.make_mesh()
-  tx, schedule = train_lib.make_optimizer(config.train)
+  tx, schedule = steps_lib.make_optimizer(config.train)
   graphdef, params = nnx.split(model_lib.build(config, 0, vocab_size=vocab))
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
   batch = sharding_lib.global_batch(_row(config.packing.seq_len, vocab), mesh)
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1,
-                                           **_loss_options(config)),
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1,
+                                           objective=_objective(config)),
                  in_shardings=(replicated, sharding_lib.batch_sharding(mesh)),
                  out_shardings=(replicated, replicated), donate_argnames=("state",))
   return state, batch, step.lower(state, batch).compile()

@@ -12,7 +12,7 @@ Algorithm:
      - `packed`: pairs packed whole into rows of `--seq-len` by exact FFD;
      - `shared`: packed, each prompt stored once and both answers as branches that see it
        (`preference.shared_prefix`).
-  3. For each, compile the DPO train step (`train.train.make_train_step`, the trainer's step) on
+  3. For each, compile the DPO train step (`train.steps.make_train_step`, the trainer's step) on
      every batch shape once, then time one epoch over every pair.
   4. Print pairs/s, slots and real-token utilization, and the ratios to `padded`.
 
@@ -39,9 +39,9 @@ from segpack import errors
 from segpack.loss import preference as preference_loss
 from segpack.data import pairs as pairs_lib
 from segpack.data.options import SpecialTokens
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
 from train.preference import objective as objective_lib
 
 LAYOUTS = ("padded", "packed", "shared")
@@ -109,14 +109,14 @@ def run_layout(config: Any, batches: list[dict[str, np.ndarray]]) -> dict[str, f
   """Step 3: the trainer's DPO step over `batches`, timed after compiling every shape."""
   t = config.train
   mesh = sharding_lib.make_mesh()
-  tx, schedule = train_lib.make_optimizer(t)
+  tx, schedule = steps_lib.make_optimizer(t)
   graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=VOCAB, mesh=mesh))
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
   objective = objective_lib.PreferenceObjective(
       pair_loss=preference_loss.PreferenceLoss(loss="dpo"))
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1, objective=objective),
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1, objective=objective),
                  out_shardings=(replicated, replicated), donate_argnames=("state",))
   to_device = functools.partial(sharding_lib.global_batch, mesh=mesh)
   for width in sorted({b["input_ids"].shape[1] for b in batches}):  # compile every shape once

@@ -42,7 +42,8 @@ from segpack import loss as loss_lib
 from segpack.data.minibatch_dataset import pack_minibatches
 from segpack.data.packed import pack_dataset
 from segpack import shards
-from train import model as model_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
 
 METHODS = ("padding", "minibatch", "global")
 
@@ -94,7 +95,7 @@ def _batches(method: str, source: Any, *, seq_len: int, k: int, seed: int) -> li
 
 
 def _decoder(vocab: int, args: argparse.Namespace) -> model_lib.Decoder:
-  cfg = model_lib.DecoderConfig(
+  cfg = model_config.DecoderConfig(
       vocab_size=vocab, num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
       num_kv_heads=args.heads, head_dim=args.d_model // args.heads, d_ff=args.d_model * 3,
       attention_implementation="xla")

@@ -1,6 +1,6 @@
 """The trainer's own step, timed: `python -m train.bench steps --config configs/packed.py:gpu`.
 
-Times the jitted step that `python -m train.main` runs (`train.train.setup`: the same data
+Times the jitted step that `python -m train.main` runs (`train.setup.setup`: the same data
 pipeline, model, shardings and optimizer) on any config, and can profile a few steps.
 
 Algorithm:
@@ -11,7 +11,7 @@ Algorithm:
      `--warmup` steps (the first compiles) and wait.
   3. Time `--steps` steps, waiting only after the last; sum their real tokens, slots and causal
      within-document (query, key) pairs from the step's own metrics.
-  4. Model FLOPs (`train/flops.py`: `6 N` per real token plus `12 L H D` per pair) over the time
+  4. Model FLOPs (`train/model/flops.py`: `6 N` per real token plus `12 L H D` per pair) over the time
      give MFU against the devices' bf16 peak; the allocator's peak is the device memory.
   5. With `--profile-steps N`, trace N more steps (`jax.profiler.trace`, a Perfetto trace under
      WORKDIR/profile): device kernel time per step, split into attention, matmul, fusion,
@@ -46,10 +46,10 @@ import segpack
 from segpack import errors
 import train
 from train import data as data_lib
-from train import flops as flops_lib
-from train import model as model_lib
+from train.model import flops as flops_lib
+from train.model import config as model_config
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import setup as setup_lib
 from train.hf import config as hf_config
 
 
@@ -144,7 +144,7 @@ def profile_summary(trace_dir: str, *, steps: int, top: int) -> dict[str, Any]:
 
 
 def setup_summary(profiler: cProfile.Profile, *, top: int) -> dict[str, list[dict[str, Any]]]:
-  """Where `train.train.setup` spent its time: `own`, the `top` functions of segpack and the
+  """Where `train.setup.setup` spent its time: `own`, the `top` functions of segpack and the
   trainer by cumulative seconds (callees included), outermost first; `self`, the `top` functions
   of any library by their own seconds (a compile, a wait on the device, a copy)."""
   stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, ncalls, tt, ct, callers)}
@@ -172,12 +172,12 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
             profile_steps: int, top: int) -> dict[str, Any]:
   """Steps 2-5 of the algorithm: one record."""
   t0 = time.perf_counter()
-  train_lib.preflight(config)  # the config checks and the attention self-check
+  setup_lib.preflight(config)  # the config checks and the attention self-check
   preflight_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   profiler = cProfile.Profile() if profile_steps else None
-  run = (train_lib.setup(config, workdir, checked=True) if profiler is None else
-         profiler.runcall(train_lib.setup, config, workdir, checked=True))
+  run = (setup_lib.setup(config, workdir, checked=True) if profiler is None else
+         profiler.runcall(setup_lib.setup, config, workdir, checked=True))
   setup_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   jax.block_until_ready(_advance(run, warmup))
@@ -192,7 +192,7 @@ def measure(config: ml_collections.ConfigDict, *, workdir: str, warmup: int, ste
   model = flops_lib.FlopModel.from_model_config(config.model, vocab_size=run.vocab_size)
   flops = model.step_flops(real_tokens=real, attention_pairs=pairs)
   peak = flops_lib.peak_flops(config.train.peak_flops, devices=jax.devices(),
-                              compute_dtype=model_lib.compute_dtype(config.model.dtype))
+                              compute_dtype=model_config.compute_dtype(config.model.dtype))
   stats = jax.devices()[0].memory_stats() or {}
   rec = dict(params=run.num_params, matmul_params=model.matmul_params,
              seq_len=config.packing.seq_len, strategy=config.packing.strategy,

@@ -42,13 +42,13 @@ from segpack.data.options import SpecialTokens
 from segpack.data.packed import pack_dataset
 from segpack.loss import IGNORE_INDEX
 from segpack.text import corpus
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train.bench import preference as preference_bench
 from train.bench import gpu_numbers
 from train.bench import sft as sft_bench
 from train.bench import steps as steps_bench
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
 
 
 def pad_batch(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
@@ -87,7 +87,7 @@ def run_one(config: Any, docs, *, strategy: str, vocab: int, ids: dict[str, int]
                            batch_size=t.batch_size, ids=ids)
   mesh = sharding_lib.make_mesh()
   sharding_lib.check_batch(t.batch_size, mesh=mesh)
-  tx, schedule = train_lib.make_optimizer(t)
+  tx, schedule = steps_lib.make_optimizer(t)
   # Segment ids run 1..n in every row, so the largest id is the most segments in a row.
   max_segments = max(int(b["segment_ids"].max()) for b in batches)
   graphdef, params = nnx.split(model_lib.build(config, t.seed, vocab_size=vocab, mesh=mesh,
@@ -95,7 +95,7 @@ def run_one(config: Any, docs, *, strategy: str, vocab: int, ids: dict[str, int]
   replicated = NamedSharding(mesh, P())
   state = jax.device_put(dict(params=params, opt_state=tx.init(params), step=jnp.int32(0)),
                          replicated)
-  step = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=1),
+  step = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=1),
                  in_shardings=(replicated, sharding_lib.batch_sharding(mesh)),
                  out_shardings=(replicated, replicated), donate_argnames=("state",))
   to_device = functools.partial(sharding_lib.global_batch, mesh=mesh)

@@ -72,7 +72,7 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     raise HfModelError(
         f"model.init_from={model_dir!r} is a segpack run (run.json, checkpoints/), not a Hugging "
         f"Face model directory; export it first and start from the export: python -m "
-        f"train.hf.export --workdir {model_dir} --output EXPORTED, then "
+        f"train.export --workdir {model_dir} --output EXPORTED, then "
         f"--config.model.init_from=EXPORTED")
   if not os.path.isfile(path):
     raise HfModelError(f"model.init_from={model_dir!r} has no {CONFIG_NAME} (a Hugging Face "

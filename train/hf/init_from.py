@@ -1,6 +1,6 @@
 """What the trainer does with `model.init_from`: checks, the initial parameters, the source files.
 
-Algorithm (`train.train.setup`, before the first step of a run from scratch):
+Algorithm (`train.setup.setup`, before the first step of a run from scratch):
   1. `check_adopted`: the config's model keys are the checkpoint's (`hf_config.adopt` ran; the
      command line does it) and rows are no longer than the model's sliding window.
   2. `check_tokenizer`: the training data was tokenized with the model directory's

@@ -1,9 +1,9 @@
-"""Hugging Face safetensors weights <-> a `train.model.Decoder`'s parameters.
+"""Hugging Face safetensors weights <-> a `train.model.decoder.Decoder`'s parameters.
 
 Names: `model.embed_tokens.weight` is `embed/embedding`, `model.layers.N.self_attn.q_proj.weight`
 is `layers/N/attn/q/kernel` (transposed: torch Linear weights are `[out, in]`, Flax kernels
 `[in, out]`), and so on (`tensor_map`). The rotary layout needs no permutation: both sides rotate
-the two halves of each head vector (transformers' `rotate_half`, `train.rope.apply_rope`).
+the two halves of each head vector (transformers' `rotate_half`, `train.model.rope.apply_rope`).
 
 Algorithm of `load_params`:
   1. Index: `model.safetensors.index.json` (every file it names must exist), else the one
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from train.hf import config as hf_config
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -261,13 +261,13 @@ def load_params(model_dir: str, abstract_params: Any, shardings: Any, model_cfg:
 
 
 def load_decoder(config: Any, *, mesh: Any) -> Any:
-  """The `train.model.Decoder` of `config.model.init_from` with its weights, on `mesh`.
+  """The `train.model.decoder.Decoder` of `config.model.init_from` with its weights, on `mesh`.
 
   `config` must have gone through `hf_config.adopt`; the parameters are placed with
   `train.sharding.param_shardings` (for sampling, export checks and tests; the trainer places
   them through `load_params` inside its own state).
   """
-  abstract = nnx.eval_shape(lambda: model_lib.build(config, 0, mesh=mesh))
+  abstract = model_lib.abstract(config, mesh=mesh)
   graphdef, abstract_params = nnx.split(abstract)
   params = load_params(config.model.init_from, abstract_params,
                        sharding_lib.param_shardings(abstract_params, mesh), config.model)

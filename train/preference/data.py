@@ -21,6 +21,7 @@ from segpack.data.options import PipelineConfigError, SpecialTokens
 from segpack.data.stream import StreamBatches
 from segpack.packing.options import PlanOptions
 from segpack.packing.pairs import PairTooLongError
+from train import data_sources as data_sources
 from train import data as data_lib
 
 __all__ = ["Splits", "make_preference_data"]
@@ -43,19 +44,19 @@ class Splits:
 def _sources(config: Any) -> tuple[Any, Any, shards.ShardSource]:
   """`(train pairs, held-out pairs or None, the opened data.train)`."""
   if config.data.train is None or "=" in config.data.train:  # none, or a mixture
-    raise data_lib.DataConfigError(
+    raise data_sources.DataConfigError(
         f"preference.loss={config.preference.loss!r} trains on the pairs of one preference "
         f"dataset: set data.train to a directory written by `segpack tokenize --format "
         f"preference`, got data.train={config.data.train!r}")
-  opened = data_lib.open_dataset("data.train", config.data.train)
+  opened = data_sources.open_dataset("data.train", config.data.train)
   if config.data.eval is not None:
-    return opened, data_lib.open_dataset("data.eval", config.data.eval), opened
+    return opened, data_sources.open_dataset("data.eval", config.data.eval), opened
   if config.data.eval_share == 0:
     return opened, None, opened
   try:
     train, held = pairs_lib.held_out_pairs(opened, share=config.data.eval_share)
   except PipelineConfigError as e:
-    raise data_lib.DataConfigError(f"data.eval_share={config.data.eval_share!r}: {e}") from e
+    raise data_sources.DataConfigError(f"data.eval_share={config.data.eval_share!r}: {e}") from e
   return train, held, opened
 
 
@@ -77,23 +78,23 @@ def _pack(config: Any, source: Any, key: str, *, shuffle: bool, num_epochs: int 
         seed=config.data.seed, shuffle=shuffle, num_epochs=num_epochs, special_tokens=special,
         shared_prefix=bool(p.shared_prefix), truncate=bool(p.truncate))
   except pairs_lib.NotPreferenceDataError as e:
-    raise data_lib.DataConfigError(
+    raise data_sources.DataConfigError(
         f"preference.loss={p.loss!r} with {key}={getattr(config.data, key.split('.')[-1])!r}: "
         f"{e}") from e
   except PipelineConfigError as e:
     raise data_lib.special_ids_error(config, e) or e
   except PairTooLongError as e:
-    raise data_lib.DataConfigError(f"{key}: {e} (packing.seq_len, preference.truncate)") from e
+    raise data_sources.DataConfigError(f"{key}: {e} (packing.seq_len, preference.truncate)") from e
 
 
 def make_preference_data(config: Any, *, batch_size: int, process_index: int,
                          process_count: int) -> tuple[data_lib.Data, Splits]:
   """The run's `Data` over pair rows and its `Splits` (refusing what pairs cannot do)."""
   if batch_size % process_count:
-    raise data_lib.DataConfigError(
+    raise data_sources.DataConfigError(
         f"train.batch_size={batch_size} is not divisible by the {process_count} processes")
   train_src, eval_src, opened = _sources(config)
-  ids = data_lib.pad_id(opened)
+  ids = data_sources.pad_id(opened)
   special = SpecialTokens(add_bos=config.data.add_bos, add_eos=config.data.add_eos, **ids)
   layout = dict(global_batch_size=batch_size, process_index=process_index,
                 process_count=process_count)

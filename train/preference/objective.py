@@ -1,9 +1,11 @@
 """The train and eval steps' loss on preference rows: one loss per pair, summed per segment.
 
-`PreferenceObjective` plugs into `train.train.make_train_step` (`objective=`): the loss of a
-step is the mean over its pairs (the global batch's count, so micro-batches sum to it), from
+`PreferenceObjective` is a `train.objective.Objective`: its rows are whole pairs
+(`train.preference.data`), it scores a reference before step 1 when the loss needs one
+(`train.preference.reference`), and the loss of a step is the mean over its pairs (the global
+batch's count, so micro-batches sum to it), from
 each sequence's summed completion log-probs (`segpack.loss.preference`). The token losses come
-from `train.head_loss` (full or blocked logits), so large vocabularies cost what they cost SFT.
+from `train.model.head_loss` (full or blocked logits), so large vocabularies cost what they cost SFT.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from segpack.loss import preference as preference_loss
-from train import head_loss
+from train.model import head_loss
+from train.preference import data as preference_data
+from train.preference import reference as preference_reference
+from train.preference import scoring
 
 __all__ = ["METRICS", "PreferenceObjective", "from_config"]
 
@@ -30,7 +35,7 @@ class PreferenceObjective:
 
   Attributes:
     pair_loss: the loss and its settings (`segpack.loss.preference.PreferenceLoss`).
-    blocks: `train.head_loss.token_losses`'s `block_size` and `vocab_block_size` (`loss.*`).
+    blocks: `train.model.head_loss.token_losses`'s `block_size` and `vocab_block_size` (`loss.*`).
   """
 
   pair_loss: preference_loss.PreferenceLoss
@@ -39,6 +44,29 @@ class PreferenceObjective:
   @property
   def needs_reference(self) -> bool:
     return self.pair_loss.needs_reference
+
+  def make_data(self, config: Any, *, mesh: Any, batch_size: int, process_index: int,
+                process_count: int) -> tuple[Any, preference_data.Splits]:
+    """The run's pair rows and their splits (`train.preference.data`)."""
+    del mesh  # every process reads its rows of each batch of pairs
+    return preference_data.make_preference_data(config, batch_size=batch_size,
+                                                process_index=process_index,
+                                                process_count=process_count)
+
+  def prepare(self, prepared: Any) -> tuple["PreferenceObjective", str | None]:
+    """The reference scores of every split when the loss needs them (before step 1)."""
+    if not self.needs_reference:
+      return self, None
+    step = scoring.make_score_step(prepared.graphdef, block_size=self.blocks[0],
+                                   vocab_block_size=self.blocks[1])
+    return self, preference_reference.prepare(
+        prepared.config, prepared.workdir, prepared.extra, step=step,
+        params=prepared.reference_params(), mesh=prepared.mesh, resumed=prepared.resumed)
+
+  def batch_sharding(self, mesh: Any) -> None:
+    """Pair rows arrive laid out by the data (their `[B, J]` pair features with them)."""
+    del mesh
+    return None
 
   def normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
     """The pairs of the (global) batch."""
@@ -83,11 +111,24 @@ class PreferenceObjective:
         loss_sum))
 
 
-def from_config(config: Any) -> PreferenceObjective | None:
-  """The objective of `preference.loss` (None for "none")."""
+  def eval_sums(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The summed pair losses and metrics of a held-out batch, over its pairs (`count`)."""
+    count = self.normalizer(batch)
+    return dict(self.loss_and_sums(model, batch, count)[1], count=count)
+
+  def window_means(self, window: list[dict[str, Any]], counts: float) -> dict[str, Any]:
+    """The per-pair means of `METRICS` over the window's pairs."""
+    return {name: sum(float(m[name]) for m in window) / max(counts, 1.0) for name in METRICS}
+
+  def describe(self, record: dict[str, Any], prefix: str = "") -> str:
+    """The reward accuracy and margin."""
+    return (f" | reward acc {record[prefix + 'reward_accuracy']:.1%}, margin "
+            f"{record[prefix + 'reward_margin']:.4f}")
+
+
+def from_config(config: Any) -> PreferenceObjective:
+  """The objective of `preference.loss`."""
   p = config.preference
-  if p.loss == "none":
-    return None
   return PreferenceObjective(
       pair_loss=preference_loss.PreferenceLoss(
           loss=p.loss, beta=float(p.beta), label_smoothing=float(p.label_smoothing),

@@ -1,4 +1,4 @@
-"""Reference log-probs, computed once and kept: `WORKDIR/reference` (or `train.score`'s output).
+"""Reference log-probs, computed once and kept: `WORKDIR/reference` (or `train.preference.score`'s output).
 
 DPO and IPO compare the policy's log-probs with a frozen reference's. segpack scores every pair
 with the reference once (`scoring.score_pairs`), before the first step, and stores the table
@@ -105,7 +105,7 @@ def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: st
 
   A split is found by its own data fingerprint, or through its parent dataset's
   (`parents[split] = (fingerprint, parent pair index of each of the split's pairs)`, for
-  `train.score`'s scores of a whole dataset).
+  `train.preference.score`'s scores of a whole dataset).
 
   Raises:
     ReferenceError: scores of another reference model (`fingerprint`, None: any), or of other
@@ -131,7 +131,7 @@ def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: st
       raise ReferenceError(
           f"{name}: the reference scores in {root} are of data {sorted(by_data)}, not of the "
           f"{split} pairs ({fp}, from dataset {parent}); score this dataset (`python -m "
-          f"train.score`) or delete {root} to score again")
+          f"train.preference.score`) or delete {root} to score again")
     out[split] = _table(root, by_data[parent], name=name)[ids]
   return out
 
@@ -143,7 +143,7 @@ def prepare(config: Any, workdir: str, splits: Any, *, step: Any, params: Any, m
   With `preference.reference="init"`: read `WORKDIR/reference` when it holds this reference's
   scores of this data; else, at a fresh start, score the pairs with `params` (the initial
   weights) and keep them there. A resumed run without them is refused (its initial weights
-  are gone). With a directory: read `train.score`'s scores from it.
+  are gone). With a directory: read `train.preference.score`'s scores from it.
 
   Raises:
     ReferenceError: scores of another model or data, none for a resumed run, or a count of
@@ -157,7 +157,7 @@ def prepare(config: Any, workdir: str, splits: Any, *, step: Any, params: Any, m
                        data=splits.fingerprints, parents=splits.parents)
   if tables is None and not init:
     raise ReferenceError(f"{name}: {root} holds no {MANIFEST}; write it with `python -m "
-                         f"train.score --model DIR --data DATASET --output {root}`")
+                         f"train.preference.score --model DIR --data DATASET --output {root}`")
   if tables is None and resumed:
     raise ReferenceError(f"{name}: the run in {workdir} resumes, but {root} holds no reference "
                          f"scores (the initial weights that would give them are gone); start "

@@ -20,8 +20,8 @@ from segpack.loss import IGNORE_INDEX
 from segpack.loss import preference as preference_loss
 from segpack.data.stream import StreamBatches
 from segpack.mesh import BATCH_AXES
-from train import head_loss
-from train.adapters import lora as lora_lib
+from train.model import head_loss
+from train.model import lora as lora_lib
 from train import sharding as sharding_lib
 
 __all__ = ["COLUMNS", "make_score_step", "score_pairs"]

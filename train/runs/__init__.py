@@ -1,2 +1,2 @@
 """A finished run read back: its newest intact checkpoint, its config, its model, its tokenizer
-and chat template (for `train.sample` and `train.hf.export`)."""
+and chat template (for `train.sample` and `train.export`)."""

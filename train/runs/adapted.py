@@ -2,7 +2,7 @@
 `model.init_from`, and the two together (the model it trained, or the weights merged).
 
 A checkpoint of such a run (`model.lora.rank` > 0) holds the adapters only
-(`train.adapters.state`); the base is read again from the directory the run started from, so
+(`train.state`); the base is read again from the directory the run started from, so
 that directory must still be there (its path is the saved `model.init_from`), and its
 fingerprint must be the one the checkpoint recorded (`train.adapters.base.fingerprint`).
 
@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.adapters import lora as lora_lib
-from train.adapters import state as adapter_state
+from train.model import lora as lora_lib
 from train.hf import weights as hf_weights
-from train import model as model_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
 from train.runs import saved as saved_run
 from train.runs.errors import RunError
 from train import sharding as sharding_lib
+from train import state as state_lib
 
 
 def is_adapted(config: Any) -> bool:
@@ -40,15 +41,14 @@ def _check_base(config: Any, checkpoint: Any) -> None:
     raise RunError(
         f"{checkpoint.directory}/{checkpoint.step}: the run trained adapters on the base "
         f"model.init_from={init_from!r}, which is not a directory here; the adapters alone are "
-        "kept in the run (train.hf.export --adapter writes them without the base)")
+        "kept in the run (train.export --adapter writes them without the base)")
 
 
 def restore_adapters(checkpoint: Any, config: Any, mesh: Any) -> tuple[Any, Any, Any]:
   """`(graphdef, adapters, frozen shapes)`: the checkpoint's adapters placed on `mesh` (split as
   the trainer splits parameters), and the model's graph to merge them with a base."""
-  abstract = nnx.eval_shape(lambda: model_lib.build(
-      saved_run.sampling_config(config), config.train.seed,
-      vocab_size=config.model.vocab_size))
+  abstract = model_lib.abstract(saved_run.sampling_config(config),
+                              vocab_size=config.model.vocab_size)
   graphdef, abstract_trained, abstract_frozen = lora_lib.split(abstract, adapters=True)
   adapters = saved_run.restore_params(checkpoint, abstract_trained,
                                      sharding_lib.param_shardings(abstract_trained, mesh))
@@ -61,7 +61,7 @@ def load_model(checkpoint: Any, config: Any) -> Any:
   _check_base(config, checkpoint)
   mesh = sharding_lib.make_mesh(data=1, devices=jax.devices()[:1])
   graphdef, adapters, abstract_frozen = restore_adapters(checkpoint, config, mesh)
-  frozen = adapter_state.frozen_base(config, abstract_frozen, mesh)
+  frozen = state_lib.frozen_base(config, abstract_frozen, mesh)
   return lora_lib.merge(graphdef, adapters, frozen.params)
 
 
@@ -94,12 +94,11 @@ def merged_params(checkpoint: Any, config: Any, mesh: Any) -> dict[str, jax.Arra
   adapters = flat_adapters(adapters)
   plain = saved_run.sampling_config(config)
   plain.model.lora.rank = 0
-  abstract = nnx.split(nnx.eval_shape(lambda: model_lib.build(
-      plain, 0, vocab_size=config.model.vocab_size)))[1]
+  abstract = nnx.split(model_lib.abstract(plain, vocab_size=config.model.vocab_size))[1]
   base = hf_weights.load_params(config.model.init_from, abstract,
                                 sharding_lib.param_shardings(abstract, mesh), config.model)
   flat = flat_adapters(base)
-  scale = model_lib.architecture_fields(config.model)["lora"].scale
+  scale = model_config.architecture_fields(config.model)["lora"].scale
   for path in sorted(p for p in adapters if p.endswith("/lora/lora_a")):
     kernel = path.removesuffix("/lora/lora_a") + "/kernel"
     flat[kernel] = _merge_one(flat[kernel], adapters[path],

@@ -1,7 +1,7 @@
 """The errors of reading a finished run back (`train.runs`), whichever command reads it.
 
 Their messages name the run's directory, checkpoint or config key and echo the value, and say
-nothing of the command: `python -m train.sample` and `python -m train.hf.export` print them as
+nothing of the command: `python -m train.sample` and `python -m train.export` print them as
 they are, in one line with exit status 2 (`segpack.errors.command`).
 """
 

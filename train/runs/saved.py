@@ -1,5 +1,5 @@
 """A run directory as the tools that read it see it: its newest intact checkpoint, the config
-that wrote it, and its model with the saved parameters (`train.sample`, `train.hf.export`).
+that wrote it, and its model with the saved parameters (`train.sample`, `train.export`).
 
 The checkpoint chosen is the one the trainer would resume from (`checkpoint_digest.scan` and
 `problem`, newest first); nothing in the workdir is moved or written.
@@ -21,9 +21,9 @@ from flax import nnx
 from configs import packed as declared_configs
 from train import checkpoint_digest as digest_lib
 from segpack.data.mixture import parse_data
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import run_guard
-from train.checkpoint import flatten
+from train.checkpoint_compat import flatten
 from train.runs.errors import RunError
 
 
@@ -152,12 +152,12 @@ def run_config(workdir: str, *,
     RunError: `workdir` has no intact checkpoint, or its config lacks a key every config
       declares (naming the checkpoint and the keys).
   """
-  checkpoint, config = read_newest(workdir, lambda c: _config_of(workdir, c),
+  checkpoint, config = read_newest(workdir, lambda c: config_of(workdir, c),
                                    checkpoint=checkpoint)
   return config, checkpoint.step
 
 
-def _config_of(workdir: str, checkpoint: Checkpoint) -> ml_collections.ConfigDict:
+def config_of(workdir: str, checkpoint: Checkpoint) -> ml_collections.ConfigDict:
   """`run_config` of that one checkpoint."""
   meta = restore_item(checkpoint, "restore",
                       args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -231,31 +231,14 @@ def restore_params(checkpoint: Checkpoint, abstract_params: Any, shardings: Any)
   return restored["state"]["params"]
 
 
-def load_run(workdir: str, *, checkpoint: Checkpoint | None = None
-             ) -> tuple[ml_collections.ConfigDict, model_lib.Decoder, int]:
-  """The run's config, its model with the checkpoint's parameters, and that step.
-
-  The model is `train.model.build` of the saved config with `attention.implementation="xla"`
-  and the vocabulary size of the saved embedding table (the trainer's, whatever
-  `model.vocab_size` says); only the parameters are read, onto the first device. `checkpoint`
-  is as in `sample` (the newest one chosen again if it is deleted meanwhile: `read_newest`);
-  raises RunError when `workdir` has no intact checkpoint.
-  """
-  checkpoint, (config, model) = read_newest(workdir, lambda c: _load(workdir, c),
-                                            checkpoint=checkpoint)
-  return config, model, checkpoint.step
-
-
-def _load(workdir: str, checkpoint: Checkpoint) -> tuple[ml_collections.ConfigDict, Any]:
-  """`load_run` of that one checkpoint: `(config, model)`."""
-  config = _config_of(workdir, checkpoint)
-  if config.model.lora.rank:  # the adapters, with the base they trained on
-    from train.runs import adapted  # optional: adapted imports this module
-    return config, adapted.load_model(checkpoint, config)
+def plain_model(checkpoint: Checkpoint, config: ml_collections.ConfigDict) -> model_lib.Decoder:
+  """The model of a run without adapters from one checkpoint: `train.model.decoder.build` of the
+  saved config with `attention.implementation="xla"` and the vocabulary size of the saved
+  embedding table (the trainer's, whatever `model.vocab_size` says); only the parameters are
+  read, onto the first device (`train.runs.loaded.load_run` chooses it or the adapted model)."""
   vocab = saved_vocab_size(restore_item(checkpoint, "item_metadata")["state"],
                            where=f"{checkpoint.directory}/{checkpoint.step}")
-  abstract = nnx.eval_shape(lambda: model_lib.build(
-      sampling_config(config), config.train.seed, vocab_size=vocab))
+  abstract = model_lib.abstract(sampling_config(config), vocab_size=vocab)
   graphdef, abstract_params = nnx.split(abstract)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return config, nnx.merge(graphdef, restore_params(checkpoint, abstract_params, device))
+  return nnx.merge(graphdef, restore_params(checkpoint, abstract_params, device))

@@ -7,7 +7,7 @@ read it); the tokenizer is the copy inside the dataset that its manifest's recor
 corpora's tokenizers come from the cache.
 
 `chat_renderer` is the one answer to "which chat template does this run's model speak", for
-`train.sample --chat` and `train.hf.export` alike: the template its chat data was rendered with
+`train.sample --chat` and `train.export` alike: the template its chat data was rendered with
 (every chat source of a mixture must have been rendered alike), else an imported model's own.
 """
 
@@ -31,7 +31,7 @@ from segpack.text.chat import corpus as chat_corpus
 from segpack.text import corpus
 from segpack.text.chat import hf_chat
 from segpack.text.tokenizers import spec as tokenizer_spec
-from train import data as data_lib
+from train import data_sources as data_sources
 from train.hf import init_from as hf_init
 from train.runs.errors import NoTokenizerError, RunError
 
@@ -147,7 +147,7 @@ def special_ids(config: ml_collections.ConfigDict,
     record = _dataset_record(dirs[0])
     bos, eos = record.special_id("bos_id"), record.special_id("eos_id")
   elif tokenizer is None:
-    bos, eos = data_lib.SYNTHETIC_BOS, data_lib.SYNTHETIC_EOS
+    bos, eos = data_sources.SYNTHETIC_BOS, data_sources.SYNTHETIC_EOS
   else:
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
   bos = bos if config.data.add_bos and bos is not None and bos >= 0 else None

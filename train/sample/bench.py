@@ -33,14 +33,15 @@ from segpack import errors
 from configs import packed as packed_config
 from train.sample import decode as decode_lib
 from train.sample import reference
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 
 
 def _model(workdir: str | None, vocab: int) -> tuple[model_lib.Decoder, str]:
   """Step 1: the model and how it was made."""
   if workdir:
-    _, model, step = saved_run.load_run(workdir)
+    _, model, step = loaded_run.load_run(workdir)
     return model, f"{workdir} step {step}"
   config = packed_config.get_config()
   with config.unlocked():

@@ -1,4 +1,4 @@
-"""KV-cache decoding of a `train.model.Decoder` on packed rows, in one jitted loop.
+"""KV-cache decoding of a `train.model.decoder.Decoder` on packed rows, in one jitted loop.
 
 Prompts are packed into rows as the trainer packs documents (segment ids 1..n, positions from 0 in
 every segment), and every prompt is one *lane* of its row. Keys and values of every layer are kept
@@ -41,8 +41,9 @@ from flax import nnx
 
 from segpack.attention import xla as attention_xla
 from segpack.errors import UserError
-from train import model as model_lib
-from train import rope as rope_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
+from train.model import rope as rope_lib
 
 MIN_BUCKET = 16  # the shortest padded prompt part
 
@@ -172,7 +173,7 @@ def _layers(model: model_lib.Decoder, x_BxQxE: jax.Array, positions_BxQ: jax.Arr
             cache_segment_ids_BxT: jax.Array, write_at: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The blocks of `model` on `Q` new slots per row: each layer writes their keys and values into
   `cache[layer]` at slot `write_at` and attends over the cache. Returns the last block's output
-  `[B, Q, E]` and the cache. The residual structure is `train.model.Block`'s."""
+  `[B, Q, E]` and the cache. The residual structure is `train.model.decoder.Block`'s."""
   cfg = model.cfg
   b, q, _ = x_BxQxE.shape
   angles_BxQxD2 = rope_lib.rope_angles(positions_BxQ, head_dim=cfg.head_dim, theta=cfg.rope_theta,
@@ -209,7 +210,7 @@ def _decode(graphdef: Any, params: Any, rows: dict[str, jax.Array], stop_ids: ja
   lane_seg_BxN = jnp.where(lanes_BxN >= 0, jnp.arange(1, n + 1)[None], 0)
   cache_seg_BxT = jnp.concatenate([seg_BxP, jnp.tile(lane_seg_BxN, (1, max_new))], axis=1)
   cache = jnp.zeros((cfg.num_layers, 2, b, p + max_new * n, cfg.num_kv_heads, cfg.head_dim),
-                    model_lib.DTYPES[cfg.dtype])
+                    model_config.DTYPES[cfg.dtype])
   keys_BxN = jax.vmap(jax.vmap(lambda i: lane_key(seed, i)))(lanes_BxN)
   x_BxPxE, cache = _layers(model, model.embed_tokens(rows["input_ids_BxP"]),
                            rows["segment_positions_BxP"], seg_BxP,

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from train.sample import decode as decode_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 
 
 def padded_row(tokens: Sequence[int], *, length: int) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ from segpack.text import dataset  # noqa: E402
 from segpack.text.chat import hf_chat  # noqa: E402
 from segpack.text.inputs import InputFormatError  # noqa: E402
 from segpack.text.tokenizers import hf  # noqa: E402
-from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.export import tokenizer as hf_export_tokenizer  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from support import hf_models  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train.adapters import base as base_lib
-from train.adapters import quantize as quantize_lib
+from train.model import quantize as quantize_lib
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 from support import hf_models  # noqa: E402
 from support.train_configs import lora_config, run_cli  # noqa: E402
 from train import train as train_lib  # noqa: E402
+from train import setup as setup_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_minibatch_packing_and_mixtures_train_the_adapters_only(dirs, tmp_path, 
                      packing__examples_per_batch=4)
   else:
     config = _config(base, f"a={root / 'a'}:0.7,b={root / 'b'}:0.3")
-  run = train_lib.setup(config, str(tmp_path / "run"))
+  run = setup_lib.setup(config, str(tmp_path / "run"))
   names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
       run.state["params"])}
   assert names and all("lora_" in n for n in names)  # only adapters train

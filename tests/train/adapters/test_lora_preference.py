@@ -1,5 +1,5 @@
 """Preferences with adapters and one copy of the base: the reference is the base with the
-adapters off, scored once before step 1. Oracle: `train.score` of the base model alone (itself
+adapters off, scored once before step 1. Oracle: `train.preference.score` of the base model alone (itself
 checked against transformers in tests/train/preference); negative control: the policy (base +
 a non-zero adapter made by `peft`) starts away from ln 2 (tiny models made here; nothing is
 downloaded)."""
@@ -18,9 +18,9 @@ from configs import dpo  # noqa: E402
 from segpack.cli import tokenize as tokenize_cli  # noqa: E402
 from support import hf_models  # noqa: E402
 from support import preference_fixtures  # noqa: E402
-from train import score as train_score  # noqa: E402
+from train.preference import score as train_score  # noqa: E402
 from train import train as train_lib  # noqa: E402
-from train.adapters import state as adapter_state  # noqa: E402
+from train.adapters import trainable  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
 
 LN2 = math.log(2.0)
@@ -58,7 +58,7 @@ def _config(base, data, **model):
   for key, value in model.items():
     config.model[key] = value
   hf_config.adopt(config)
-  adapter_state.adopt_adapter(config)
+  trainable.adopt_adapter(config)
   return config
 
 

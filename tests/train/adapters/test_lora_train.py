@@ -19,10 +19,11 @@ peft = pytest.importorskip("peft")
 
 from support import hf_models  # noqa: E402
 from support.train_configs import lora_config, run_cli, train_on_processes  # noqa: E402
-from train.adapters import lora as lora_lib  # noqa: E402
-from train.hf import export as hf_export  # noqa: E402
+from train.model import lora as lora_lib  # noqa: E402
+from train.export import command as hf_export  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
+from train.runs import loaded as loaded_run  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
@@ -90,7 +91,7 @@ def load_base(base_dir):
 
 
 def test_peft_loads_the_exported_adapter_with_segpacks_logits(lora_run, base_dir, tmp_path):
-  config, model, _ = saved_run.load_run(lora_run)
+  config, model, _ = loaded_run.load_run(lora_run)
   flat = {}
   jax.tree_util.tree_map_with_path(lambda p, x: flat.__setitem__(jax.tree_util.keystr(p), x),
                                    lora_lib.split(model, adapters=True)[1])
@@ -113,7 +114,7 @@ def test_peft_loads_the_exported_adapter_with_segpacks_logits(lora_run, base_dir
 
 
 def test_merged_export_loads_in_transformers_with_segpacks_logits(lora_run, tmp_path):
-  _, model, _ = saved_run.load_run(lora_run)
+  _, model, _ = loaded_run.load_run(lora_run)
   docs, ours = segpack_logits(model)
   out = tmp_path / "merged"
   hf_export.export(workdir=lora_run, output=str(out))
@@ -134,7 +135,7 @@ def test_an_adapter_made_by_peft_continues_with_transformers_logits(base_dir, da
   config.model.lora.alpha = 5.0
   config.model.init_adapter = str(made)
   train_lib.train_and_evaluate(config, str(tmp_path / "run"))  # lr 0: the adapter unchanged
-  _, model, _ = saved_run.load_run(str(tmp_path / "run"))
+  _, model, _ = loaded_run.load_run(str(tmp_path / "run"))
   docs, ours = segpack_logits(model)
   theirs = torch_logits(peft_model.eval(), docs)
   plain = torch_logits(load_base(base_dir), docs)
@@ -149,7 +150,7 @@ def _flat(state):
 
 
 def test_the_base_is_bit_identical_after_training(lora_run, base_dir, data_dir, tmp_path):
-  _, model, _ = saved_run.load_run(lora_run)
+  _, model, _ = loaded_run.load_run(lora_run)
   after = _flat(lora_lib.split(model, adapters=True)[2])
   config = lora_config(base_dir, data_dir, steps=1, rank=0)
   mesh = sharding_lib.make_mesh(data=1, devices=jax.devices()[:1])
@@ -159,7 +160,7 @@ def test_the_base_is_bit_identical_after_training(lora_run, base_dir, data_dir, 
     assert np.array_equal(x, before[path]), path
   # Negative control: one step with every weight trainable changes the base.
   train_lib.train_and_evaluate(config, str(tmp_path / "full"))
-  _, trained, _ = saved_run.load_run(str(tmp_path / "full"))
+  _, trained, _ = loaded_run.load_run(str(tmp_path / "full"))
   moved = [p for p, x in _flat(nnx.split(trained)[1]).items()
            if not np.array_equal(x, before[p])]
   assert len(moved) > len(before) // 2
@@ -186,7 +187,7 @@ def test_resume_on_another_process_count_equals_an_uninterrupted_run_and_another
   summary = train_lib.train_and_evaluate(config(4), split)
   assert summary["resumed_from"] == 2
   assert _losses(split) == pytest.approx(_losses(whole), rel=1e-5, abs=1e-5)
-  adapters = [jax.tree_util.tree_leaves(lora_lib.split(saved_run.load_run(w)[1], adapters=True)[1])
+  adapters = [jax.tree_util.tree_leaves(lora_lib.split(loaded_run.load_run(w)[1], adapters=True)[1])
               for w in (split, whole)]
   assert len(adapters[0]) == 2 * 7 * 2
   for got, want in zip(*adapters):

@@ -24,8 +24,8 @@ def test_readme_lora_commands(tmp_path):
   commands = doc_blocks.commands("## Fine-tune with LoRA")
   assert commands[0].startswith("python -m train.main --config=configs/sft.py")
   assert "--config.model.lora.rank=16" in commands[0] and "base_dtype=nf4" in commands[0]
-  assert [c.split()[2] for c in commands[1:]] == ["train.sample", "train.hf.export",
-                                                  "train.hf.export"]
+  assert [c.split()[2] for c in commands[1:]] == ["train.sample", "train.export",
+                                                  "train.export"]
   model_dir = hf_models.make_tokenizer(hf_models.make_model(str(tmp_path / "model"), "llama",
                                                             intermediate_size=128))
   hf_models.write_chat_jsonl(str(tmp_path / "chat.jsonl"), 60, seed=1)

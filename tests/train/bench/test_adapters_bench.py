@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.adapters import quantize
+from train.model import quantize
 from train.bench import adapters as bench
 
 NF4_TOLERANCE = 0.05  # mean |log p(label) - log p_bf16(label)|, nats

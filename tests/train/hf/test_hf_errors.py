@@ -53,7 +53,7 @@ def test_a_directory_without_config_json(tmp_path):
   (tmp_path / "run").mkdir()  # a segpack workdir: the line says how to start from it
   (tmp_path / "run" / "run.json").write_text("{}")
   with pytest.raises(hf_config.HfModelError, match=r"is a segpack run .* python -m "
-                     r"train.hf.export --workdir .*run --output EXPORTED, then "
+                     r"train.export --workdir .*run --output EXPORTED, then "
                      r"--config.model.init_from=EXPORTED"):
     _adopt(tmp_path / "run")
   (tmp_path / "bad").mkdir()
@@ -190,7 +190,7 @@ def test_resuming_with_another_init_from_is_refused(tmp_path):
 
 def test_without_the_hf_extra_import_and_export_say_which_extra(tmp_path, tiny, monkeypatch):
   import sys as sys_module
-  from train.hf import export_files as hf_export
+  from train.export import files as hf_export
   monkeypatch.setitem(sys_module.modules, "safetensors", None)
   with pytest.raises(hf_config.HfModelError, match=r"pip install 'segpack\[hf\]'"):
     _load(_adopt(tiny))

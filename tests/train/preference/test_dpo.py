@@ -21,10 +21,11 @@ from segpack.data import pairs as pairs_lib  # noqa: E402
 from support import hf_models  # noqa: E402
 from support import preference_fixtures  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
-from train import data as data_lib  # noqa: E402
-from train import score as train_score  # noqa: E402
+from train import data_sources as data_sources  # noqa: E402
+from train.preference import score as train_score  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 from train import train as train_lib  # noqa: E402
+from train import setup as setup_lib  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
 from train.preference import reference as reference_lib  # noqa: E402
 
@@ -162,7 +163,7 @@ def test_dpo_loss_is_ln2_at_step_0_on_every_batch_and_a_leak_is_not(models, pair
                                                                    shared):
   config = _config(models[0], pairs / "uneven", seq_len=512, data__eval_share=0.2,
                    preference__shared_prefix=shared)
-  run = train_lib.setup(config, str(tmp_path / "run"))
+  run = setup_lib.setup(config, str(tmp_path / "run"))
   assert os.path.exists(tmp_path / "run" / "reference" / "scores.json")
   params = run.state["params"]
   for batch in _batches(run):
@@ -282,7 +283,7 @@ def test_bad_pairs_and_mismatched_references_are_one_line_errors(models, pairs, 
                             str(tmp_path / "docs")]) == 0
   args = ["train.main", "--config=configs/dpo.py:smoke", f"--config.model.init_from={models[0]}",
           "--config.attention.self_check=False", "--config.packing.seq_len=512"]
-  with pytest.raises(data_lib.DataConfigError, match="not a preference dataset"):
+  with pytest.raises(data_sources.DataConfigError, match="not a preference dataset"):
     train_lib.train_and_evaluate(_config(models[0], tmp_path / "docs", seq_len=512),
                                  tmp_path / "w0")
   # Reference scores of another dataset.

@@ -20,7 +20,7 @@ def test_readme_preference_commands(tmp_path):
   commands = doc_blocks.commands("## Train on preferences")
   assert commands[0].startswith("python -m segpack tokenize --format preference")
   assert commands[1].startswith("python -m train.main --config=configs/dpo.py")
-  assert commands[2].startswith("python -m train.hf.export")
+  assert commands[2].startswith("python -m train.export")
   exported = hf_models.make_tokenizer(hf_models.make_model(str(tmp_path / "exported"), "llama"))
   preference_fixtures.write_jsonl(tmp_path / "pairs.jsonl", preference_fixtures.word_pairs(
       40, prompt=(2, 30), answer=(1, 40), seed=7))
@@ -42,7 +42,7 @@ def test_readme_preference_commands(tmp_path):
   assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
   ref = hf_models.make_tokenizer(hf_models.make_model(str(tmp_path / "ref"), "llama", seed=1))
   commands = doc_blocks.commands("## The reference: computed once", doc="docs/preference.md")
-  assert [c.split()[2] for c in commands] == ["train.score", "train.main"]
+  assert [c.split()[2] for c in commands] == ["train.preference.score", "train.main"]
   subs = {"REF_MODEL_DIR": ref, "MODEL_DIR": exported, "data/pairs": str(tmp_path / "pairs"),
           "ref_scores": str(tmp_path / "ref_scores"), "runs/dpo_ref": str(tmp_path / "run_ref")}
   list(doc_blocks.run(commands, subs, train_args=fewer))

@@ -1,6 +1,6 @@
 """A checkpoint the trainer deletes while a reader reads it (`train.max_checkpoints=1` removes the
-previous one as it saves the next): `train.runs.saved.load_run`, `run_config` and
-`python -m train.hf.export` choose the newest one again and read it (the step they report is
+previous one as it saves the next): `train.runs.loaded.load_run`, `run_config` and
+`python -m train.export` choose the newest one again and read it (the step they report is
 the one read); when every checkpoint goes, one line naming `--workdir`."""
 
 import shutil
@@ -13,10 +13,11 @@ from flax import nnx
 from support.train_configs import synthetic_config
 from train import checkpoint_digest as digest_lib
 from train import train as train_lib
-from train.hf import export as export_lib
-from train.hf import export_files as hf_export
+from train.export import command as export_lib
+from train.export import files as hf_export
 from train.hf import weights as hf_weights
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 from train.runs.errors import RunError
 
 
@@ -33,7 +34,7 @@ def run(tmp_path_factory):
   params = {}
   for step in (4, 2):
     checkpoint = saved_run.Checkpoint(str(workdir / "checkpoints"), step)
-    params[step] = _params(saved_run.load_run(str(workdir), checkpoint=checkpoint)[1])
+    params[step] = _params(loaded_run.load_run(str(workdir), checkpoint=checkpoint)[1])
   assert not np.array_equal(params[4]["embed/embedding"], params[2]["embed/embedding"])
   return workdir, params
 
@@ -77,7 +78,7 @@ def test_load_run_reads_the_other_checkpoint_when_the_chosen_one_is_deleted(run,
   chosen = saved_run.choose_checkpoint(str(workdir))  # as train.sample chooses it first
   assert chosen.step == 4
   pending = _deleting(monkeypatch, workdir, [4])
-  config, model, step = saved_run.load_run(str(workdir), checkpoint=chosen)
+  config, model, step = loaded_run.load_run(str(workdir), checkpoint=chosen)
   assert not pending and step == 2 and config.train.num_steps == 4
   _same(_params(model), run[1][2])
   assert saved_run.run_config(str(workdir), checkpoint=chosen)[1] == 2  # its config too
@@ -107,7 +108,7 @@ def test_every_checkpoint_deleted_is_one_line_naming_the_workdir(run, tmp_path, 
   workdir = _copy(run, tmp_path)
   pending = _deleting(monkeypatch, workdir, [4, 2])
   with pytest.raises(RunError) as gone:
-    saved_run.load_run(str(workdir))
+    loaded_run.load_run(str(workdir))
   assert not pending
   line = str(gone.value)
   assert "\n" not in line and type(gone.value) is RunError

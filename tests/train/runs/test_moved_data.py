@@ -1,6 +1,6 @@
 """A run is self-contained: `python -m train.main` records its relative paths absolute, keeps its
 dataset's manifest and tokenizer files in `WORKDIR/datasets/`, and `train.sample` and
-`train.hf.export` work from another directory after the dataset moved (without the kept copy
+`train.export` work from another directory after the dataset moved (without the kept copy
 they stop in one line naming the dataset); a relative path saved by an older run still resumes
 from the directory it was given in."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from support import hf_models  # noqa: E402
 from support import paths  # noqa: E402
 from support.train_configs import run_cli  # noqa: E402
-from train import checkpoint as ckpt_lib  # noqa: E402
+from train import checkpoint_compat as ckpt_compat  # noqa: E402
 from train import run_guard  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def test_sample_and_export_after_the_data_moved_from_another_directory(moved_run
     out = run_cli("train.sample", "--workdir", str(moved_run / "run"), "--prompt", "w1 w2",
                   "--max_new_tokens", "4", cwd=tmp_path)
     assert out.stdout.strip()
-    run_cli("train.hf.export", "--workdir", str(moved_run / "run"), "--output",
+    run_cli("train.export", "--workdir", str(moved_run / "run"), "--output",
             str(tmp_path / "exported"), cwd=tmp_path)
     assert (tmp_path / "exported" / "tokenizer.json").is_file()
     # Negative control: without the kept copy the moved dataset is named, in one line.
@@ -72,9 +72,9 @@ def test_a_relative_path_saved_by_an_older_run_compares_from_its_directory(moved
   saved = {"data": {"train": "data/text"}, "model": {"init_from": "base"}}
   current = {"data": {"train": str(moved_run / "project" / "data" / "text")},
              "model": {"init_from": str(moved_run / "project" / "base")}}
-  assert ckpt_lib.config_differences(saved, current) == []
+  assert ckpt_compat.config_differences(saved, current) == []
   monkeypatch.chdir(moved_run)  # from elsewhere the same text names another directory
-  assert [d.split(":")[0] for d in ckpt_lib.config_differences(saved, current)] == [
+  assert [d.split(":")[0] for d in ckpt_compat.config_differences(saved, current)] == [
       "data.train", "model.init_from"]
   # A keyword is not a path: the initial weights as the reference stay "init".
   assert run_guard.absolute_value("preference.reference", "init") == "init"

@@ -1,4 +1,4 @@
-"""A run's chat template, one answer for `train.sample --chat` and `train.hf.export`
+"""A run's chat template, one answer for `train.sample --chat` and `train.export`
 (`train.runs.tokenizer.chat_renderer`), and the one rule of a directory holding a chat template
 (`segpack.text.chat.hf_chat.has_template`).
 
@@ -17,12 +17,12 @@ from configs import packed  # noqa: E402
 from segpack.text import chat  # noqa: E402
 from segpack.text.chat import hf_chat  # noqa: E402
 from support import chat_datasets  # noqa: E402
-from train.hf import export_files  # noqa: E402
-from train.hf import export_tokenizer  # noqa: E402
+from train.export import files as export_files  # noqa: E402
+from train.export import tokenizer as export_tokenizer  # noqa: E402
 from train.hf import init_from as hf_init  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from train.runs.errors import RunError  # noqa: E402
-from train.sample import command as sample_lib  # noqa: E402
+from train.sample import prompts as sample_prompts  # noqa: E402
 
 OWN = chat_datasets.OWN_TEMPLATE
 BOS, USER, ASSISTANT = 1, 155, 156  # hf_models.make_tokenizer's ids
@@ -104,8 +104,8 @@ def test_a_run_imported_with_only_chat_template_json_has_that_template(tokenizer
   assert run_tokenizer.chat_renderer(config, workdir, stage=False).template == OWN
   bare = _imported(tmp_path / "bare", tokenizers["none"])
   assert run_tokenizer.chat_renderer(config, bare) is None
-  with pytest.raises(sample_lib.SampleError, match="^--chat needs a run on chat data"):
-    sample_lib.chat_renderer(config, bare)
+  with pytest.raises(sample_prompts.SampleError, match="^--chat needs a run on chat data"):
+    sample_prompts.chat_renderer(config, bare)
 
 
 def test_tokenize_renders_with_a_template_found_in_chat_template_json(tokenizers, tmp_path):
@@ -126,7 +126,7 @@ def _mixture(chats, *names):
 def test_a_mixture_rendered_differently_is_refused_alike_by_sample_and_export(chats, tmp_path):
   config = _config(train=_mixture(chats, "segpack", "text", "own"))
   with pytest.raises(RunError) as sampled:
-    sample_lib.chat_renderer(config, str(tmp_path))
+    sample_prompts.chat_renderer(config, str(tmp_path))
   with pytest.raises(RunError) as exported:
     export_files.write_files(str(tmp_path / "out"), config, str(tmp_path), vocab_size=160)
   line = str(sampled.value)

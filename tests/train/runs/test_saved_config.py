@@ -1,5 +1,5 @@
 """A finished run's saved config is complete or refused (`train.runs.saved.run_config`): the
-readers of a run (`train.sample`, `train.hf.export`) read its keys as they are, never with a
+readers of a run (`train.sample`, `train.export`) read its keys as they are, never with a
 default, so a config lacking a key every config declares is refused in one line naming the key
 and the checkpoint."""
 

@@ -23,12 +23,14 @@ from segpack.text.tokenizers import spm
 from support.train_configs import synthetic_config
 from support import train_configs
 from train import checkpoint_digest as digest_lib
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train.sample import decode as decode_lib
 from train.sample import reference
 from train.runs import tokenizer as run_tokenizer
+from train.sample import prompts as sample_prompts
 from train.sample import command as sample_lib
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 from train.runs.errors import RunError
 from train import train as train_lib
 from support import paths
@@ -51,7 +53,7 @@ def synthetic_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(synthetic_run):
-  return saved_run.load_run(synthetic_run)
+  return loaded_run.load_run(synthetic_run)
 
 
 @nnx.jit
@@ -315,9 +317,9 @@ def test_cli_refuses_a_workdir_without_checkpoints(tmp_path, make_checkpoints_di
 
 
 def test_an_empty_prompt_is_refused(synthetic_run):
-  with pytest.raises(sample_lib.SampleError, match="--prompt_ids holds no token id, got ''"):
+  with pytest.raises(sample_prompts.SampleError, match="--prompt_ids holds no token id, got ''"):
     sample_lib.sample(synthetic_run, prompt_ids=[""])
-  with pytest.raises(sample_lib.SampleError, match="give --prompt .* one of the two"):
+  with pytest.raises(sample_prompts.SampleError, match="give --prompt .* one of the two"):
     sample_lib.sample(synthetic_run)
 
 
@@ -362,14 +364,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_one(synthetic_run,
   before = _snapshot(damaged)
   chosen = saved_run.choose_checkpoint(str(damaged))
   assert chosen.step == 2 and f"{damaged}/checkpoints/4: {flipped}" in chosen.skipped
-  _, model, step = saved_run.load_run(str(damaged))
-  _, want, want_step = saved_run.load_run(str(older))
+  _, model, step = loaded_run.load_run(str(damaged))
+  _, want, want_step = loaded_run.load_run(str(older))
   assert step == want_step == 2
   got_params, want_params = (_flat(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
                              for m in (model, want))
   for key, value in want_params.items():
     np.testing.assert_array_equal(got_params[key], value, err_msg=str(key))
-  newest = _flat(nnx.to_pure_dict(nnx.state(saved_run.load_run(synthetic_run)[1], nnx.Param)))
+  newest = _flat(nnx.to_pure_dict(nnx.state(loaded_run.load_run(synthetic_run)[1], nnx.Param)))
   assert any(np.abs(newest[k] - v).max() > 0 for k, v in want_params.items())  # 4 is not 2
 
   proc = _run_cli(f"--workdir={damaged}", "--prompt_ids=5,6,7", "--max_new_tokens=6")
@@ -396,7 +398,7 @@ def test_a_lone_damaged_checkpoint_is_refused_in_one_line(synthetic_run, tmp_pat
                              "sha256 digest)")
   assert _snapshot(tmp_path) == before
   with pytest.raises(RunError, match="holds no intact checkpoint"):
-    saved_run.load_run(str(tmp_path))
+    loaded_run.load_run(str(tmp_path))
 
 
 def test_unreadable_or_missing_checkpoints_are_run_errors(synthetic_run, tmp_path):
@@ -435,7 +437,7 @@ def test_max_new_tokens_past_the_rows_stops_there_with_a_cache_of_what_fits(
   asked = sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=10**30)
   assert asked == sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=64)
   assert max(sizes) <= 64 - 3
-  with pytest.raises(sample_lib.SampleError, match="--max_new_tokens must be an int >= 1, got 0"):
+  with pytest.raises(sample_prompts.SampleError, match="--max_new_tokens must be an int >= 1, got 0"):
     sample_lib.sample(synthetic_run, prompt_ids=["5"], max_new_tokens=0)
 
 
@@ -452,7 +454,7 @@ def test_a_prompt_that_fills_the_rows_is_one_line_naming_the_flag_and_the_bound(
 def test_a_top_p_that_is_not_a_float32_in_0_1_is_refused_by_flag(top_p):
   with pytest.raises(decode_lib.DecodeError, match=r"top_p must be in \(0, 1\]"):
     decode_lib.Sampling(temperature=1.0, top_p=top_p)
-  with pytest.raises(sample_lib.SampleError, match=r"^--top_p must be in \(0, 1\]"):
+  with pytest.raises(sample_prompts.SampleError, match=r"^--top_p must be in \(0, 1\]"):
     sample_lib.sampling_of(temperature=None, top_k=0, top_p=top_p)
 
 

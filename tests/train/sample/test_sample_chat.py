@@ -18,9 +18,11 @@ from segpack.text.chat import corpus as chat_corpus
 from support.train_configs import one_step_run
 from support import train_configs
 from train.sample import decode as decode_lib
+from train.sample import prompts as sample_prompts
 from train.sample import command as sample_lib
 from train.sample import bench as sample_bench
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 from support import paths
 
 _ONE_DEVICE = dict(os.environ, XLA_FLAGS=train_configs.one_cpu_device())  # a user's one
@@ -49,7 +51,7 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
   end = encoder.stop_ids
   answers = sample_lib.sample(chat_run, prompts=[question], chat_mode=True, max_new_tokens=12)
   (answer,) = answers
-  _, model, _ = saved_run.load_run(chat_run)
+  _, model, _ = loaded_run.load_run(chat_run)
   (free,) = decode_lib.decode(model, [want], max_new_tokens=12)  # no stop ids
   cut = next((i + 1 for i, t in enumerate(free) if t in end or t == tok.eos_id), len(free))
   assert list(answer.new_ids) == free[:cut]
@@ -66,13 +68,13 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
 def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
   """A plain-text run (the built-in corpus) has no chat template: `--chat` says what would."""
   config = packed.get_config("smoke")
-  with pytest.raises(sample_lib.SampleError, match=r"--chat needs a run on chat data .* this "
+  with pytest.raises(sample_prompts.SampleError, match=r"--chat needs a run on chat data .* this "
                      r"run's data is 'builtin'"):
-    sample_lib.chat_renderer(config, str(tmp_path))
+    sample_prompts.chat_renderer(config, str(tmp_path))
 
 
 def test_a_template_marker_in_a_chat_prompt_is_a_sample_error_naming_the_flag(chat_run):
-  with pytest.raises(sample_lib.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
+  with pytest.raises(sample_prompts.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
                      r"content contains the template marker '<\|end\|>'"):
     sample_lib.sample(chat_run, prompts=["a <|end|> b"], chat_mode=True, max_new_tokens=2)
   proc = subprocess.run([sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",

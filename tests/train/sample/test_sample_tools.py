@@ -27,9 +27,10 @@ from support import hf_models  # noqa: E402
 from support import paths  # noqa: E402
 from support import train_configs  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
-from train.hf import export as export_lib  # noqa: E402
+from train.export import command as export_lib  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
+from train.sample import prompts as sample_prompts  # noqa: E402
 from train.sample import command as sample_lib  # noqa: E402
 
 NEW = 12
@@ -116,8 +117,8 @@ def test_conversation_with_tools_answers_as_transformers_generate_on_the_export(
     assert other != want
   (answer,) = sample_lib.sample(
       qwen3["workdir"], chat_mode=True, max_new_tokens=NEW,
-      conversation=sample_lib.read_conversation(str(qwen3["conversation"])),
-      tools=sample_lib.read_tools(str(qwen3["tools_file"])))
+      conversation=sample_prompts.read_conversation(str(qwen3["conversation"])),
+      tools=sample_prompts.read_tools(str(qwen3["tools_file"])))
   assert list(answer.new_ids) == want
   proc = _cli(f"--workdir={qwen3['workdir']}", "--chat", f"--conversation={qwen3['conversation']}",
               f"--tools={qwen3['tools_file']}", f"--max_new_tokens={NEW}")
@@ -146,8 +147,8 @@ def test_tools_apply_to_each_prompt(qwen3):
 def test_a_bad_tools_file_is_refused_in_one_line(qwen3, tmp_path, content, message):
   bad = tmp_path / "tools.json"
   bad.write_text(content, "utf-8")
-  with pytest.raises(sample_lib.SampleError) as raised:
-    sample_lib.read_tools(str(bad))
+  with pytest.raises(sample_prompts.SampleError) as raised:
+    sample_prompts.read_tools(str(bad))
   assert str(raised.value).startswith(f"--tools {bad}: {message}")
   if content.startswith("["):  # the command says the same, exit status 2
     proc = _cli(f"--workdir={qwen3['workdir']}", "--chat", f"--tools={bad}", "--prompt=Hi")
@@ -158,9 +159,9 @@ def test_a_bad_tools_file_is_refused_in_one_line(qwen3, tmp_path, content, messa
 def test_a_bad_conversation_file_is_refused_naming_the_flag_and_the_file(qwen3, tmp_path):
   path = tmp_path / "conversation.json"
   missing = tmp_path / "missing.json"
-  with pytest.raises(sample_lib.SampleError, match=f"^--conversation {missing}: cannot read it: "
+  with pytest.raises(sample_prompts.SampleError, match=f"^--conversation {missing}: cannot read it: "
                      "No such file or directory$"):
-    sample_lib.read_conversation(str(missing))
+    sample_prompts.read_conversation(str(missing))
   cases = {'{"messages": "Hi"}': "messages must be a non-empty list, got 'Hi'",
            '{"turns": []}': "an object without a 'messages' list",
            '[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]':
@@ -169,15 +170,15 @@ def test_a_bad_conversation_file_is_refused_naming_the_flag_and_the_file(qwen3, 
                "tools must be a list of objects"}
   for content, message in cases.items():
     path.write_text(content, "utf-8")
-    with pytest.raises(sample_lib.SampleError) as raised:
-      sample_lib.read_conversation(str(path))
+    with pytest.raises(sample_prompts.SampleError) as raised:
+      sample_prompts.read_conversation(str(path))
     assert str(raised.value).startswith(f"--conversation {path}: {message}"), content
   path.write_text(json.dumps(qwen3["messages"]), "utf-8")  # a bare list of messages is read
-  assert sample_lib.read_conversation(str(path)).messages == qwen3["messages"]
+  assert sample_prompts.read_conversation(str(path)).messages == qwen3["messages"]
 
 
 def test_tools_and_conversation_need_chat_and_no_other_prompt(qwen3):
-  conversation = sample_lib.read_conversation(str(qwen3["conversation"]))
+  conversation = sample_prompts.read_conversation(str(qwen3["conversation"]))
   refused = {"--tools needs --chat": dict(prompts=["Hi"], tools=qwen3["tools"]),
              "--conversation needs --chat": dict(conversation=conversation),
              "--conversation is the whole prompt": dict(chat_mode=True, prompts=["Hi"],
@@ -187,7 +188,7 @@ def test_tools_and_conversation_need_chat_and_no_other_prompt(qwen3):
              "--system applies to --prompt": dict(chat_mode=True, system="Be brief.",
                                                   conversation=conversation)}
   for message, kwargs in refused.items():
-    with pytest.raises(sample_lib.SampleError, match="^" + message):
+    with pytest.raises(sample_prompts.SampleError, match="^" + message):
       sample_lib.sample(qwen3["workdir"], **kwargs)
 
 
@@ -214,7 +215,7 @@ def test_tools_on_a_run_in_segpacks_own_template_are_refused_by_name(qwen3, tmp_
 
 
 def test_a_special_token_in_a_chat_prompt_is_a_sample_error_naming_the_flag(qwen3):
-  with pytest.raises(sample_lib.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
+  with pytest.raises(sample_prompts.SampleError, match=r"^--prompt: messages\[0\] \(role 'user'\): "
                      r"content contains the special token '<\|im_end\|>'"):
     sample_lib.sample(qwen3["workdir"], prompts=["a <|im_end|> b"], chat_mode=True,
                       max_new_tokens=2)

@@ -34,7 +34,7 @@ from segpack.text.chat import ChatFormatError  # noqa: E402
 from segpack.text.chat import hf_chat  # noqa: E402
 from segpack.text.tokenizers import spm  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.export import tokenizer as hf_export_tokenizer  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from support import data_configs  # noqa: E402
 

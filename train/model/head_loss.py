@@ -8,7 +8,7 @@ the vocabulary at a time when > 0), so neither pass holds more than a block's lo
 the same float32 `[B, S]` token losses, which the weightings and per-source sums then read
 alike (`segpack.loss.token_loss_sum`, `token_loss_by_source`).
 
-On a mesh of explicit axes (`train.layout`) the blocked loss runs per device under
+On a mesh of explicit axes (`train.model.layout`) the blocked loss runs per device under
 `jax.shard_map`: every device takes its rows and slots of the hidden states and labels (split
 as the batch is), and the head's weight gathered over `fsdp`, its vocabulary split over
 `tensor` when V divides by it (`Layout.split`, as the full head splits its logits). With the
@@ -25,7 +25,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from segpack import loss as loss_lib
-from train import layout as layout_lib
+from train.model import layout as layout_lib
 
 
 def token_losses(model: Any, batch: dict[str, jax.Array], *, block_size: int,
@@ -33,7 +33,7 @@ def token_losses(model: Any, batch: dict[str, jax.Array], *, block_size: int,
   """The float32 `[B, S]` cross-entropy of every token of `batch` (0 where the label is -100).
 
   Args:
-    model: a `train.model.Decoder`.
+    model: a `train.model.decoder.Decoder`.
     batch: a trainer batch (`input_ids`, `labels`, `segment_ids`, `segment_positions`, and
       `slot_index` in context order).
     block_size: positions per block of the blocked loss (per device on a mesh); 0: the full

@@ -1,8 +1,8 @@
-r"""Scores a preference dataset with a model: `python -m train.score`.
+r"""Scores a preference dataset with a model: `python -m train.preference.score`.
 
-  python -m train.score --model MODEL_DIR --data PAIRS --output SCORES       # a Hugging Face model
-  python -m train.score --workdir RUN --data PAIRS --output SCORES          # a run's checkpoint
-  python -m train.score ... --per-token                                     # token log-probs too
+  python -m train.preference.score --model MODEL_DIR --data PAIRS --output SCORES       # a Hugging Face model
+  python -m train.preference.score --workdir RUN --data PAIRS --output SCORES          # a run's checkpoint
+  python -m train.preference.score ... --per-token                                     # token log-probs too
 
 Every pair of PAIRS (`segpack tokenize --format preference`) is scored once by one packed pass
 (`train.preference.scoring.score_pairs`): the chosen and rejected completions' summed log-probs
@@ -33,7 +33,7 @@ from segpack import shards
 from segpack.data import pairs as pairs_lib
 from segpack.data.options import SpecialTokens
 from segpack.errors import UserError
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 from train.hf import config as hf_config
 from train.hf import init_from as hf_init
@@ -41,8 +41,9 @@ from train.hf import weights as hf_weights
 from train.preference import reference as reference_lib
 from train.preference import scoring
 from train.runs import saved as saved_run
+from train.runs import loaded as loaded_run
 
-PROG = "python -m train.score"
+PROG = "python -m train.preference.score"
 
 
 class ScoreError(UserError, ValueError):
@@ -82,7 +83,7 @@ def _hf_model(model_dir: str, data: shards.ShardSource) -> tuple[Any, Any, Any]:
   hf_init.check_tokenizer(model_dir, data_fingerprint=data.tokenizer_fingerprint,
                           data_name=f"--data {data.path}")
   vocab = config.model.vocab_size or int(data.vocab_size)
-  abstract = nnx.eval_shape(lambda: model_lib.build(config, 0, vocab_size=vocab))
+  abstract = model_lib.abstract(config, vocab_size=vocab)
   graphdef, abstract_params = nnx.split(abstract)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   params = hf_weights.load_params(model_dir, abstract_params,
@@ -93,7 +94,7 @@ def _hf_model(model_dir: str, data: shards.ShardSource) -> tuple[Any, Any, Any]:
 def _model(args: argparse.Namespace, data: shards.ShardSource) -> tuple[Any, Any, Any]:
   if args.model is not None:
     return _hf_model(args.model, data)
-  config, model, _ = saved_run.load_run(args.workdir)
+  config, model, _ = loaded_run.load_run(args.workdir)
   graphdef, params = nnx.split(model)
   return config, graphdef, params
 

@@ -1,12 +1,12 @@
 """`loss.block_size`: the trainer's step with the blocked loss equals the step with the full
-logits (`train.head_loss`), on one device and on the explicit mesh.
+logits (`train.model.head_loss`), on one device and on the explicit mesh.
 
 One device: a small float32 decoder on packed rows (documents back to back, `-100` at each
 document's end and on padding, a row of one-token documents with nothing to train), both
 weightings, tied and untied heads, gradient accumulation, per-source sums, vocabulary chunks;
 the loss, the gradients of every parameter and the parameters after one AdamW step agree
 within 1e-6 (relative to each array's largest value; Adam's squared gradients within 2e-6).
-On the mesh of 8 CPU devices, the run's own step (`train.train.setup`: the config keys reach
+On the mesh of 8 CPU devices, the run's own step (`train.setup.setup`: the config keys reach
 it) against the same config's step with the full logits and no remat: the vocabulary split
 over `tensor`, with context parallelism and `model.remat`; the metrics, the new state and its
 shardings.
@@ -30,10 +30,13 @@ from segpack import loss as loss_lib
 from support.packing_oracles import naive_rows
 from support.train_configs import synthetic_config
 from train import data as data_lib
-from train import head_loss
-from train import model as model_lib
+from train.model import head_loss
+from train.model import config as model_config
+from train.model import decoder as model_lib
 from train import sharding as sharding_lib
-from train import train as train_lib
+from train import steps as steps_lib
+from train import setup as setup_lib
+from train.objective import TokenObjective
 
 VOCAB = 211  # no block or chunk size below divides it
 SEQ_LEN = 28
@@ -42,7 +45,7 @@ RTOL = 1e-6
 
 @functools.lru_cache(maxsize=None)
 def _model(tied):
-  cfg = model_lib.DecoderConfig(vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4,
+  cfg = model_config.DecoderConfig(vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4,
                                 num_kv_heads=2, head_dim=8, d_ff=48, init_std=0.2,
                                 tie_embeddings=tied, attention_implementation="xla",
                                 dtype="float32")
@@ -101,14 +104,15 @@ def test_a_blocked_step_equals_the_full_logits_step(name):
   batch = _batch()
   if not sources:
     batch = {k: v for k, v in batch.items() if k != "segment_sources"}
-  tx, schedule = train_lib.make_optimizer(packed.get_config("smoke").train)
+  tx, schedule = steps_lib.make_optimizer(packed.get_config("smoke").train)
   tx = _recording(tx)
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
 
   def step(block, chunk):
-    return jax.jit(train_lib.make_train_step(
-        graphdef, tx, schedule, accum=accum, weighting=weighting, num_sources=sources,
-        block_size=block, vocab_block_size=chunk))(state, batch)
+    objective = TokenObjective(weighting=weighting, blocks=(block, chunk),
+                               source_names=tuple(f"s{i}" for i in range(sources)))
+    return jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=accum,
+                                             objective=objective))(state, batch)
 
   (want_state, want_metrics), (got_state, got_metrics) = step(0, 0), step(block, chunk)
   assert float(want_metrics["loss"]) > 1.0
@@ -122,9 +126,10 @@ def test_a_blocked_step_equals_the_full_logits_step(name):
 def test_the_blocked_eval_step_equals_the_full_one():
   graphdef, params = _model(False)
   batch = _batch()
-  want = jax.jit(train_lib.make_eval_step(graphdef, weighting="sequence"))(params, batch)
-  got = jax.jit(train_lib.make_eval_step(graphdef, weighting="sequence", block_size=13,
-                                         vocab_block_size=40))(params, batch)
+  want = jax.jit(steps_lib.make_eval_step(
+      graphdef, objective=TokenObjective(weighting="sequence")))(params, batch)
+  got = jax.jit(steps_lib.make_eval_step(graphdef, objective=TokenObjective(
+      weighting="sequence", blocks=(13, 40))))(params, batch)
   assert got["count"] == want["count"] and got["trained_tokens"] == want["trained_tokens"]
   assert _rel(got["loss_sum"], want["loss_sum"]) <= RTOL
 
@@ -145,7 +150,7 @@ def _run(tmp_path, **overrides):
       "model.num_layers": 1, "model.dtype": "float32", "model.vocab_size": 128,
       "attention.implementation": "xla", "attention.self_check": False,
       "train.eval_every": 0, "train.log_batches": False, **overrides})
-  return train_lib.setup(config, str(tmp_path))
+  return setup_lib.setup(config, str(tmp_path))
 
 
 def _full_step(config, mesh):
@@ -155,9 +160,10 @@ def _full_step(config, mesh):
   t = config.train
   graphdef = nnx.split(nnx.eval_shape(lambda: model_lib.build(
       config, t.seed, vocab_size=config.model.vocab_size, mesh=mesh)))[0]
-  tx, schedule = train_lib.make_optimizer(t)
-  return jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=t.grad_accum_steps,
-                                           weighting=config.loss.weighting))
+  tx, schedule = steps_lib.make_optimizer(t)
+  return jax.jit(steps_lib.make_train_step(
+      graphdef, tx, schedule, accum=t.grad_accum_steps,
+      objective=TokenObjective(weighting=config.loss.weighting)))
 
 
 def _primitives(jaxpr):
@@ -171,7 +177,7 @@ def _primitives(jaxpr):
 
 @pytest.mark.parametrize("name", list(MESH_CASES))
 def test_on_the_explicit_mesh_the_blocked_step_equals_the_full_one(tmp_path, name):
-  """The run's own step (`train.train.setup` with `loss.block_size=7`) against the step of the
+  """The run's own step (`train.setup.setup` with `loss.block_size=7`) against the step of the
   same config with the full logits (and no remat), from the same state and batch."""
   run = _run(tmp_path, **MESH_CASES[name], **{"loss.block_size": 7})
   batch = sharding_lib.global_batch(data_lib.next_batch(run.iterator), run.mesh)

@@ -4,10 +4,10 @@ A projection named in `model.lora.targets` becomes an `AdaptedLinear`: `nnx.Line
 `kernel`, and `bias`) plus Flax's own `nnx.LoRA` parameters (`lora_a` `[I, r]`, `lora_b`
 `[r, O]`, of the variable type `nnx.LoRAParam`, which is how the trainer tells the trained
 parameters from the frozen ones: `split`). With a quantized base (`model.lora.base_dtype` "nf4"
-or "int8", `train.adapters.quantize`) every projection holds its kernel as codes (`kernel`) and
+or "int8", `train.model.quantize`) every projection holds its kernel as codes (`kernel`) and
 per-block scales (`kernel_scale`) instead, dequantized in the compute dtype for its matmul.
 
-`dense` is `train.layout.dense` for these layers: the base matmul (on a mesh of explicit axes
+`dense` is `train.model.layout.dense` for these layers: the base matmul (on a mesh of explicit axes
 the kernel gathered as `layout.dense` gathers it), plus `scale * (x @ A) @ B` with `A` split as
 the input and `B` as the output, so a row split (o, down) sums its partial products as the base's
 do. Flax's `LoRA.__call__` is not used because it has no scale and no mesh layout.
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.architecture import LORA_TARGETS, Lora
-from train import layout as layout_lib
-from train.adapters import quantize as quantize_lib
+from train.model import layout as layout_lib
+from train.model import quantize as quantize_lib
 
 # `[key, calls so far]` while a training step is traced (`dropout_key`), else None
 _DROPOUT: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
@@ -158,7 +158,7 @@ def adapter_delta(linear: AdaptedLinear, x_BxSxI: jax.Array, layout: layout_lib.
 
 def dense(linear: nnx.Linear, x_BxSxI: jax.Array, layout: layout_lib.Layout | None, *,
           split_in: str | None = None, split_out: str | None = None) -> jax.Array:
-  """`train.layout.dense` of a decoder projection, adapted or not (module docstring)."""
+  """`train.model.layout.dense` of a decoder projection, adapted or not (module docstring)."""
   if not isinstance(linear, AdaptedLinear):
     return layout_lib.dense(linear, x_BxSxI, layout, split_in=split_in, split_out=split_out)
   kernel = base_kernel(linear, layout, split_in=split_in, split_out=split_out)
@@ -186,6 +186,9 @@ def merge(graphdef: Any, trained: Any, frozen: Any | None) -> nnx.Module:
   return nnx.merge(graphdef, trained, frozen)
 
 
-def model_of(graphdef: Any, params: Any) -> nnx.Module:
-  """The model of a step's `params`: the parameters, or `(trained, frozen)` under adapters."""
-  return merge(graphdef, *params) if isinstance(params, tuple) else nnx.merge(graphdef, params)
+def model_of(graphdef: Any, params: Any, frozen: Any | None = None) -> nnx.Module:
+  """The model of a step's `params` and `frozen` base (None: `params` is every parameter), or
+  of `params` = `(trained, frozen)` under adapters."""
+  if isinstance(params, tuple):
+    params, frozen = params
+  return merge(graphdef, params, frozen)

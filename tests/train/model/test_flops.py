@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train import flops as flops_lib
+from train.model import flops as flops_lib
 from train import metrics as metrics_lib
-from train import model as model_lib
-from train import train as train_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
+from train import steps as steps_lib
 
 # One row: documents of lengths 3 and 5, then 4 padding slots; a second row: all padding.
 SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0, 0],
@@ -50,7 +51,7 @@ def test_step_flops_of_the_hand_computed_example():
 @pytest.mark.parametrize("overrides", [{}, dict(num_layers=3, num_kv_heads=2, d_ff=24)])
 def test_matmul_params_are_the_models_kernels(overrides):
   cfg = _model_cfg(**overrides)
-  decoder = model_lib.DecoderConfig(vocab_size=10, **cfg.to_dict())
+  decoder = model_config.DecoderConfig(vocab_size=10, **cfg.to_dict())
   params = nnx.split(nnx.eval_shape(lambda: model_lib.Decoder(decoder, rngs=nnx.Rngs(0))))[1]
   kernels = sum(int(np.prod(x.shape)) for path, x in jax.tree_util.tree_leaves_with_path(params)
                 if "['kernel']" in jax.tree_util.keystr(path))
@@ -58,17 +59,17 @@ def test_matmul_params_are_the_models_kernels(overrides):
 
 
 def test_the_train_step_reports_the_attention_pairs_of_its_batch():
-  cfg = model_lib.DecoderConfig(vocab_size=10, **_model_cfg().to_dict())
+  cfg = model_config.DecoderConfig(vocab_size=10, **_model_cfg().to_dict())
   graphdef, params = nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
   train_cfg = ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=1, num_steps=2, min_lr_ratio=0.1, grad_clip=1.0, b1=0.9,
       b2=0.95, eps=1e-8, weight_decay=0.1))
-  tx, schedule = train_lib.make_optimizer(train_cfg)
+  tx, schedule = steps_lib.make_optimizer(train_cfg)
   seg = jnp.asarray(SEGMENTS)
   batch = dict(input_ids=jnp.ones_like(seg), segment_ids=seg, segment_positions=jnp.zeros_like(seg),
                labels=jnp.where(seg > 0, 1, -100))
   state = dict(params=params, opt_state=tx.init(params), step=jnp.int32(0))
-  _, metrics = jax.jit(train_lib.make_train_step(graphdef, tx, schedule, accum=2))(state, batch)
+  _, metrics = jax.jit(steps_lib.make_train_step(graphdef, tx, schedule, accum=2))(state, batch)
   assert float(metrics["attention_pairs"]) == 21.0 and float(metrics["real_tokens"]) == 8.0
 
 

@@ -13,7 +13,8 @@ from flax import nnx
 from support.packing_oracles import naive_rows
 from segpack import loss as loss_lib
 from segpack.attention import PallasOptions
-from train import model as model_lib
+from train.model import config as model_config
+from train.model import decoder as model_lib
 
 VOCAB = 67
 
@@ -22,7 +23,7 @@ def _tiny(**overrides):
   kw = dict(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
             d_ff=48, init_std=0.2)
   kw.update(overrides)
-  return model_lib.Decoder(model_lib.DecoderConfig(**kw), rngs=nnx.Rngs(params=0))
+  return model_lib.Decoder(model_config.DecoderConfig(**kw), rngs=nnx.Rngs(params=0))
 
 
 def _pack(docs_per_row, seq_len):
@@ -136,7 +137,7 @@ def test_bfloat16_compute_stays_close_to_float32():
     (dict(attention_implementation="flash"), "attention.implementation.*'flash'"),
 ])
 def test_bad_config_names_the_field(overrides, match):
-  with pytest.raises(model_lib.ModelConfigError, match=match):
+  with pytest.raises(model_config.ModelConfigError, match=match):
     _tiny(**overrides)
 
 
@@ -193,7 +194,7 @@ def _cudnn_model_cuda_text(segment_bound):
 
 
 def test_cudnn_attention_gets_the_data_bound_and_runs_on_the_trainer_mesh(monkeypatch):
-  """`train.model.build` passes the data's most segments in a row, rounded up to a power of two,
+  """`train.model.decoder.build` passes the data's most segments in a row, rounded up to a power of two,
   to cuDNN as its static bound N, and the cuDNN call (forward and backward) lowers for `cuda` per
   device inside `shard_map`.
 
@@ -219,9 +220,9 @@ def test_cudnn_without_a_data_bound_is_refused():
   from configs import packed  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
   config.attention.implementation = "cudnn"
-  with pytest.raises(model_lib.ModelConfigError, match="Data.segment_bound"):
+  with pytest.raises(model_config.ModelConfigError, match="Data.segment_bound"):
     model_lib.build(config, 0, vocab_size=VOCAB)
-  with pytest.raises(model_lib.ModelConfigError, match="needs attention_cudnn_segment_bound"):
+  with pytest.raises(model_config.ModelConfigError, match="needs attention_cudnn_segment_bound"):
     _tiny(attention_implementation="cudnn")
   config.attention.implementation = "xla"  # the other backends need no bound and get none
   assert model_lib.build(config, 0, vocab_size=VOCAB, segment_bound=5
@@ -230,7 +231,7 @@ def test_cudnn_without_a_data_bound_is_refused():
 
 def test_bad_cudnn_segment_bound_is_refused():
   for bad in (0, True, 2.0):
-    with pytest.raises(model_lib.ModelConfigError,
+    with pytest.raises(model_config.ModelConfigError,
                        match=f"attention_cudnn_segment_bound must be .* got {bad!r}"):
       _tiny(attention_implementation="cudnn", attention_cudnn_segment_bound=bad)
 
@@ -246,7 +247,7 @@ def test_bad_cudnn_segment_bound_is_refused():
 ])
 def test_a_setting_for_another_backend_is_refused(overrides, match):
   """`segpack.attention.resolve_implementation`'s rule, as a `ModelConfigError` at construction."""
-  with pytest.raises(model_lib.ModelConfigError, match=match):
+  with pytest.raises(model_config.ModelConfigError, match=match):
     _tiny(**overrides)
 
 
@@ -255,10 +256,10 @@ def test_the_config_groups_the_attention_settings():
   from configs import packed  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
   config.attention.implementation = "pallas"
-  cfg = model_lib.decoder_config(config.model, config.attention, vocab_size=VOCAB)
+  cfg = model_config.decoder_config(config.model, config.attention, vocab_size=VOCAB)
   assert cfg.attention_pallas is None and cfg.attention_cudnn_segment_bound is None
   config.attention.interpret = True
-  cfg = model_lib.decoder_config(config.model, config.attention, vocab_size=VOCAB)
+  cfg = model_config.decoder_config(config.model, config.attention, vocab_size=VOCAB)
   assert cfg.attention_pallas == PallasOptions(interpret=True)
 
 
@@ -267,7 +268,7 @@ def test_the_trainer_refuses_pallas_on_the_cpu_without_interpret_naming_the_keys
   """`train.check_attention` applies `resolve_implementation`'s rule to the config and names
   the config keys; with `attention.interpret=True` Pallas is accepted."""
   from configs import packed  # pylint: disable=g-import-not-at-top
-  from train import train as train_lib  # pylint: disable=g-import-not-at-top
+  from train import config_checks as train_lib  # pylint: disable=g-import-not-at-top
   config = packed.get_config("smoke")
   config.attention.implementation = "pallas"
   with pytest.raises(train_lib.AttentionConfigError) as err:
@@ -333,8 +334,8 @@ def test_the_backend_is_resolved_once_at_construction():
   """None becomes the platform's backend in `DecoderConfig` (and in the trainer's check), so the
   layers are handed a concrete name and never decide again."""
   from configs import packed  # pylint: disable=g-import-not-at-top
-  from train import train as train_lib  # pylint: disable=g-import-not-at-top
-  cfg = model_lib.DecoderConfig(vocab_size=16, attention_implementation=None)
+  from train import config_checks as train_lib  # pylint: disable=g-import-not-at-top
+  cfg = model_config.DecoderConfig(vocab_size=16, attention_implementation=None)
   assert cfg.attention_implementation == ("xla" if jax.default_backend() == "cpu" else "pallas")
   config = packed.get_config("smoke")
   config.attention.implementation = None

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from configs.architecture import Lora
-from train.adapters import lora as lora_lib
-from train.adapters import quantize as quantize_lib
+from train.model import lora as lora_lib
+from train.model import quantize as quantize_lib
 
 
 def _layer(*, rank=4, alpha=8.0, base_dtype="param", dropout=0.0, d_in=128, d_out=32, seed=0):

@@ -42,6 +42,11 @@ from segpack import mesh as mesh_lib
 from segpack.mesh import BATCH_AXES, CONTEXT_AXIS, TENSOR_AXIS
 
 
+def context_size(mesh: Any) -> int:
+  """Devices that split every row's slots (the `context` axis; 1 for a mesh without it)."""
+  return int(dict(getattr(mesh, "shape", {})).get(CONTEXT_AXIS, 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The shardings of one decoder call on a mesh with explicit axes.
@@ -100,7 +105,7 @@ def on_mesh(mesh: Any, x_BxS: jax.Array | None) -> jax.Array | None:
   is (None stays None).
 
   A decoder whose parameters are placed on such a mesh, or whose attention runs under
-  `shard_map` on it (`train.model.attention_mesh`: the kernel backends, context parallelism),
+  `shard_map` on it (`train.model.config.attention_mesh`: the kernel backends, context parallelism),
   has arrays typed with it; typing the inputs alike keeps every op of the decoder on the
   explicit path. Inside `jit` the function's arguments must then be on that mesh too (placed,
   or `jit`'s `in_shardings`), as JAX requires of any function using such arrays."""
@@ -125,7 +130,7 @@ def dense(linear: nnx.Linear, x_BxSxI: jax.Array, layout: Layout | None, *,
   split) must be how `x`'s last dimension is split, and its partial products are summed over it.
   The dtype promotion, precision and bias are `nnx.Linear`'s. With `layout` None: `linear(x)`.
   `kernel_IxO`: the kernel to use instead of `linear.kernel` (a dequantized base,
-  `train.adapters.lora`).
+  `train.model.lora`).
   """
   if layout is None and kernel_IxO is None:
     return linear(x_BxSxI)

@@ -1,11 +1,11 @@
-"""`python -m train.hf.export --adapter`: a run's LoRA adapters as a PEFT adapter directory.
+"""`python -m train.export --adapter`: a run's LoRA adapters as a PEFT adapter directory.
 
 The directory holds `adapter_config.json` (rank, alpha, dropout, the targets as PEFT's module
 names, `base_model_name_or_path`: the run's `model.init_from`, made absolute) and
 `adapter_model.safetensors` (PEFT's key names, float32), which
 `peft.PeftModel.from_pretrained(base, DIR)` loads onto the base model and vLLM serves as a LoRA
 module; `--config.model.init_adapter=DIR` continues from it. Written into `export`'s staging
-directory, published as every export is (`train.hf.export`).
+directory, published as every export is (`train.export`).
 
 Example: a rank-8 run on q and v of a 2-layer Llama writes 8 tensors,
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` `[8, E]`, ..., and
@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from train.adapters import peft_files
-from train.hf.export_files import ExportError
-from train import model as model_lib
+from train.export.files import ExportError
+from train.model import config as model_config
 from train.runs import adapted
 from train import sharding as sharding_lib
 
@@ -55,7 +55,7 @@ def write(staging: str, checkpoint: Any, config: Any) -> tuple[list[str], int, i
   mesh = sharding_lib.make_mesh(data=1, devices=jax.devices()[:1])
   _, adapters, _ = adapted.restore_adapters(checkpoint, config, mesh)
   tensors = adapter_tensors(adapted.flat_adapters(adapters))
-  lora = model_lib.architecture_fields(config.model)["lora"]
+  lora = model_config.architecture_fields(config.model)["lora"]
   base = config.model.init_from
   spec = peft_files.AdapterSpec(rank=lora.rank, alpha=float(lora.alpha),
                                 targets=lora.target_names, dropout=float(lora.dropout),

@@ -1,4 +1,4 @@
-r"""The pieces of a Hugging Face model directory that `python -m train.hf.export` writes.
+r"""The pieces of a Hugging Face model directory that `python -m train.export` writes.
 
 Weights: every parameter becomes the tensor `train.hf.weights.tensor_map` names (transposed back
 where the map says so), in the parameters' dtype, in safetensors files of at most
@@ -27,7 +27,7 @@ fresh config.json of its `model.family`, generation_config.json with the tokeniz
 pad ids, and the run's tokenizer (`write_tokenizer`). A run on chat data adds its template's end
 of turn to generation_config.json's EOS ids (`write_generation_config`).
 
-Tokenizer and chat template: `train.hf.export_tokenizer`.
+Tokenizer and chat template: `train.export.tokenizer`.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from segpack import errors
 from train.hf import config as hf_config
 from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
-from train.hf import export_tokenizer as tokenizer_lib
+from train.export import tokenizer as tokenizer_lib
 from train.runs import tokenizer as run_tokenizer
-from train.hf.export_tokenizer import ExportError  # raised by both modules
+from train.export.tokenizer import ExportError  # raised by both modules
 
 _LOG = logging.getLogger(__name__)
 SHARD_METADATA = {"format": "pt"}

@@ -1,4 +1,4 @@
-"""train.adapters.quantize: NF4 and int8 kernels, blockwise along I, and their dequantization.
+"""train.model.quantize: NF4 and int8 kernels, blockwise along I, and their dequantization.
 
 Oracles: the NF4 table derived again from the paper's quantiles of N(0, 1); a naive per-element
 loop for the nibble layout; brute force for the nearest value; the quantization of the whole
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from segpack.errors import UserError
-from train.adapters import quantize as q
+from train.model import quantize as q
 
 OFFSET = 0.9677083  # QLoRA's appendix: the outermost quantile, (1 - 1/(2*15) + 1 - 1/(2*16)) / 2
 NF4_HALF_GAP = float(np.max(np.diff(q.NF4_CODE.astype(np.float64)))) / 2

@@ -1,5 +1,5 @@
 r"""The tokenizer and chat-template files of a Hugging Face directory that `python -m
-train.hf.export` writes (`train.hf.export_files` writes the weights and config.json).
+train.export` writes (`train.export.files` writes the weights and config.json).
 
 Tokenizer: a SentencePiece model is written as `tokenizer.model` plus a `tokenizer.json` built
 with the `tokenizers` library (`spm_tokenizer`: a Unigram model of the pieces and scores, byte
@@ -55,7 +55,7 @@ from segpack.text.tokenizers import hf as hf_tokenizer
 from segpack.text.chat import hf_chat
 from segpack.text.tokenizers import spm
 from segpack.text.tokenizers import spm_proto
-from train import data as data_lib
+from train import data_sources as data_sources
 from train.hf import init_from as hf_init
 from train.runs.errors import NoTokenizerError
 from train.runs import tokenizer as run_tokenizer
@@ -333,7 +333,7 @@ def write_tokenizer(directory: Path, config: Any, *, source: Path | None,
       raise
     _LOG.warning("data.source=%r has no tokenizer: no tokenizer files are written",
                  config.data.source)
-    return [], dict(bos_token_id=data_lib.SYNTHETIC_BOS, eos_token_id=data_lib.SYNTHETIC_EOS,
+    return [], dict(bos_token_id=data_sources.SYNTHETIC_BOS, eos_token_id=data_sources.SYNTHETIC_EOS,
                     pad_token_id=0)
   ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_id") for k in ("bos", "eos", "pad")}
   ids = {k: int(v) for k, v in ids.items() if v is not None and v >= 0}

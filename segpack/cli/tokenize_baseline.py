@@ -13,7 +13,7 @@ What the command did then, and this module does again:
 `write_dataset_before` and `summarize_before` are those two steps, with the signatures of
 `segpack.text.encode.write_dataset` and `summarize`; `main(argv)` runs `segpack tokenize ARGV`
 with them in place of the current ones (in its own process: `python -m
-segpack.bench.tokenize_baseline ARGS`). The reading, the tokenizer, the writer's file format and
+segpack.cli.tokenize_baseline ARGS`). The reading, the tokenizer, the writer's file format and
 the manifest are the current code's, so both paths must write the same bytes.
 """
 

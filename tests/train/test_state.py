@@ -1,4 +1,4 @@
-"""train.adapters.state: the threefry kernel of initialisation programs, checked in the program
+"""train.state: the threefry kernel of initialisation programs, checked in the program
 lowered for `cuda` on the CPU (the CUDA kernel's custom call, or XLA's inlined hash)."""
 
 import types
@@ -6,7 +6,7 @@ import types
 import jax
 import pytest
 
-from train.adapters import state
+from train import state
 
 KERNEL = "threefry2x32_ffi"  # the custom call of JAX's hand-written CUDA threefry kernel
 

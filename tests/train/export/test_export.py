@@ -1,4 +1,4 @@
-"""`python -m train.hf.export`: a run exported as a Hugging Face directory loads in transformers with
+"""`python -m train.export`: a run exported as a Hugging Face directory loads in transformers with
 no missing or unexpected keys and gives the checkpoint's logits (1e-5), for imported models
 (Llama with llama3 RoPE scaling, tied Qwen2 on chat data, Qwen3) and a model trained from scratch
 on the built-in corpus; config.json round-trips to the run's model keys; the tokenizer encodes as
@@ -35,13 +35,14 @@ from segpack.text import corpus  # noqa: E402
 from segpack.text.chat import corpus as chat_corpus  # noqa: E402
 from segpack.text.tokenizers import hf as hf_tokenizer  # noqa: E402
 from train import data as data_lib  # noqa: E402
-from train.hf import export as export_lib  # noqa: E402
+from train.export import command as export_lib  # noqa: E402
 from train.hf import config as hf_config  # noqa: E402
-from train.hf import export_files as hf_export  # noqa: E402
-from train.hf import export_tokenizer as hf_export_tokenizer  # noqa: E402
+from train.export import files as hf_export  # noqa: E402
+from train.export import tokenizer as hf_export_tokenizer  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
+from train.runs import loaded as loaded_run  # noqa: E402
 from support import paths
 
 REPO = paths.REPO
@@ -166,7 +167,7 @@ def _tensors(directory):
 def test_transformers_loads_the_export_with_the_checkpoints_logits(runs, name):
   run = runs(name)
   model = _loaded(run.out)
-  config, decoder, step = saved_run.load_run(run.workdir)
+  config, decoder, step = loaded_run.load_run(run.workdir)
   assert step == 3 and run.result.step == 3
   docs = hf_models.documents(3, lengths=[200, 90, 40], seed=5)  # 330 tokens, past 64 positions
   source = _loaded(run.source)
@@ -260,7 +261,7 @@ def test_bfloat16_parameters_are_written_as_bfloat16(runs):
   import torch
   from safetensors import safe_open
   run = runs("bfloat16")
-  config, decoder, _ = saved_run.load_run(run.workdir)
+  config, decoder, _ = loaded_run.load_run(run.workdir)
   assert config.model.param_dtype == "bfloat16"  # adopted from the source's dtype
   cfg = hf_models.read_json(f"{run.out}/config.json")
   assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is True
@@ -350,7 +351,7 @@ def test_a_model_trained_from_scratch_exports_as_a_llama(scratch):
   assert cfg["rope_scaling"] is None and cfg["rope_parameters"] == dict(rope_type="default",
                                                                         rope_theta=10_000.0)
   assert cfg["max_position_embeddings"] == 128 and cfg["vocab_size"] == 2048
-  config, decoder, _ = saved_run.load_run(scratch.workdir)
+  config, decoder, _ = loaded_run.load_run(scratch.workdir)
   arch = hf_config.architecture(cfg, where="exported config.json")
   for key in hf_config.ARCH_KEYS:
     want = {"vocab_size": 2048, "max_position_embeddings": 128}.get(key, config.model[key])
@@ -467,7 +468,7 @@ def test_shards_hold_at_most_max_shard_size_fetched_one_shard_at_a_time(runs, tm
 def _stderr_line(capsys):
   lines = capsys.readouterr().err.strip().splitlines()
   assert len(lines) == 1, lines
-  assert lines[0].startswith("python -m train.hf.export: error: "), lines
+  assert lines[0].startswith("python -m train.export: error: "), lines
   return lines[0]
 
 
@@ -519,7 +520,7 @@ def test_a_full_disk_is_one_line_naming_the_output_and_publishes_nothing(runs, t
   err = capfd.readouterr().err.strip().splitlines()
   assert status == 2 and len(calls) == 1, (status, err)
   assert len(err) == 1 and "Traceback" not in err[0] and "internal error" not in err[0], err
-  assert err[0].startswith(f"python -m train.hf.export: error: --output {str(out)!r}: writing "
+  assert err[0].startswith(f"python -m train.export: error: --output {str(out)!r}: writing "
                            f"model-00002-of-"), err
   assert os.strerror(number) in err[0] and "nothing was published" in err[0]
   assert re.search(r"\(\d+\.\d MB free there\)", err[0]), err
@@ -539,7 +540,7 @@ def test_a_safetensors_error_of_no_disk_is_still_a_bug(runs, tmp_path, monkeypat
   assert export_lib.main(["--workdir", run.workdir, "--output", str(out)]) == 1
   err = capfd.readouterr().err
   assert "Traceback" in err and "SafetensorError" in err
-  assert err.strip().splitlines()[-1].startswith("python -m train.hf.export: internal error")
+  assert err.strip().splitlines()[-1].startswith("python -m train.export: internal error")
   assert sorted(os.listdir(tmp_path)) == []
 
 
@@ -548,7 +549,7 @@ def test_a_killed_export_leaves_no_output_and_a_rerun_cleans_up(runs, tmp_path):
   out = tmp_path / "out"
   child = (
       "import os, signal, sys\n"
-      "from train.hf import export, export_files as hf_export\n"
+      "from train.export import command as export, files as hf_export\n"
       "save = hf_export.save_shard\n"
       "def killing(tensors, path):\n"
       "  save(tensors, path)\n"
@@ -623,7 +624,7 @@ def test_errors_are_one_line_naming_the_flag(runs, tmp_path, capsys, monkeypatch
 
 def test_the_command_runs_as_a_module(runs, tmp_path):
   run = runs("qwen3")
-  proc = run_cli("train.hf.export", "--workdir", run.workdir, "--output", str(tmp_path / "out"),
+  proc = run_cli("train.export", "--workdir", run.workdir, "--output", str(tmp_path / "out"),
                  "--max-shard-size", "60KB")
   assert proc.stdout.startswith(f"wrote {tmp_path / 'out'}: step 3,")
   assert os.path.isfile(tmp_path / "out" / hf_weights.INDEX_NAME)

@@ -1,8 +1,8 @@
 r"""Exports a run's newest intact checkpoint as a Hugging Face model directory.
 
-  python -m train.hf.export --workdir runs/sft_hf --output exported
-  python -m train.hf.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
-  python -m train.hf.export --workdir runs/lora --output adapter --adapter   # a PEFT adapter
+  python -m train.export --workdir runs/sft_hf --output exported
+  python -m train.export --workdir runs/packed --output exported --max-shard-size 2GB --overwrite
+  python -m train.export --workdir runs/lora --output adapter --adapter   # a PEFT adapter
 
 The directory loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and
 `AutoTokenizer.from_pretrained(DIR)`: config.json (RoPE settings where transformers 4.x and 5.x
@@ -11,7 +11,7 @@ index, generation_config.json, the tokenizer files and, for a run on chat data, 
 the data was rendered with. A run fine-tuned from a Hugging Face model (`model.init_from`) keeps
 its source's config.json fields, special ids, generation config and tokenizer files
 (`WORKDIR/hf_source`); a run trained from scratch is written as its `model.family` (a Llama by
-default) with the run's tokenizer (`train.hf.export_files` converts segpack's SentencePiece models).
+default) with the run's tokenizer (`train.export.files` converts segpack's SentencePiece models).
 
 Algorithm:
   1. The checkpoint: the newest one of `WORKDIR/checkpoints` matching its digest, and the config
@@ -47,7 +47,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,18 +60,18 @@ from flax import nnx
 from segpack import files
 from segpack import errors
 from train import run_guard
-from train.hf import export_adapter
-from train.hf import export_files as hf_export
+from train.export import adapter as export_adapter
+from train.export import files as hf_export
 from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
-from train import model as model_lib
+from train.model import decoder as model_lib
 from train.runs import adapted
 from train.runs import saved as saved_run
 from train import sharding as sharding_lib
-from train.hf.export_files import ExportError
+from train.export.files import ExportError
 
 _LOG = logging.getLogger(__name__)
-PROG = "python -m train.hf.export"
+PROG = "python -m train.export"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +227,7 @@ def export(*, workdir: str, output: str, max_shard_bytes: int = hf_export.DEFAUL
     max_shard_bytes: the most bytes of tensors per safetensors file.
     overwrite: replace an existing non-empty `output`.
     adapter: write the run's LoRA adapters as a PEFT adapter directory
-      (`train.hf.export_adapter`) instead of the model with them merged.
+      (`train.export.adapter`) instead of the model with them merged.
 
   Returns:
     What was written (`ExportResult`).
@@ -294,7 +293,7 @@ def _make_staging(staging: Path, output: str) -> None:
 def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   """Step 3: `({parameter path: array split over all devices}, vocabulary)` of the checkpoint.
 
-  The checkpoint is read as `train.runs.saved.load_run` reads it (its `_restore`, the vocabulary of
+  The checkpoint is read as `train.runs.loaded.load_run` reads it (its `_restore`, the vocabulary of
   the saved embedding, the model built with XLA attention), but onto a mesh of every device with
   the parameters split over it (`fsdp`) instead of onto one device.
   """
@@ -305,8 +304,7 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   where = f"{checkpoint.directory}/{checkpoint.step}"
   vocab = saved_run.saved_vocab_size(
       saved_run.restore_item(checkpoint, "item_metadata")["state"], where=where)
-  abstract = nnx.eval_shape(lambda: model_lib.build(
-      saved_run.sampling_config(config), config.train.seed, vocab_size=vocab))
+  abstract = model_lib.abstract(saved_run.sampling_config(config), vocab_size=vocab)
   _, abstract_params = nnx.split(abstract)
   mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
   params = saved_run.restore_params(checkpoint, abstract_params,
@@ -318,7 +316,7 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  """The `python -m train.hf.export` parser."""
+  """The `python -m train.export` parser."""
 
   def size(text: str) -> int:
     try:
@@ -345,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @errors.command(PROG)
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs `python -m train.hf.export ...`; returns the exit status."""
+  """Runs `python -m train.export ...`; returns the exit status."""
   args = build_parser().parse_args(argv)
   absl_logging.set_verbosity(absl_logging.ERROR)  # orbax warns about a read-only manager
   if args.distributed:
@@ -359,6 +357,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{', chat template' if result.chat_template else ''}")
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

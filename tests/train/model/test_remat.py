@@ -25,8 +25,9 @@ from configs import packed
 from segpack import loss as loss_lib
 from support.packing_oracles import naive_rows
 from train import config_checks
-from train import head_loss
-from train import model as model_lib
+from train.model import head_loss
+from train.model import config as model_config
+from train.model import decoder as model_lib
 
 LAYERS = 2
 POLICIES = {"full": "nothing_saveable", "dots": "DotsSaveable(only_if_no_batch_dims=True)"}
@@ -45,7 +46,7 @@ def _optimized_cpu_code():
 
 @functools.lru_cache(maxsize=None)
 def _model(remat):
-  cfg = model_lib.DecoderConfig(vocab_size=64, num_layers=LAYERS, d_model=32, num_heads=4,
+  cfg = model_config.DecoderConfig(vocab_size=64, num_layers=LAYERS, d_model=32, num_heads=4,
                                 num_kv_heads=2, head_dim=8, d_ff=48, init_std=0.2,
                                 attention_implementation="xla", dtype="float32", remat=remat)
   return nnx.split(model_lib.Decoder(cfg, rngs=nnx.Rngs(params=0)))
@@ -60,7 +61,7 @@ def _batch():
 
 
 def _loss_grad(remat):
-  """The trainer's loss of the batch (sequence weighting, `train.head_loss`) and its gradient
+  """The trainer's loss of the batch (sequence weighting, `train.model.head_loss`) and its gradient
   w.r.t. the parameters, as a function of the parameters."""
   graphdef, params = _model(remat)
   batch = _batch()
@@ -116,7 +117,7 @@ def test_a_bad_remat_is_refused_naming_the_key_and_the_value(value):
   with pytest.raises(config_checks.ConfigError) as e:
     config_checks.check_config(config)
   assert str(e.value) == f"model.remat must be one of ['none', 'full', 'dots'], got {value!r}"
-  with pytest.raises(model_lib.ModelConfigError,
+  with pytest.raises(model_config.ModelConfigError,
                      match=re.escape(f"DecoderConfig.remat must be one of ['none', 'full', "
                                      f"'dots'], got {value!r}")):
-    model_lib.DecoderConfig(vocab_size=8, remat=value, attention_implementation="xla")
+    model_config.DecoderConfig(vocab_size=8, remat=value, attention_implementation="xla")

@@ -1,5 +1,5 @@
-"""The tokenizer.json `python -m train.hf.export` writes for a run's own SentencePiece model, with
-byte fallback (`train.hf.export_tokenizer`): a model trained on lowercase text lacks uppercase
+"""The tokenizer.json `python -m train.export` writes for a run's own SentencePiece model, with
+byte fallback (`train.export.tokenizer`): a model trained on lowercase text lacks uppercase
 letters, digits, `<`, emoji; `tokenizers` reading the file encodes documents holding them, and
 the literal text of byte pieces' names (`<0xFF>`), as SentencePiece does, and export no longer
 refuses such a model as "trained with other settings"; the check compares on the run's own
@@ -17,7 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from configs import packed  # noqa: E402
 from segpack.text import dataset as dataset_lib  # noqa: E402
 from segpack.text.tokenizers import spm  # noqa: E402
-from train.hf import export_tokenizer as export_tok  # noqa: E402
+from train.export import tokenizer as export_tok  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while code and data train models".split()
 CONVERT_SPM = export_tok.convert_spm
