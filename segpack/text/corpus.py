@@ -158,15 +158,32 @@ def _read_source(path: Path) -> str | None:
     return None
 
 
+def _parse(text: str, *, filename: str, attempts: int = 2) -> ast.Module | None:
+  """`ast.parse`, None for a file that does not parse.
+
+  CPython 3.11 can fail a valid parse with `SystemError: AST constructor recursion depth
+  mismatch` when an exception interrupts an earlier AST construction (an exception raised in a
+  garbage-collector callback, say) and leaves the interpreter's depth counter off
+  (python/cpython#106905). The parse itself is deterministic, so it is tried again; a second
+  failure is raised, never skipped, because the corpus must not depend on it.
+  """
+  for attempt in range(attempts):
+    try:
+      return ast.parse(text, filename=filename)
+    except (SyntaxError, ValueError):
+      return None
+    except SystemError:
+      if attempt + 1 == attempts:
+        raise
+  return None
+
+
 def _module_documents(root: Path, rel: Path) -> Iterator[tuple[str, str]]:
   text = _read_source(root / rel)
   if text is None:
     return
   module = _module_name(rel)
-  try:
-    tree = ast.parse(text, filename=str(root / rel))
-  except (SyntaxError, ValueError):
-    tree = None
+  tree = _parse(text, filename=str(root / rel))
   if tree is not None:
     for qualname, doc in _docstrings(tree, module):
       yield f"doc:{qualname}", f"{qualname}\n\n{doc}"

@@ -1,7 +1,11 @@
 """The built-in corpus (segpack/text/corpus.py); SentencePiece itself is in
 tests/text/tokenizers/test_spm.py."""
 
+import argparse
 import ast
+import gc
+import inspect
+import sys
 
 import pytest
 
@@ -129,3 +133,52 @@ def test_ensure_builtin_rebuilds_a_damaged_cache(small):
   again = corpus.ensure_builtin(size="small", cache_dir=cache, workers=1)
   assert again == built
   ShardSource(built.eval_dir).verify()
+
+
+class _NestedParse:
+  """A garbage-collector callback that parses a snippet during the next `times` collections,
+  as a traceback printed from such a callback does on CPython 3.11: the nested parse leaves the
+  outer one's AST depth counter off (python/cpython#106905)."""
+
+  def __init__(self, times):
+    self.times = times
+
+  def __call__(self, phase, info):
+    caller = sys._getframe(1).f_code  # the Python frame the collection interrupted
+    if phase == "start" and self.times > 0 and caller is ast.parse.__code__:
+      self.times -= 1
+      ast.parse("x = (1)")
+
+  def __enter__(self):
+    self._threshold = gc.get_threshold()
+    gc.callbacks.append(self)
+    gc.set_threshold(1)  # a collection on nearly every allocation: the parse is interrupted
+    return self
+
+  def __exit__(self, *exc):
+    gc.set_threshold(*self._threshold)
+    gc.callbacks.remove(self)
+
+
+def test_a_parse_interrupted_by_a_nested_one_is_retried_and_gives_the_same_tree():
+  text = inspect.getsource(argparse)
+  with _NestedParse(times=1) as nested:
+    tree = corpus._parse(text, filename="argparse.py")
+    assert nested.times == 0  # it did interrupt the parse
+  assert ast.dump(tree) == ast.dump(ast.parse(text))
+  if sys.version_info[:2] == (3, 11):  # negative control: plain ast.parse fails there
+    with _NestedParse(times=1), pytest.raises(SystemError, match="recursion depth mismatch"):
+      ast.parse(text)
+
+
+def test_a_parse_that_keeps_failing_is_raised_not_skipped(monkeypatch):
+  calls = []
+
+  def failing(*args, **kwargs):
+    calls.append(args)
+    raise SystemError("AST constructor recursion depth mismatch (before=9, after=17)")
+
+  monkeypatch.setattr(corpus.ast, "parse", failing)
+  with pytest.raises(SystemError, match="recursion depth mismatch"):
+    corpus._parse("x = 1", filename="x.py")
+  assert len(calls) == 2
