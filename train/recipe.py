@@ -92,7 +92,7 @@ def _positive(value: Any, key: str) -> None:
 
 
 def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
-            adapters: bool = False) -> Resolved:
+            adapters: bool = False, started: dict[str, Any] | None = None) -> Resolved:
   """Fills `train.learning_rate`, `warmup_steps` and `num_steps` where the config leaves them
   None, from `FINETUNE` when `init_from` is set, else `SCRATCH`.
 
@@ -106,6 +106,10 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
     init_from: `model.init_from` (None or empty: from scratch).
     steps_per_epoch: optimizer steps in one epoch of the training data (> 0).
     adapters: the run trains LoRA adapters (`ADAPTERS` then, with `init_from`).
+    started: on a resume, the resolved `train` group the run started with (`WORKDIR/run.json`):
+      a warmup the recipe chose then is kept when the length changes (a warmup re-derived from
+      the new length would be another schedule for the steps already taken), and the new
+      length is said in the line.
 
   Raises:
     ArgumentError: a non-positive value (naming its key).
@@ -113,8 +117,8 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
   if not steps_per_epoch > 0:
     raise ArgumentError(f"steps_per_epoch must be positive, got {steps_per_epoch!r}")
   recipe = (ADAPTERS if adapters else FINETUNE) if init_from else SCRATCH
-  lr, warmup = train_cfg.get("learning_rate"), train_cfg.get("warmup_steps")
-  steps, epochs = train_cfg.get("num_steps"), train_cfg.get("num_epochs")
+  lr, warmup = train_cfg.learning_rate, train_cfg.warmup_steps
+  steps, epochs = train_cfg.num_steps, train_cfg.num_epochs
   for key, value in (("num_steps", steps), ("num_epochs", epochs)):
     _positive(value, f"train.{key} (--config.train.{key})")
   given = []
@@ -129,11 +133,19 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
     lr = recipe.peak_rate
   else:
     given.append("learning_rate")
-  if warmup is None:
+  resumed = ""
+  if started and started.get("num_steps") not in (None, steps):
+    resumed = (f"; resumed with {steps} steps, the run started with {started['num_steps']}: the "
+               f"decay now ends at step {steps}")
+  if warmup is None and started and isinstance(started.get("warmup_steps"), int):
+    warmup = started["warmup_steps"]  # the recipe's warmup of the run resumed
+    resumed += f", warmup {warmup} steps as it started" if resumed else ""
+  elif warmup is None:
     warmup = min(steps - 1, max(1, round(recipe.warmup_fraction * steps))) if steps > 1 else 0
   line = (f"recipe: {recipe.name}{' (model.init_from)' if init_from else ''}: learning rate "
           f"{lr:g}, warmup {warmup} steps, {steps} steps = {epochs:.2f} epochs of "
-          f"{steps_per_epoch:g} steps" + (f" ({', '.join(given)} as configured)" if given else ""))
+          f"{steps_per_epoch:g} steps" + (f" ({', '.join(given)} as configured)" if given else "")
+          + resumed)
   warning = None
   if recipe.warn_above is not None and lr > recipe.warn_above:
     warning = (f"train.learning_rate={lr:g} on a pretrained model (model.init_from) is a "
@@ -144,10 +156,13 @@ def resolve(train_cfg: Any, *, init_from: str | None, steps_per_epoch: float,
                   epochs=float(epochs), recipe=recipe, line=line, warning=warning)
 
 
-def resolve_config(config: Any, *, steps_per_epoch: float) -> Resolved:
-  """`resolve` for a whole run config (`train` and `model.init_from`), written into its `train`
-  group; returns what was chosen (the trainer's first lines print `line` and `warning`)."""
+def resolve_config(config: Any, *, steps_per_epoch: float,
+                   started: dict[str, Any] | None = None) -> Resolved:
+  """`resolve` for a whole run config (`train` and `model.init_from`; `started` as there),
+  written into its `train` group; returns what was chosen (the trainer's first lines print
+  `line` and `warning`)."""
   resolved = resolve(config.train, init_from=config.model.init_from,
-                     steps_per_epoch=steps_per_epoch, adapters=bool(config.model.lora.rank))
+                     steps_per_epoch=steps_per_epoch, adapters=bool(config.model.lora.rank),
+                     started=started)
   resolved.apply(config.train)
   return resolved

@@ -98,15 +98,22 @@ def data_fingerprints(*, train: str | None, eval_path: str | None) -> dict[str, 
   return {p: _manifest_digest(p) for p in paths}
 
 
+def run_record(workdir: str) -> dict[str, Any]:
+  """`WORKDIR/run.json` as written (`config`, `data`, ...); empty when it is absent or unreadable
+  (an unreadable record is rewritten; the checkpoint checks still hold)."""
+  path = Path(workdir) / RECORD_NAME
+  try:
+    record = json.loads(path.read_text("utf-8")) if path.is_file() else {}
+  except (OSError, ValueError):
+    return {}
+  return record if isinstance(record, dict) else {}
+
+
 def check_run_record(workdir: str, fingerprints: dict[str, str | None]) -> None:
   """Step 2 on a resume: refuses data whose fingerprints differ from `WORKDIR/run.json`'s."""
-  path = Path(workdir) / RECORD_NAME
-  if not path.is_file():
+  recorded = run_record(workdir).get("data", {})
+  if not isinstance(recorded, dict):
     return
-  try:
-    recorded = json.loads(path.read_text("utf-8")).get("data", {})
-  except (OSError, ValueError, AttributeError):
-    return  # an unreadable record is rewritten; the checkpoint checks still hold
   for name, digest in fingerprints.items():
     before = recorded.get(name, digest)
     if before != digest:

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from train import checkpoint as ckpt_lib
+from train import checkpoint_digest as digest_lib
 from train import config_checks
 from train import data as data_lib
 from train import memory as memory_lib
@@ -89,14 +90,23 @@ def _data(config: Any, workdir: str, mesh: Any, objective: objective_lib.Objecti
   data, extra = objective.make_data(config, mesh=mesh, batch_size=t.batch_size,
                                     process_index=jax.process_index(),
                                     process_count=jax.process_count())
-  resolved = recipe_lib.resolve_config(
-      config, steps_per_epoch=data.train_rows_in_epoch0 / t.batch_size)  # metrics.announce prints it
+  resolved = recipe_lib.resolve_config(  # metrics.announce prints it
+      config, steps_per_epoch=data.train_rows_in_epoch0 / t.batch_size, started=_started(workdir))
   fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
   run_guard.check_run_record(workdir, fingerprints)  # before a checkpoint can be blamed
   if config.model.init_from is not None:
     hf_init.check_tokenizer(config.model.init_from, data_fingerprint=data.tokenizer_fingerprint,
                             data_name=data_lib.data_name(config))
   return data, extra, resolved, fingerprints
+
+
+def _started(workdir: str) -> dict[str, Any] | None:
+  """The resolved `train` group this run started with (`WORKDIR/run.json`) when it resumes from
+  a checkpoint; None for a run from scratch."""
+  if not digest_lib.scan(os.path.join(workdir, "checkpoints")).steps:
+    return None
+  started = run_guard.run_record(workdir).get("config", {})
+  return started.get("train") if isinstance(started, dict) else None
 
 
 def _shardings(tx: Any, abstract: Any, mesh: Any) -> dict[str, Any]:

@@ -72,3 +72,43 @@ def test_adapters_get_the_lora_rate_and_a_full_fine_tuning_rate_is_not_warned_ab
   # Adapters without a pretrained base are refused elsewhere; here the scratch recipe applies.
   assert recipe.resolve(train_cfg(), init_from=None, steps_per_epoch=10,
                         adapters=True).recipe is recipe.SCRATCH
+
+
+def test_a_resume_with_another_length_keeps_the_warmup_the_recipe_chose():
+  first = recipe.resolve(train_cfg(num_steps=100), init_from="M", steps_per_epoch=10)
+  started = first.values  # the train group as run.json records it
+  longer = recipe.resolve(train_cfg(num_steps=400), init_from="M", steps_per_epoch=10,
+                          started=started)
+  assert first.values["warmup_steps"] == 3 and longer.values["warmup_steps"] == 3
+  assert recipe.resolve(train_cfg(num_steps=400), init_from="M",  # negative control: 3% of 400
+                        steps_per_epoch=10).values["warmup_steps"] == 12
+  assert longer.line.endswith("; resumed with 400 steps, the run started with 100: the decay now "
+                              "ends at step 400, warmup 3 steps as it started"), longer.line
+  same = recipe.resolve(train_cfg(num_steps=100), init_from="M", steps_per_epoch=10,
+                        started=started)
+  assert same.values == first.values and same.line == first.line
+  mine = recipe.resolve(train_cfg(num_steps=400, warmup_steps=7), init_from="M",
+                        steps_per_epoch=10, started=started)
+  assert mine.values["warmup_steps"] == 7  # a warmup the user sets is theirs
+
+
+def test_an_sft_style_run_resumes_with_another_num_steps(tmp_path, capsys):
+  """A run whose warmup the recipe derives (train.warmup_steps unset, as in configs/sft.py and
+  configs/dpo.py: 5% of the steps from scratch), run for 4 steps (warmup 1) and again with 30
+  (5%: 2): it resumes at step 4 and trains to 30; a warmup re-derived from the new length made
+  the checkpoint's config differ, and the resume was refused naming train.warmup_steps."""
+  from support.train_configs import synthetic_config  # pylint: disable=import-outside-toplevel
+  from train import train as train_lib  # pylint: disable=import-outside-toplevel
+
+  def config(steps):
+    return synthetic_config(**{"train.num_steps": steps, "train.warmup_steps": None,
+                               "train.learning_rate": None, "train.checkpoint_every": 2,
+                               "train.eval_every": 0, "attention.self_check": False})
+
+  workdir = str(tmp_path / "run")
+  assert train_lib.train_and_evaluate(config(4), workdir)["resumed_from"] == 0
+  capsys.readouterr()
+  resumed = train_lib.train_and_evaluate(config(30), workdir)
+  assert resumed["resumed_from"] == 4 and resumed["steps"] == 30, resumed
+  out = capsys.readouterr().out
+  assert "warmup 1 steps, 30 steps" in out and "resumed with 30 steps, the run started with 4" in out
