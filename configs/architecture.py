@@ -174,11 +174,6 @@ def checkpoint_keys() -> tuple[str, ...]:
                if f.metadata.get("checkpoint", True) and f.name != "rope_scaling")
 
 
-def lora_keys() -> tuple[str, ...]:
-  """The `Lora` fields (`model.lora.*` keys)."""
-  return tuple(f.name for f in dataclasses.fields(Lora))
-
-
 def scaling_keys() -> tuple[str, ...]:
   """The `RopeScaling` fields (`model.rope_scaling.*` keys)."""
   return tuple(f.name for f in dataclasses.fields(RopeScaling))

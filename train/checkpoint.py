@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
+from segpack import errors
 from train import checkpoint_digest as digest_lib
 from train.checkpoint_compat import BATCH_SIZE_KEY, DATA_FORMAT, DataStateError
 from train.checkpoint_compat import IncompatibleCheckpointError, check_data_item
@@ -242,7 +243,7 @@ class Checkpointer:
     try:
       return self._manager.restore(step, args=args)
     except Exception as e:  # pylint: disable=broad-except
-      detail = " ".join(str(e).split())[:300]
+      detail = errors.one_line(e)[:300]
       raise DamagedCheckpointError(
           f"cannot restore {where}: {type(e).__name__}: {detail} (move it away to resume from an "
           "older checkpoint, or use a new --workdir)") from e

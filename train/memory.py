@@ -213,14 +213,6 @@ def applied_remat(remat: str, *, platform: str) -> str:
   return "none" if platform == "cpu" else remat
 
 
-def _group_get(config: Any, group: str, key: str, default: Any) -> Any:
-  section = config.get(group) if hasattr(config, "get") else getattr(config, group, None)
-  if section is None:
-    return default
-  value = section.get(key, default) if hasattr(section, "get") else getattr(section, key, default)
-  return default if value is None else value
-
-
 def _itemsize(dtype: str) -> int:
   return jnp.dtype(model_config.DTYPES[dtype]).itemsize
 
@@ -246,19 +238,19 @@ def from_config(config: Any, *, num_params: int, vocab_size: int, devices: int =
   platform = platform or jax.default_backend()
   m = config.model
   rows = -(-int(config.train.batch_size) // (int(config.train.grad_accum_steps) * devices))
-  dtype = _group_get(config, "model", "dtype", "auto")
+  dtype = m.dtype
   compute = model_config.default_compute_dtype(platform) if dtype == "auto" else dtype
-  implementation = _group_get(config, "attention", "implementation", None)
+  implementation = config.attention.implementation
   attention = implementation or ("xla" if platform == "cpu" else "pallas")
   return estimate(
       num_params=num_params, vocab_size=vocab_size, d_model=m.d_model, d_ff=m.d_ff,
       num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
       head_dim=m.head_dim, batch_rows=max(1, rows), seq_len=int(config.packing.seq_len),
-      param_bytes=_itemsize(_group_get(config, "model", "param_dtype", "float32")),
+      param_bytes=_itemsize(m.param_dtype),
       compute_bytes=_itemsize(compute),
-      loss_block=int(_group_get(config, "loss", "block_size", 0)),
-      loss_vocab_block=int(_group_get(config, "loss", "vocab_block_size", 0)),
-      remat=applied_remat(_group_get(config, "model", "remat", "none"), platform=platform),
+      loss_block=int(config.loss.block_size),
+      loss_vocab_block=int(config.loss.vocab_block_size),
+      remat=applied_remat(m.remat, platform=platform),
       attention=attention, frozen_bytes=frozen_bytes)
 
 

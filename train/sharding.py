@@ -156,6 +156,17 @@ def path_str(path) -> str:
   return "/".join(parts)
 
 
+def param_name(path: Any) -> str:
+  """A parameter's tree path as one name, as `tensor_map` names it (`layers/0/attn/q/kernel`):
+  `path_str` without nnx's trailing `value`."""
+  return path_str(path).removesuffix("/value")
+
+
+def flat_params(tree: Any) -> dict[str, Any]:
+  """`{param_name(path): leaf}` of a parameter tree (arrays or shapes), in its leaves' order."""
+  return {param_name(path): x for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
   """`NamedSharding`s for a pytree of parameter shapes (e.g. from `nnx.eval_shape`)."""
   return jax.tree_util.tree_map_with_path(

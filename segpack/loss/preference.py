@@ -1,6 +1,6 @@
 """Preference losses on packed rows: each sequence's log-probability summed over its segment.
 
-Rows from `segpack.data.pack_pairs` hold whole pairs; `pair_chosen_segment_BxJ` and
+Rows from `segpack.data.pairs.pack_pairs` hold whole pairs; `pair_chosen_segment_BxJ` and
 `pair_rejected_segment_BxJ` name the segments of a row's pairs. `pair_logps` sums the trained
 tokens' log-probabilities of every such segment (its completion: the labels not `IGNORE_INDEX`,
 -100), and `pair_losses` turns them into one loss per pair:

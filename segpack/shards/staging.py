@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from segpack import errors
 from segpack import files
 from segpack import remote_files
 from segpack.shards import verified
@@ -200,7 +201,7 @@ def _require_manifest(url: str, where: str) -> None:
                            f"filesystems, which are not installed ({cause}); pip install "
                            f"'segpack[beam]'") from e
   except Exception as e:  # pylint: disable=broad-except  (any client error: the URL, the cause)
-    cause = " ".join(str(e).split())[:300]
+    cause = errors.one_line(e)[:300]
     raise ShardFormatError(f"{url}: cannot be reached: {type(e).__name__}: {cause}") from e
   if not found:
     raise ShardFormatError(f"{where}: missing manifest, so {url} is not a finished dataset "

@@ -1,6 +1,5 @@
 """The shared-memory model of the Pallas kernels, device limits and the "auto" kernel settings."""
 
-import pathlib
 import re
 
 import jax

@@ -10,8 +10,6 @@ import pytest
 
 import segpack
 from segpack import packing
-from segpack.cli import main as cli_main
-from segpack.shards import ShardWriter
 from support.stats_data import run, two_datasets, write_docs  # noqa: F401 (a fixture)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
-import pathlib
 
 from configs import packed
 from support import paths

@@ -4,7 +4,6 @@ refusal naming the keys that shrink the largest parts."""
 
 from __future__ import annotations
 
-import ml_collections
 import pytest
 
 from configs import packed
@@ -111,16 +110,6 @@ def test_from_config_reads_the_trainer_keys():
   on_cpu = memory.from_config(config, num_params=5_000, vocab_size=2_048, platform="cpu")
   assert on_cpu == memory.estimate(num_params=5_000, vocab_size=2_048, batch_rows=8, seq_len=128,
                                    loss_block=64, loss_vocab_block=100, remat="none", **shape)
-
-
-def test_from_config_without_the_loss_and_remat_keys_takes_their_defaults():
-  full = packed.get_config("smoke")
-  config = ml_collections.ConfigDict(full.to_dict())
-  del config.model["remat"]
-  del config["loss"]
-  got = memory.from_config(config, num_params=5_000, vocab_size=2_048, platform="gpu")
-  assert not got.blocked and got == memory.from_config(full, num_params=5_000, vocab_size=2_048,
-                                                       platform="gpu")
 
 
 def test_the_cpu_applies_no_remat():

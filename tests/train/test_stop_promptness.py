@@ -18,7 +18,6 @@ from train import data as data_lib
 from flax import nnx
 
 from train import run_guard
-from train.runs import saved as saved_run
 from train.runs import loaded as loaded_run
 from train import train as train_lib
 from train import steps as steps_lib

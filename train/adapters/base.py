@@ -33,6 +33,7 @@ import numpy as np
 
 from train.model import quantize as quantize_lib
 from train.hf import weights as hf_weights
+from train import sharding as sharding_lib
 
 SCALE_SUFFIX = "_scale"  # `kernel_scale`: a quantized kernel's block scales
 
@@ -80,14 +81,12 @@ def load_base(*, model_dir: str, abstract_frozen: Any, shardings: Any, model_cfg
     HfModelError: a missing, extra, misshapen or unreadable tensor (`check_tensors`).
   """
   expected = hf_weights.model_tensor_map(model_cfg)
-  flat = {}
-  jax.tree_util.tree_map_with_path(
-      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), abstract_frozen)
+  flat = sharding_lib.flat_params(abstract_frozen)
   shapes = original_shapes(flat, kind)
   files = hf_weights.check_tensors(model_dir, expected, shapes)
 
   def place(path, abstract, sharding):
-    name = hf_weights.param_name(path)
+    name = sharding_lib.param_name(path)
     kernel = name.removesuffix(SCALE_SUFFIX)
     tensor = expected[kernel]
     if kind and kernel + SCALE_SUFFIX in flat:
@@ -130,7 +129,7 @@ def fingerprint(frozen: Any) -> str:
   sums = np.asarray(jax.device_get(_sums([x for _, x in pairs])))
   digest = hashlib.sha256()
   for (path, x), row in zip(pairs, sums):
-    digest.update(f"{hf_weights.param_name(path)}:{tuple(x.shape)}:{x.dtype}:".encode())
+    digest.update(f"{sharding_lib.param_name(path)}:{tuple(x.shape)}:{x.dtype}:".encode())
     digest.update(row.astype("<u4").tobytes())
   return "base-" + digest.hexdigest()[:16]
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from segpack.errors import UserError
 from train.adapters import peft_files
@@ -107,10 +106,7 @@ def _imported(config: Any, abstract_params: Any, shardings: Any) -> Any:
   for (layer, target), (a_IxR, b_RxO) in tensors.items():
     flat[adapter_path(layer, target, "a")] = a_IxR
     flat[adapter_path(layer, target, "b")] = b_RxO
-  wanted = {}
-  jax.tree_util.tree_map_with_path(
-      lambda p, x: wanted.__setitem__(sharding_lib.path_str(p).removesuffix("/value"), x),
-      abstract_params)
+  wanted = sharding_lib.flat_params(abstract_params)
   if set(flat) != set(wanted):
     missing = sorted(set(wanted) ^ set(flat))[0]
     raise AdapterConfigError(
@@ -124,7 +120,7 @@ def _imported(config: Any, abstract_params: Any, shardings: Any) -> Any:
           f"model's is {list(x.shape)} (model.lora.rank={config.model.lora.rank})")
   return jax.tree_util.tree_map_with_path(
       lambda p, x, s: jax.device_put(
-          flat[sharding_lib.path_str(p).removesuffix("/value")].astype(x.dtype), s),
+          flat[sharding_lib.param_name(p)].astype(x.dtype), s),
       abstract_params, shardings)
 
 
@@ -147,4 +143,4 @@ def adapters_off(params: Any) -> Any:
   """The adapters with every B at zero: the model they make is the base alone."""
   return jax.tree_util.tree_map_with_path(
       lambda p, x: jnp.zeros_like(x)
-      if sharding_lib.path_str(p).removesuffix("/value").endswith("lora_b") else x, params)
+      if sharding_lib.param_name(p).endswith("lora_b") else x, params)

@@ -114,15 +114,11 @@ def case_config(case: Case, *, quick: bool, rows: int | None = None) -> Any:
   return config
 
 
-def _path(key_path: Any) -> str:
-  return sharding_lib.path_str(key_path).removesuffix("/value")
-
-
 def _bytes(tree: Any, *, projections: bool = False) -> int:
   """Bytes of the arrays (or shapes) of `tree`; `projections`: of the seven projections' only."""
   total = 0
-  for key_path, x in jax.tree_util.tree_leaves_with_path(tree):
-    if not projections or any(p in f"/{_path(key_path)}" for p in PROJECTIONS):
+  for name, x in sharding_lib.flat_params(tree).items():
+    if not projections or any(p in f"/{name}" for p in PROJECTIONS):
       total += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
   return total
 
@@ -131,8 +127,8 @@ def _count(tree: Any) -> int:
   """The weights `tree` holds: a quantized kernel's weights (two nf4 codes a byte), not its
   scales."""
   total = 0
-  for key_path, x in jax.tree_util.tree_leaves_with_path(tree):
-    if not _path(key_path).endswith("/kernel_scale"):
+  for name, x in sharding_lib.flat_params(tree).items():
+    if not name.endswith("/kernel_scale"):
       total += int(np.prod(x.shape)) * (2 if x.dtype == jnp.uint8 else 1)
   return total
 
@@ -222,7 +218,7 @@ def fill_base(frozen: Any, floats: dict[str, np.ndarray], *, kind: str | None,
   quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
   def part(key_path, x):
-    path = _path(key_path)
+    path = sharding_lib.param_name(key_path)
     if kind is None or path.rpartition("/")[2] not in quantize_lib.PARTS or not any(
         p in f"/{path}" for p in PROJECTIONS):
       return jnp.asarray(floats[path], dtype=x.dtype)
@@ -273,8 +269,8 @@ def quality(steps: int, *, eval_batches: int) -> list[dict[str, Any]]:
   start = time.perf_counter()
   _, params, data = train_smoke(steps)
   train_s = time.perf_counter() - start
-  floats = {_path(k): np.asarray(x, np.float32)
-            for k, x in jax.tree_util.tree_leaves_with_path(params)}
+  floats = {name: np.asarray(x, np.float32)
+            for name, x in sharding_lib.flat_params(params).items()}
   batches = [_rows(data.eval[i]) for i in range(min(eval_batches, len(data.eval)))]
   outputs = {name: base_logits(floats, base_dtype=dtype, scale_factor=factor,
                                batches=batches, vocab_size=data.vocab_size)

@@ -23,8 +23,7 @@ What is measured, per case in a fresh process on one CPU device (`JAX_PLATFORMS=
 Beside each, `estimate`: `train.memory.from_config` of the case's config, with the remat policy
 the CPU applies (`train.memory.applied_remat`: none; XLA on the CPU merges the recomputation
 back), and `est/meas`. A case whose estimate exceeds `HEADROOM` of the machine's available
-memory is skipped with `train.memory.check_fits`'s reason; a blocked-loss or remat case whose
-keys the trainer does not read yet is shown as "not yet wired" and not run.
+memory is skipped with `train.memory.check_fits`'s reason.
 
 Algorithm:
   1. For each case: build its config (`configs/packed.py:smoke`, changed as above), count the
@@ -44,7 +43,6 @@ import argparse
 import ctypes
 import dataclasses
 import gc
-import inspect
 import json
 import os
 import resource
@@ -119,22 +117,11 @@ def case_config(case: Case) -> Any:
   config.train.learning_rate = 1e-3
   config.train.warmup_steps = 1
   config.train.num_steps = 10
-  if "remat" in config.model:
-    config.model.remat = case.remat
-  if case.loss == "blocked" and "block_size" in config.get("loss", {}):
+  config.model.remat = case.remat
+  if case.loss == "blocked":
     config.loss.block_size = BLOCK
     config.loss.vocab_block_size = VOCAB_BLOCK
   return config
-
-
-def unwired(case: Case) -> str | None:
-  """What of `case` the trainer does not read yet ("loss.block_size", "model.remat"), or None."""
-  config = packed_config.get_config()
-  if case.loss == "blocked" and "block_size" not in config.get("loss", {}):
-    return "loss.block_size"
-  if case.remat != "none" and "remat" not in config.model:
-    return "model.remat"
-  return None
 
 
 def _objective(config: Any) -> objective_lib.TokenObjective:
@@ -258,16 +245,13 @@ def describe(case: Case) -> str:
 
 
 def run_case(case: Case, *, available: int | None) -> dict[str, Any]:
-  """Steps 1-2 for one case: its record, measured, skipped or not yet wired (`note`)."""
+  """Steps 1-2 for one case: its record, measured or skipped (`note`)."""
   est = case_estimate(case)
   record: dict[str, Any] = dict(dataclasses.asdict(case), estimate=est.total,
                                 estimate_parts=est.parts(), measured=None, ratio=None,
                                 rss=None, xla=None, step_s=None, note="")
   if case.remat != "none":
     record["note"] = "CPU applies no remat"
-  missing = unwired(case)
-  if missing is not None:
-    return dict(record, note=f"not yet wired: {missing}")
   limit = None if available is None else int(HEADROOM * available)
   try:
     memory_lib.check_fits(est, limit, what=describe(case))

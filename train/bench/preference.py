@@ -4,7 +4,7 @@ Algorithm:
   1. Draw `--pairs` synthetic pairs of a realistic shape (seeded): long shared prompts (log-normal,
      median `--prompt` tokens) and two answers of uneven length each (log-normal, median
      `--answer` tokens), every pair at most `--seq-len` slots.
-  2. Lay them out three ways, each pair whole in one row (`segpack.data.pack_pairs`):
+  2. Lay them out three ways, each pair whole in one row (`segpack.data.pairs.pack_pairs`):
      - `padded`: one pair per row, each batch cut to its longest row (rounded up to
        `--pad-multiple` slots: each width is a program to compile),
        as padding collators pad to the longest of a batch (TRL pads each of 2B sequences to the

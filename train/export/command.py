@@ -309,10 +309,7 @@ def restore_params(checkpoint: Any, config: Any) -> tuple[dict[str, Any], int]:
   mesh = sharding_lib.make_mesh(data=1, fsdp=-1)
   params = saved_run.restore_params(checkpoint, abstract_params,
                                     sharding_lib.param_shardings(abstract_params, mesh))
-  flat = {}
-  jax.tree_util.tree_map_with_path(
-      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), params)
-  return flat, vocab
+  return sharding_lib.flat_params(params), vocab
 
 
 def build_parser() -> argparse.ArgumentParser:

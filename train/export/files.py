@@ -195,7 +195,7 @@ def write_weights(directory: str, params: dict[str, jax.Array],
 
   Args:
     directory: an existing, empty directory.
-    params: parameter path (`hf_weights.param_name`) -> its array (sharded or not).
+    params: parameter path (`train.sharding.param_name`) -> its array (sharded or not).
     tensors: `hf_weights.model_tensor_map` of the model config.
     dtype: the parameters' dtype, which the files keep ("float32", "bfloat16", "float16").
     max_shard_bytes: the most bytes of tensors per file.

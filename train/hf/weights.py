@@ -225,11 +225,6 @@ def slice_reader(path: str, tensor: Tensor, dtype: Any):
   return read
 
 
-def param_name(path: Any) -> str:
-  """A parameter's tree path as `tensor_map` names it (`layers/0/attn/q/kernel`)."""
-  return sharding_lib.path_str(path).removesuffix("/value")
-
-
 def load_params(model_dir: str, abstract_params: Any, shardings: Any, model_cfg: Any) -> Any:
   """The Hugging Face checkpoint in `model_dir` as parameters shaped like `abstract_params`.
 
@@ -243,16 +238,14 @@ def load_params(model_dir: str, abstract_params: Any, shardings: Any, model_cfg:
     HfModelError: a missing, extra, misshapen or unreadable tensor, naming it and its file.
   """
   expected = model_tensor_map(model_cfg)
-  flat = {}
-  jax.tree_util.tree_map_with_path(lambda p, x: flat.__setitem__(param_name(p), x),
-                                   abstract_params)
+  flat = sharding_lib.flat_params(abstract_params)
   unknown = sorted(set(flat) - set(expected))
   if unknown:
     raise hf_config.HfModelError(f"parameter {unknown[0]} has no Hugging Face tensor")
   files = check_tensors(model_dir, expected, {p: flat[p].shape for p in expected})
 
   def place(path, abstract, sharding):
-    tensor = expected[param_name(path)]
+    tensor = expected[sharding_lib.param_name(path)]
     return jax.make_array_from_callback(
         abstract.shape, sharding,
         slice_reader(files[tensor.name], tensor, NP_DTYPES[str(np.dtype(abstract.dtype))]))

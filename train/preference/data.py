@@ -2,7 +2,7 @@
 
 `data.train` is a preference dataset (`segpack tokenize --format preference`); the held-out
 pairs are `data.eval`'s, or `data.eval_share` of the pairs (whole pairs, never one sequence of
-one). Rows come from `segpack.data.pack_pairs`, one plan per run, served by `StreamBatches` as
+one). Rows come from `segpack.data.pairs.pack_pairs`, one plan per run, served by `StreamBatches` as
 any rows (epochs, process blocks, resuming). `make_preference_data` also returns, for the
 reference's scoring pass, one unshuffled epoch of each split (`Splits`).
 """

@@ -67,10 +67,7 @@ def load_model(checkpoint: Any, config: Any) -> Any:
 
 def flat_adapters(adapters: Any) -> dict[str, jax.Array]:
   """`{parameter path: array}` of an adapter tree (`layers/0/attn/q/lora/lora_a`)."""
-  flat = {}
-  jax.tree_util.tree_map_with_path(
-      lambda p, x: flat.__setitem__(hf_weights.param_name(p), x), adapters)
-  return flat
+  return sharding_lib.flat_params(adapters)
 
 
 def _merge_one(kernel_IxO: jax.Array, a_IxR: jax.Array, b_RxO: jax.Array,

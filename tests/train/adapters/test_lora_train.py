@@ -22,7 +22,6 @@ from support.train_configs import lora_config, run_cli, train_on_processes  # no
 from train.model import lora as lora_lib  # noqa: E402
 from train.export import command as hf_export  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
-from train.runs import saved as saved_run  # noqa: E402
 from train.runs import loaded as loaded_run  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 from train import train as train_lib  # noqa: E402
@@ -145,7 +144,7 @@ def test_an_adapter_made_by_peft_continues_with_transformers_logits(base_dir, da
 
 
 def _flat(state):
-  return {hf_weights.param_name(p): np.asarray(x)
+  return {sharding_lib.param_name(p): np.asarray(x)
           for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import ml_collections
 import pytest
 from support import paths
 from support import train_configs
@@ -90,7 +89,6 @@ def test_the_cases_estimate_what_their_configs_build():
       num_params=weights, vocab_size=1_000, d_model=64, d_ff=128, num_layers=2, num_heads=1,
       num_kv_heads=1, head_dim=64, batch_rows=1, seq_len=256, loss_block=bench.BLOCK,
       remat="none").activations  # the CPU applies no remat
-  assert bench.unwired(case) is None
 
 
 def test_a_row_is_packed_documents_with_their_labels():
@@ -100,19 +98,3 @@ def test_a_row_is_packed_documents_with_their_labels():
   ends = (row["labels"] == -100).nonzero()[1].tolist()
   assert ends == [511, 1_023, 1_099]
   assert (row["labels"][0, :511] == row["input_ids"][0, 1:512]).all()
-
-
-def test_a_key_the_trainer_does_not_read_yet_is_shown_not_run(monkeypatch):
-  def without_blocks(arg=None):
-    config = ml_collections.ConfigDict(get_config(arg).to_dict())
-    del config.loss["block_size"]
-    del config.loss["vocab_block_size"]
-    return config
-
-  get_config = bench.packed_config.get_config
-  monkeypatch.setattr(bench.packed_config, "get_config", without_blocks)
-  monkeypatch.setattr(bench, "measure_in_subprocess", lambda case: pytest.fail("measured"))
-  case = bench.Case(vocab=1_000, slots=256, loss="blocked", remat="none")
-  record = bench.run_case(case, available=None)
-  assert record["note"] == "not yet wired: loss.block_size" and record["measured"] is None
-  assert record["estimate"] > 0 and record["estimate_parts"]["logits"] == 2 * 256 * 1_000 * 4

@@ -5,7 +5,6 @@ stages (argv parsed by each command's own parser; one stage run at toy size)."""
 import cProfile
 import gzip
 import json
-import pathlib
 import time
 
 import pytest

@@ -40,6 +40,7 @@ from train.hf import config as hf_config  # noqa: E402
 from train.export import files as hf_export  # noqa: E402
 from train.export import tokenizer as hf_export_tokenizer  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
+from train import sharding as sharding_lib  # noqa: E402
 from train.runs import tokenizer as run_tokenizer  # noqa: E402
 from train.runs import saved as saved_run  # noqa: E402
 from train.runs import loaded as loaded_run  # noqa: E402
@@ -149,7 +150,7 @@ def _hf_logits(model, doc):
 def _checkpoint_params(decoder):
   flat = {}
   import jax
-  jax.tree_util.tree_map_with_path(lambda p, x: flat.__setitem__(hf_weights.param_name(p), x),
+  jax.tree_util.tree_map_with_path(lambda p, x: flat.__setitem__(sharding_lib.param_name(p), x),
                                    nnx.split(decoder)[1])
   return flat
 

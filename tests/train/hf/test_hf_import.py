@@ -123,7 +123,7 @@ def test_sharded_checkpoint_and_bfloat16_weights(tmp_path):
   config, model = _imported(model_dir)
   assert config.model.param_dtype == "bfloat16"
   config_f32, model_f32 = _imported(model_dir, param_dtype="float32")
-  params = {hf_weights.param_name(p): np.asarray(x) for p, x in _leaves(model_f32)}
+  params = {sharding_lib.param_name(p): np.asarray(x) for p, x in _leaves(model_f32)}
   from safetensors.numpy import load_file
   import glob
   stored = {}
@@ -151,7 +151,7 @@ def test_a_float16_checkpoint_trains_with_float32_master_weights(tmp_path):
   assert config.model.param_dtype == "float32"
   from safetensors.numpy import load_file
   stored = load_file(os.path.join(model_dir, "model.safetensors"))
-  params = {hf_weights.param_name(p): np.asarray(x) for p, x in _leaves(model)}
+  params = {sharding_lib.param_name(p): np.asarray(x) for p, x in _leaves(model)}
   table = params["embed/embedding"]
   assert table.dtype == np.float32
   np.testing.assert_array_equal(table, stored["model.embed_tokens.weight"].astype(np.float32))

@@ -26,11 +26,9 @@ import pytest
 from flax import nnx
 
 from configs import packed
-from segpack import loss as loss_lib
 from support.packing_oracles import naive_rows
 from support.train_configs import synthetic_config
 from train import data as data_lib
-from train.model import head_loss
 from train.model import config as model_config
 from train.model import decoder as model_lib
 from train import sharding as sharding_lib

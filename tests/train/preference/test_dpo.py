@@ -6,7 +6,6 @@ and tokenizers are tiny ones made here with transformers; nothing is downloaded.
 import json
 import math
 import os
-import shutil
 
 import numpy as np
 import pytest

@@ -16,6 +16,7 @@ from train import train as train_lib
 from train.export import command as export_lib
 from train.export import files as hf_export
 from train.hf import weights as hf_weights
+from train import sharding as sharding_lib
 from train.runs import saved as saved_run
 from train.runs import loaded as loaded_run
 from train.runs.errors import RunError
@@ -42,7 +43,7 @@ def run(tmp_path_factory):
 def _params(model):
   flat = {}
   jax.tree_util.tree_map_with_path(
-      lambda p, x: flat.__setitem__(hf_weights.param_name(p), np.asarray(x)),
+      lambda p, x: flat.__setitem__(sharding_lib.param_name(p), np.asarray(x)),
       nnx.state(model, nnx.Param))
   return flat
 

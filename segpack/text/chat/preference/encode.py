@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from segpack.text.chat import ChatFormatError, Conversation
+from segpack.text.chat import Conversation
 from segpack.text.chat.preference.pairs import Pair, PairFormatError
 
 __all__ = ["PairEncoder"]

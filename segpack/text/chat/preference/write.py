@@ -2,7 +2,7 @@
 
 Pair `k` is stored as documents `2k` (prompt + chosen) and `2k + 1` (prompt + rejected), each
 with a loss mask on its completion; the manifest's `metadata.preference` counts the pairs, and
-`metadata.chat` names the chat rendering of message pairs. `segpack.data.pack_pairs` reads it.
+`metadata.chat` names the chat rendering of message pairs. `segpack.data.pairs.pack_pairs` reads it.
 """
 
 from __future__ import annotations
