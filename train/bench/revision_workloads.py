@@ -240,6 +240,15 @@ def _dpo(checkout: Checkout, workdir: str) -> Run:
   return _run_of(parts, **{"tokenized pairs' sha256": digests})
 
 
+def _export_module(checkout: Checkout) -> str:
+  """The export command of the checkout: `train.export`, `train.hf.export` before it moved."""
+  for module in ("train.export", "train.hf.export"):
+    path = pathlib.Path(checkout.path, *module.split("."))
+    if path.is_dir() or path.with_suffix(".py").is_file():
+      return module
+  raise WorkloadError(f"--{checkout.label}: no export command in {checkout.path}")
+
+
 def _lora(checkout: Checkout, workdir: str) -> Run:
   """The README's adapter path on a model of its own: SFT from scratch on the chats, the run
   exported (`train.export`), the chats tokenized with the export's tokenizer, and LoRA on the
@@ -249,8 +258,8 @@ def _lora(checkout: Checkout, workdir: str) -> Run:
   _trained(checkout, base, "configs/sft.py:smoke", f"--config.data.train={data}",
            steps=TUNE_STEPS)
   exported = os.path.join(workdir, "exported")
-  run_python(checkout, ["-m", "train.export", "--workdir", base, "--output", exported],
-             what="train.export")
+  run_python(checkout, ["-m", _export_module(checkout), "--workdir", base, "--output", exported],
+             what="the export")
   again, hf_digests = _tokenized(checkout, workdir, kind="chat", file="chat.jsonl",
                                  tokenizer=("--tokenizer", f"hf:{exported}"), name="chat-hf")
   parts = _trained(checkout, os.path.join(workdir, "lora"), "configs/sft.py:smoke",
