@@ -37,6 +37,7 @@ import stat
 import tempfile
 from typing import Any
 
+from segpack import errors
 from segpack.errors import UserError
 
 DIGEST_FILE = "digest.json"
@@ -290,7 +291,7 @@ def _read(step_dir: str, step: int) -> tuple[dict[str, Any] | None, str | None]:
       if not os.listdir(step_dir):
         return None, "the directory is empty"
     except OSError as e:
-      return None, f"cannot list it ({' '.join(str(e).split())})"
+      return None, f"cannot list it ({errors.one_line(e)})"
     return None, (f"it has no {DIGEST_FILE} (written before checkpoints carried a digest, or its "
                   "save did not finish), so it cannot be verified")
   try:
@@ -298,7 +299,7 @@ def _read(step_dir: str, step: int) -> tuple[dict[str, Any] | None, str | None]:
     with open(path, encoding="utf-8") as f:
       record = json.load(f)
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    return None, f"{path} is unreadable ({' '.join(str(e).split())})"
+    return None, f"{path} is unreadable ({errors.one_line(e)})"
   files = record.get("files") if isinstance(record, dict) else None
   if (not isinstance(files, dict) or record.get("format") != DIGEST_FORMAT
       or record.get("step") != step

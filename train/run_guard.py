@@ -79,7 +79,7 @@ def _manifest_digest(path: str) -> str | None:
   return files.sha256_file(manifest) if manifest.is_file() else None
 
 
-def _dataset_paths(train: str | None) -> list[str]:
+def dataset_paths(train: str | None) -> list[str]:
   """`data.train`'s datasets: the one path, or every source of a mixture."""
   if train is None:
     return []
@@ -94,7 +94,7 @@ def _dataset_paths(train: str | None) -> list[str]:
 def data_fingerprints(*, train: str | None, eval_path: str | None) -> dict[str, str | None]:
   """Step 2's fingerprints: `{path: sha256 of its manifest.json}` for `data.train` (every source
   of a mixture) and `data.eval`; empty for the built-in and synthetic sources."""
-  paths = _dataset_paths(train) + ([eval_path] if isinstance(eval_path, str) else [])
+  paths = dataset_paths(train) + ([eval_path] if isinstance(eval_path, str) else [])
   return {p: _manifest_digest(p) for p in paths}
 
 
@@ -181,7 +181,7 @@ def absolute_paths(config: Any) -> None:
 
 def training_dirs(train: str | None) -> list[str]:
   """The local directories of `data.train` (each source of a mixture; URLs left out)."""
-  return [p for p in dict.fromkeys(_dataset_paths(train)) if not remote_files.is_url(p)]
+  return [p for p in dict.fromkeys(dataset_paths(train)) if not remote_files.is_url(p)]
 
 
 def keep_datasets(workdir: str, dataset_dirs: list[str]) -> None:

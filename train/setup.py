@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 from typing import Any, Callable
 
 import grain
@@ -84,9 +85,28 @@ def preflight(config: Any) -> None:
   check_attention_leaks(config, implementation=implementation)
 
 
+def check_tokenizer_first(config: Any) -> None:
+  """With `model.init_from`: the tokenizer of each local dataset of `data.train` (its manifest)
+  is the model's, checked before the data is opened and planned, so that data of another
+  tokenizer is refused for that, not for what follows from it (the rows a step needs, the
+  vocabulary). What cannot be read here is opened, and reported, with the data."""
+  if config.model.init_from is None:
+    return
+  for path in run_guard.dataset_paths(config.data.train):
+    try:
+      manifest = json.loads((pathlib.Path(path) / "manifest.json").read_text("utf-8"))
+      fingerprint = manifest["tokenizer_fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+    if isinstance(fingerprint, str):
+      hf_init.check_tokenizer(config.model.init_from, data_fingerprint=fingerprint,
+                              data_name=f"data.train={path!r}")
+
+
 def _data(config: Any, workdir: str, mesh: Any, objective: objective_lib.Objective):
   """Step 1's data and its checks: `(data, extra, resolved recipe, fingerprints)`."""
   t = config.train
+  check_tokenizer_first(config)
   data, extra = objective.make_data(config, mesh=mesh, batch_size=t.batch_size,
                                     process_index=jax.process_index(),
                                     process_count=jax.process_count())

@@ -87,7 +87,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
     try:
       node[parts[-1]] = value
     except (TypeError, ValueError) as e:
-      raise errors.ArgumentError(f"--set {item!r}: {' '.join(str(e).split())}") from None
+      raise errors.ArgumentError(f"--set {item!r}: {errors.one_line(e)}") from None
 
 
 # Kernel groups of a profile, the first pattern that matches a kernel's name (case-insensitive).

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import sentencepiece
 
+from segpack import errors
 from segpack import files
 from segpack import shards
 from segpack.errors import UserError
@@ -260,7 +261,7 @@ def _read_json(path: Path) -> dict[str, Any]:
   try:
     value = json.loads(path.read_text("utf-8"))
   except (OSError, ValueError) as e:
-    raise ExportError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from e
+    raise ExportError(f"{path}: not readable JSON ({errors.one_line(e)})") from e
   if not isinstance(value, dict):
     raise ExportError(f"{path}: expected a JSON object, got {type(value).__name__}")
   return value

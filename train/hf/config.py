@@ -36,6 +36,7 @@ import math
 import os
 from typing import Any
 
+from segpack import errors
 from segpack.errors import UserError
 from configs import architecture as architecture_lib
 
@@ -81,7 +82,7 @@ def read_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
       config = json.load(f)
   except (OSError, ValueError) as e:
-    raise HfModelError(f"{path}: not readable JSON ({' '.join(str(e).split())})") from e
+    raise HfModelError(f"{path}: not readable JSON ({errors.one_line(e)})") from e
   if not isinstance(config, dict):
     raise HfModelError(f"{path}: expected a JSON object, got {type(config).__name__}")
   return config

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 
+from segpack import errors
 from segpack.text.tokenizers import hf as hf_tokenizer
 from train.hf import config as hf_config
 from train.hf import weights as hf_weights
@@ -53,7 +54,7 @@ def check_tokenizer(model_dir: str, *, data_fingerprint: str | None, data_name: 
     tokenizer = hf_tokenizer.HfTokenizer(model_dir)
   except (OSError, ValueError, ImportError) as e:
     raise hf_config.HfModelError(f"model.init_from={model_dir!r}: its tokenizer cannot be "
-                                 f"read ({' '.join(str(e).split())})") from e
+                                 f"read ({errors.one_line(e)})") from e
   if data_fingerprint is None:
     raise hf_config.HfModelError(
         f"model.init_from={model_dir!r} needs data tokenized with the model's tokenizer, and "

@@ -38,6 +38,8 @@ from train.hf import config as hf_config
 from train.model import decoder as model_lib
 from train import sharding as sharding_lib
 
+from segpack import errors
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -94,7 +96,7 @@ def _safe_open(path: str):
     return safe_open(path, framework="numpy")
   except Exception as e:  # safetensors raises its own SafetensorError / OSError types.
     raise hf_config.HfModelError(
-        f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from e
+        f"{path}: not a readable safetensors file ({errors.one_line(e)[:200]})") from e
 
 
 def _index(model_dir: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from configs import packed as declared_configs
 from train import checkpoint_digest as digest_lib
+from segpack import errors
 from segpack.data.mixture import parse_data
 from train.model import decoder as model_lib
 from train import run_guard
@@ -89,7 +90,7 @@ def restore_item(checkpoint: Checkpoint, method: str, **kwargs: Any) -> Any:
     if changed is not None:
       raise CheckpointGone(f"{where} was deleted while it was read ({changed})") from e
     raise RunError(f"cannot read {where}: "
-                   f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+                   f"{type(e).__name__}: {errors.one_line(e)[:300]}") from e
 
 
 def read_newest(workdir: str, read: Callable[[Checkpoint], Any], *,
@@ -109,7 +110,7 @@ def read_newest(workdir: str, read: Callable[[Checkpoint], Any], *,
     except RunError as e:
       if lost is None:
         raise
-      raise RunError(f"{' '.join(str(e).split())}; the checkpoint being read, {lost}, was "
+      raise RunError(f"{errors.one_line(e)}; the checkpoint being read, {lost}, was "
                      f"deleted meanwhile") from None
     try:
       return checkpoint, read(checkpoint)

@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
+from segpack import errors
 from segpack import remote_files
 from segpack import shards
 from segpack.data.mixture import parse_data
@@ -225,4 +226,4 @@ def chat_renderer(config: ml_collections.ConfigDict, workdir: str, *,
     return hf_chat.HfChatTemplate(source)
   except (OSError, ValueError) as e:
     raise RunError(f"{source}: the imported model's chat template cannot be loaded: "
-                   f"{' '.join(str(e).split())}") from e
+                   f"{errors.one_line(e)}") from e

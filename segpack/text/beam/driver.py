@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from segpack import errors
 from segpack import remote_files
 from segpack import shards as shards_lib
 from segpack.shards.format import (MAX_MANIFEST_BYTES, OFFSET_DTYPE, OWNED_FILE, load_manifest,
@@ -176,7 +177,7 @@ def _check_runner(options: Any, beam_options: str) -> None:
     runner_lib.create_runner(name)
   except (ValueError, ImportError) as e:
     raise InputFormatError(f"beam_options={beam_options!r} (--beam-options): runner {name!r} is "
-                           f"not one Beam can run here ({' '.join(str(e).split())[:300]})") from e
+                           f"not one Beam can run here ({errors.one_line(e)[:300]})") from e
 
 
 _DIRECT = (None, "DirectRunner", "SwitchingDirectRunner")
@@ -226,10 +227,10 @@ def raise_input_errors(output: str) -> None:
   path = remote_files.join(output, ERRORS_FILE)
   if not remote_files.exists(path):
     return
-  errors = json.loads(remote_files.read_bytes(path))
+  bad = json.loads(remote_files.read_bytes(path))
   remote_files.delete([path])
-  raise InputFormatError(errors[0][1] if len(errors) == 1 else
-                         f"{errors[0][1]} (and {len(errors) - 1} more bad inputs)")
+  raise InputFormatError(bad[0][1] if len(bad) == 1 else
+                         f"{bad[0][1]} (and {len(bad) - 1} more bad inputs)")
 
 
 @contextlib.contextmanager

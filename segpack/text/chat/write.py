@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from segpack import errors
 from segpack import shards as shards_lib
 from segpack.files import atomic_write_json
 from segpack.text import chat
@@ -115,7 +116,7 @@ def chat_encoder(tokenizer: tokenizer_spec.Tokenizer, *, train_on: str, spec: st
   try:
     encoder = hf_chat.HfChatTemplate(directory, train_on=train_on, options=options)
   except (ImportError, OSError, ValueError) as e:
-    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {' '.join(str(e).split())}") from e
+    raise InputFormatError(f"tokenizer={spec!r} (--tokenizer): {errors.one_line(e)}") from e
   _LOG.info("rendering conversations with the chat template of %s (%s)", directory,
             encoder.template_file)
   return encoder

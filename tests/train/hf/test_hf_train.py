@@ -85,14 +85,20 @@ def test_first_step_loss_equals_transformers_mean_token_loss(model_dir, text_dat
   assert abs(want - np.log(160)) > 0.5
 
 
-def test_a_dataset_of_another_tokenizer_is_refused(model_dir, text_data, tmp_path):
+# A second mistake that the data's plan would report first if the data were opened before its
+# tokenizer is checked: minibatches that need more rows than a step has.
+@pytest.mark.parametrize("also", [(), ("--config.packing.mode=minibatch",
+                                       "--config.packing.examples_per_batch=64",
+                                       "--config.train.batch_size=1")],
+                         ids=["alone", "with-too-few-rows-per-step"])
+def test_a_dataset_of_another_tokenizer_is_refused(model_dir, text_data, tmp_path, also):
   other = str(tmp_path / "other")
   hf_models.make_tokenizer(other, eos="<unk>")  # the same vocabulary, another EOS
   run_cli("segpack", "tokenize", "--input", str(text_data / "docs.jsonl"), "--tokenizer",
           f"hf:{other}", "--output", str(tmp_path / "data"))
   out = run_cli("train.main", "--config=configs/packed.py:smoke",
                 f"--config.model.init_from={model_dir}", f"--config.data.train={tmp_path / 'data'}",
-                f"--workdir={tmp_path / 'run'}", check=False)
+                f"--workdir={tmp_path / 'run'}", *also, check=False)
   assert out.returncode == 2, out.stderr[-2000:]
   line = out.stderr.strip().splitlines()[-1]
   assert "was tokenized with tokenizer sha256:" in line and model_dir in line

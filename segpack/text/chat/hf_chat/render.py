@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from segpack import errors
 from segpack import files
 from segpack.errors import ArgumentError
 from segpack.text.chat import ChatFormatError, Conversation
@@ -82,7 +83,7 @@ class TemplateRenderer:
                                                             local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ArgumentError(f"{self.directory}: transformers cannot load the tokenizer: "
-                          f"{' '.join(str(e).split())}") from e
+                          f"{errors.one_line(e)}") from e
     self._sources = {n: self.directory / n for n in COPY_NAMES if (self.directory / n).is_file()}
     if given is not None:  # a training template of the user's own, kept as chat_template.jinja
       self._hf.chat_template = Path(given).read_text("utf-8")
@@ -158,7 +159,7 @@ class TemplateRenderer:
       raise
     except Exception as e:  # noqa: BLE001  # the template's raise_exception, Jinja errors
       raise ChatFormatError(f"{where}: the chat template of {self.directory} does not render "
-                            f"messages[:{len(messages)}]: {' '.join(str(e).split())}") from e
+                            f"messages[:{len(messages)}]: {errors.one_line(e)}") from e
 
   def _generation_spans(self, messages: list[dict[str, Any]], *,
                         tools: list[dict[str, Any]] | None) -> list[tuple[int, int]]:
