@@ -192,9 +192,10 @@ def write_inputs(directory: str) -> None:
 
 
 def _digests(directory: str, *, paths: dict[str, str]) -> dict[str, str]:
-  """The sha256 of every file under `directory` (a dataset, an export) but its locks; in a
-  `.json` file each `paths` value (a directory of this checkout or run) is first written as its
-  key, so that where the checkout and its scratch space lie does not count."""
+  """The sha256 of every file under `directory` (a dataset, an export) but its locks, and each
+  `.json` file's content (compared field by field); in a `.json` file each `paths` value (a
+  directory of this checkout or run) is first written as its key, so that where the checkout
+  and its scratch space lie does not count."""
   out = {}
   for p in sorted(p for p in pathlib.Path(directory).rglob("*")
                   if p.is_file() and p.suffix != ".lock"):  # a lock says which process held it
@@ -203,6 +204,9 @@ def _digests(directory: str, *, paths: dict[str, str]) -> dict[str, str]:
       text = data.decode("utf-8")
       for name, path in sorted(paths.items(), key=lambda kv: -len(kv[1])):
         text = text.replace(path, name)
+      with contextlib.suppress(ValueError):  # compared field by field, to name what differs
+        out[str(p.relative_to(directory))] = json.loads(text)
+        continue
       data = text.encode("utf-8")
     out[str(p.relative_to(directory))] = hashlib.sha256(data).hexdigest()
   return out
