@@ -63,6 +63,9 @@ INVENTORY = {
     ("docs/benchmarks.md", "## Refactor: before and after", 0): (
         NOT, "checks two past revisions out and runs both (minutes); a record of how the figures "
              "were measured"),
+    ("docs/benchmarks.md", "## Trainer restructure (objectives plug in): before and after",
+     0): (NOT, "checks two past revisions out and runs both (minutes); a record of how the "
+               "figures were measured"),
     ("docs/benchmarks.md", "## Rooms for the trainer: before and after (2026-11-26)", 0): (
         NOT, "checks two past revisions out and runs both (minutes); a record of how the figures "
              "were measured"),
