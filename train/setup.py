@@ -85,28 +85,32 @@ def preflight(config: Any) -> None:
   check_attention_leaks(config, implementation=implementation)
 
 
-def check_tokenizer_first(config: Any) -> None:
+def check_tokenizer_first(config: Any) -> set[str]:
   """With `model.init_from`: the tokenizer of each local dataset of `data.train` (its manifest)
   is the model's, checked before the data is opened and planned, so that data of another
   tokenizer is refused for that, not for what follows from it (the rows a step needs, the
-  vocabulary). What cannot be read here is opened, and reported, with the data."""
+  vocabulary). Returns the tokenizer fingerprints found the model's; what cannot be read here
+  is opened, and checked, with the data."""
+  checked: set[str] = set()
   if config.model.init_from is None:
-    return
+    return checked
   for path in run_guard.dataset_paths(config.data.train):
     try:
       manifest = json.loads((pathlib.Path(path) / "manifest.json").read_text("utf-8"))
       fingerprint = manifest["tokenizer_fingerprint"]
     except (OSError, ValueError, KeyError, TypeError):
       continue
-    if isinstance(fingerprint, str):
+    if isinstance(fingerprint, str) and fingerprint not in checked:
       hf_init.check_tokenizer(config.model.init_from, data_fingerprint=fingerprint,
                               data_name=f"data.train={path!r}")
+      checked.add(fingerprint)
+  return checked
 
 
 def _data(config: Any, workdir: str, mesh: Any, objective: objective_lib.Objective):
   """Step 1's data and its checks: `(data, extra, resolved recipe, fingerprints)`."""
   t = config.train
-  check_tokenizer_first(config)
+  checked = check_tokenizer_first(config)
   data, extra = objective.make_data(config, mesh=mesh, batch_size=t.batch_size,
                                     process_index=jax.process_index(),
                                     process_count=jax.process_count())
@@ -114,7 +118,7 @@ def _data(config: Any, workdir: str, mesh: Any, objective: objective_lib.Objecti
       config, steps_per_epoch=data.train_rows_in_epoch0 / t.batch_size, started=_started(workdir))
   fingerprints = run_guard.data_fingerprints(train=config.data.train, eval_path=config.data.eval)
   run_guard.check_run_record(workdir, fingerprints)  # before a checkpoint can be blamed
-  if config.model.init_from is not None:
+  if config.model.init_from is not None and data.tokenizer_fingerprint not in checked:
     hf_init.check_tokenizer(config.model.init_from, data_fingerprint=data.tokenizer_fingerprint,
                             data_name=data_lib.data_name(config))
   return data, extra, resolved, fingerprints
