@@ -64,8 +64,9 @@ FLOORS = (
     ("train.model",),
     # the trainer: its loop, objectives, state, data, checkpoints; the wings a run starts with
     # (Hugging Face import, adapters, preferences with their scoring command) and a finished
-    # run read back (checkpoint, config, tokenizer, chat template)
-    ("train", "train.hf", "train.adapters", "train.preference", "train.runs"),
+    # run read back (checkpoint, config, tokenizer, chat template), the rollout engine (the
+    # completions and log-probs RL and evaluation train and score on)
+    ("train", "train.hf", "train.adapters", "train.preference", "train.runs", "train.rollout"),
     # what reads finished runs: the sampler, the export to a Hugging Face or PEFT directory
     ("train.sample", "train.export"),
     ("train.bench",),
@@ -472,4 +473,4 @@ def test_docs_architecture_has_a_line_for_every_module_and_none_stale():
   missing = sorted(p for p in actual - listed if not p.endswith("__init__.py"))
   assert not missing, f"modules without a line in docs/architecture.md: {missing}"
   assert not listed - actual, f"stale lines: {sorted(listed - actual)}"
-  assert "segpack/errors.py" in listed and "train/sample/decode.py" in listed  # the parser reads it
+  assert "segpack/errors.py" in listed and "train/rollout/engine.py" in listed  # the parser reads it

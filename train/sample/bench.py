@@ -1,4 +1,4 @@
-"""Decoding speed: the KV-cache decoder (`train.sample.decode`) beside the full-forward one
+"""Decoding speed: the rollout engine's KV cache (`train.rollout.engine`) beside the full-forward one
 (`train.sample.reference`), side by side in one run.
 
   python -m train.sample.bench [--workdir W] [--new-tokens 256] [--batches 1,8] [--json]
@@ -31,10 +31,9 @@ import numpy as np
 
 from segpack import errors
 from configs import packed as packed_config
-from train.sample import decode as decode_lib
+from train.rollout import engine
 from train.sample import reference
 from train.model import decoder as model_lib
-from train.runs import saved as saved_run
 from train.runs import loaded as loaded_run
 
 
@@ -70,10 +69,11 @@ def measure(model: model_lib.Decoder, *, batch: int, new_tokens: int, repeats: i
              for _ in range(batch)]
 
   def kv():
-    return decode_lib.decode(model, prompts, max_new_tokens=new_tokens)
+    return [list(c.token_ids) for c in engine.generate(model, prompts,
+                                                       max_new_tokens=new_tokens)]
 
   def full():
-    return [reference.generate(model, p, max_new_tokens=new_tokens) for p in prompts]
+    return [reference.generate(model, p, max_new_tokens=new_tokens)[0] for p in prompts]
 
   kv()  # compile
   kv_seconds, kv_out = _timed(kv, repeats)

@@ -15,8 +15,11 @@ Works for every run the trainer makes: the built-in corpora, a dataset or a mixt
 model. Prompts begin as the run's documents began (BOS when `data.add_bos`); `--chat` renders the
 prompt as a user turn with the run's chat template (segpack's, or the model's own for data
 rendered by it) and prints the assistant's answer, stopping at the end of its turn. All prompts
-and samples decode together in one jitted loop (`train.sample.decode`): several share one packed row
-(`--rows`), and each answer is the one it would get alone.
+and samples decode together on the rollout engine (`train.rollout.engine`): every prompt is
+prefilled once for all its samples, `--lanes` completions decode at once (a lane that ends takes
+the next waiting one), and each answer is the one it would get alone. `--stop TEXT` ends an answer
+where its text holds TEXT; `--output FILE` also writes every completion with its token ids,
+log-probs and finish reason as JSON lines (`train.sample.output`).
 
 With a model's own chat template (data tokenized with `--tokenizer hf:DIR`, or an imported
 model's), `--tools FILE` offers tools to the model (a JSON list of tool schemas, or an object with a
@@ -39,7 +42,9 @@ from absl import app, flags, logging
 
 from segpack import errors
 from segpack.text import chat
-from train.sample import decode as decode_lib
+from train.rollout import engine
+from train.rollout import sampling as sampling_lib
+from train.sample import output as sample_output
 from train.sample import prompts as sample_prompts
 from train.sample.prompts import SampleError
 from train.runs import saved as saved_run
@@ -51,32 +56,38 @@ PROG = "python -m train.sample"
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-  """One decoded continuation: `prompt` (its index), `sample` (its draw), the new token ids and
-  the text printed (the prompt and continuation, the chat answer, or ids without a tokenizer)."""
+  """One decoded continuation: `prompt` (its index), `sample` (its draw), the new token ids, the
+  text printed (the prompt and continuation, the chat answer, or ids without a tokenizer) and
+  the engine's completion (`train.rollout.engine.Completion`: log-probs, finish reason)."""
   prompt: int
   sample: int
   new_ids: tuple[int, ...]
   text: str
   step: int = 0  # the checkpoint's step it came from (a newer one if the chosen one was deleted)
+  completion: engine.Completion | None = None
 
 
-def sampling_of(*, temperature: float | None, top_k: int, top_p: float) -> decode_lib.Sampling:
+def sampling_of(*, temperature: float | None, top_k: int, top_p: float) -> sampling_lib.Sampling:
   """The command's settings as a `Sampling`: without `temperature`, 1.0 when `top_k > 1` or
   `top_p < 1` asks for a draw, else greedy (0)."""
   if temperature is None:
     temperature = 1.0 if top_k > 1 or top_p < 1 else 0.0
   try:
-    return decode_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-  except decode_lib.DecodeError as e:
+    return sampling_lib.Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+  except sampling_lib.DecodeError as e:
     raise SampleError(f"--{e}") from e
 
 
-def _text(tokenizer: Any, prompt: list[int], new: list[int], *, chat_mode: bool,
+def _text(tokenizer: Any, prompt: list[int], done: engine.Completion, *, chat_mode: bool,
           stops: Sequence[int]) -> str:
+  new = list(done.token_ids)
   if tokenizer is None:
     return ",".join(map(str, prompt)) + " | " + ",".join(map(str, new))
   if chat_mode:
-    return tokenizer.decode(new[:-1] if new and new[-1] in stops else new)
+    return done.text
+  if done.finish_reason == "stop_string":  # the whole text, cut where the completion's is
+    whole = tokenizer.decode(prompt + new)
+    return whole[:whole.rfind(done.stop)]
   return tokenizer.decode(prompt + new)
 
 
@@ -84,8 +95,8 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
            chat_mode: bool = False, system: str | None = None,
            conversation: chat.Conversation | Sequence[Mapping[str, Any]] | None = None,
            tools: Sequence[Mapping[str, Any]] | None = None, num_samples: int = 1,
-           max_new_tokens: int = 64, sampling: decode_lib.Sampling = decode_lib.GREEDY,
-           seed: int = 0, rows: int | None = None,
+           max_new_tokens: int = 64, sampling: sampling_lib.Sampling = sampling_lib.GREEDY,
+           seed: int = 0, lanes: int | None = None, stop_strings: Sequence[str] = (),
            checkpoint: Checkpoint | None = None) -> list[Answer]:
   """Decodes continuations of the prompts from the newest intact checkpoint of `workdir`.
 
@@ -102,12 +113,14 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
     tools: with `chat_mode`, the tools offered to the model (a list of JSON schemas) in each
       prompt or in `conversation`, whose own tools they replace (`--tools`). Needs a run whose
       chat template is the model's own.
-    num_samples: draws per prompt (greedy decoding gives one).
+    num_samples: draws per prompt (greedy decoding gives one), all from one prefill.
     max_new_tokens: the most new tokens per answer (any int >= 1): an answer stops where the
       run's rows end (`packing.seq_len` positions, prompt included).
-    sampling: greedy or a draw (`train.sample.decode.Sampling`).
+    sampling: greedy or a draw (`train.rollout.sampling.Sampling`).
     seed: the seed of the draws.
-    rows: rows the prompts and samples are packed into (None: one row each).
+    lanes: completions decoded at once (None: all of them, up to the engine's default); a lane
+      that ends takes the next waiting completion.
+    stop_strings: an answer ends once its text holds one of these, cut before it (`--stop`).
     checkpoint: the checkpoint to read (None: `choose_checkpoint(workdir)`).
 
   Returns:
@@ -119,9 +132,13 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
       valid, `conversation` / `tools` on a run rendered with segpack's own template, or a
       prompt that leaves no room for a new token in the run's rows.
   """
-  for flag, value in (("--num_samples", num_samples), ("--max_new_tokens", max_new_tokens)):
+  for flag, value in (("--num_samples", num_samples), ("--max_new_tokens", max_new_tokens),
+                      ("--lanes", 1 if lanes is None else lanes)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise SampleError(f"{flag} must be an int >= 1, got {value!r}")
+  for stop in stop_strings:
+    if not isinstance(stop, str) or not stop:
+      raise SampleError(f"--stop must be a non-empty string, got {stop!r}")
   sample_prompts.check_request(texts=prompts, ids=prompt_ids, chat_mode=chat_mode,
                                system=system, conversation=conversation, tools=tools)
   if tools is not None:
@@ -135,21 +152,24 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
       conversation=conversation, tools=tools)
   sample_prompts.check_room(ids, seq_len=int(config.packing.seq_len), flag=(
       "--prompt_ids" if prompt_ids else "--conversation" if conversation else "--prompt"))
+  if stop_strings and tokenizer is None:
+    raise SampleError(f"--stop {stop_strings[0]!r}: a run without a tokenizer decodes ids, "
+                      f"not text; give stop ids through the data's EOS instead")
   config, model, step = loaded_run.load_run(workdir, checkpoint=checkpoint)
   if tokenizer is not None and tokenizer.vocab_size > model.cfg.vocab_size:  # more rows: fine
     raise SampleError(f"the run's tokenizer ({tokenizer.spec}) has {tokenizer.vocab_size} ids, "
                       f"the checkpoint's model {model.cfg.vocab_size}: not the run's tokenizer")
-  draws = 1 if sampling.greedy else num_samples
-  lanes = [(p, s) for p in range(len(ids)) for s in range(draws)]
   try:
-    new = decode_lib.decode(model, [ids[p] for p, _ in lanes], max_new_tokens=max_new_tokens,
-                            sampling=sampling, seed=seed, stop_ids=stops, rows=rows,
-                            max_len=config.packing.seq_len)
-  except decode_lib.DecodeError as e:
+    done = engine.generate(
+        model, ids, num_samples=1 if sampling.greedy else num_samples,
+        max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, stop_ids=stops,
+        stop_strings=stop_strings, lanes=lanes, max_len=config.packing.seq_len,
+        detokenize=None if tokenizer is None else tokenizer.decode)
+  except sampling_lib.DecodeError as e:
     raise SampleError(str(e)) from e
-  return [Answer(prompt=p, sample=s, new_ids=tuple(n), step=step,
-                 text=_text(tokenizer, ids[p][skip:], n, chat_mode=chat_mode, stops=stops))
-          for (p, s), n in zip(lanes, new)]
+  return [Answer(prompt=c.prompt, sample=c.sample, new_ids=c.token_ids, step=step, completion=c,
+                 text=_text(tokenizer, ids[c.prompt][skip:], c, chat_mode=chat_mode,
+                            stops=stops)) for c in done]
 
 
 def define_flags() -> dict[str, Any]:
@@ -178,8 +198,12 @@ def define_flags() -> dict[str, Any]:
       top_k=flags.DEFINE_integer("top_k", 0, "Draw among the k most likely (0: all)."),
       top_p=flags.DEFINE_float("top_p", 1.0, "Draw among the most likely up to this mass."),
       seed=flags.DEFINE_integer("seed", 0, "Seed of the draws."),
-      rows=flags.DEFINE_integer("rows", None, "Rows to pack the prompts and samples into "
-                                "(default: one each)."),
+      lanes=flags.DEFINE_integer("lanes", None, "Completions decoded at once (default: all, "
+                                 "up to 256); a lane that ends takes the next waiting one."),
+      stop=flags.DEFINE_multi_string("stop", [], "End an answer once its text holds this "
+                                     "string (cut before it); repeatable."),
+      output=flags.DEFINE_string("output", None, "Also write every completion as a JSON line "
+                                 "(ids, log-probs, finish reason) to this new file."),
       benchmark=flags.DEFINE_bool("benchmark", False, "Print tokens/s of the KV-cache decoder "
                                   "beside the full-forward one (train.sample.bench) and exit."))
 
@@ -193,6 +217,7 @@ def _run(values: dict[str, Any]) -> None:
   sample_prompts.check_request(texts=values["prompt"], ids=values["prompt_ids"],
                                chat_mode=values["chat"], system=values["system"],
                                conversation=conversation, tools=tools)
+  output = None if values["output"] is None else sample_output.check_output(values["output"])
   checkpoint = saved_run.choose_checkpoint(values["workdir"])  # warns of a damaged one skipped
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.ERROR)  # orbax warns about a manager it may not write to
@@ -200,8 +225,8 @@ def _run(values: dict[str, Any]) -> None:
                    chat_mode=values["chat"], system=values["system"],
                    conversation=conversation, tools=tools,
                    num_samples=values["num_samples"], max_new_tokens=values["max_new_tokens"],
-                   sampling=sampling, seed=values["seed"], rows=values["rows"],
-                   checkpoint=checkpoint)
+                   sampling=sampling, seed=values["seed"], lanes=values["lanes"],
+                   stop_strings=values["stop"], checkpoint=checkpoint)
   mode = "greedy" if sampling.greedy else (
       f"temperature={sampling.temperature}, top_k={sampling.top_k}, top_p={sampling.top_p}")
   draws = max(a.sample for a in answers) + 1
@@ -209,6 +234,8 @@ def _run(values: dict[str, Any]) -> None:
     print(f"=== prompt {a.prompt + 1}, sample {a.sample + 1}/{draws} ({mode}) from step "
           f"{a.step} ===")
     print(a.text)
+  if output is not None:
+    sample_output.write(output, answers)
 
 
 def main(argv: Sequence[str], *, holders: dict[str, Any]) -> None:

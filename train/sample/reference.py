@@ -1,12 +1,12 @@
-"""The full-forward decoder: the oracle of `train.sample.decode` and the baseline of its benchmark.
+"""The full-forward decoder: the oracle of `train.rollout.engine` and the baseline of its benchmark.
 
 Every new token recomputes the whole forward pass over the prompt and the tokens so far, as the
 trainer computes it (`Decoder.__call__`, segment attention on one document), with no cache. The
 row is `prompt + new tokens` as segment 1 at positions `0..n-1`, padded with segment 0 to a power
-of two (`train.sample.decode.bucket_length`) so that `jax.jit` compiles once per length bucket; the model
+of two (`train.rollout.engine.bucket_length`) so that `jax.jit` compiles once per length bucket; the model
 is causal and segment-masked, so the padding changes no logit of the document. Tokens are chosen
-by `train.sample.decode.choose` with the same per-prompt keys, so both decoders draw the same tokens
-from the same logits.
+by `train.rollout.sampling.choose` with the same per-completion keys, so both decoders draw the
+same tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train.sample import decode as decode_lib
+from train.rollout import engine
+from train.rollout import sampling as sampling_lib
 from train.model import decoder as model_lib
 
 
@@ -51,37 +52,41 @@ def _logits_at(graphdef: Any, params: Any, row: dict[str, jax.Array],
 def last_logits(model: model_lib.Decoder, tokens: Sequence[int]) -> jax.Array:
   """The logits `[V]` after the last of `tokens` (one document, padded to a bucket)."""
   graphdef, params = nnx.split(model)
-  row = padded_row(tokens, length=decode_lib.bucket_length(len(tokens)))
+  row = padded_row(tokens, length=engine.bucket_length(len(tokens)))
   return _logits_at(graphdef, params, row, jnp.int32(len(tokens) - 1))
 
 
 def generate(model: model_lib.Decoder, prompt: Sequence[int], *, max_new_tokens: int,
-             sampling: decode_lib.Sampling = decode_lib.GREEDY, seed: int = 0,
-             prompt_index: int = 0, stop_ids: Sequence[int] = (),
-             max_len: int | None = None) -> list[int]:
+             sampling: sampling_lib.Sampling = sampling_lib.GREEDY, seed: int = 0,
+             prompt_index: int = 0, sample_index: int = 0, stop_ids: Sequence[int] = (),
+             max_len: int | None = None) -> tuple[list[int], list[float]]:
   """Continues one prompt, one full forward pass per new token.
 
   Args:
     model: the decoder.
     prompt: token ids (BOS included if the run's documents began with one).
     max_new_tokens: the most tokens to add.
-    sampling: as `train.sample.decode.decode`.
-    seed: as `train.sample.decode.decode`.
-    prompt_index: the prompt's index in a `decode` call (its draws' key).
+    sampling: as `train.rollout.engine.generate`.
+    seed: as `train.rollout.engine.generate`.
+    prompt_index: the prompt's index in a `generate` call (its draws' key).
+    sample_index: the completion's index among the prompt's samples (its draws' key).
     stop_ids: stop after one of these.
     max_len: prompt and new tokens never exceed it.
 
   Returns:
-    The new tokens, ending with the stop id when one was drawn.
+    `(the new tokens, ending with the stop id when one was drawn, their log-probs at the
+    sampling temperature)`.
   """
-  (tokens,) = decode_lib.check_prompts([prompt], vocab_size=model.cfg.vocab_size,
-                                       max_new_tokens=max_new_tokens, max_len=max_len)
-  key, new = decode_lib.lane_key(seed, prompt_index), []
+  (tokens,) = engine.check_prompts([prompt], vocab_size=model.cfg.vocab_size,
+                                   max_new_tokens=max_new_tokens, max_len=max_len)
+  key = sampling_lib.completion_key(seed, prompt_index, sample_index)
+  new, logprobs = [], []
   while len(new) < max_new_tokens and (max_len is None or len(tokens) < max_len):
-    token = int(decode_lib.choose(last_logits(model, tokens), jax.random.fold_in(key, len(new)),
-                                  sampling))
-    tokens.append(token)
-    new.append(token)
-    if token in stop_ids:
+    token, logprob, _ = sampling_lib.choose(last_logits(model, tokens),
+                                            jax.random.fold_in(key, len(new)), sampling)
+    tokens.append(int(token))
+    new.append(int(token))
+    logprobs.append(float(logprob))
+    if int(token) in stop_ids:
       break
-  return new
+  return new, logprobs

@@ -1,7 +1,8 @@
-"""`train.sample.decode` on imported Hugging Face models against transformers' own `generate`: greedy
-answers of several prompts of different lengths, decoded in one batch (one row each, and all
-packed into one row), equal `model.generate(do_sample=False)` on the left-padded batch, token for
-token; stopping at EOS agrees too."""
+"""`train.rollout.engine` on imported Hugging Face models against transformers: greedy answers of
+several prompts of different lengths, decoded together (a lane each, one lane, two lanes), equal
+`model.generate(do_sample=False)` on the left-padded batch, token for token; stopping at EOS
+agrees too; drawn tokens' log-probs are transformers' `log_softmax` of the logits at their
+positions."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 from support import hf_models  # noqa: E402
 from configs import packed  # noqa: E402
-from train.sample import decode as decode_lib  # noqa: E402
+from train.rollout import engine  # noqa: E402
+from train.rollout import sampling as sampling_lib  # noqa: E402
 from train.hf import config as hf_config, weights as hf_weights  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 
@@ -44,6 +46,10 @@ def _transformers_greedy(model_dir, prompts, *, eos=None):
   return answers
 
 
+def _ids(completions):
+  return [list(c.token_ids) for c in completions]
+
+
 def _prompts(seed):
   rng = np.random.default_rng(seed)
   return [[1] + [int(t) for t in rng.integers(3, 150, size=n - 1)] for n in (3, 17, 8, 31, 1)]
@@ -56,9 +62,8 @@ def test_greedy_batch_equals_transformers_generate(tmp_path, family, tie):
   prompts = _prompts(0)
   want = _transformers_greedy(model_dir, prompts)
   assert len({tuple(w) for w in want}) == len(prompts)  # distinct answers: nothing shared
-  assert decode_lib.decode(model, prompts, max_new_tokens=NEW) == want
-  assert decode_lib.decode(model, prompts, max_new_tokens=NEW, rows=1) == want
-  assert decode_lib.decode(model, prompts, max_new_tokens=NEW, rows=2) == want
+  for lanes in (None, 1, 2):
+    assert _ids(engine.generate(model, prompts, max_new_tokens=NEW, lanes=lanes)) == want
 
 
 def test_stopping_at_eos_equals_transformers(tmp_path):
@@ -72,4 +77,26 @@ def test_stopping_at_eos_equals_transformers(tmp_path):
   want = _transformers_greedy(model_dir, prompts, eos=eos)
   assert want[1] == free[1][:free[1].index(eos) + 1]
   assert any(eos not in w for w in want)  # the negative: some run the whole way
-  assert decode_lib.decode(model, prompts, max_new_tokens=NEW, stop_ids=[eos], rows=1) == want
+  assert _ids(engine.generate(model, prompts, max_new_tokens=NEW, stop_ids=[eos], lanes=1)) == want
+
+
+def test_drawn_logprobs_are_transformers_log_softmax(tmp_path):
+  """Temperature 1, no truncation, 4 samples of each prompt: every token's log-prob equals
+  transformers' `log_softmax` of the exported-format model's logits at that position (float32,
+  1e-4), and so does the log-prob of the distribution drawn from (the same one here)."""
+  import transformers
+  model_dir = hf_models.make_model(str(tmp_path / "m"), "qwen3", seed=5)
+  model = _imported(model_dir)
+  prompts = _prompts(2)[:3]
+  got = engine.generate(model, prompts, num_samples=4, max_new_tokens=10, seed=3,
+                        sampling=sampling_lib.Sampling(temperature=1.0))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  assert len({c.token_ids for c in got}) > 4  # real draws, not one answer repeated
+  for c in got:
+    row = prompts[c.prompt] + list(c.token_ids)
+    with torch.no_grad():
+      logits = hf(input_ids=torch.tensor([row])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)[len(prompts[c.prompt]) - 1:-1]
+    want = logp[torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)].numpy()
+    np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
+    np.testing.assert_allclose(c.sampling_logprobs, want, atol=1e-4)

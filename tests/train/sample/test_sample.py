@@ -24,7 +24,9 @@ from support.train_configs import synthetic_config
 from support import train_configs
 from train import checkpoint_digest as digest_lib
 from train.model import decoder as model_lib
-from train.sample import decode as decode_lib
+from train.rollout import cache as cache_lib
+from train.rollout import engine
+from train.rollout import sampling as sampling_lib
 from train.sample import reference
 from train.runs import tokenizer as run_tokenizer
 from train.sample import prompts as sample_prompts
@@ -82,19 +84,6 @@ def test_load_run_reads_the_config_step_and_vocabulary(loaded):
   assert model.cfg.attention_implementation == "xla"
 
 
-def test_layout_packs_longest_first_into_the_emptiest_row():
-  layout = decode_lib.layout_prompts([[1] * 3, [2] * 9, [3] * 2, [4] * 5], rows=2)
-  # 9 -> row 0; 5 -> row 1; 3 -> row 1 (5 < 9); 2 -> row 1 (8 < 9); lanes in prompt order.
-  np.testing.assert_array_equal(layout.prompt_BxN, [[1, -1, -1], [0, 2, 3]])
-  np.testing.assert_array_equal(layout.length_BxN, [[9, 0, 0], [3, 2, 5]])
-  np.testing.assert_array_equal(layout.last_slot_BxN, [[8, 0, 0], [2, 4, 9]])
-  assert layout.input_ids_BxP.shape == (2, 16)  # 10 tokens in row 1, bucketed to 16
-  np.testing.assert_array_equal(layout.segment_ids_BxP[1, :11], [1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 0])
-  np.testing.assert_array_equal(layout.segment_positions_BxP[1, :10],
-                                [0, 1, 2, 0, 1, 0, 1, 2, 3, 4])
-  assert [decode_lib.bucket_length(n) for n in (1, 16, 17, 33)] == [16, 16, 32, 64]
-
-
 @pytest.mark.parametrize("length", [1, 5, 16, 17, 40])
 def test_reference_logits_equal_the_training_forward_pass(loaded, length):
   """The oracle's padded, jitted logits at the last token equal the unpadded training call's."""
@@ -108,100 +97,6 @@ def test_reference_logits_equal_the_training_forward_pass(loaded, length):
 def _prompts(lengths, seed=0):
   rng = np.random.default_rng(seed)
   return [[1] + [int(t) for t in rng.integers(3, 97, size=n - 1)] for n in lengths]
-
-
-def test_greedy_kv_cache_decoding_is_the_argmax_of_the_training_logits(loaded):
-  """An independent loop on the growing unpadded row, one training forward per token."""
-  _, model, _ = loaded
-  prompt = [1, 5, 6, 7]
-  (got,) = decode_lib.decode(model, [prompt], max_new_tokens=8)
-  tokens, want = list(prompt), []
-  for _ in range(8):
-    token = int(np.argmax(_training_logits(model, tokens)[-1]))
-    tokens.append(token)
-    want.append(token)
-  assert got == want
-
-
-@pytest.mark.parametrize("rows", [None, 1, 2])
-def test_kv_cache_decoding_equals_the_full_forward_oracle(loaded, rows):
-  """Five prompts of different lengths, one per row, all in one packed row, or two rows: every
-  answer equals the full-forward decoder's on that prompt alone, token for token."""
-  _, model, _ = loaded
-  prompts = _prompts([4, 1, 13, 7, 30])
-  got = decode_lib.decode(model, prompts, max_new_tokens=12, rows=rows)
-  want = [reference.generate(model, p, max_new_tokens=12) for p in prompts]
-  assert got == want and all(len(g) == 12 for g in got)
-
-
-def test_drawn_tokens_do_not_depend_on_the_layout(loaded):
-  """Temperature, top-k and top-p: a prompt draws the same tokens alone (the oracle), packed with
-  others, or in its own row; another seed draws others."""
-  _, model, _ = loaded
-  prompts = _prompts([3, 9, 5, 17], seed=1)
-  sampling = decode_lib.Sampling(temperature=1.3, top_k=12, top_p=0.9)
-  packed_rows = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=7,
-                                  rows=1)
-  own_rows = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=7)
-  want = [reference.generate(model, p, max_new_tokens=10, sampling=sampling, seed=7,
-                             prompt_index=i) for i, p in enumerate(prompts)]
-  assert packed_rows == own_rows == want
-  other = decode_lib.decode(model, prompts, max_new_tokens=10, sampling=sampling, seed=8)
-  assert other != want
-
-
-def test_top_k_and_top_p_draw_only_among_the_allowed_tokens(loaded):
-  """Every drawn token is among the k most likely (top-k) or in the smallest set whose
-  probability reaches p (top-p) of the training logits at its step."""
-  _, model, _ = loaded
-  prompt = [1, 5, 6, 7]
-  for sampling in (decode_lib.Sampling(temperature=1.0, top_k=3),
-                   decode_lib.Sampling(temperature=2.0, top_p=0.5)):
-    for seed in range(3):
-      (new,) = decode_lib.decode(model, [prompt], max_new_tokens=6, sampling=sampling, seed=seed)
-      tokens = list(prompt)
-      for token in new:
-        logits = _training_logits(model, tokens)[-1] / sampling.temperature
-        order = np.argsort(-logits)
-        if sampling.top_k:
-          allowed = order[:sampling.top_k]
-        else:
-          probs = np.exp(logits[order] - logits.max())
-          probs /= probs.sum()
-          allowed = order[:int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1]
-        assert token in allowed, (sampling, seed, tokens)
-        tokens.append(token)
-
-
-def test_decoding_stops_at_a_stop_id_and_at_the_row_length(loaded):
-  _, model, _ = loaded
-  prompts = _prompts([4, 4, 9], seed=2)
-  greedy = decode_lib.decode(model, prompts, max_new_tokens=8)
-  stop = greedy[0][2]
-  stopped = decode_lib.decode(model, prompts, max_new_tokens=8, stop_ids=[stop], rows=1)
-  for got, full in zip(stopped, greedy):
-    assert got == (full[:full.index(stop) + 1] if stop in full else full)
-  capped = decode_lib.decode(model, prompts, max_new_tokens=50, max_len=12)
-  assert [len(c) for c in capped] == [8, 8, 3]  # prompt and new tokens fill 12 positions
-  assert capped[2] == greedy[2][:3]
-
-
-def test_bad_prompts_and_settings_are_refused(loaded):
-  _, model, _ = loaded
-  with pytest.raises(decode_lib.DecodeError, match="prompt 1 holds no token"):
-    decode_lib.decode(model, [[5], []], max_new_tokens=4)
-  with pytest.raises(decode_lib.DecodeError, match=r"prompt 0: .*\[0, 97\), got \[97\]"):
-    decode_lib.decode(model, [[5, 97]], max_new_tokens=4)
-  with pytest.raises(decode_lib.DecodeError, match="no room for a new one"):
-    decode_lib.decode(model, [[5] * 12], max_new_tokens=4, max_len=12)
-  with pytest.raises(decode_lib.DecodeError,
-                     match=r"rows must be an int in \[1, 1\] \(the number of prompts\), got 2"):
-    decode_lib.decode(model, [[5]], max_new_tokens=4, rows=2)
-  for bad, match in ((dict(top_k=-1), "top_k must be an int >= 0, got -1"),
-                     (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-                     (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0")):
-    with pytest.raises(decode_lib.DecodeError, match=match):
-      decode_lib.Sampling(**bad)
 
 
 def _flat(tree):
@@ -422,20 +317,24 @@ def test_unreadable_or_missing_checkpoints_are_run_errors(synthetic_run, tmp_pat
 def test_max_new_tokens_past_the_rows_stops_there_with_a_cache_of_what_fits(
     synthetic_run, loaded, monkeypatch):
   _, model, _ = loaded
-  sizes, real = [], decode_lib._decode
+  sizes, real = [], cache_lib.init_state
 
-  def spy(*args, max_new, **kwargs):
-    sizes.append(max_new)
-    assert max_new <= 64, f"a KV cache of {max_new} new slots per lane for rows of 64"
-    return real(*args, max_new=max_new, **kwargs)
+  def spy(cfg, *, new_slots, **kwargs):
+    sizes.append(new_slots)
+    assert new_slots <= 64, f"a KV cache of {new_slots} new slots per lane for rows of 64"
+    return real(cfg, new_slots=new_slots, **kwargs)
 
-  monkeypatch.setattr(decode_lib, "_decode", spy)
+  monkeypatch.setattr(cache_lib, "init_state", spy)
   prompts = _prompts([4, 9], seed=3)
-  huge = decode_lib.decode(model, prompts, max_new_tokens=10**9, max_len=12)
-  assert huge == decode_lib.decode(model, prompts, max_new_tokens=8, max_len=12)
+  huge = engine.generate(model, prompts, max_new_tokens=10**9, max_len=12)
+  eight = engine.generate(model, prompts, max_new_tokens=8, max_len=12)
+  assert [c.token_ids for c in huge] == [c.token_ids for c in eight]
+  assert [c.finish_reason for c in huge] == ["room", "room"]
+  assert [c.finish_reason for c in eight] == ["length", "room"]  # 8 asked, 8 fit: the length
   assert sizes == [8, 8]  # the longest room (12 - 4), not the request
   asked = sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=10**30)
-  assert asked == sample_lib.sample(synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=64)
+  assert [a.new_ids for a in asked] == [a.new_ids for a in sample_lib.sample(
+      synthetic_run, prompt_ids=["5,6,7"], max_new_tokens=64)]
   assert max(sizes) <= 64 - 3
   with pytest.raises(sample_prompts.SampleError, match="--max_new_tokens must be an int >= 1, got 0"):
     sample_lib.sample(synthetic_run, prompt_ids=["5"], max_new_tokens=0)
@@ -452,15 +351,7 @@ def test_a_prompt_that_fills_the_rows_is_one_line_naming_the_flag_and_the_bound(
 
 @pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-39, 0.0, -0.5, 1.5, float("nan")])
 def test_a_top_p_that_is_not_a_float32_in_0_1_is_refused_by_flag(top_p):
-  with pytest.raises(decode_lib.DecodeError, match=r"top_p must be in \(0, 1\]"):
-    decode_lib.Sampling(temperature=1.0, top_p=top_p)
+  with pytest.raises(sampling_lib.DecodeError, match=r"top_p must be in \(0, 1\]"):
+    sampling_lib.Sampling(temperature=1.0, top_p=top_p)
   with pytest.raises(sample_prompts.SampleError, match=r"^--top_p must be in \(0, 1\]"):
     sample_lib.sampling_of(temperature=None, top_k=0, top_p=top_p)
-
-
-def test_the_smallest_top_p_draws_only_the_most_likely_token():
-  logits_V = jnp.log(jnp.asarray([0.1, 0.3, 0.25, 0.2, 0.15]))
-  for top_p in (float(np.finfo(np.float32).tiny), 1e-7, 0.29):
-    sampling = decode_lib.Sampling(temperature=1.0, top_p=top_p)
-    drawn = {int(decode_lib.choose(logits_V, jax.random.key(i), sampling)) for i in range(40)}
-    assert drawn == {1}, (top_p, drawn)

@@ -17,7 +17,7 @@ from segpack.text import chat
 from segpack.text.chat import corpus as chat_corpus
 from support.train_configs import one_step_run
 from support import train_configs
-from train.sample import decode as decode_lib
+from train.rollout import engine
 from train.sample import prompts as sample_prompts
 from train.sample import command as sample_lib
 from train.sample import bench as sample_bench
@@ -52,7 +52,8 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
   answers = sample_lib.sample(chat_run, prompts=[question], chat_mode=True, max_new_tokens=12)
   (answer,) = answers
   _, model, _ = loaded_run.load_run(chat_run)
-  (free,) = decode_lib.decode(model, [want], max_new_tokens=12)  # no stop ids
+  (free,) = (list(c.token_ids)  # no stop ids
+             for c in engine.generate(model, [want], max_new_tokens=12))
   cut = next((i + 1 for i, t in enumerate(free) if t in end or t == tok.eos_id), len(free))
   assert list(answer.new_ids) == free[:cut]
   shown = free[:cut - 1] if free[cut - 1:cut] and free[cut - 1] in set(end) | {tok.eos_id} \
@@ -64,6 +65,40 @@ def test_chat_prompts_are_the_templates_user_turn_and_answers_stop_at_its_end(ch
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines()[1:] == answer.text.splitlines()
 
+
+
+def test_a_stop_string_cuts_the_answer_and_the_output_file_holds_every_token(chat_run, tmp_path):
+  """`--stop S` with S two characters from the middle of the free answer: the printed answer
+  stops before S's first place, and `--output` holds the completion's ids (a prefix of the free
+  answer's), one log-prob per id, "stop_string" and S; the same path again, an empty `--stop` and
+  `--num_samples 0` are one-line errors that write nothing."""
+  question = "What does `zip` do?"
+  (free,) = sample_lib.sample(chat_run, prompts=[question], chat_mode=True, max_new_tokens=24)
+  stop = next(free.text[i:i + 2] for i in range(3, len(free.text) - 2)
+              if free.text[i:i + 2].strip() == free.text[i:i + 2])
+  out = tmp_path / "answers.jsonl"
+  args = [sys.executable, "-m", "train.sample", f"--workdir={chat_run}", "--chat",
+          f"--prompt={question}", "--max_new_tokens=24"]
+  proc = subprocess.run(args + [f"--stop={stop}", f"--output={out}"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300, env=_ONE_DEVICE)
+  assert proc.returncode == 0, proc.stderr
+  cut = free.text[:free.text.index(stop)]
+  assert proc.stdout.splitlines()[1:] == cut.splitlines()
+  (line,) = [json.loads(x) for x in out.read_text().splitlines()]
+  assert line["finish_reason"] == "stop_string" and line["stop"] == stop
+  assert line["completion"] == cut and (line["prompt"], line["sample"]) == (0, 0)
+  ids = line["token_ids"]
+  assert ids == list(free.new_ids[:len(ids)]) and len(ids) < len(free.new_ids)
+  assert len(line["logprobs"]) == len(line["sampling_logprobs"]) == len(ids)
+  before = out.read_bytes()
+  for extra, message in (([f"--output={out}"], "the file exists"),
+                         (["--stop="], "--stop must be a non-empty string"),
+                         (["--num_samples=0", "--temperature=1"], "--num_samples must be")):
+    proc = subprocess.run(args + extra, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=_ONE_DEVICE)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+  assert out.read_bytes() == before
 
 def test_chat_on_a_run_without_a_template_is_refused_by_name(tmp_path):
   """A plain-text run (the built-in corpus) has no chat template: `--chat` says what would."""
