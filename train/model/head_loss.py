@@ -29,7 +29,7 @@ from train.model import layout as layout_lib
 
 
 def token_losses(model: Any, batch: dict[str, jax.Array], *, block_size: int,
-                 vocab_block_size: int = 0) -> jax.Array:
+                 vocab_block_size: int = 0, temperature: float = 1.0) -> jax.Array:
   """The float32 `[B, S]` cross-entropy of every token of `batch` (0 where the label is -100).
 
   Args:
@@ -40,11 +40,19 @@ def token_losses(model: Any, batch: dict[str, jax.Array], *, block_size: int,
       logits (`Decoder.batch_logits`).
     vocab_block_size: with `block_size > 0`, vocabulary columns per chunk; 0: the whole
       vocabulary (of this device, on a mesh that splits it).
+    temperature: the logits are divided by it first (a sampler's temperature, for the log-probs
+      an RL objective compares with the sampler's; the head has no bias, so dividing the final
+      hidden states is the same).
   """
   labels_BxS = batch["labels"]
   if block_size == 0:
-    return loss_lib.token_cross_entropy(model.batch_logits(batch), labels_BxS)
+    logits_BxSxV = model.batch_logits(batch)
+    if temperature != 1.0:
+      logits_BxSxV = logits_BxSxV / temperature
+    return loss_lib.token_cross_entropy(logits_BxSxV, labels_BxS)
   hidden_BxSxE = model.batch_logits(batch, logits=False)
+  if temperature != 1.0:
+    hidden_BxSxE = hidden_BxSxE / temperature
   weight, tied = model.head_weight()
   name = "embedding_VxE" if tied else "weight_ExV"
   options = dict(block_size=block_size, vocab_block_size=vocab_block_size or None)
