@@ -53,6 +53,7 @@ def init_state(cfg: Any, *, groups: int, prompt_slots: int, lanes: int,
           "lane_group", "lane_prompt", "lane_sample", "lane_room", "lane_full", "lane_t",
           "lane_reason")},
       lane_active=jnp.zeros((lanes,), bool),
+      steps=jnp.zeros((), jnp.int32),  # decode steps taken (the lanes' utilization)
       tokens=jnp.full((lanes, new_slots), -1, jnp.int32),
       logprobs=jnp.zeros((lanes, new_slots), jnp.float32),
       sampling_logprobs=jnp.zeros((lanes, new_slots), jnp.float32))
@@ -196,21 +197,23 @@ def _lane_step(model: model_lib.Decoder, state: dict[str, jax.Array], stop_ids: 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("state",))
 def steps(graphdef: Any, params: Any, state: dict[str, jax.Array], stop_ids: jax.Array,
-          seed: jax.Array, max_steps: jax.Array, until_one_ends: jax.Array, *,
+          seed: jax.Array, max_steps: jax.Array, until_ended: jax.Array, *,
           sampling: sampling_lib.Sampling) -> dict[str, jax.Array]:
-  """Decode steps until no lane is active, `max_steps` were taken, or (with `until_one_ends`,
-  when completions wait for a lane) a lane ended."""
+  """Decode steps until no lane is active, `max_steps` were taken, or `until_ended` lanes
+  ended (0: never; the host asks for it when completions wait for lanes)."""
   model = nnx.merge(graphdef, params)
   active_at_start = state["lane_active"]
 
   def running(carry):
     n, state = carry
-    ended = jnp.any(active_at_start & ~state["lane_active"])
-    return (n < max_steps) & jnp.any(state["lane_active"]) & ~(until_one_ends & ended)
+    ended = jnp.sum(active_at_start & ~state["lane_active"])
+    return ((n < max_steps) & jnp.any(state["lane_active"])
+            & ((until_ended == 0) | (ended < until_ended)))
 
   def step(carry):
     n, state = carry
-    return n + 1, _lane_step(model, state, stop_ids, seed, sampling)
+    state = _lane_step(model, state, stop_ids, seed, sampling)
+    return n + 1, dict(state, steps=state["steps"] + 1)
 
   return jax.lax.while_loop(running, step, (jnp.int32(0), state))[1]
 

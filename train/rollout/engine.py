@@ -3,15 +3,17 @@ finish, every token with its two log-probs.
 
 Algorithm (`generate`):
   1. The work is every `(prompt, sample)` pair, prompt by prompt. The cache
-     (`train.rollout.cache`) has `lanes` lanes and as many prompt groups as it can need (a group
-     holds a prompt while any lane decodes one of its completions, so `min(prompts, lanes)`).
+     (`train.rollout.cache`) has `lanes` lanes and `min(prompts, lanes + PREFILL_ROWS)` prompt
+     groups (a group holds a prompt from its prefill until its last completion ends).
   2. Refill: each idle lane takes the next waiting completion. A prompt that is not in a group
-     yet is prefilled into a free one (one forward pass over its padded row, several prompts
-     per call); its completions all read that group, however many there are.
-  3. Decode steps run on the device until a lane ends while completions still wait (or, with
-     stop strings, every `steps_per_check` steps), then the host takes the ended lanes'
-     tokens, looks for stop strings in the lanes still running, frees the lanes and groups that
-     are done, and goes back to step 2. Lanes never wait for the longest completion of a batch.
+     yet is prefilled into a free one (one forward pass over its padded row); once
+     `PREFILL_ROWS` groups are free, the next prompts are prefilled ahead into them in one call.
+     A prompt's completions all read its group, however many there are.
+  3. Decode steps run on the device until `lanes / REFILL_SHARE` lanes have ended while
+     completions still wait (every lane, once none waits; with stop strings, at most
+     `steps_per_check` steps), then the host takes the ended lanes' tokens, looks for stop
+     strings in the lanes still running, frees the lanes and groups that are done, and goes
+     back to step 2. Lanes never wait for the longest completion of a batch.
   4. A completion ends at a stop id (kept as its last token), a stop string (the completion is
      cut after the token that completed it; `text` stops before the string), `max_new_tokens`
      (`"length"`) or the model's positions (`"room"`: prompt and completion fill `max_len`).
@@ -35,43 +37,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from train.model import config as model_config
 from train.model import decoder as model_lib
 from train.rollout import cache as cache_lib
+from train.rollout import completion as completion_lib
+from train.rollout.completion import Completion
 from train.rollout.sampling import DecodeError, GREEDY, Sampling
 
 MIN_BUCKET = 16  # the shortest padded prompt row
 PREFILL_ROWS = 8  # prompts per prefill call when many wait (a single one is prefilled alone)
+REFILL_SHARE = 8  # with completions waiting, the host refills once lanes / 8 lanes have ended
 DEFAULT_LANES = 256  # the most completions decoded at once when `lanes` is not given
-FINISH_REASONS = {cache_lib.STOP_ID: "stop", cache_lib.LENGTH: "length", cache_lib.ROOM: "room"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-  """One completion of one prompt.
-
-  Attributes:
-    prompt: the prompt's index.
-    sample: the completion's index among the prompt's `num_samples`.
-    token_ids: the new tokens (a stop id that ended it included).
-    logprobs: each token's log-prob under the model at the sampling temperature, whole
-      vocabulary (`train.rollout.sampling`).
-    sampling_logprobs: each token's log-prob under the distribution it was drawn from (after
-      top-k / top-p, renormalised; 0 for greedy choice).
-    finish_reason: "stop" (a stop id), "stop_string", "length" (`max_new_tokens`) or "room"
-      (the model's positions are full).
-    text: the completion decoded (without a final stop id, cut before a stop string), when a
-      `detokenize` was given; else None.
-    stop: the stop id or stop string that ended it, else None.
-  """
-
-  prompt: int
-  sample: int
-  token_ids: tuple[int, ...]
-  logprobs: tuple[float, ...]
-  sampling_logprobs: tuple[float, ...]
-  finish_reason: str
-  text: str | None = None
-  stop: int | str | None = None
 
 
 def bucket_length(length: int) -> int:
@@ -85,12 +61,19 @@ def _positive_int(value: object, name: str) -> int:
   return value
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
-                  max_len: int | None) -> list[list[int]]:
+def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int,
+                  max_new_tokens: int | Sequence[int], max_len: int | None) -> list[list[int]]:
   """The prompts as lists of ints; raises DecodeError naming the prompt and the bad value."""
-  _positive_int(max_new_tokens, "max_new_tokens")
   if not prompts:
     raise DecodeError("no prompt to decode: give at least one")
+  if isinstance(max_new_tokens, (int, bool)) or max_new_tokens is None:
+    _positive_int(max_new_tokens, "max_new_tokens")
+  elif len(max_new_tokens) != len(prompts):
+    raise DecodeError(f"max_new_tokens: one per prompt, got {len(max_new_tokens)} for "
+                      f"{len(prompts)} prompts")
+  else:
+    for i, m in enumerate(max_new_tokens):
+      _positive_int(m, f"max_new_tokens[{i}]")
   out = []
   for i, prompt in enumerate(prompts):
     ids = [int(t) for t in prompt]
@@ -116,18 +99,6 @@ def room(length: int, *, max_new_tokens: int, max_len: int | None) -> tuple[int,
   return max_new_tokens, cache_lib.LENGTH
 
 
-def check_stops(stop_strings: Sequence[str], detokenize: Callable[..., str] | None) -> list[str]:
-  """The stop strings, checked: non-empty strings, and a `detokenize` to find them with."""
-  stops = list(stop_strings)
-  for s in stops:
-    if not isinstance(s, str) or not s:
-      raise DecodeError(f"a stop string must be a non-empty string, got {s!r}")
-  if stops and detokenize is None:
-    raise DecodeError("stop strings need the tokenizer's decode (detokenize=): the run has no "
-                      "tokenizer")
-  return stops
-
-
 @dataclasses.dataclass
 class _Work:
   """The host's view of the work (steps 1 to 3): what waits, which lane and group holds what."""
@@ -148,22 +119,36 @@ class _Work:
     self.waiting.extend((p, s) for p in range(len(self.prompts)) for s in range(self.num_samples))
     self.free_lanes = list(range(self.lanes))
     self.free_groups = list(range(self.groups))
+    self.admitted = 0  # prompts 0..admitted-1 have had a group
+    self.prefill_calls = 0
+
+  def _admit(self, prefill: list[tuple[int, int]]) -> None:
+    """The next prompt into a free group (prompts are admitted in order)."""
+    p = self.admitted
+    self.group_of[p] = self.free_groups.pop(0)
+    self.left[p] = self.num_samples
+    prefill.append((p, self.group_of[p]))
+    self.admitted += 1
 
   def refill(self) -> tuple[list[tuple[int, int]], list[int]]:
-    """Step 2 on the host: `(prompts to prefill as (prompt, group), lanes given work)`."""
+    """Step 2 on the host: `(prompts to prefill as (prompt, group), lanes given work)`. Free
+    groups are filled ahead with the next prompts once `PREFILL_ROWS` of them (or all the
+    prompts left) are free, so that prefills run several prompts a call, not one per lane."""
     prefill, started = [], []
     while self.free_lanes and self.waiting:
       p, s = self.waiting[0]
       if p not in self.group_of:
         if not self.free_groups:
           break
-        self.group_of[p] = self.free_groups.pop(0)
-        self.left[p] = self.num_samples
-        prefill.append((p, self.group_of[p]))
+        self._admit(prefill)
       self.waiting.popleft()
       lane = self.free_lanes.pop(0)
       self.lane_work[lane], self.checked[lane] = (p, s), 0
       started.append(lane)
+    left = len(self.prompts) - self.admitted
+    if left and len(self.free_groups) >= min(PREFILL_ROWS, left):
+      while self.free_groups and self.admitted < len(self.prompts):
+        self._admit(prefill)
     return prefill, started
 
   def release(self, lane: int, completion: Completion) -> None:
@@ -175,39 +160,6 @@ class _Work:
     self.left[p] -= 1
     if not self.left[p]:
       self.free_groups.append(self.group_of.pop(p))
-
-
-def _completion(work: _Work, lane: int, tokens: np.ndarray, logp: np.ndarray, logq: np.ndarray,
-                reason: str, *, detokenize: Callable[..., str] | None, stop_ids: Sequence[int],
-                stop: int | str | None = None, cut: int | None = None) -> Completion:
-  p, s = work.lane_work[lane]
-  ids = [int(t) for t in tokens]
-  if reason == "stop":
-    stop = ids[-1]
-  text = None
-  if detokenize is not None:
-    text = detokenize(ids[:-1] if ids and ids[-1] in stop_ids else ids)
-    if cut is not None:
-      text = text[:cut]
-  return Completion(prompt=p, sample=s, token_ids=tuple(ids),
-                    logprobs=tuple(float(x) for x in logp),
-                    sampling_logprobs=tuple(float(x) for x in logq),
-                    finish_reason=reason, text=text, stop=stop)
-
-
-def _first_stop(ids: list[int], since: int, stops: list[str],
-                detokenize: Callable[..., str]) -> tuple[int, str, int] | None:
-  """`(tokens kept, the stop string, where the text is cut)` for the first prefix of `ids`
-  longer than `since` whose text holds a stop string, else None."""
-  if not any(s in detokenize(ids) for s in stops):
-    return None
-  for k in range(since + 1, len(ids) + 1):
-    text = detokenize(ids[:k])
-    found = [(text.find(s), s) for s in stops if s in text]
-    if found:
-      at, s = min(found)
-      return k, s, at
-  return None
 
 
 def _prefill(graphdef, params, state, work: _Work, prefill: list[tuple[int, int]],
@@ -224,6 +176,7 @@ def _prefill(graphdef, params, state, work: _Work, prefill: list[tuple[int, int]
       length_R[r], group_R[r] = len(work.prompts[p]), g
     state = cache_lib.prefill(graphdef, params, state, jnp.asarray(ids_RxP),
                               jnp.asarray(length_R), jnp.asarray(group_R))
+    work.prefill_calls += 1
   return state
 
 
@@ -254,30 +207,70 @@ def _collect(state, work: _Work, *, stops: list[str], detokenize: Callable[..., 
   cancelled = np.zeros((work.lanes,), bool)
   for i, lane in enumerate(lanes):
     t = int(t_L[lane])
-    found = (_first_stop([int(x) for x in tokens[i, :t]], work.checked[lane], stops, detokenize)
-             if stops else None)
+    found = (completion_lib.first_stop([int(x) for x in tokens[i, :t]], work.checked[lane],
+                                       stops, detokenize) if stops else None)
     work.checked[lane] = t
     if found is not None:
       k, stop, cut = found
       cancelled[lane] = bool(active_L[lane])
-      done = _completion(work, lane, tokens[i, :k], logp[i, :k], logq[i, :k], "stop_string",
-                         detokenize=detokenize, stop_ids=(), stop=stop, cut=cut)
+      done = completion_lib.make(*work.lane_work[lane], tokens[i, :k], logp[i, :k],
+                                 logq[i, :k], "stop_string", detokenize=detokenize,
+                                 stop_ids=(), stop=stop, cut=cut)
     elif not active_L[lane]:
-      done = _completion(work, lane, tokens[i, :t], logp[i, :t], logq[i, :t],
-                         FINISH_REASONS[int(reason_L[lane])], detokenize=detokenize,
-                         stop_ids=stop_ids)
+      done = completion_lib.make(*work.lane_work[lane], tokens[i, :t], logp[i, :t],
+                                 logq[i, :t], completion_lib.FINISH_REASONS[int(reason_L[lane])],
+                                 detokenize=detokenize, stop_ids=stop_ids)
     else:
       continue
     work.release(lane, done)
   return cache_lib.cancel(state, jnp.asarray(cancelled)) if cancelled.any() else state
 
 
+def _make_work(prompts: Sequence[Sequence[int]], *, vocab_size: int, num_samples: int,
+               max_new_tokens: int | Sequence[int], max_len: int | None,
+               lanes: int | None) -> _Work:
+  """Step 1: the prompts and settings checked, every completion's room, the lanes and groups."""
+  prompts = check_prompts(prompts, vocab_size=vocab_size, max_new_tokens=max_new_tokens,
+                          max_len=max_len)
+  _positive_int(num_samples, "num_samples")
+  total = len(prompts) * num_samples
+  lanes = min(total, DEFAULT_LANES if lanes is None else _positive_int(lanes, "lanes"))
+  asked = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+           else list(max_new_tokens))
+  rooms = [room(len(p), max_new_tokens=m, max_len=max_len) for p, m in zip(prompts, asked)]
+  return _Work(prompts=prompts, num_samples=num_samples, lanes=lanes,
+               groups=min(len(prompts), lanes + PREFILL_ROWS), rooms=rooms)
+
+
+def _cache_shape(work: _Work) -> dict[str, int]:
+  """The cache's sizes: `work.groups` groups of the longest prompt's bucket, `work.lanes`
+  lanes of the longest room."""
+  return dict(groups=work.groups, prompt_slots=bucket_length(max(map(len, work.prompts))),
+              lanes=work.lanes, new_slots=max(r for r, _ in work.rooms))
+
+
+def cache_bytes(cfg: model_lib.DecoderConfig, prompts: Sequence[Sequence[int]], *,
+                max_new_tokens: int | Sequence[int], num_samples: int = 1,
+                max_len: int | None = None, lanes: int | None = None) -> dict[str, int]:
+  """The bytes of the KV cache `generate` makes for these arguments: `prompt` (the groups'
+  slots, once per prompt held) and `lanes` (the completions' own slots)."""
+  work = _make_work(prompts, vocab_size=cfg.vocab_size, num_samples=num_samples,
+                    max_new_tokens=max_new_tokens, max_len=max_len, lanes=lanes)
+  shape = _cache_shape(work)
+  per_slot = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+              * np.dtype(model_config.DTYPES[cfg.dtype]).itemsize)
+  return dict(prompt=shape["groups"] * shape["prompt_slots"] * per_slot,
+              lanes=shape["lanes"] * shape["new_slots"] * per_slot)
+
+
 def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
-             max_new_tokens: int, num_samples: int = 1, sampling: Sampling = GREEDY,
+             max_new_tokens: int | Sequence[int], num_samples: int = 1,
+             sampling: Sampling = GREEDY,
              seed: int = 0, stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
              detokenize: Callable[[Sequence[int]], str] | None = None,
              max_len: int | None = None, lanes: int | None = None,
-             steps_per_check: int = 8) -> list[Completion]:
+             steps_per_check: int = 8, stats: dict[str, int] | None = None
+             ) -> list[Completion]:
   """`num_samples` completions of every prompt (see the module docstring).
 
   Args:
@@ -285,7 +278,8 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
       device; parameters placed on a mesh are copied there).
     prompts: token ids of each prompt, as the model should see them (BOS included if the run's
       documents began with one).
-    max_new_tokens: the most tokens of a completion (any int >= 1; the cache holds what fits).
+    max_new_tokens: the most tokens of a completion (any int >= 1; the cache holds what fits),
+      or one such bound per prompt (as lm-eval's requests each have their own).
     num_samples: completions per prompt, all from the prompt's one prefill (greedy choice gives
       `num_samples` equal ones).
     sampling: greedy (default) or a draw (`train.rollout.sampling.Sampling`).
@@ -299,6 +293,9 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
     lanes: completions decoded at once (default: all of them, at most `DEFAULT_LANES`); a lane
       that ends takes the next waiting completion.
     steps_per_check: with stop strings, decode steps between two looks at the text.
+    stats: a dict that receives `lanes`, `decode_steps` and `prefill_calls`: the lanes' use is
+      `generated tokens / (decode_steps * lanes)` (the first token of a completion comes from
+      its prefill).
 
   Returns:
     The completions, prompt by prompt, sample by sample.
@@ -306,19 +303,13 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
   Raises:
     DecodeError: an empty prompt, ids outside the vocabulary, no room, bad settings.
   """
-  prompts = check_prompts(prompts, vocab_size=model.cfg.vocab_size,
-                          max_new_tokens=max_new_tokens, max_len=max_len)
-  _positive_int(num_samples, "num_samples")
   _positive_int(steps_per_check, "steps_per_check")
-  stops = check_stops(stop_strings, detokenize)
-  total = len(prompts) * num_samples
-  lanes = min(total, DEFAULT_LANES if lanes is None else _positive_int(lanes, "lanes"))
-  rooms = [room(len(p), max_new_tokens=max_new_tokens, max_len=max_len) for p in prompts]
-  work = _Work(prompts=prompts, num_samples=num_samples, lanes=lanes,
-               groups=min(len(prompts), lanes), rooms=rooms)
-  prompt_slots = bucket_length(max(len(p) for p in prompts))
-  state = cache_lib.init_state(model.cfg, groups=work.groups, prompt_slots=prompt_slots,
-                               lanes=lanes, new_slots=max(r for r, _ in rooms))
+  stops = completion_lib.check_stops(stop_strings, detokenize)
+  work = _make_work(prompts, vocab_size=model.cfg.vocab_size, num_samples=num_samples,
+                    max_new_tokens=max_new_tokens, max_len=max_len, lanes=lanes)
+  prompts = work.prompts
+  prompt_slots = _cache_shape(work)["prompt_slots"]
+  state = cache_lib.init_state(model.cfg, **_cache_shape(work))
   graphdef, params = nnx.split(model)
   params = jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   stop_arr = jnp.asarray(list(stop_ids) or [-2], jnp.int32)
@@ -332,7 +323,11 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
       state = _start(state, work, started, stop_arr, seed_arr, sampling)
     if not work.lane_work:
       break
+    until = min(len(work.waiting), max(1, work.lanes // REFILL_SHARE)) if work.waiting else 0
     state = cache_lib.steps(graphdef, params, state, stop_arr, seed_arr, max_steps,
-                            jnp.asarray(bool(work.waiting)), sampling=sampling)
+                            jnp.int32(until), sampling=sampling)
     state = _collect(state, work, stops=stops, detokenize=detokenize, stop_ids=stop_ids)
+  if stats is not None:
+    stats.update(lanes=work.lanes, decode_steps=int(state["steps"]),
+                 prefill_calls=work.prefill_calls)
   return [work.done[(p, s)] for p in range(len(prompts)) for s in range(num_samples)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,9 @@ from segpack import errors
 from configs import packed as packed_config
 from train.rollout import engine
 from train.sample import reference
+from train.sample import rollout_bench
+from train import sharding as sharding_lib
+from train.hf import config as hf_config, weights as hf_weights
 from train.model import decoder as model_lib
 from train.runs import loaded as loaded_run
 
@@ -108,6 +112,41 @@ def run(*, workdir: str | None = None, new_tokens: int = 256, batches: Sequence[
   return rows
 
 
+def _imported(model_dir: str) -> model_lib.Decoder:
+  """A Hugging Face directory imported as `model.init_from` does."""
+  config = packed_config.get_config()
+  with config.unlocked():
+    config.model.init_from = model_dir
+    config.attention.implementation = "xla"
+  hf_config.adopt(config)
+  return hf_weights.load_decoder(config, mesh=sharding_lib.make_mesh())
+
+
+def run_rollout(*, workdir: str | None, vocab: int, quick: bool, repeats: int,
+                as_json: bool) -> dict[str, Any]:
+  """The rollout engine's sections (`train.sample.rollout_bench`) on one model: a run's, else a
+  random Llama written by transformers and imported (the packed config's random model without
+  transformers)."""
+  with tempfile.TemporaryDirectory() as directory:
+    model_dir = None if workdir else rollout_bench.hf_model(directory, vocab=vocab)
+    if model_dir is not None:
+      model, c = _imported(model_dir), None
+      described = (f"random Llama (transformers) imported: L={model.cfg.num_layers} "
+                   f"E={model.cfg.d_model} H={model.cfg.num_heads} K={model.cfg.num_kv_heads} "
+                   f"V={model.cfg.vocab_size}")
+    else:
+      model, described = _model(workdir, vocab)
+    sections = rollout_bench.run(model, model_dir=model_dir, quick=quick, repeats=repeats)
+  out = {"model": described, **sections}
+  if as_json:
+    print(json.dumps(out, indent=1))
+  else:
+    print(f"model: {described}")
+    for name, rows in sections.items():
+      print(rollout_bench.section_table(name, rows))
+  return out
+
+
 @errors.command("python -m train.sample.bench")
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the benchmark (`python -m train.sample --benchmark` passes its `--workdir`)."""
@@ -119,13 +158,20 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--repeats", type=int, default=2, help="KV-cache timings, best kept")
   p.add_argument("--vocab", type=int, default=8192, help="vocabulary of the random model")
   p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+  p.add_argument("--only", choices=("decode", "rollout"), default=None,
+                 help="one part: KV cache vs full forward, or the rollout engine's sections")
+  p.add_argument("--quick", action="store_true", help="the rollout sections at a quarter size")
   args = p.parse_args([] if argv is None else argv)
   try:
     batches = [int(b) for b in args.batches.split(",")]
   except ValueError:
     p.error(f"--batches must be comma-separated ints, got {args.batches!r}")
-  run(workdir=args.workdir, new_tokens=args.new_tokens, batches=batches, repeats=args.repeats,
-      vocab=args.vocab, as_json=args.json)
+  if args.only != "rollout":
+    run(workdir=args.workdir, new_tokens=args.new_tokens, batches=batches,
+        repeats=args.repeats, vocab=args.vocab, as_json=args.json)
+  if args.only != "decode":
+    run_rollout(workdir=args.workdir, vocab=args.vocab, quick=args.quick, repeats=args.repeats,
+                as_json=args.json)
   return 0
 
 

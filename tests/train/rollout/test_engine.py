@@ -209,6 +209,8 @@ def test_stops_at_a_stop_id_and_at_the_models_positions(model):
   capped = engine.generate(model, prompts, max_new_tokens=50, max_len=12)
   assert [len(c.token_ids) for c in capped] == [8, 8, 3]  # prompt and new tokens fill 12
   assert [c.finish_reason for c in capped] == ["room"] * 3 and _ids(capped)[2] == greedy[2][:3]
+  own = engine.generate(model, prompts, max_new_tokens=[2, 8, 5], lanes=2)  # one bound each
+  assert _ids(own) == [greedy[0][:2], greedy[1], greedy[2][:5]]
 
 
 def test_bad_prompts_and_settings_are_refused(model):
@@ -218,6 +220,8 @@ def test_bad_prompts_and_settings_are_refused(model):
       (dict(prompts=[[5] * 12], max_len=12), "no room for a new one"),
       (dict(num_samples=0), "num_samples must be an int >= 1, got 0"),
       (dict(lanes=0), "lanes must be an int >= 1, got 0"),
+      (dict(max_new_tokens=[4, 4]), "max_new_tokens: one per prompt, got 2 for 1 prompts"),
+      (dict(max_new_tokens=[0]), r"max_new_tokens\[0\] must be an int >= 1, got 0"),
       (dict(stop_strings=[""], detokenize=_detokenize), "a stop string must be a non-empty"),
       (dict(stop_strings=["x"]), "stop strings need the tokenizer's decode")):
     kwargs = dict(dict(prompts=[[5]], max_new_tokens=4), **kwargs)
