@@ -65,6 +65,8 @@ class Answer:
   text: str
   step: int = 0  # the checkpoint's step it came from (a newer one if the chosen one was deleted)
   completion: engine.Completion | None = None
+  prompt_ids: tuple[int, ...] = ()  # the prompt as the model saw it (BOS, chat template)
+  temperature: float = 1.0  # the temperature of the completion's `logprobs`
 
 
 def sampling_of(*, temperature: float | None, top_k: int, top_p: float) -> sampling_lib.Sampling:
@@ -168,6 +170,7 @@ def sample(workdir: str, *, prompts: Sequence[str] = (), prompt_ids: Sequence[st
   except sampling_lib.DecodeError as e:
     raise SampleError(str(e)) from e
   return [Answer(prompt=c.prompt, sample=c.sample, new_ids=c.token_ids, step=step, completion=c,
+                 prompt_ids=tuple(ids[c.prompt]), temperature=sampling.logprob_temperature,
                  text=_text(tokenizer, ids[c.prompt][skip:], c, chat_mode=chat_mode,
                             stops=stops)) for c in done]
 

@@ -4,8 +4,9 @@ A line holds `prompt` and `sample` (0-based indices), `text` (what the command p
 prompt and continuation, or the chat answer), `completion` (the completion's own text, cut before
 a stop string), `token_ids`, `logprobs` (under the model at the sampling temperature, whole
 vocabulary), `sampling_logprobs` (under the distribution drawn from), `finish_reason` ("stop",
-"stop_string", "length", "room"), `stop` (the stop id or string that ended it, else null) and the
-checkpoint's `step`. The file is checked before decoding (it must not exist; its directory must)
+"stop_string", "length", "room"), `stop` (the stop id or string that ended it, else null), the
+checkpoint's `step`, `prompt_ids` (the prompt as the model saw it) and `temperature` (that of
+`logprobs`): what `python -m train.rollout.score` reads to score the same tokens as the trainer. The file is checked before decoding (it must not exist; its directory must)
 and appears whole or not at all: written to a temporary file beside it, then linked to its name,
 which fails rather than replace a file another process wrote meanwhile.
 """
@@ -39,7 +40,8 @@ def line(answer: Any) -> dict[str, Any]:
   return dict(prompt=answer.prompt, sample=answer.sample, text=answer.text,
               completion=c.text, token_ids=list(c.token_ids), logprobs=list(c.logprobs),
               sampling_logprobs=list(c.sampling_logprobs), finish_reason=c.finish_reason,
-              stop=c.stop, step=answer.step)
+              stop=c.stop, step=answer.step, prompt_ids=list(answer.prompt_ids),
+              temperature=answer.temperature)
 
 
 def write(path: pathlib.Path, answers: Sequence[Any]) -> None:
