@@ -12,6 +12,7 @@ import pathlib
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,8 +231,9 @@ def check_same_training(want, got):
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
-  """The uninterrupted run: its results, and the time from each anchor to its summary line (the
-  end of its training, before the process winds down)."""
+  """The uninterrupted run: its results, the time from each anchor to its summary line (the end
+  of its training, before the process winds down), and its workdir (only read: a test that runs
+  in it works on a copy)."""
   workdir = tmp_path_factory.mktemp("oracle") / "run"
   child = _Child(workdir)
   times = {name: 0.0 if text is None else child.wait_line(text) for name, text in ANCHORS.items()}
@@ -240,7 +242,7 @@ def oracle(tmp_path_factory):
   assert rc == 0, err[-3000:]
   result = _result(workdir)
   assert [r["step"] for r in result.batches] == list(range(1, NUM_STEPS + 1))
-  return result, {name: end - t for name, t in times.items()}
+  return result, {name: end - t for name, t in times.items()}, workdir
 
 
 def _second_signal(child, checkpoints, second):
@@ -364,7 +366,7 @@ def test_property_a_signal_at_any_moment_then_a_rerun_trains_as_if_never_stopped
   stop's save), then the same command again: the run ends as documented (exit code, last line),
   and the rerun's batches, losses, evals and final state are bit for bit the uninterrupted
   run's (`check_same_training`), with no step dropped or repeated."""
-  want, spans = oracle
+  want, spans, _ = oracle
   workdir = tmp_path / "run"
   rc, out, err, sent = _interrupt(workdir, scenario, spans)
   clean = _check_stop(sent, rc, out, err, workdir / "checkpoints")
@@ -376,7 +378,7 @@ def test_property_a_signal_at_any_moment_then_a_rerun_trains_as_if_never_stopped
 def test_the_checker_fails_on_a_dropped_step_another_batch_a_repeat_or_one_ulp(oracle):
   """The negative control: `check_same_training` passes the oracle against itself and fails on
   each deliberate difference."""
-  want, _ = oracle
+  want, _, _ = oracle
   check_same_training(want, want)
   key = next(k for k, v in sorted(want.state.items()) if v.dtype == np.float32 and v.size)
   nudged = want.state[key].copy()
@@ -406,16 +408,17 @@ def test_the_checker_fails_on_a_dropped_step_another_batch_a_repeat_or_one_ulp(o
 
 
 @pytest.mark.slow
-def test_a_finished_run_started_again_does_nothing(tmp_path):
-  rc, _, err = _run(tmp_path / "run", "--config.train.num_steps=2")
+def test_a_finished_run_started_again_does_nothing(tmp_path, oracle):
+  """The oracle's finished run (a copy of its workdir), started again with the same command."""
+  workdir = tmp_path / "run"
+  shutil.copytree(oracle[2], workdir, symlinks=True)
+  before = (workdir / "metrics.jsonl").read_text()
+  rc, out, err = _run(workdir, *RUN)
   assert rc == 0, err
-  before = (tmp_path / "run" / "metrics.jsonl").read_text()
-  rc, out, err = _run(tmp_path / "run", "--config.train.num_steps=2")
-  assert rc == 0, err
-  assert "is finished at step 2 (train.num_steps=2); nothing to do" in out
-  assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
-  record = json.loads((tmp_path / "run" / run_guard.RECORD_NAME).read_text())
-  assert record["config"]["train"]["num_steps"] == 2 and record["config"]["data"]["source"]
+  assert f"is finished at step {NUM_STEPS} (train.num_steps={NUM_STEPS}); nothing to do" in out
+  assert (workdir / "metrics.jsonl").read_text() == before
+  record = json.loads((workdir / run_guard.RECORD_NAME).read_text())
+  assert record["config"]["train"]["num_steps"] == NUM_STEPS and record["config"]["data"]["source"]
 
 
 def test_the_run_record_refuses_changed_data(tmp_path):
@@ -447,16 +450,18 @@ def _tfrecords(path):
 
 
 @pytest.mark.slow
-def test_metrics_also_go_to_tensorboard(tmp_path):
-  rc, _, err = _run(tmp_path / "run", "--config.train.num_steps=3", "--config.train.eval_every=3")
-  assert rc == 0, err
-  files = list((tmp_path / "run" / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+def test_metrics_also_go_to_tensorboard(oracle):
+  """The oracle's run (8 steps, evaluations at 0, 3, 6 and 8): every train loss and eval loss of
+  metrics.jsonl is a TensorBoard scalar of its step."""
+  workdir = oracle[2]
+  files = list((workdir / metrics_lib.TENSORBOARD_DIR).glob("events.out.tfevents.*"))
   assert len(files) == 1
   scalars = {}
   for event in _tfrecords(files[0]):
     for value in event.summary.value:
       scalars[(value.tag, event.step)] = value.simple_value
-  records = metrics_lib.read(tmp_path / "run")
+  records = metrics_lib.read(workdir)
+  assert {r["kind"] for r in records} >= {"train", "eval"}
   for r in records:
     if r["kind"] == "train":
       assert scalars[("train/loss", r["step"])] == pytest.approx(r["loss"], rel=1e-6)
