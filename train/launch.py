@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from train import checkpoint_compat as ckpt_compat
 from train.adapters import trainable
 from train.hf import config as hf_config
 from train import run_guard
+from train.runs import tokenizer as run_tokenizer
 from train import train
 
 
@@ -106,6 +108,7 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
     The exit status: 0, 128 + the signal that stopped the run, or 130 for a second Ctrl-C (a
     `UserError` propagates, to `segpack.errors.command`).
   """
+  started = time.perf_counter()
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; --verbosity=0 shows it
   if distributed:
@@ -115,7 +118,7 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
     run_guard.absolute_paths(config)  # recorded where they are, whatever directory reads them
     hf_config.adopt(config, explicit=set(overrides))  # model.init_from: config.json decides
     trainable.adopt_adapter(config, explicit=set(overrides))  # adapter_config.json does
-    train.train_and_evaluate(config, workdir)
+    summary = train.train_and_evaluate(config, workdir)
   except run_guard.RunStopped as e:  # SIGINT / SIGTERM: checkpoint saved at a step boundary
     print(f"{PROG}: {e}", file=sys.stderr, flush=True)
     return 128 + e.signum
@@ -123,4 +126,27 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
     print(f"{PROG}: interrupted; resume from the newest checkpoint with the same command",
           file=sys.stderr, flush=True)
     return 130
+  if jax.process_index() == 0 and summary is not None:
+    print(what_next(config, workdir, wall_s=time.perf_counter() - started), flush=True)
   return 0
+
+
+def what_next(config: ml_collections.ConfigDict, workdir: str, *, wall_s: float | None) -> str:
+  """The run's last lines: its wall time, then the commands that read it, with its workdir."""
+  if config.data.source == "synthetic":
+    prompt = "--prompt_ids 1,5,6,7"
+  elif run_tokenizer.is_chat(config):
+    prompt = '--chat --prompt "What does zip do?"'
+  else:
+    prompt = '--prompt "def "'
+  adapter = int(config.model.lora.rank) > 0
+  commands = [
+      (f"python -m train.sample --workdir {workdir} {prompt}", "its answers"),
+      (f"python -m train.plot {workdir}", "loss curves to a PNG"),
+      (f"tensorboard --logdir {workdir}/tensorboard", "the same metrics (pip install tensorboard)"),
+      (f"python -m train.export --workdir {workdir} --output exported"
+       + (" --adapter" if adapter else ""), "a PEFT adapter" if adapter else "a Hugging Face model")]
+  width = max(len(c) for c, _ in commands)
+  took = "" if wall_s is None else f" in {wall_s:,.1f} s of wall time"
+  return "\n".join([f"{PROG}: done{took}; {workdir} holds the run. Next:"]
+                   + [f"  {c.ljust(width)}  # {why}" for c, why in commands])

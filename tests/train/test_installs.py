@@ -88,9 +88,15 @@ def test_the_base_install_runs_the_main_job_and_refuses_the_hf_lines_naming_the_
   assert importlib.util.find_spec("safetensors") is not None  # here, it is installed
   (first,) = doc_blocks.commands("# segpack")
   assert first == "pip install -e . && python -m train.main --config=configs/packed.py"
-  list(doc_blocks.run([first], {"configs/packed.py": "configs/packed.py:smoke"},
-                      train_args=["--config.train.num_steps=2"], cwd=home, env=env,
-                      python=python))
+  ((_, main_job),) = doc_blocks.run([first], {"configs/packed.py": "configs/packed.py:smoke"},
+                                    train_args=["--config.train.num_steps=2"], cwd=home,
+                                    env=env, python=python)
+  last = main_job.stdout.strip().splitlines()[-5:]  # what next, with this run's workdir
+  assert "done in" in last[0] and "runs/packed_smoke holds the run" in last[0], last
+  assert [line.split()[:3] for line in last[1:3]] == [
+      ["python", "-m", "train.sample"], ["python", "-m", "train.plot"]], last
+  run_cli("train.plot", "runs/packed_smoke", cwd=home, env=env, python=python)  # base install
+  assert (home / "runs" / "packed_smoke" / "curves.png").stat().st_size > 1000
   records = [json.loads(x) for x in (home / "runs" / "packed_smoke" / "metrics.jsonl").open()]
   assert [r["step"] for r in records if r.get("kind") == "train"] == [1, 2]
   assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 2

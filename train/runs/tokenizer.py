@@ -161,6 +161,18 @@ def _chat_part(record: DatasetRecord) -> ChatRecord | None:
   return record.chat if record.chat is not None and record.chat.to_dict() else None
 
 
+def is_chat(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run trained on conversations: the built-in chat corpus, or a dataset of
+  `data.train` written with a chat template (what `train.sample --chat` needs)."""
+  if config.data.source == "builtin_chat":
+    return True
+  try:
+    return any(_chat_part(_dataset_record(d)) is not None
+               for d in dataset_dirs(config, stage=False))
+  except (RunError, OSError, ValueError):
+    return False
+
+
 def _rendered(described: ChatRecord) -> str:
   """How a dataset was rendered, in a few words (`_dataset_chat_renderer`'s refusal)."""
   if described.own_template:
