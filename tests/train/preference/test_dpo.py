@@ -256,14 +256,15 @@ def test_reward_accuracy_on_held_out_pairs_rises_on_a_toy_task(models, tmp_path)
   config.packing.seq_len = 128
   config.attention.self_check = False
   t = config.train
-  t.batch_size, t.num_steps, t.learning_rate, t.warmup_steps = 8, 80, 5e-3, 8
-  t.eval_every, t.log_every, t.checkpoint_every, t.eval_batches = 80, 40, 0, 0
+  # 30 steps: accuracy 1.0 and a final loss far below 0.5 ln 2 from step 20 on (measured)
+  t.batch_size, t.num_steps, t.learning_rate, t.warmup_steps = 8, 30, 5e-3, 8
+  t.eval_every, t.log_every, t.checkpoint_every, t.eval_batches = 30, 15, 0, 0
   config.preference.beta = 0.5
   summary = train_lib.train_and_evaluate(config, tmp_path / "run")
   evals = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
            if json.loads(line)["kind"] == "eval"]
   assert evals[0]["eval_reward_accuracy"] == 0.0  # margins are exactly 0 at step 0
-  assert evals[-1]["step"] == 80 and evals[-1]["eval_reward_accuracy"] > 0.9, evals[-1]
+  assert evals[-1]["step"] == 30 and evals[-1]["eval_reward_accuracy"] > 0.9, evals[-1]
   assert summary["final_loss"] < 0.5 * LN2
 
 
