@@ -80,21 +80,30 @@ def test_sigint_lands_within_two_steps_of_the_device(tmp_path, monkeypatch):
   assert saved - at_signal <= 2, (saved, at_signal)
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """The uninterrupted 16-step run (one for both signals): its final parameters."""
+  workdir = tmp_path_factory.mktemp("whole") / "run"
+  assert train_lib.train_and_evaluate(_config(16), workdir)["resumed_from"] == 0
+  params = nnx.split(loaded_run.load_run(str(workdir))[1])[1]
+  return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_stop_at_a_random_step_lands_promptly_and_the_rerun_continues_exactly(
-    tmp_path, monkeypatch, signum):
+    tmp_path, monkeypatch, whole, signum):
   signal_at = int(np.random.default_rng(int(signum)).integers(3, 14))  # seeded: reproducible
   saved, at_signal = _stopped_run(tmp_path, monkeypatch, signum=signum, signal_at=signal_at,
                                   num_steps=16)
   assert saved - at_signal <= 2, (signal_at, saved, at_signal)
   stopped = nnx.split(loaded_run.load_run(str(tmp_path / "run"))[1])[1]
   rerun = train_lib.train_and_evaluate(_config(16), tmp_path / "run")  # the same command
-  whole = train_lib.train_and_evaluate(_config(16), tmp_path / "whole")
-  assert rerun["resumed_from"] == saved and whole["resumed_from"] == 0
-  # The same 16 batches in the same order: the final parameters agree.
-  got, want = (nnx.split(loaded_run.load_run(str(tmp_path / d))[1])[1] for d in ("run", "whole"))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert rerun["resumed_from"] == saved
+  # The same 16 batches in the same order: the final parameters agree with the whole run's.
+  got = jax.tree.leaves(nnx.split(loaded_run.load_run(str(tmp_path / "run"))[1])[1])
+  assert len(got) == len(whole)
+  for a, b in zip(got, whole):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
   # Negative control: the parameters a few steps earlier (the stop's checkpoint) differ.
-  assert any(not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-             for a, b in zip(jax.tree.leaves(stopped), jax.tree.leaves(want)))
+  assert any(not np.allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+             for a, b in zip(jax.tree.leaves(stopped), whole))
