@@ -58,6 +58,21 @@ def _cut(text: str, width: int = 60) -> str:
   return repr(text if len(text) <= width else "..." + text[-width:])
 
 
+def _find_content(added: str, content: str, markers: re.Pattern[str] | None) -> int:
+  """Where `content` lies in `added`, the text a message's render adds: its last occurrence that
+  overlaps no marker (a special token's text: `im` is inside `<|im_end|>`), and of those the last
+  that ends before the last marker when one does (the end of turn the template writes after the
+  content: a newline content is not the one after it); -1 when there is none."""
+  spans = [m.span() for m in markers.finditer(added)] if markers is not None else []
+  found, at = [], added.find(content)
+  while at >= 0:
+    if not any(at < end and start < at + len(content) for start, end in spans):
+      found.append(at)
+    at = added.find(content, at + 1)
+  before = [a for a in found if spans and a + len(content) <= spans[-1][0]]
+  return (before or found or [-1])[-1]
+
+
 def locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[str] | None,
             at: str) -> tuple[int, int] | None:
   """The trained span of one assistant message within `added`, the text its render adds.
@@ -75,9 +90,9 @@ def locate(added: str, content: str, *, from_prompt: bool, markers: re.Pattern[s
         pass
     end = last.end() if last is not None else len(added.rstrip())
     return (0, end) if end > 0 else None
-  where, size = (added.rfind(content), len(content)) if content else (-1, 0)
+  where, size = (_find_content(added, content, markers), len(content)) if content else (-1, 0)
   if where < 0 and content.strip():
-    where, size = added.rfind(content.strip()), len(content.strip())
+    where, size = _find_content(added, content.strip(), markers), len(content.strip())
     if where < 0:
       raise ChatFormatError(
           f"{at}: its content {content!r:.60} is not in the text the chat template renders for "

@@ -644,3 +644,21 @@ def test_export_keeps_the_tokenizers_own_template(base_tokenizer, tmp_path):
                                                  template=template)
   assert "chat_template.jinja" in names
   assert (tmp_path / "exported" / "chat_template.jinja").read_text() == GEMMA
+
+
+@pytest.mark.parametrize("answer", ["im", "end", "a", "|", "Hi", "\n"])
+def test_an_assistant_first_turn_trains_its_answer_as_generation_marks_it(
+    templates, base_tokenizer, tmp_path, answer):
+  """A conversation that opens with the assistant (no generation prompt before it) and a short
+  answer, which also occurs inside the template's own text (`im` in `<|im_end|>`): the prefix
+  method (the generation template without its markers) trains what transformers'
+  `{% generation %}` mask trains, the answer and its end of turn."""
+  messages = [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"},
+              {"role": "assistant", "content": "Because."}]
+  want = templates["generation"]._hf.apply_chat_template(
+      messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+  plain = re.sub(r"\{% (end)?generation %\}", "", GENERATION)
+  renderer = hf_chat.HfChatTemplate(save_tokenizer(tmp_path / "plain", base_tokenizer, plain))
+  ids, mask = renderer.encode(messages, where="assistant-first")
+  assert ids.tolist() == list(want["input_ids"])
+  assert mask.tolist() == list(want["assistant_masks"])
