@@ -20,12 +20,16 @@ def model():
 
 
 def test_the_sections_show_the_shared_prefill_the_lane_reuse_and_the_truncation_gap(model):
-  out = rollout_bench.run(model, model_dir=None, quick=True, repeats=1)
+  out = dict(shared=rollout_bench.shared(model, prompts=2, n=4, new_tokens=4, repeats=1),
+             lengths=rollout_bench.lengths(model, completions=24, lanes=4, mean=4, repeats=1),
+             truncation=rollout_bench.truncation(model, prompts=2, new_tokens=4),
+             transformers=rollout_bench.versus_transformers(
+                 model, model_dir=None, prompts=1, n=2, new_tokens=2, repeats=1))
   one, copies = out["shared"]
-  assert one["completions"] == copies["completions"] == 16
-  assert one["prompt_cache_mb"] * 8 == copies["prompt_cache_mb"]  # 2 prompts held vs 16 copies
+  assert one["completions"] == copies["completions"] == 8
+  assert one["prompt_cache_mb"] * 4 == copies["prompt_cache_mb"]  # 2 prompts held vs 8 copies
   equal, reused, static = out["lengths"]
-  assert reused["tokens"] == static["tokens"] and reused["longest"] == equal["longest"]
+  assert reused["tokens"] == static["tokens"] and reused["longest"] == equal["longest"] == 16
   assert static["lane_use"] < 0.8 * reused["lane_use"] and 0 < reused["lane_use"] <= 1
   by_p = {r["top_p"]: r for r in out["truncation"]}
   assert by_p[1.0]["median_abs_delta_logp"] == pytest.approx(0, abs=1e-6)
