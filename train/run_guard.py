@@ -60,18 +60,25 @@ class RunStopped(Exception):
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: str, *, enabled: bool = True) -> Iterator[None]:
-  """Step 1: holds the workdir's lock for the block (no-op when not `enabled`)."""
+def workdir_lock(workdir: str, *, enabled: bool = True, created: bool = False
+                 ) -> Iterator[None]:
+  """Step 1: holds the workdir's lock for the block (no-op when not `enabled`); the lock file is
+  removed when the block ends, and a workdir the run `created` is removed again when the run
+  left nothing in it (a start refused before its first write)."""
   if not enabled:
     yield
     return
   try:
-    with files.file_lock(Path(workdir) / LOCK_NAME, wait=False):
+    with files.file_lock(Path(workdir) / LOCK_NAME, wait=False, remove=True):
       yield
   except files.LockHeldError as e:
     raise WorkdirBusyError(
         f"--workdir {workdir!r} is in use by another train.main run ({e.owner}; lock file "
         f"{e.path}); wait for it to finish, stop it, or use another --workdir") from None
+  finally:
+    if created:  # a start that failed before writing anything leaves no empty run directory
+      with contextlib.suppress(OSError):
+        os.rmdir(workdir)
 
 
 def _manifest_digest(path: str) -> str | None:

@@ -86,8 +86,9 @@ def train_and_evaluate(config: Any, workdir: str | os.PathLike, *,
     `{"kind": "finished", ...}` record that is only printed.
   """
   setup_lib.preflight(config)  # a refused config writes nothing, not even the lock file
+  created = not os.path.exists(workdir)
   path = check_workdir(workdir)
-  with run_guard.workdir_lock(path, enabled=jax.process_index() == 0):
+  with run_guard.workdir_lock(path, enabled=jax.process_index() == 0, created=created):
     run = setup_lib.setup(config, path, checked=True, objective=objective)
     if run.start_step >= config.train.num_steps:
       run.checkpointer.close()

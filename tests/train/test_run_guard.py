@@ -24,9 +24,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from segpack.errors import UserError
 from train import checkpoint_digest as digest_lib
 from train import metrics as metrics_lib
 from train import run_guard
+from train import train as train_lib
 from train.runs import saved as saved_run
 from support import paths
 from support import train_configs
@@ -563,3 +565,19 @@ def test_property_racing_runs_on_one_workdir_one_holds_the_rest_are_refused(tmp_
   fresh = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path), "0"], cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=60)
   assert fresh.stdout.startswith("held"), fresh.stdout + fresh.stderr
+
+
+def test_a_start_refused_before_its_first_write_leaves_no_run_directory(tmp_path):
+  """A run refused for its data (here a dataset that does not exist) removes the workdir it
+  created, lock file and all; a workdir that existed before stays, without a lock file."""
+  config = train_configs.synthetic_config(**{"attention.self_check": False})
+  with config.unlocked():
+    config.data.source = "builtin"
+    config.data.train = str(tmp_path / "no-such-dataset")
+  fresh, kept = tmp_path / "runs" / "fresh", tmp_path / "kept"
+  kept.mkdir()
+  for workdir in (fresh, kept):
+    with pytest.raises(UserError, match="no-such-dataset"):
+      train_lib.train_and_evaluate(config, str(workdir))
+  assert not fresh.exists() and (tmp_path / "runs").is_dir()
+  assert kept.is_dir() and not any(kept.iterdir())
