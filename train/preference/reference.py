@@ -86,7 +86,12 @@ def read_manifest(directory: str | os.PathLike[str], *, name: str) -> dict[str, 
   return manifest
 
 
-def _table(root: Path, entry: dict[str, Any], *, name: str) -> np.ndarray:
+def _table(root: Path, entry: Any, *, name: str) -> np.ndarray:
+  """A split's table, checked: its manifest entry, its bytes' SHA-256, its shape."""
+  if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str)
+                                            for k in ("file", "sha256")):
+    raise ReferenceError(f"{name}: a split of {root / MANIFEST} names no 'file' and 'sha256' "
+                         f"(got {entry!r:.120}); delete {root} to score again")
   path = root / entry["file"]
   try:
     payload = path.read_bytes()
@@ -95,7 +100,16 @@ def _table(root: Path, entry: dict[str, Any], *, name: str) -> np.ndarray:
   if hashlib.sha256(payload).hexdigest() != entry["sha256"]:
     raise ReferenceError(f"{name}: {path} does not match the SHA-256 in its {MANIFEST} (a "
                          f"damaged or replaced file); delete {root} to score again")
-  return np.load(io.BytesIO(payload))
+  try:
+    table = np.load(io.BytesIO(payload), allow_pickle=False)
+  except ValueError as e:
+    raise ReferenceError(f"{name}: {path} is not a NumPy table: {e}") from e
+  want = len(scoring.COLUMNS)
+  if table.ndim != 2 or table.shape[1] != want or not np.issubdtype(table.dtype, np.floating):
+    raise ReferenceError(f"{name}: {path} holds a {table.dtype} table of shape {table.shape}, "
+                         f"not [pairs, {want}] floats ({', '.join(scoring.COLUMNS)}); delete "
+                         f"{root} to score again")
+  return table
 
 
 def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: str | None,
@@ -120,7 +134,7 @@ def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: st
         f"{name}: the stored reference scores in {root} are of model "
         f"{manifest.get('fingerprint')!r}, this run's reference is {fingerprint!r}; delete "
         f"{root} to score again with this run's reference, or start a new workdir")
-  by_data = {e["data"]: e for e in manifest["splits"].values()}
+  by_data = {e.get("data"): e for e in manifest["splits"].values() if isinstance(e, dict)}
   out = {}
   for split, fp in data.items():
     if fp in by_data:
@@ -132,7 +146,12 @@ def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: st
           f"{name}: the reference scores in {root} are of data {sorted(by_data)}, not of the "
           f"{split} pairs ({fp}, from dataset {parent}); score this dataset (`python -m "
           f"train.preference.score`) or delete {root} to score again")
-    out[split] = _table(root, by_data[parent], name=name)[ids]
+    table = _table(root, by_data[parent], name=name)
+    if len(ids) and int(np.max(ids)) >= len(table):
+      raise ReferenceError(
+          f"{name}: the scores of dataset {parent} in {root} hold {len(table)} pairs, the "
+          f"{split} pairs reach pair {int(np.max(ids))}; score the dataset again")
+    out[split] = table[ids]
   return out
 
 
