@@ -27,6 +27,7 @@ from train.bench import memory as bench_memory
 from train.bench import revisions as bench_revisions
 from train.export import command as train_export
 from train.preference import score as train_score
+from train.rollout import score as rollout_score
 from train import main as train_main
 from train import plot as train_plot
 from train.sample import bench as sample_bench
@@ -47,6 +48,7 @@ ENTRY_POINTS = {
     "python -m train.bench.memory": bench_memory.main,
     "python -m train.bench.adapters": bench_adapters.main,
     "python -m train.preference.score": train_score.main,
+    "python -m train.rollout.score": rollout_score.main,
 }
 REPO = str(paths.REPO)
 
@@ -109,6 +111,14 @@ USER_ERRORS = [
     (bench_gpu_report.main, ["--jobs", "0"], ["--jobs", "'0'"]),
     (bench_adapters.main, ["--steps", "0"], ["--steps", "'0'"]),
     (cli_main.main, ["bench", "packing", "--batch-size", "0"], ["--batch-size", "'0'"]),
+    (train_score.main, ["--workdir", "w", "--data", "d", "--output", "o", "--batch-size", "0"],
+     ["--batch-size", "'0'"]),
+    (train_score.main, ["--workdir", "w", "--data", "d", "--output", "o", "--seq-len", "0"],
+     ["--seq-len", "'0'"]),
+    (rollout_score.main, ["--workdir", "w", "--completions", "c", "--output", "o",
+                          "--batch-size", "0"], ["--batch-size", "'0'"]),
+    (rollout_score.main, ["--workdir", "w", "--completions", "c", "--output", "o",
+                          "--temperature", "0"], ["--temperature", "'0'"]),
 ]
 
 

@@ -59,9 +59,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--data", required=True, help="a preference dataset (segpack tokenize "
                                                "--format preference)")
   p.add_argument("--output", required=True, help="the scores directory to write")
-  p.add_argument("--seq-len", type=int, default=None,
+  p.add_argument("--seq-len", type=errors.at_least(2), default=None,
                  help="slots per row (default: the run's packing.seq_len, or 4096)")
-  p.add_argument("--batch-size", type=int, default=8, help="rows per forward")
+  p.add_argument("--batch-size", type=errors.at_least(1), default=8, help="rows per forward")
   p.add_argument("--no-bos", action="store_true",
                  help="add no BOS before text pairs (default: the run's data.add_bos, or BOS)")
   p.add_argument("--per-token", action="store_true", help="also write tokens.npz")
