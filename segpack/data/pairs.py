@@ -153,6 +153,12 @@ class PairRowBuilder:
 def _pair_source(source: Any, *, fn: str, special_tokens: SpecialTokens):
   """The opened source and its lengths, refused unless it holds pairs with loss masks."""
   prepared = sources.prepare(source, fn=fn, special_tokens=special_tokens, loss_mask=None)
+  record = getattr(prepared.source, "record", None)  # a shard dataset's manifest metadata
+  if record is not None and prepared.loss_mask and "preference" not in record.extra:
+    raise NotPreferenceDataError(
+        f"{fn}: {prepared.source!r:.200} was not written as preference pairs (its manifest has "
+        f"no 'preference' counts, which `segpack tokenize --format preference` writes): its "
+        f"{prepared.lengths.size} documents are not chosen / rejected sequences")
   if not prepared.loss_mask or prepared.lengths.size % 2:
     raise NotPreferenceDataError(
         f"{fn}: {prepared.source!r:.200} is not a preference dataset (pairs of chosen and "

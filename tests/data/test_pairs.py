@@ -6,9 +6,13 @@ and one process."""
 import numpy as np
 import pytest
 
+from segpack import shards
 from segpack.data import pairs as pairs_lib
 from segpack.data.options import SpecialTokens
 from segpack.data.stream import StreamBatches
+from segpack.text import chat
+from segpack.text.chat import files as chat_files
+from segpack.text.tokenizers import spm
 from support.masked_source import MaskedDocs
 
 BOS, EOS = 1, 2
@@ -118,3 +122,19 @@ def test_a_source_that_is_not_pairs_is_refused():
   with pytest.raises(pairs_lib.NotPreferenceDataError, match="different prompts"):
     pairs_lib.pack_pairs(other, seq_len=64,
                          special_tokens=SpecialTokens(bos_id=BOS, eos_id=EOS))
+
+
+def test_a_chat_dataset_that_looks_like_pairs_is_refused_for_not_being_written_as_pairs(
+    tmp_path, model):
+  """Two SFT conversations with the same question and different answers: as documents 0 and 1
+  they begin with the same prompt and hold trained tokens, so only the manifest can tell that
+  the dataset was not written as preference pairs (`segpack tokenize --format preference`)."""
+  question = {"role": "user", "content": "What does zip do?"}
+  chats = [[question, {"role": "assistant", "content": answer}]
+           for answer in ("It pairs items.", "It compresses files.")]
+  chat_files.write_chat_dataset(((f"c{i}", c) for i, c in enumerate(chats)), tmp_path / "sft",
+                                encoder=chat.ChatEncoder(spm.SpmTokenizer(model)))
+  source = shards.ShardSource(tmp_path / "sft")
+  assert source.has_loss_mask and len(source) == 2
+  with pytest.raises(pairs_lib.NotPreferenceDataError, match="not written as preference pairs"):
+    pairs_lib.pack_pairs(source, seq_len=128)
