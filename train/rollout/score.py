@@ -89,7 +89,7 @@ def score(*, workdir: str, completions: str, output: str, temperature: float | N
   data = "".join(json.dumps(dict(prompt=line.get("prompt"), sample=line.get("sample"),
                                  logprobs=[float(x) for x in s])) + "\n"
                  for s, line in zip(scored, lines))
-  with files.file_lock(out.with_name(out.name + ".lock"), wait=False):
+  with files.file_lock(out.with_name(out.name + ".lock"), wait=False, remove=True):
     if out.exists():
       raise ScoreError(f"--output {output}: the file appeared while scoring; not overwritten")
     files.atomic_write_bytes(out, data.encode())

@@ -42,6 +42,7 @@ def test_the_trainers_scores_are_the_samplers_logprobs(sampled, capsys):
   lines = [json.loads(x) for x in (sampled / "answers.jsonl").read_text().splitlines()]
   assert len(lines) == 6 and {x["temperature"] for x in lines} == {0.8}
   assert _score(sampled, f"--output={sampled / 'scores.jsonl'}") == 0
+  assert not (sampled / "scores.jsonl.lock").exists()  # the lock goes with the command
   assert "largest difference from the sampler's log-probs" in capsys.readouterr().out
   scores = [json.loads(x) for x in (sampled / "scores.jsonl").read_text().splitlines()]
   for line, got in zip(lines, scores):
