@@ -135,7 +135,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
       rows=rows, mesh=_single_mesh(), batch_size=args.batch_size, num_pairs=len(data) // 2,
       per_token=args.per_token)
   seconds = time.perf_counter() - start
-  with files.file_lock(output.with_name(output.name + ".lock"), wait=False):
+  with files.file_lock(output.with_name(output.name + ".lock"), wait=False, remove=True):
     if args.per_token:
       output.mkdir(parents=True, exist_ok=True)
       files.atomic_write_bytes(output / "tokens.npz", _token_file(runs, len(table)))
