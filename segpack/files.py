@@ -41,8 +41,10 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-  """Writes `data` to `path` through a temporary file in the same directory and a rename."""
+def atomic_write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None:
+  """Writes `data` to `path` through a temporary file in the same directory and a rename; with
+  `replace=False` through a hard link instead, which raises `FileExistsError` rather than
+  replace a file that is there (one another process wrote meanwhile)."""
   # Not tempfile.mkstemp: its files are mode 0600, these should follow the umask like any other.
   tmp = path.parent / f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
   try:
@@ -50,7 +52,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
       f.write(data)
       f.flush()
       os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if replace:
+      os.replace(tmp, path)
+    else:
+      os.link(tmp, path)
+      os.unlink(tmp)
     fsync_dir(path.parent)
   except BaseException:
     Path(tmp).unlink(missing_ok=True)

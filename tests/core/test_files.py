@@ -83,3 +83,15 @@ def test_the_lock_is_taken_once_the_holder_lets_go(tmp_path):
   with files.file_lock(path, wait=False):
     record = json.loads(path.read_bytes())
   assert record["pid"] != 1 and record["host"] == socket.gethostname()
+
+
+def test_an_atomic_write_that_must_not_replace_refuses_a_file_that_is_there(tmp_path):
+  path = tmp_path / "out.jsonl"
+  files.atomic_write_bytes(path, b"first\n", replace=False)
+  assert path.read_bytes() == b"first\n"
+  with pytest.raises(FileExistsError):
+    files.atomic_write_bytes(path, b"second\n", replace=False)
+  assert path.read_bytes() == b"first\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+      "out.jsonl"]  # no temporary left
+  files.atomic_write_bytes(path, b"second\n")  # the default replaces
+  assert path.read_bytes() == b"second\n"

@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,15 +54,6 @@ def _model(workdir: str | None, vocab: int) -> tuple[model_lib.Decoder, str]:
                  f"H={c.num_heads} K={c.num_kv_heads} V={c.vocab_size}")
 
 
-def _timed(fn: Any, repeats: int) -> tuple[float, Any]:
-  best, out = float("inf"), None
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - start)
-  return best, out
-
-
 def measure(model: model_lib.Decoder, *, batch: int, new_tokens: int, repeats: int,
             seed: int = 0) -> dict[str, Any]:
   """Steps 2-5 for one batch size: seconds and tokens/s of both decoders."""
@@ -80,9 +70,9 @@ def measure(model: model_lib.Decoder, *, batch: int, new_tokens: int, repeats: i
     return [reference.generate(model, p, max_new_tokens=new_tokens)[0] for p in prompts]
 
   kv()  # compile
-  kv_seconds, kv_out = _timed(kv, repeats)
+  kv_seconds, kv_out = rollout_bench.best_of(kv, repeats, warm=False)
   reference.generate(model, max(prompts, key=len), max_new_tokens=new_tokens)  # compile buckets
-  full_seconds, full_out = _timed(full, 1)
+  full_seconds, full_out = rollout_bench.best_of(full, 1, warm=False)
   total = batch * new_tokens
   return dict(batch=batch, new_tokens=new_tokens, kv_seconds=kv_seconds,
               full_seconds=full_seconds, kv_tokens_per_s=total / kv_seconds,
@@ -130,7 +120,7 @@ def run_rollout(*, workdir: str | None, vocab: int, quick: bool, repeats: int,
   with tempfile.TemporaryDirectory() as directory:
     model_dir = None if workdir else rollout_bench.hf_model(directory, vocab=vocab)
     if model_dir is not None:
-      model, c = _imported(model_dir), None
+      model = _imported(model_dir)
       described = (f"random Llama (transformers) imported: L={model.cfg.num_layers} "
                    f"E={model.cfg.d_model} H={model.cfg.num_heads} K={model.cfg.num_kv_heads} "
                    f"V={model.cfg.vocab_size}")

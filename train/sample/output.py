@@ -6,20 +6,21 @@ a stop string), `token_ids`, `logprobs` (under the model at the sampling tempera
 vocabulary), `sampling_logprobs` (under the distribution drawn from), `finish_reason` ("stop",
 "stop_string", "length", "room"), `stop` (the stop id or string that ended it, else null), the
 checkpoint's `step`, `prompt_ids` (the prompt as the model saw it) and `temperature` (that of
-`logprobs`): what `python -m train.rollout.score` reads to score the same tokens as the trainer. The file is checked before decoding (it must not exist; its directory must)
-and appears whole or not at all: written to a temporary file beside it, then linked to its name,
-which fails rather than replace a file another process wrote meanwhile.
+`logprobs`): what `python -m train.rollout.score` reads to score the same tokens as the
+trainer. The file is checked before decoding (it must not exist; its directory must) and
+appears whole or not at all (`segpack.files.atomic_write_bytes(replace=False)`: a temporary file
+beside it, then linked to its name, which fails rather than replace a file another process wrote
+meanwhile).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from segpack import files
 from train.sample.prompts import SampleError
 
 
@@ -47,15 +48,8 @@ def line(answer: Any) -> dict[str, Any]:
 def write(path: pathlib.Path, answers: Sequence[Any]) -> None:
   """Writes the answers' lines to `path`, which must still not exist."""
   data = "".join(json.dumps(line(a), ensure_ascii=False) + "\n" for a in answers).encode()
-  tmp = path.parent / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
   try:
-    with open(tmp, "xb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.link(tmp, path)
+    files.atomic_write_bytes(path, data, replace=False)
   except FileExistsError:
     raise SampleError(f"--output {path}: the file appeared while decoding; nothing was "
                       f"overwritten") from None
-  finally:
-    tmp.unlink(missing_ok=True)

@@ -35,8 +35,11 @@ from train.rollout import sampling as sampling_lib
 DRAW = sampling_lib.Sampling(temperature=1.0)
 
 
-def _best(fn: Any, repeats: int) -> tuple[float, Any]:
-  fn()  # compile
+def best_of(fn: Any, repeats: int, *, warm: bool = True) -> tuple[float, Any]:
+  """`(the fastest of `repeats` calls of fn in seconds, its result)`, after a first call that
+  compiles (`warm`)."""
+  if warm:
+    fn()
   best, out = float("inf"), None
   for _ in range(repeats):
     start = time.perf_counter()
@@ -62,7 +65,7 @@ def shared(model: Any, *, prompts: int, n: int, new_tokens: int, repeats: int) -
   for case, args in (("one prefill, num_samples=n", dict(prompts=ps, num_samples=n)),
                      ("prompts copied n times", dict(prompts=[p for p in ps for _ in range(n)],
                                                      num_samples=1))):
-    seconds, done = _best(lambda: engine.generate(model, args["prompts"], sampling=DRAW,
+    seconds, done = best_of(lambda: engine.generate(model, args["prompts"], sampling=DRAW,
                                                   num_samples=args["num_samples"],
                                                   max_new_tokens=new_tokens), repeats)
     cache = engine.cache_bytes(model.cfg, args["prompts"], num_samples=args["num_samples"],
@@ -100,7 +103,7 @@ def lengths(model: Any, *, completions: int, lanes: int, mean: int, repeats: int
         steps.append(stats["decode_steps"])
       return out
 
-    seconds, done = _best(run, repeats)
+    seconds, done = best_of(run, repeats)
     decoded = _tokens(done) - len(done)  # each first token comes from its prompt's prefill
     rows.append(dict(case=case, completions=completions, lanes=lanes,
                      longest=max(bounds), tokens=_tokens(done), decode_steps=sum(steps),
@@ -144,7 +147,7 @@ def versus_transformers(model: Any, *, model_dir: str | None, prompts: int, n: i
                         new_tokens: int, repeats: int) -> list[dict]:
   """Section 4 (`model_dir`: the model as a Hugging Face directory; None: not measured)."""
   ps = _prompts(model.cfg.vocab_size, prompts, 6)
-  seconds, done = _best(lambda: engine.generate(model, ps, num_samples=n, sampling=DRAW,
+  seconds, done = best_of(lambda: engine.generate(model, ps, num_samples=n, sampling=DRAW,
                                                 max_new_tokens=new_tokens), repeats)
   rows = [dict(case=f"segpack engine, num_samples={n}", tokens_per_s=_tokens(done) / seconds)]
   name = f"transformers generate, num_return_sequences={n}"
@@ -152,7 +155,7 @@ def versus_transformers(model: Any, *, model_dir: str | None, prompts: int, n: i
     rows.append(dict(case=name, tokens_per_s=None,
                      note="not measured: transformers and torch are not installed"))
     return rows
-  seconds, tokens = _best(lambda: _hf_generate(model_dir, ps, n=n, new_tokens=new_tokens), 1)
+  seconds, tokens = best_of(lambda: _hf_generate(model_dir, ps, n=n, new_tokens=new_tokens), 1)
   rows.append(dict(case=name, tokens_per_s=tokens / seconds))
   rows[0]["vs_transformers"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
   return rows
