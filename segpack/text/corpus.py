@@ -70,12 +70,6 @@ _LOG = logging.getLogger(__name__)
 CORPUS_VERSION = 2
 # Held-out share of groups, in thousandths.
 EVAL_PER_MILLE = 20
-# The built-in tokenizer trains on at most about this many lines of the training split: every
-# k-th non-blank line, k = ceil(lines / TOKENIZER_LINES). On the full corpus (307,723 lines,
-# Python 3.11) that is every third line: SentencePiece trains in 7.6 s instead of 31.8 s on 2
-# cores, and the eval split takes 1.3% more tokens (3.27 characters per token, not 3.31); the
-# small corpus (28,178 lines) trains on all of its lines, as before.
-TOKENIZER_LINES = 110_000
 # Vocabulary size per corpus size.
 SIZES = {"full": 8192, "small": 2048}
 # `size="small"` keeps the modules whose group hash modulo this is 0 (plus all topics).
@@ -237,8 +231,7 @@ def builtin_documents(*, split: str, size: str = "full") -> Iterator[tuple[str, 
 
 def corpus_key(size: str) -> str:
   """A short hash naming this Python's built-in corpus of `size` (keys the cache)."""
-  ident = (f"{CORPUS_VERSION}|{size}|{SIZES.get(size)}|{sys.version}|{stdlib_dir()}"
-           f"|{TOKENIZER_LINES}")
+  ident = f"{CORPUS_VERSION}|{size}|{SIZES.get(size)}|{sys.version}|{stdlib_dir()}"
   return hashlib.sha256(ident.encode("utf-8")).hexdigest()[:16]
 
 
@@ -255,17 +248,10 @@ def builtin_tokenizer(*, size: str, cache_dir: str | os.PathLike[str] | None = N
   """The cached SentencePiece model of the built-in corpus, trained on first use."""
   root = builtin_dir(size=size, cache_dir=cache_dir)
   with files.file_lock(root / ".lock"):
+    texts = (t for _, t in builtin_documents(split="train", size=size))
     return tokenizer_cache.trained_tokenizer(
-        _tokenizer_lines(size), root / "spm.model", vocab_size=SIZES[size],
-        key={"builtin": corpus_key(size)}, progress=progress)
-
-
-def _tokenizer_lines(size: str) -> Iterator[str]:
-  """The text the built-in tokenizer trains on: every k-th non-blank line of the training split
-  (`TOKENIZER_LINES`), in corpus order, one line a text."""
-  lines = [line for _, text in builtin_documents(split="train", size=size)
-           for line in text.split("\n") if line.strip()]
-  return iter(lines[::max(1, -(-len(lines) // TOKENIZER_LINES))])
+        texts, root / "spm.model", vocab_size=SIZES[size], key={"builtin": corpus_key(size)},
+        progress=progress)
 
 
 def builtin_splits(output: Path, size: str, tokenizer: spm_lib.SpmTokenizer, *, workers: int,
@@ -332,7 +318,7 @@ def ensure_builtin(
   on a lock while one builds) return the cached result.
 
   Args:
-    size: "full" (vocabulary 8192, about 25 s on 2 cores) or "small" (vocabulary 2048, a few
+    size: "full" (vocabulary 8192, a few minutes on 2 cores) or "small" (vocabulary 2048, a few
       seconds; for tests and smoke runs).
     cache_dir: cache root; default: `$SEGPACK_CACHE`, else `~/.cache/segpack`.
     workers: tokenizer processes; default: the number of CPUs.
