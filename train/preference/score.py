@@ -40,7 +40,6 @@ from train.hf import init_from as hf_init
 from train.hf import weights as hf_weights
 from train.preference import reference as reference_lib
 from train.preference import scoring
-from train.runs import saved as saved_run
 from train.runs import loaded as loaded_run
 
 PROG = "python -m train.preference.score"
