@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from train.model import lora as lora_lib
@@ -62,7 +63,22 @@ def load_model(checkpoint: Any, config: Any) -> Any:
   mesh = sharding_lib.make_mesh(data=1, devices=jax.devices()[:1])
   graphdef, adapters, abstract_frozen = restore_adapters(checkpoint, config, mesh)
   frozen = state_lib.frozen_base(config, abstract_frozen, mesh)
+  _check_fingerprint(checkpoint, config, frozen.fingerprint)
   return lora_lib.merge(graphdef, adapters, frozen.params)
+
+
+def _check_fingerprint(checkpoint: Any, config: Any, found: str) -> None:
+  """Refuses a base at `model.init_from` that is not the one the adapters trained on (the
+  checkpoint's recorded fingerprint of the frozen base, as resuming checks it)."""
+  meta = saved_run.restore_item(checkpoint, "restore",
+                                args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  recorded = meta.get("base")
+  if recorded is not None and recorded != found:
+    raise RunError(
+        f"{checkpoint.directory}/{checkpoint.step}: the run's adapters were trained on the base "
+        f"{recorded}, and model.init_from={config.model.init_from!r} now holds {found}: another "
+        f"model; put the base the run trained on back there (train.export --adapter writes the "
+        f"adapters alone)")
 
 
 def flat_adapters(adapters: Any) -> dict[str, jax.Array]:

@@ -23,6 +23,7 @@ from train.model import lora as lora_lib  # noqa: E402
 from train.export import command as hf_export  # noqa: E402
 from train.hf import weights as hf_weights  # noqa: E402
 from train.runs import loaded as loaded_run  # noqa: E402
+from train.runs.errors import RunError  # noqa: E402
 from train import sharding as sharding_lib  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
@@ -207,3 +208,12 @@ def test_resume_on_another_process_count_equals_an_uninterrupted_run_and_another
       os.rename(base_dir, other)
       os.rename(base_dir + "-moved", base_dir)
   assert "\n" not in str(e.value)
+  os.rename(base_dir, base_dir + "-moved")  # sampling and scoring the run: refused as well
+  os.rename(other, base_dir)
+  try:
+    with pytest.raises(RunError, match=r"/4: the run's adapters were trained on the base "
+                                       r"base-\w+, and model.init_from=.* now holds base-\w+"):
+      loaded_run.load_run(split)
+  finally:
+    os.rename(base_dir, other)
+    os.rename(base_dir + "-moved", base_dir)
