@@ -91,6 +91,18 @@ def _mixture_sources(config: Any,
           opened[0].tokenizer_fingerprint)
 
 
+def open_eval(config: Any, train: Any) -> shards.ShardSource:
+  """`data.eval` opened, refused unless tokenized as `train` (the opened `data.train`) was."""
+  held_out = open_dataset("data.eval", config.data.eval)
+  if held_out.tokenizer_fingerprint != train.tokenizer_fingerprint:
+    raise DataConfigError(
+        f"data.train={config.data.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
+        f"data.eval={config.data.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were "
+        f"tokenized differently; tokenize both with one tokenizer (segpack tokenize --spm-model "
+        f"...)")
+  return held_out
+
+
 def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
   """`data.train` (and `data.eval`, or its held-out share): ids and vocabulary from the manifest."""
   mixture = _mixture(config)
@@ -98,12 +110,7 @@ def _dataset_sources(config: Any) -> tuple[Any, Any, int, dict[str, int], str]:
     return _mixture_sources(config, mixture)
   train = open_dataset("data.train", config.data.train)
   if config.data.eval is not None:
-    held_out = open_dataset("data.eval", config.data.eval)
-    if held_out.tokenizer_fingerprint != train.tokenizer_fingerprint:
-      raise DataConfigError(
-          f"data.train={config.data.train!r} (tokenizer {train.tokenizer_fingerprint}) and "
-          f"data.eval={config.data.eval!r} (tokenizer {held_out.tokenizer_fingerprint}) were tokenized "
-          f"differently; tokenize both with one tokenizer (segpack tokenize --spm-model ...)")
+    held_out = open_eval(config, train)
   elif config.data.eval_share == 0:  # train on every document; no evaluation
     held_out = None
   else:

@@ -50,7 +50,7 @@ def _sources(config: Any) -> tuple[Any, Any, shards.ShardSource]:
         f"preference`, got data.train={config.data.train!r}")
   opened = data_sources.open_dataset("data.train", config.data.train)
   if config.data.eval is not None:
-    return opened, data_sources.open_dataset("data.eval", config.data.eval), opened
+    return opened, data_sources.open_eval(config, opened), opened
   if config.data.eval_share == 0:
     return opened, None, opened
   try:

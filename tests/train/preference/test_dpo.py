@@ -42,10 +42,12 @@ def models(tmp_path_factory):
   return tuple(out)
 
 
-def _tokenize(records, root, name, tokenizer_dir):
+def _tokenize(records, root, name, tokenizer):
+  """`tokenizer`: a Hugging Face tokenizer directory, or an `spm:` model file."""
   path = preference_fixtures.write_jsonl(root / f"{name}.jsonl", records)
-  assert tokenize_cli.main(["--format", "preference", "--input", path, "--tokenizer",
-                            f"hf:{tokenizer_dir}", "--output", str(root / name)]) == 0
+  spec = f"spm:{tokenizer}" if str(tokenizer).endswith(".model") else f"hf:{tokenizer}"
+  assert tokenize_cli.main(["--format", "preference", "--input", path, "--tokenizer", spec,
+                            "--output", str(root / name)]) == 0
   return root / name
 
 
@@ -321,3 +323,15 @@ def test_reference_free_losses_start_from_transformers_scores(models, pairs, tmp
     want = -c + 2.0 * np.log1p(np.exp(-odds))
   assert abs(first["loss"] - want.mean()) <= 1e-5 * abs(want.mean()), (first["loss"], want)
   assert first["reward_accuracy"] == pytest.approx(np.mean(c > r))
+
+
+def test_held_out_pairs_of_another_tokenizer_are_refused(models, pairs, tmp_path, model):
+  """`data.eval` pairs tokenized by another tokenizer (the built-in corpus's SentencePiece model)
+  than `data.train`'s (the policy's): refused by name before a step, as plain data.eval is."""
+  other = _tokenize(preference_fixtures.word_pairs(8, prompt=(10, 12), answer=(8, 18), seed=7),
+                    tmp_path, "other", model)
+  config = _config(models[0], pairs / "rows", seq_len=64, data__eval=str(other))
+  with pytest.raises(data_sources.DataConfigError,
+                     match=rf"data.eval='{other}' \(tokenizer sha256:\w+\) were tokenized "):
+    train_lib.train_and_evaluate(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
