@@ -307,9 +307,8 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
   stops = completion_lib.check_stops(stop_strings, detokenize)
   work = _make_work(prompts, vocab_size=model.cfg.vocab_size, num_samples=num_samples,
                     max_new_tokens=max_new_tokens, max_len=max_len, lanes=lanes)
-  prompts = work.prompts
-  prompt_slots = _cache_shape(work)["prompt_slots"]
-  state = cache_lib.init_state(model.cfg, **_cache_shape(work))
+  prompts, shape = work.prompts, _cache_shape(work)
+  state = cache_lib.init_state(model.cfg, **shape)
   graphdef, params = nnx.split(model)
   params = jax.device_put(params, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   stop_arr = jnp.asarray(list(stop_ids) or [-2], jnp.int32)
@@ -318,7 +317,7 @@ def generate(model: model_lib.Decoder, prompts: Sequence[Sequence[int]], *,
   while True:
     prefill, started = work.refill()
     if prefill:
-      state = _prefill(graphdef, params, state, work, prefill, prompt_slots)
+      state = _prefill(graphdef, params, state, work, prefill, shape["prompt_slots"])
     if started:
       state = _start(state, work, started, stop_arr, seed_arr, sampling)
     if not work.lane_work:
