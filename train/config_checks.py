@@ -23,6 +23,7 @@ from typing import Any
 from segpack import attention as attention_lib
 from segpack import loss as loss_lib
 from segpack import packing
+from segpack.loss import policy as policy_loss
 from segpack.loss import preference as preference_loss
 from segpack.data.context_order import CONTEXT_BALANCES
 from segpack.data.packed import REPACK_MODES
@@ -31,6 +32,7 @@ from segpack.text import chat
 from segpack.text import corpus
 from configs import architecture
 from train.hf import config as hf_config
+from train.rl import settings as rl_settings
 from train.model import config as model_config
 
 # `data.source`: the built-in text corpus, the built-in chat corpus, or random documents.
@@ -40,6 +42,9 @@ PACKING_MODES = ("global", "minibatch")
 # `packing.balance`: epoch order, or global batches dealt to the ranks by attention cost.
 BALANCE_MODES = ("none", "attention")
 _DTYPES = tuple(model_config.DTYPES)
+# `rl.loss`: segpack.loss.policy's losses, and RLOO's leave-one-out advantage (GRPO's loss)
+RL_LOSSES = policy_loss.LOSS_TYPES + ("rloo",)
+SCALE_REWARDS = ("group", "batch", "none")  # `rl.scale_rewards`, TRL's names
 
 # Every string-choice key of the config (`group.name`) and its choices.
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -61,6 +66,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "attention.implementation": (None,) + attention_lib.IMPLEMENTATIONS,
     "loss.weighting": loss_lib.WEIGHTINGS,
     "preference.loss": ("none",) + preference_loss.LOSSES,
+    "rl.loss": ("none",) + RL_LOSSES,
+    "rl.scale_rewards": (None,) + SCALE_REWARDS,
 }
 
 
@@ -141,6 +148,18 @@ NUMERIC: dict[str, Rule] = {
     "preference.beta": Rule(0, open_low=True),
     "preference.label_smoothing": Rule(0, 0.5, open_high=True),  # 0.5: no preference left
     "preference.simpo_gamma": Rule(0),
+    "rl.num_generations": _POSITIVE,
+    "rl.prompts_per_step": _POSITIVE,
+    "rl.max_completion_length": _POSITIVE,
+    "rl.temperature": Rule(0, open_low=True),
+    "rl.top_p": Rule(0, 1, open_low=True),
+    "rl.top_k": _COUNT,
+    "rl.epsilon": Rule(0, 1, open_high=True),
+    "rl.epsilon_high": Rule(0, optional=True),
+    "rl.beta": Rule(0),
+    "rl.inner_steps": _POSITIVE,
+    "rl.overlong_buffer": _COUNT,
+    "rl.lanes": _COUNT,
 }
 
 
@@ -183,6 +202,7 @@ def check_config(config: Any) -> None:
   check_data(config)
   check_minibatch(config)
   check_preference(config)
+  check_rl(config)
   check_context(config)
   check_model(config)
 
@@ -244,6 +264,37 @@ def check_preference(config: Any) -> None:
         f"whole pairs of one preference dataset (data.train, from `segpack tokenize --format "
         f"preference`), packed globally (packing.mode='global'), one row per device "
         f"(mesh.context=1), without a segment cap")
+
+
+def check_rl(config: Any) -> None:
+  """Checks the keys an RL loss does not combine with.
+
+  Raises:
+    ConfigError: an RL loss with a preference loss, packing.mode="minibatch", mesh.context > 1
+      or a segment cap; one completion per prompt with its advantage divided by a group's std
+      (always 0: nothing to learn), or rloo's leave-one-out (no other completion).
+  """
+  r = config.rl
+  if r.loss == "none":
+    return
+  clash = [(k, v) for k, v, ok in (
+      ("preference.loss", config.preference.loss, config.preference.loss == "none"),
+      ("packing.mode", config.packing.mode, config.packing.mode == "global"),
+      ("mesh.context", config.mesh.context, config.mesh.context == 1),
+      ("packing.max_segments_per_row", config.packing.max_segments_per_row,
+       config.packing.max_segments_per_row is None)) if not ok]
+  if clash:
+    key, value = clash[0]
+    raise ConfigError(
+        f"rl.loss={r.loss!r} with {key}={value!r}: an RL loss trains on its own samples of the "
+        f"prompts of data.train, groups packed globally (packing.mode='global'), one row per "
+        f"device (mesh.context=1), without a segment cap and without a preference loss")
+  scale = rl_settings.scale_rewards_of(r.loss, r.scale_rewards)
+  if r.num_generations == 1 and (r.loss == "rloo" or scale == "group"):
+    why = ("rloo's baseline is the other completions of the prompt" if r.loss == "rloo" else
+           "a group of one has no reward std (scale_rewards='group')")
+    raise ConfigError(f"rl.num_generations=1 with rl.loss={r.loss!r}: {why}; set "
+                      f"--config.rl.num_generations=2 or more")
 
 
 def check_minibatch(config: Any) -> None:

@@ -53,8 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                  help=".txt files: a file is a document, or blank lines separate documents")
   p.add_argument("--text-field", default="text",
                  help=".jsonl: the field holding the text; .parquet, hf-disk: the column")
-  p.add_argument("--format", choices=("auto", "text", "chat", "preference"), default="auto",
+  p.add_argument("--format", choices=("auto", "text", "chat", "preference", "prompts"),
+                 default="auto",
                  help="preference: .jsonl pairs (prompt, chosen, rejected; docs/preference.md); "
+                      "prompts: .jsonl prompts for RL (a text or messages, with their other "
+                      "fields kept for the rewards; docs/rl.md); "
                       "chat: .jsonl conversations with a loss mask, in the chat template of "
                       "--tokenizer hf:DIR when DIR holds one (needs segpack[hf]), else segpack's "
                       "(see --chat-template); "

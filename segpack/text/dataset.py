@@ -27,6 +27,7 @@ from typing import Any
 from segpack.files import LockHeldError, file_lock
 from segpack.text.beam import pipeline as beam_pipeline
 from segpack.text.chat import write as chat_write
+from segpack.text.chat import prompts as prompts_write
 from segpack.text.chat.preference import write as preference_write
 from segpack.text import corpus
 from segpack.text import encode
@@ -227,16 +228,19 @@ def _structured(files: Sequence[Path], output: Path, *, input_format: str, runne
                 **kwargs) -> encode.Summary | None:
   """Preference pairs (`segpack.text.chat.preference`) or chat (`chat.write`), tokenized
   locally; None for plain text."""
-  chat = input_format != "preference" and is_chat(
+  paired = input_format in ("preference", "prompts")
+  chat = not paired and is_chat(
       files, input_format, text_field=text_field, messages_field=messages_field)
-  if input_format != "preference" and not chat:
+  if not paired and not chat:
     return None
   if runner == "beam":
-    raise InputFormatError(f"runner='beam' (--runner) tokenizes plain text; run "
-                           f"{'chat' if chat else 'preference pairs'} locally")
+    what = "chat" if chat else ("preference pairs" if input_format == "preference" else "prompts")
+    raise InputFormatError(f"runner='beam' (--runner) tokenizes plain text; run {what} locally")
   if chat:
     return chat_write.tokenize_chat(files, output, train_on=train_on,
                                     messages_field=messages_field, **kwargs)
+  if input_format == "prompts":
+    return prompts_write.tokenize_prompts(files, output, **kwargs)
   return preference_write.tokenize_preference(files, output, **kwargs)
 
 
