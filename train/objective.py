@@ -46,6 +46,8 @@ class Prepared:
       (called only when needed).
     mesh: the run's mesh.
     resumed: whether the run resumes from a checkpoint.
+    live_params: the parameters as they are now, as `train.model.lora.model_of` takes them
+      (an objective that samples from the model it trains reads them between steps).
   """
 
   config: Any
@@ -56,6 +58,7 @@ class Prepared:
   reference_params: Callable[[], Any]
   mesh: Any
   resumed: bool
+  live_params: Callable[[], Any] = lambda: None
 
 
 class Objective(Protocol):

@@ -37,6 +37,7 @@ from train.adapters import trainable
 from train.config_checks import check_attention, check_attention_leaks
 from train.hf import init_from as hf_init
 from train.preference import objective as preference_objective
+from train.rl import objective as rl_objective
 from train.run_guard import check_workdir
 
 
@@ -68,9 +69,12 @@ class Run:
 
 
 def objective_of(config: Any) -> objective_lib.Objective:
-  """The objective a config asks for: a preference loss (`preference.loss`), else tokens."""
+  """The objective a config asks for: a preference loss (`preference.loss`), an RL loss
+  (`rl.loss`), else tokens."""
   if config.preference.loss != "none":
     return preference_objective.from_config(config)
+  if config.rl.loss != "none":
+    return rl_objective.from_config(config)
   return objective_lib.TokenObjective.from_config(config)
 
 
@@ -179,10 +183,12 @@ def setup(config: Any, workdir: str, *, checked: bool = False,
   else:
     state, start_step, changes = restored.state, restored.step, restored.changes
     iterator.set_state(restored.data_state)
+  live: dict[str, Run] = {}  # the run, once made: its current weights for `live_params`
   objective, line = objective.prepare(objective_lib.Prepared(  # before a step changes the weights
       config=config, workdir=workdir, data=data, extra=extra, graphdef=graphdef,
       reference_params=lambda: state_lib.base_params(state["params"], frozen), mesh=mesh,
-      resumed=restored is not None))
+      resumed=restored is not None,
+      live_params=lambda: state_lib.current_params(live["run"].state["params"], frozen)))
   if jax.process_index() == 0:
     run_guard.keep_run_record(workdir, config_dict, fingerprints, fresh=restored is None)
     run_guard.keep_datasets(workdir, run_guard.training_dirs(config.data.train))
@@ -192,10 +198,11 @@ def setup(config: Any, workdir: str, *, checked: bool = False,
       steps_lib.make_eval_step(graphdef, objective=objective), state_sh=state_sh,
       batch_sh=objective.batch_sharding(mesh), replicated=NamedSharding(mesh, P()),
       frozen=frozen)
-  return Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
+  live["run"] = Run(config=config, config_dict=config_dict, workdir=workdir, mesh=mesh, data=data,
              state=state, state_shardings=state_sh, train_step=train_step, eval_step=eval_step,
              checkpointer=checkpointer, iterator=iterator, start_step=int(start_step),
              num_params=num_params, objective=objective, graphdef=graphdef,
              resume_changes=changes,
              vocab_size=vocab_size, recipe=resolved, memory=estimate, reference=line,
              frozen_params=frozen.num_params)
+  return live["run"]

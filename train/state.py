@@ -104,6 +104,11 @@ def base_params(params: Any, frozen: Frozen) -> Any:
   return trainable.adapters_off(params), frozen.params
 
 
+def current_params(params: Any, frozen: Frozen) -> Any:
+  """The parameters of the model as it trains now: `params`, or `(params, the base)`."""
+  return params if frozen.params is None else (params, frozen.params)
+
+
 @contextlib.contextmanager
 def threefry_kernel(*, enabled: bool) -> Iterator[None]:
   """While `enabled`, JAX's hand-written threefry kernel for the random draws of programs traced

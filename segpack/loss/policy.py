@@ -16,7 +16,7 @@ normalisers as TRL's `GRPOConfig.loss_type`):
 - `dr_grpo`: `w_t = 1`, `N` = completions x `max_completion_length` (a constant per completion).
 
 A completion's tokens are one segment of its row, so every per-completion sum is a segment sum
-(`jax.ops.segment_sum` over `row * S + segment`): packing changes no number.
+(`segment_totals`, a running sum along the row): packing changes no number.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from segpack import mesh as mesh_lib
 from segpack.errors import UserError
 from segpack.loss.labels import IGNORE_INDEX
+from segpack.segments import segment_runs
 
 __all__ = ["LOSS_TYPES", "PolicyLoss", "PolicyLossError", "segment_totals"]
 
@@ -39,11 +41,18 @@ class PolicyLossError(UserError, ValueError):
 
 
 def segment_totals(x_BxS: jax.Array, segment_ids_BxS: jax.Array) -> jax.Array:
-  """Every slot's sum of `x` over its row's segment (its own value where the segment id is 0)."""
-  b, s = segment_ids_BxS.shape
-  ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * s + segment_ids_BxS.astype(jnp.int32)).ravel()
-  sums = jax.ops.segment_sum(x_BxS.ravel(), ids, num_segments=b * s)
-  return jnp.where(segment_ids_BxS > 0, sums[ids].reshape(b, s), x_BxS)
+  """Every slot's sum of `x` over its run of equal segment ids (a segment of a packed row).
+
+  A row's running sum at the run's last slot minus the one before its first
+  (`segpack.segments.segment_runs`): per row, so rows sharded over a mesh stay where they are
+  (a row's slots are gathered whole first on a mesh with explicit axes, `segpack.mesh`).
+  """
+  segment_ids_BxS, x_BxS = mesh_lib.whole_slots(segment_ids_BxS), mesh_lib.whole_slots(x_BxS)
+  start_BxS, end_BxS = segment_runs(segment_ids_BxS)
+  running_BxS = jnp.cumsum(x_BxS, axis=1)
+  at_end = jnp.take_along_axis(running_BxS, end_BxS - 1, axis=1)
+  before = jnp.take_along_axis(running_BxS, jnp.maximum(start_BxS - 1, 0), axis=1)
+  return at_end - jnp.where(start_BxS > 0, before, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
