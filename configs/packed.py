@@ -178,6 +178,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.epsilon = 0.2  # the ratio's lower clip, r >= 1 - epsilon
   c.rl.epsilon_high = config_dict.placeholder(float)  # upper clip; None: epsilon (dapo: 0.28)
   c.rl.beta = 0.0  # the k3 KL term's weight to the reference (the initial weights); 0: none
+  # The KL term times the ratio: its unbiased reverse-KL gradient (TRL's default)
+  c.rl.use_bias_correction_kl = True
   c.rl.inner_steps = 1  # optimizer steps on every round's samples (TRL's num_iterations)
   # Rewards, comma-separated NAME or NAME=WEIGHT: math (math-verify against the record's
   # `answer`), gsm8k (`#### N`), gsm8k_flexible (the last number), exact (the stripped

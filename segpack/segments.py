@@ -53,7 +53,7 @@ def segment_runs(segment_ids_BxS: Any) -> tuple[Any, Any]:
     return xp.zeros((b, 0), xp.int32), xp.zeros((b, 0), xp.int32)
   pos_S = xp.arange(s, dtype=xp.int32)
   change_BxS1 = ids_BxS[:, 1:] != ids_BxS[:, :-1]
-  edge_Bx1 = xp.ones((b, 1), dtype=bool)
+  edge_Bx1 = xp.ones_like(ids_BxS[:, :1], dtype=bool)  # the rows' sharding, on any mesh
   is_start_BxS = xp.concatenate([edge_Bx1, change_BxS1], axis=1)
   is_end_BxS = xp.concatenate([change_BxS1, edge_Bx1], axis=1)
   starts_BxS = xp.where(is_start_BxS, pos_S, 0).astype(xp.int32)

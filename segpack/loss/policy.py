@@ -8,6 +8,9 @@ level, `exp` of the segment's mean log-ratio: GSPO):
   loss_t = -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) A_t) + beta * kl_t,
   kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                      (k3, always >= 0)
 
+times `r_t` with `bias_correction_kl` (TRL's default: the unbiased reverse-KL gradient of
+DeepSeek-V3.2, whose ratio carries a gradient even where it is 1),
+
 and the step's loss is `sum_t w_t loss_t / N` over the global batch (`LOSS_TYPES`, names and
 normalisers as TRL's `GRPOConfig.loss_type`):
 
@@ -65,6 +68,7 @@ class PolicyLoss:
     epsilon_high: the upper clip, `r <= 1 + epsilon_high` (None: `epsilon`; DAPO uses 0.28).
     beta: the KL term's weight (0: no reference is needed).
     max_completion_length: `dr_grpo`'s constant normaliser per completion.
+    bias_correction_kl: the KL term times the ratio (TRL's `use_bias_correction_kl`).
   """
 
   loss_type: str = "grpo"
@@ -72,6 +76,7 @@ class PolicyLoss:
   epsilon_high: float | None = None
   beta: float = 0.0
   max_completion_length: int = 256
+  bias_correction_kl: bool = True
 
   def __post_init__(self):
     if self.loss_type not in LOSS_TYPES:
@@ -101,7 +106,7 @@ class PolicyLoss:
   def terms(self, logp_BxS: jax.Array, *, old_logp_BxS: jax.Array, advantages_BxS: jax.Array,
             labels_BxS: jax.Array, segment_ids_BxS: jax.Array,
             ref_logp_BxS: jax.Array | None = None) -> dict[str, jax.Array]:
-    """Per slot: `loss` (`w_t loss_t`, 0 off the completion tokens), `ratio`, `kl`,
+    """Per slot: `loss` (`w_t loss_t`, 0 off the completion tokens), `ratio`, `kl` (k3),
     `clipped_low` / `clipped_high` (the clip bound the gradient stops at), and `mask`."""
     mask = (labels_BxS != IGNORE_INDEX).astype(jnp.float32)
     size = jnp.maximum(segment_totals(mask, segment_ids_BxS), 1.0)
@@ -116,7 +121,7 @@ class PolicyLoss:
     if self.needs_reference:
       delta = (ref_logp_BxS - logp_BxS) * mask
       kl = jnp.exp(delta) - delta - 1
-      loss = loss + self.beta * kl
+      loss = loss + self.beta * (kl * ratio if self.bias_correction_kl else kl)
     weight = mask / size if self.loss_type in ("grpo", "gspo") else mask
     return dict(loss=loss * weight, ratio=ratio, kl=kl * mask, mask=mask,
                 clipped_low=((ratio < 1 - self.epsilon) & (advantages_BxS < 0)) * mask,

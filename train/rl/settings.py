@@ -65,7 +65,8 @@ class RLSettings:
     policy = policy_loss.PolicyLoss(
         loss_type="grpo" if r.loss == "rloo" else r.loss, epsilon=float(r.epsilon),
         epsilon_high=None if high is None else float(high), beta=float(r.beta),
-        max_completion_length=int(r.max_completion_length))
+        max_completion_length=int(r.max_completion_length),
+        bias_correction_kl=bool(r.use_bias_correction_kl))
     return cls(
         policy=policy, estimator="rloo" if r.loss == "rloo" else "group",
         scale_rewards=scale_rewards_of(r.loss, r.scale_rewards),
