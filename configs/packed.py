@@ -56,6 +56,48 @@ def model_group() -> ml_collections.ConfigDict:
   return m
 
 
+def rl_group() -> ml_collections.ConfigDict:
+  """The `rl` group: RL on the run's own samples (configs/grpo.py, docs/rl.md)."""
+  r = ml_collections.ConfigDict()
+  # "none": no RL; "grpo", "dr_grpo", "dapo", "bnpo", "gspo" or "rloo": learn from the run's own
+  # samples of the prompts of data.train (`segpack tokenize --format prompts`; docs/rl.md), the
+  # loss and advantage of that name (TRL's `GRPOConfig.loss_type`; "rloo": leave-one-out)
+  r.loss = "none"
+  r.num_generations = 8  # completions per prompt (a group), all from one prefill
+  r.prompts_per_step = 4  # prompts drawn per round of sampling
+  r.max_completion_length = 128  # new tokens per completion at most
+  r.temperature = 1.0  # sampling temperature (the log-probs are taken at it)
+  r.top_p = 1.0  # nucleus sampling (1: off)
+  r.top_k = 0  # top-k sampling (0: off)
+  # "group": advantages divided by the group's reward std (GRPO); "batch": by the round's;
+  # "none": not divided (Dr. GRPO); None: the loss's own ("none" for dr_grpo, else "group")
+  r.scale_rewards = config_dict.placeholder(str)
+  r.epsilon = 0.2  # the ratio's lower clip, r >= 1 - epsilon
+  r.epsilon_high = config_dict.placeholder(float)  # upper clip; None: epsilon (dapo: 0.28)
+  r.beta = 0.0  # the k3 KL term's weight to the reference (the initial weights); 0: none
+  # The KL term times the ratio: its unbiased reverse-KL gradient (TRL's default)
+  r.use_bias_correction_kl = True
+  r.inner_steps = 1  # optimizer steps on every round's samples (TRL's num_iterations)
+  # Rewards, comma-separated NAME or NAME=WEIGHT: math (math-verify against the record's
+  # `answer`), gsm8k (`#### N`), gsm8k_flexible (the last number), exact (the stripped
+  # completion equals `answer`), format (rl.format_pattern matches), overlong (DAPO's soft
+  # over-length penalty), or a MODULE:FUNCTION of (prompt, completion, record) -> float
+  r.rewards = "gsm8k"
+  r.format_pattern = r"#### -?[0-9]"  # the `format` reward's regular expression (re.search)
+  r.overlong_buffer = 0  # `overlong`: the last tokens before max_completion_length penalised
+  # Groups whose completions all got one reward are dropped before the update (DAPO's dynamic
+  # sampling); None: for dapo only
+  r.drop_equal_groups = config_dict.placeholder(bool)
+  # Completions cut at max_completion_length train no token (DAPO's over-long masking); None:
+  # for dapo only
+  r.mask_truncated = config_dict.placeholder(bool)
+  # Each group's prompt stored once in its row, its completions as branches that see it and
+  # never each other; False: every completion after its own copy of the prompt
+  r.shared_prompt = True
+  r.lanes = 0  # completions decoded at once (0: every completion of a round)
+  return r
+
+
 def base_config() -> ml_collections.ConfigDict:
   """The full (unlocked) config; `configs/padded.py` edits a copy of it."""
   c = ml_collections.ConfigDict()
@@ -161,43 +203,7 @@ def base_config() -> ml_collections.ConfigDict:
   # WORKDIR/reference; or a directory written by `python -m train.preference.score` for another model
   c.preference.reference = "init"
 
-  c.rl = ml_collections.ConfigDict()
-  # "none": no RL; "grpo", "dr_grpo", "dapo", "bnpo", "gspo" or "rloo": learn from the run's own
-  # samples of the prompts of data.train (`segpack tokenize --format prompts`; docs/rl.md), the
-  # loss and advantage of that name (TRL's `GRPOConfig.loss_type`; "rloo": leave-one-out)
-  c.rl.loss = "none"
-  c.rl.num_generations = 8  # completions per prompt (a group), all from one prefill
-  c.rl.prompts_per_step = 4  # prompts drawn per round of sampling
-  c.rl.max_completion_length = 128  # new tokens per completion at most
-  c.rl.temperature = 1.0  # sampling temperature (the log-probs are taken at it)
-  c.rl.top_p = 1.0  # nucleus sampling (1: off)
-  c.rl.top_k = 0  # top-k sampling (0: off)
-  # "group": advantages divided by the group's reward std (GRPO); "batch": by the round's;
-  # "none": not divided (Dr. GRPO); None: the loss's own ("none" for dr_grpo, else "group")
-  c.rl.scale_rewards = config_dict.placeholder(str)
-  c.rl.epsilon = 0.2  # the ratio's lower clip, r >= 1 - epsilon
-  c.rl.epsilon_high = config_dict.placeholder(float)  # upper clip; None: epsilon (dapo: 0.28)
-  c.rl.beta = 0.0  # the k3 KL term's weight to the reference (the initial weights); 0: none
-  # The KL term times the ratio: its unbiased reverse-KL gradient (TRL's default)
-  c.rl.use_bias_correction_kl = True
-  c.rl.inner_steps = 1  # optimizer steps on every round's samples (TRL's num_iterations)
-  # Rewards, comma-separated NAME or NAME=WEIGHT: math (math-verify against the record's
-  # `answer`), gsm8k (`#### N`), gsm8k_flexible (the last number), exact (the stripped
-  # completion equals `answer`), format (rl.format_pattern matches), overlong (DAPO's soft
-  # over-length penalty), or a MODULE:FUNCTION of (prompt, completion, record) -> float
-  c.rl.rewards = "gsm8k"
-  c.rl.format_pattern = r"#### -?[0-9]"  # the `format` reward's regular expression (re.search)
-  c.rl.overlong_buffer = 0  # `overlong`: the last tokens before max_completion_length penalised
-  # Groups whose completions all got one reward are dropped before the update (DAPO's dynamic
-  # sampling); None: for dapo only
-  c.rl.drop_equal_groups = config_dict.placeholder(bool)
-  # Completions cut at max_completion_length train no token (DAPO's over-long masking); None:
-  # for dapo only
-  c.rl.mask_truncated = config_dict.placeholder(bool)
-  # Each group's prompt stored once in its row, its completions as branches that see it and
-  # never each other; False: every completion after its own copy of the prompt
-  c.rl.shared_prompt = True
-  c.rl.lanes = 0  # completions decoded at once (0: every completion of a round)
+  c.rl = rl_group()
 
   c.train = ml_collections.ConfigDict()
   c.train.seed = 0  # parameter initialisation seed

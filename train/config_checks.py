@@ -202,7 +202,7 @@ def check_config(config: Any) -> None:
   check_data(config)
   check_minibatch(config)
   check_preference(config)
-  check_rl(config)
+  rl_settings.check(config)
   check_context(config)
   check_model(config)
 
@@ -264,37 +264,6 @@ def check_preference(config: Any) -> None:
         f"whole pairs of one preference dataset (data.train, from `segpack tokenize --format "
         f"preference`), packed globally (packing.mode='global'), one row per device "
         f"(mesh.context=1), without a segment cap")
-
-
-def check_rl(config: Any) -> None:
-  """Checks the keys an RL loss does not combine with.
-
-  Raises:
-    ConfigError: an RL loss with a preference loss, packing.mode="minibatch", mesh.context > 1
-      or a segment cap; one completion per prompt with its advantage divided by a group's std
-      (always 0: nothing to learn), or rloo's leave-one-out (no other completion).
-  """
-  r = config.rl
-  if r.loss == "none":
-    return
-  clash = [(k, v) for k, v, ok in (
-      ("preference.loss", config.preference.loss, config.preference.loss == "none"),
-      ("packing.mode", config.packing.mode, config.packing.mode == "global"),
-      ("mesh.context", config.mesh.context, config.mesh.context == 1),
-      ("packing.max_segments_per_row", config.packing.max_segments_per_row,
-       config.packing.max_segments_per_row is None)) if not ok]
-  if clash:
-    key, value = clash[0]
-    raise ConfigError(
-        f"rl.loss={r.loss!r} with {key}={value!r}: an RL loss trains on its own samples of the "
-        f"prompts of data.train, groups packed globally (packing.mode='global'), one row per "
-        f"device (mesh.context=1), without a segment cap and without a preference loss")
-  scale = rl_settings.scale_rewards_of(r.loss, r.scale_rewards)
-  if r.num_generations == 1 and (r.loss == "rloo" or scale == "group"):
-    why = ("rloo's baseline is the other completions of the prompt" if r.loss == "rloo" else
-           "a group of one has no reward std (scale_rewards='group')")
-    raise ConfigError(f"rl.num_generations=1 with rl.loss={r.loss!r}: {why}; set "
-                      f"--config.rl.num_generations=2 or more")
 
 
 def check_minibatch(config: Any) -> None:

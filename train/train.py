@@ -36,7 +36,11 @@ def evaluate(run: Run) -> dict[str, float]:
   of the evaluated batches. For a mixture, every source is evaluated on its own held-out
   documents (`train.eval_batches` batches of each) and `eval_loss` is the mixture of their
   losses by the sources' token shares, `sum_s w_s * eval_loss/s`: the expected per-token loss
-  of the training mixture."""
+  of the training mixture. An objective with an `evaluate(run)` of its own (RL: the held-out
+  prompts' rewards, `train.rl.objective`) measures instead."""
+  own = getattr(run.objective, "evaluate", None)  # an objective with a measure of its own (RL)
+  if own is not None:
+    return own(run)
   if not run.data.eval_by_source:
     loss, tokens, means = _eval_loss(run, run.data.eval)
     return dict(eval_loss=loss, eval_tokens=tokens, **means)

@@ -65,8 +65,9 @@ FLOORS = (
     # the trainer: its loop, objectives, state, data, checkpoints; the wings a run starts with
     # (Hugging Face import, adapters, preferences with their scoring command) and a finished
     # run read back (checkpoint, config, tokenizer, chat template), the rollout engine (the
-    # completions and log-probs RL and evaluation train and score on)
-    ("train", "train.hf", "train.adapters", "train.preference", "train.runs", "train.rollout"),
+    # completions and log-probs RL and evaluation train and score on), RL on its own samples
+    ("train", "train.hf", "train.adapters", "train.preference", "train.runs", "train.rollout",
+     "train.rl"),
     # what reads finished runs: the sampler, the export to a Hugging Face or PEFT directory
     ("train.sample", "train.export"),
     ("train.bench",),

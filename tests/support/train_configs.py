@@ -136,7 +136,7 @@ def run_cli(*args, cwd=REPO, check=True, env=None, python=sys.executable):
   """Runs `python -m ARGS` from `cwd` on one CPU device (unless `env` names XLA_FLAGS), with
   `python` (another environment's, e.g. `support.fresh_env.make`'s); a failure fails the test
   when `check`."""
-  env = dict(os.environ, PYTHONPATH=str(REPO), **{"XLA_FLAGS": one_cpu_device(), **(env or {})})
+  env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": one_cpu_device(), **(env or {})}
   out = subprocess.run([str(python), "-m", *args], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=900)
   if check:

@@ -57,7 +57,7 @@ class RLObjective:
     if process_count != 1:
       raise DataConfigError(f"rl.loss={config.rl.loss!r} runs in one process (the sampler "
                             f"runs on one host); got {process_count} processes")
-    prompts = prompts_lib.open_prompts(config, workdir="")
+    prompts, held = prompts_lib.split(config, prompts_lib.open_prompts(config, workdir=""))
     s = self.settings
     rewards = rewards_lib.parse_rewards(s.rewards, format_pattern=s.format_pattern,
                                         overlong_buffer=s.overlong_buffer)
@@ -70,7 +70,10 @@ class RLObjective:
                    f"{s.num_generations} completions of up to {s.max_completion_length} tokens "
                    f"a round, groups packed whole ({'prompt once' if s.shared_prompt else 'prompt copied'}) "
                    f"into rows of {config.packing.seq_len}; rewards {[r.name for r in rewards]}")
-    data = data_lib.Data(train=_Stream(source), eval=None, vocab_size=prompts.vocab_size,
+    if held is not None:
+      rewards_lib.check_fields(rewards, held.records, name=f"the held-out prompts {held.name!r}")
+      description += f"; {len(held.ids)} held-out prompts"
+    data = data_lib.Data(train=_Stream(source), eval=held, vocab_size=prompts.vocab_size,
                          train_rows_in_epoch0=batch_size, description=description,
                          tokenizer_fingerprint=prompts.tokenizer_fingerprint)
     return data, source
@@ -126,6 +129,11 @@ class RLObjective:
     count = self.normalizer(batch)
     return dict(self.loss_and_sums(model, batch, count)[1], count=count)
 
+  def evaluate(self, run: Any) -> dict[str, Any]:
+    """The held-out prompts answered greedily and rewarded (`Rollouts.evaluate`)."""
+    return self.source.evaluate(run.data.eval, limit=int(run.config.train.eval_batches) *
+                                self.settings.prompts_per_step)
+
   def window_means(self, window: list[dict[str, Any]], counts: float) -> dict[str, Any]:
     """Per completion token: clip fractions, KL, mean ratio; and the last round's metrics."""
     tokens = max(sum(float(m["tokens"]) for m in window), 1.0)
@@ -140,7 +148,12 @@ class RLObjective:
     return out
 
   def describe(self, record: dict[str, Any], prefix: str = "") -> str:
-    if prefix or "reward" not in record:
+    if prefix:
+      accuracy = record.get("eval_accuracy")
+      return (f" | reward {record['eval_reward']:.3f}"
+              + ("" if accuracy is None else f", acc {accuracy:.1%}")
+              + f" over {record['eval_prompts']} prompts (greedy)")
+    if "reward" not in record:
       return ""
     accuracy = record.get("accuracy")
     return (f" | reward {record['reward']:.3f}"

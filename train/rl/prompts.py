@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 from typing import Any
 
 import numpy as np
@@ -57,32 +56,57 @@ class Prompts:
       out.append(int(order[at]))
     return out
 
+  def subset(self, indices: Any) -> "Prompts":
+    """The prompts at `indices`, in that order."""
+    keep = [int(i) for i in indices]
+    return dataclasses.replace(self, ids=[self.ids[i] for i in keep],
+                               records=[self.records[i] for i in keep],
+                               texts=[self.texts[i] for i in keep])
 
-def _not_prompts(config: Any, why: str) -> DataConfigError:
+
+def split(config: Any, prompts: Prompts) -> tuple[Prompts, Prompts | None]:
+  """`(training prompts, held-out prompts or None)`: `data.eval`'s prompts, or `data.eval_share`
+  of `data.train`'s (a seeded choice of whole prompts, at least one when the share is > 0)."""
+  if config.data.eval is not None:
+    held = open_prompts(config, workdir="", key="data.eval")
+    if held.tokenizer_fingerprint != prompts.tokenizer_fingerprint:
+      raise DataConfigError(f"data.train={prompts.name!r} and data.eval={held.name!r} were "
+                            f"tokenized differently; tokenize both with one tokenizer")
+    return prompts, held
+  share = float(config.data.eval_share)
+  if share == 0 or len(prompts.ids) < 2:
+    return prompts, None
+  order = np.random.default_rng([int(config.data.seed), 104729]).permutation(len(prompts.ids))
+  n = max(1, int(round(share * len(order))))
+  return prompts.subset(np.sort(order[n:])), prompts.subset(np.sort(order[:n]))
+
+
+def _not_prompts(config: Any, why: str, key: str = "data.train") -> DataConfigError:
   return DataConfigError(
       f"rl.loss={config.rl.loss!r} samples completions of the prompts of one dataset written by "
-      f"`segpack tokenize --format prompts`; data.train={config.data.train!r} {why}")
+      f"`segpack tokenize --format prompts`; {key}={config.data[key.split('.')[1]]!r} {why}")
 
 
-def open_prompts(config: Any, workdir: str) -> Prompts:
-  """`data.train`'s prompts, refused by name when it is not a prompts dataset."""
-  if config.data.train is None or "=" in str(config.data.train):
-    raise _not_prompts(config, "is not one dataset")
-  source = data_sources.open_dataset("data.train", config.data.train)
+def open_prompts(config: Any, workdir: str, *, key: str = "data.train") -> Prompts:
+  """`key`'s prompts (`data.train` or `data.eval`), refused by name when not a prompts dataset."""
+  path = config.data[key.split(".")[1]]
+  if path is None or "=" in str(path):
+    raise _not_prompts(config, "is not one dataset", key)
+  source = data_sources.open_dataset(key, path)
   record = sources_lib.dataset_record(source)
   counts = None if record is None else record.extra.get(prompts_lib.PROMPTS_KEY)
   if not counts:
-    raise _not_prompts(config, "is not one (its manifest has no metadata.prompts)")
+    raise _not_prompts(config, "is not one (its manifest has no metadata.prompts)", key)
   try:
-    records = prompts_lib.read_records(config.data.train)
+    records = prompts_lib.read_records(path)
   except (OSError, ValueError) as e:
-    raise _not_prompts(config, f"has no readable {prompts_lib.RECORDS_NAME} ({e})") from e
+    raise _not_prompts(config, f"has no readable {prompts_lib.RECORDS_NAME} ({e})", key) from e
   if len(records) != len(source):
     raise _not_prompts(config, f"holds {len(source)} prompts but {len(records)} records in "
-                               f"{prompts_lib.RECORDS_NAME}")
+                               f"{prompts_lib.RECORDS_NAME}", key)
   tokenizer = run_tokenizer.tokenizer_for_run(config)
   bos = tokenizer.bos_id if config.data.add_bos and not sources_lib.template_writes_special_tokens(
-      source, fn=f"data.train={config.data.train!r}") else None
+      source, fn=f"{key}={path!r}") else None
   first = [] if bos is None or bos < 0 else [int(bos)]
   ids = [np.asarray(first + [int(t) for t in source[i]], np.int64) for i in range(len(source))]
   stops = {int(tokenizer.eos_id)} if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 else set()
@@ -92,7 +116,7 @@ def open_prompts(config: Any, workdir: str) -> Prompts:
   detokenize = tokenizer.decode
   return Prompts(ids=ids, records=records,
                  texts=[detokenize([int(t) for t in x[len(first):]]) for x in ids],
-                 name=str(config.data.train), vocab_size=int(source.vocab_size),
+                 name=str(path), vocab_size=int(source.vocab_size),
                  tokenizer_fingerprint=str(source.tokenizer_fingerprint),
                  stop_ids=tuple(sorted(stops)), detokenize=detokenize)
 
@@ -109,6 +133,3 @@ def record_line(record: dict[str, Any]) -> str:
   """A record as one JSON line (for the rollouts' files)."""
   return json.dumps(record, ensure_ascii=False, default=str)
 
-
-def dataset_dir(config: Any) -> pathlib.Path:
-  return pathlib.Path(str(config.data.train))

@@ -3,7 +3,8 @@
 `rl.rewards` names them, comma-separated, each `NAME` or `NAME=WEIGHT` (weight 1 by default);
 a completion's reward is the weighted sum. Built in (`BUILTIN`):
 
-- `math`: `math_verify.verify(parse(answer), parse(completion))` (1 or 0; the `rl` extra);
+- `math`: `math_verify.verify(parse(answer), parse(completion))` (1 or 0; the `rl` extra; a bare
+  answer such as `2(x+1)` is read as `$2(x+1)$`);
 - `gsm8k`: the number after the completion's first `#### ` equals the answer's (strict, as
   lm-eval's gsm8k `strict-match`); `gsm8k_flexible`: its last number does (`flexible-extract`);
 - `exact`: the stripped completion equals the stripped answer;
@@ -107,7 +108,10 @@ def _math(sample: Sample, _: Any) -> float:
   except ImportError as e:
     raise RewardError("reward 'math' needs math-verify: pip install 'segpack[rl]' (or "
                       "math-verify)") from e
-  gold = math_verify.parse(answer_of(sample.record))
+  answer = answer_of(sample.record)
+  if "$" not in answer and "\\boxed" not in answer:
+    answer = f"${answer}$"  # a bare expression, read as LaTeX math (math-verify reads "2" of "2(x+1)")
+  gold = math_verify.parse(answer)
   return float(bool(math_verify.verify(gold, math_verify.parse(sample.completion))))
 
 

@@ -79,6 +79,30 @@ class Rollouts:
   def bind(self, bound: Bound) -> None:
     self.bound = bound
 
+  def evaluate(self, held: Prompts, *, limit: int) -> dict[str, Any]:
+    """Greedy completions of the first `limit` held-out prompts (all when 0), rewarded:
+    `eval_reward`, `eval_accuracy` (the first reward > 0), `eval_completion_length`, and
+    `eval_loss` = minus the mean reward (lower is better, as every eval loss)."""
+    n = len(held.ids) if limit <= 0 else min(limit, len(held.ids))
+    done = engine.generate(self.bound.model(), held.ids[:n],
+                           max_new_tokens=self.settings.max_completion_length,
+                           stop_ids=held.stop_ids, detokenize=held.detokenize,
+                           max_len=self.seq_len, lanes=self.settings.lanes or None)
+    values = np.zeros((n, len(self.rewards)))
+    totals = np.zeros(n)
+    for c in done:
+      sample = rewards_lib.Sample(prompt=held.texts[c.prompt], completion=c.text,
+                                  record=held.records[c.prompt],
+                                  where=f"held-out {held.name!r} record {c.prompt}",
+                                  num_tokens=len(c.token_ids),
+                                  max_tokens=self.settings.max_completion_length)
+      totals[c.prompt], values[c.prompt] = rewards_lib.score(self.rewards, sample)
+    tokens = sum(len(c.token_ids) for c in done)
+    return dict(eval_loss=-float(totals.mean()), eval_tokens=int(tokens),
+                eval_reward=float(totals.mean()),
+                eval_accuracy=float((values[:, 0] > 0).mean()) if values.shape[1] else None,
+                eval_completion_length=tokens / max(n, 1), eval_prompts=n)
+
   def get_state(self) -> dict[str, Any]:
     length = len(self.steps) * self.settings.inner_steps if self.steps else 1
     return dict(version=1, unit="steps", epoch=self.round, index=self.index,

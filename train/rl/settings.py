@@ -11,10 +11,47 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from segpack.errors import UserError
 from segpack.loss import policy as policy_loss
 from train.rollout.sampling import Sampling
 
 DAPO_EPSILON_HIGH = 0.28  # DAPO's clip-higher bound
+
+
+class RLConfigError(UserError, ValueError):
+  """`rl.*` keys that do not combine with each other or with the rest of the config."""
+
+
+def check(config: Any) -> None:
+  """Checks the keys an RL loss does not combine with (`train.config_checks` checks each key's
+  own values).
+
+  Raises:
+    RLConfigError: an RL loss with a preference loss, packing.mode="minibatch", mesh.context > 1
+      or a segment cap; one completion per prompt with its advantage divided by a group's std
+      (always 0: nothing to learn), or rloo's leave-one-out (no other completion).
+  """
+  r = config.rl
+  if r.loss == "none":
+    return
+  clash = [(k, v) for k, v, ok in (
+      ("preference.loss", config.preference.loss, config.preference.loss == "none"),
+      ("packing.mode", config.packing.mode, config.packing.mode == "global"),
+      ("mesh.context", config.mesh.context, config.mesh.context == 1),
+      ("packing.max_segments_per_row", config.packing.max_segments_per_row,
+       config.packing.max_segments_per_row is None)) if not ok]
+  if clash:
+    key, value = clash[0]
+    raise RLConfigError(
+        f"rl.loss={r.loss!r} with {key}={value!r}: an RL loss trains on its own samples of the "
+        f"prompts of data.train, groups packed globally (packing.mode='global'), one row per "
+        f"device (mesh.context=1), without a segment cap and without a preference loss")
+  scale = scale_rewards_of(r.loss, r.scale_rewards)
+  if r.num_generations == 1 and (r.loss == "rloo" or scale == "group"):
+    why = ("rloo's baseline is the other completions of the prompt" if r.loss == "rloo" else
+           "a group of one has no reward std (scale_rewards='group')")
+    raise RLConfigError(f"rl.num_generations=1 with rl.loss={r.loss!r}: {why}; set "
+                        f"--config.rl.num_generations=2 or more")
 
 
 def scale_rewards_of(loss: str, scale_rewards: str | None) -> str:

@@ -6,7 +6,6 @@ is the trainer's loss (`RLObjective.loss_and_sums`) on packed rows with each pro
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
