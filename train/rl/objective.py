@@ -83,7 +83,7 @@ class RLObjective:
     source = prepared.extra
     source.directory = f"{prepared.workdir}/{rollouts_lib.ROLLOUTS_DIR}"
     score = _scorer(prepared.graphdef, self.blocks, self.settings.sampling.temperature or 1.0)
-    reference = prepared.reference_params() if self.settings.policy.needs_reference else None
+    reference = _kept(prepared.reference_params()) if self.settings.policy.needs_reference else None
 
     def scored(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       batch = sharding_lib.global_batch(rows, prepared.mesh)
@@ -181,6 +181,16 @@ def _scorer(graphdef: Any, blocks: tuple[int, int], temperature: float):
     return -head_loss.token_losses(model, batch, block_size=blocks[0],
                                    vocab_block_size=blocks[1], temperature=temperature)
   return score
+
+
+def _kept(params: Any) -> Any:
+  """The reference's parameters, copied where the train step donates them: the initial weights
+  (a second copy, as any KL reference of full fine-tuning), or under adapters the adapters with
+  B at zero over the frozen base (which no step donates: not copied)."""
+  if isinstance(params, tuple):
+    trained, frozen = params
+    return jax.tree.map(jnp.copy, trained), frozen
+  return jax.tree.map(jnp.copy, params)
 
 
 def _check_room(config: Any, prompts: prompts_lib.Prompts) -> None:
