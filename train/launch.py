@@ -7,6 +7,7 @@ command; a signal after its checkpoint, 128 + the signal; a second Ctrl-C at onc
 import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -16,6 +17,7 @@ import ml_collections
 from absl import flags, logging
 
 from segpack import errors
+from segpack.text.chat import prompts as prompts_lib
 from train import checkpoint_compat as ckpt_compat
 from train.adapters import trainable
 from train.hf import config as hf_config
@@ -131,10 +133,22 @@ def run(config: ml_collections.ConfigDict, *, workdir: str | None, config_filena
   return 0
 
 
+def _first_prompt(config: ml_collections.ConfigDict) -> str | None:
+  """The first text prompt of an RL run's prompts dataset (None: messages, or unreadable)."""
+  try:
+    with open(os.path.join(str(config.data.train), prompts_lib.RECORDS_NAME), "rb") as f:
+      prompt = json.loads(f.readline()).get("prompt")
+  except (OSError, ValueError, TypeError, AttributeError):
+    return None
+  return prompt if isinstance(prompt, str) else None
+
+
 def what_next(config: ml_collections.ConfigDict, workdir: str, *, wall_s: float | None) -> str:
   """The run's last lines: its wall time, then the commands that read it, with its workdir."""
   if config.data.source == "synthetic":
     prompt = "--prompt_ids 1,5,6,7"
+  elif config.rl.loss != "none" and (first := _first_prompt(config)) is not None:
+    prompt = f"--prompt {shlex.quote(first)}"  # an RL run: one of its own prompts
   elif run_tokenizer.is_chat(config):
     prompt = '--chat --prompt "What does zip do?"'
   else:

@@ -1,6 +1,7 @@
 """Draws a run's curves: `python -m train.plot WORKDIR [--out PATH]` -> `WORKDIR/curves.png`.
 
-Panels: train and eval loss (and each mixture source's, dashed), learning rate, gradient norm, real tokens/s, all against the step.
+Panels: train and eval loss (and each mixture source's, dashed), learning rate, gradient norm, real tokens/s, all against the step;
+an RL run (`rl.loss`) adds its reward: the sampled rounds' mean and the held-out prompts' (greedy).
 Needs matplotlib (`pip install segpack[plot]`).
 """
 
@@ -40,7 +41,8 @@ def plot(workdir: str, *, out: str | None = None) -> str:
     raise errors.UsageError(
         f"{os.path.join(workdir, metrics_lib.METRICS_FILE)} holds no train records")
   steps = [r["step"] for r in train]
-  fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+  rewards = any("reward" in r for r in train)
+  fig, axes = plt.subplots(1, 5 if rewards else 4, figsize=(22 if rewards else 18, 4))
   axes[0].plot(steps, [r["loss"] for r in train], label="train")
   if evals:
     axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
@@ -56,6 +58,8 @@ def plot(workdir: str, *, out: str | None = None) -> str:
   for ax, key in zip(axes[1:], ("lr", "grad_norm", "real_tokens_per_s")):
     ax.plot(steps, [r[key] for r in train])
     ax.set_title(key)
+  if rewards:
+    _reward_panel(axes[4], train, evals)
   for ax in axes:
     ax.set_xlabel("step")
   fig.tight_layout()
@@ -67,6 +71,17 @@ def plot(workdir: str, *, out: str | None = None) -> str:
     plt.close(fig)
   atomic_write_bytes(pathlib.Path(out), buf.getvalue())
   return out
+
+
+def _reward_panel(ax, train: list[dict], evals: list[dict]) -> None:
+  """An RL run's reward curve: the rounds' mean reward, and the held-out prompts' (greedy)."""
+  points = [(r["step"], r["reward"]) for r in train if r.get("reward") is not None]
+  ax.plot(*zip(*points), label="sampled")
+  held = [(r["step"], r["eval_reward"]) for r in evals if r.get("eval_reward") is not None]
+  if held:
+    ax.plot(*zip(*held), "o-", label="held-out (greedy)")
+  ax.set_title("reward")
+  ax.legend()
 
 
 @errors.command("python -m train.plot")

@@ -34,6 +34,8 @@ INVENTORY = {
         RUN, "tests/train/adapters/test_readme_lora.py::test_readme_lora_commands"),
     (README, "## Train on preferences", 0): (
         RUN, "tests/train/preference/test_readme_dpo.py::test_readme_preference_commands"),
+    (README, "## Reinforcement learning with verifiable rewards", 0): (
+        RUN, "tests/train/rl/test_readme_grpo.py::test_readme_grpo_commands"),
     (README, "## Use", 0): (RUN, _USE),
     (README, "## Use", 1): (NOT, "Cloud Dataflow and gs:// buckets; the same command runs on "
                                  "DirectRunner against an S3 API (docs/ingest.md's blocks)"),
@@ -113,6 +115,11 @@ INVENTORY = {
     ("docs/sft.md", "## Asking with tools", 0): (RUN, _SFT),
     ("docs/preference.md", "## Data: `segpack tokenize --format preference`", 0): (
         SAME, (README, "## Train on preferences", 0), {"MODEL_DIR": "exported"}),
+    ("docs/rl.md", "# Reinforcement learning with verifiable rewards", 0): (
+        SAME, (README, "## Reinforcement learning with verifiable rewards", 0),
+        {"MODEL_DIR": "exported"}),
+    ("docs/rl.md", "## Rewards: `--config.rl.rewards`", 0): (
+        RUN, "tests/train/rl/test_rewards.py::test_the_docs_own_reward_runs"),
     ("docs/preference.md", "## The reference: computed once", 0): (
         RUN, "tests/train/preference/test_readme_dpo.py::test_readme_preference_commands"),
 }

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from configs import packed, padded, sft
+from configs import grpo, packed, padded, sft
 from segpack import loss as loss_lib
 from segpack import packing
 from segpack.data.packed import REPACK_MODES
@@ -22,7 +22,7 @@ from support import train_configs
 from support import paths
 
 REPO = str(paths.REPO)
-MODULES = {"packed": packed, "padded": padded, "sft": sft}
+MODULES = {"packed": packed, "padded": padded, "sft": sft, "grpo": grpo}
 
 
 def _keys(config):
@@ -135,6 +135,18 @@ BAD_NUMBERS = {
     "preference.beta": [0.0, -0.1, float("nan")],
     "preference.label_smoothing": [0.5, -0.1, float("nan")],
     "preference.simpo_gamma": [-0.5, float("inf")],
+    "rl.num_generations": [0],
+    "rl.prompts_per_step": [0, -2],
+    "rl.max_completion_length": [0],
+    "rl.temperature": [0.0, -1.0, float("nan")],
+    "rl.top_p": [0.0, 1.5],
+    "rl.top_k": [-1],
+    "rl.epsilon": [1.0, -0.1],
+    "rl.epsilon_high": [-0.1, float("inf")],
+    "rl.beta": [-0.01, float("nan")],
+    "rl.inner_steps": [0],
+    "rl.overlong_buffer": [-1],
+    "rl.lanes": [-1],
 }
 # Boundary values each numeric key accepts (0 means "never" / "all" / "only at the end" where the
 # config says so; None "the default" for the optional keys).
@@ -149,6 +161,8 @@ GOOD_NUMBERS = {
     "preference.label_smoothing": 0.0, "preference.simpo_gamma": 0.0,
     "train.num_steps": None, "train.num_epochs": None, "model.lora.rank": 0,
     "model.lora.alpha": 1e-3, "model.lora.dropout": 0.0,
+    "rl.top_p": 1.0, "rl.top_k": 0, "rl.epsilon": 0.0, "rl.epsilon_high": None, "rl.beta": 0.0,
+    "rl.overlong_buffer": 0, "rl.lanes": 0,
 }
 
 

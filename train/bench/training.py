@@ -1,9 +1,10 @@
-"""Training benchmarks: `python -m train.bench packed|sft|preference|steps|gpu-numbers [...]`
+"""Training benchmarks: `python -m train.bench packed|sft|preference|rl|steps|gpu-numbers [...]`
 (`--help` after any).
 
 `packed`: packed vs padded training on the same documents (this module).
 `sft`: chat fine-tuning, padding vs minibatch vs global packing (`train/bench/sft.py`, docs/sft.md).
 `preference`: DPO on packed pairs vs padded pairs (`train/bench/preference.py`, docs/preference.md).
+`rl`: GRPO on groups padded vs packed, prompt copied or stored once (`train/bench/rl.py`, docs/rl.md).
 `steps`: the trainer's own step on any config, timed and profiled: MFU (`train/bench/steps.py`).
 `gpu-numbers`: every GPU figure in one JSON, stage by stage (`train/bench/gpu_numbers.py`).
 
@@ -44,6 +45,7 @@ from segpack.loss import IGNORE_INDEX
 from segpack.text import corpus
 from train.model import decoder as model_lib
 from train.bench import preference as preference_bench
+from train.bench import rl as rl_bench
 from train.bench import gpu_numbers
 from train.bench import sft as sft_bench
 from train.bench import steps as steps_bench
@@ -144,11 +146,12 @@ def _table(r: dict[str, Any]) -> str:
 
 
 # The subcommands besides `packed`, each a module with `add_arguments(parser)` and `run(args)`.
-SUBCOMMANDS = {"sft": sft_bench, "preference": preference_bench, "steps": steps_bench,
-               "gpu-numbers": gpu_numbers}
+SUBCOMMANDS = {"sft": sft_bench, "preference": preference_bench, "rl": rl_bench,
+               "steps": steps_bench, "gpu-numbers": gpu_numbers}
 SUBCOMMAND_HELP = {
     "sft": "chat fine-tuning: padding vs minibatch vs global packing",
     "preference": "DPO: packed pairs vs pairs padded to the longest",
+    "rl": "GRPO: groups padded vs packed with the prompt copied vs stored once",
     "steps": "the trainer's step on a config: time, MFU, top kernels",
     "gpu-numbers": "every GPU figure of docs/benchmarks.md, one JSON",
 }

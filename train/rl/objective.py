@@ -29,7 +29,8 @@ from train.model import lora as lora_lib
 from train.rl import prompts as prompts_lib
 from train.rl import rewards as rewards_lib
 from train.rl import rollouts as rollouts_lib
-from train.rl.settings import RLSettings
+from train.rl import settings as settings_lib
+from segpack.loss import policy as policy_loss
 
 __all__ = ["RLObjective", "from_config"]
 
@@ -41,12 +42,14 @@ class RLObjective:
   """The objective of `rl.loss` (the module docstring).
 
   Attributes:
-    settings: the resolved `rl.*` keys.
+    policy: the token loss (`segpack.loss.policy.PolicyLoss`, from `rl.*`).
+    temperature: the sampling temperature the log-probs are taken at (1 for greedy choice).
     blocks: `head_loss.token_losses`' `block_size` and `vocab_block_size` (`loss.*`).
-    source: the run's rollouts (bound by `prepare`).
+    source: the run's rollouts (bound by `make_data`, then `prepare`).
   """
 
-  settings: RLSettings
+  policy: policy_loss.PolicyLoss
+  temperature: float = 1.0
   blocks: tuple[int, int] = (0, 0)
   source: Any = None
 
@@ -58,14 +61,13 @@ class RLObjective:
       raise DataConfigError(f"rl.loss={config.rl.loss!r} runs in one process (the sampler "
                             f"runs on one host); got {process_count} processes")
     prompts, held = prompts_lib.split(config, prompts_lib.open_prompts(config, workdir=""))
-    s = self.settings
+    s = config.rl
     rewards = rewards_lib.parse_rewards(s.rewards, format_pattern=s.format_pattern,
                                         overlong_buffer=s.overlong_buffer)
     rewards_lib.check_fields(rewards, prompts.records, name=f"data.train={prompts.name!r}")
     _check_room(config, prompts)
-    source = rollouts_lib.Rollouts(prompts=prompts, settings=s, rewards=rewards,
-                                   seq_len=int(config.packing.seq_len), batch_size=batch_size,
-                                   seed=int(config.train.seed), workdir="")
+    source = rollouts_lib.Rollouts(prompts=prompts, config=config, rewards=rewards,
+                                   batch_size=batch_size, workdir="")
     description = (f"{prompts_lib.describe(prompts)}; {s.prompts_per_step} prompts x "
                    f"{s.num_generations} completions of up to {s.max_completion_length} tokens "
                    f"a round, groups packed whole ({'prompt once' if s.shared_prompt else 'prompt copied'}) "
@@ -82,8 +84,8 @@ class RLObjective:
     """Binds the rollouts to the live weights, the reference and the run's directory."""
     source = prepared.extra
     source.directory = f"{prepared.workdir}/{rollouts_lib.ROLLOUTS_DIR}"
-    score = _scorer(prepared.graphdef, self.blocks, self.settings.sampling.temperature or 1.0)
-    reference = _kept(prepared.reference_params()) if self.settings.policy.needs_reference else None
+    score = _scorer(prepared.graphdef, self.blocks, self.temperature)
+    reference = _kept(prepared.reference_params()) if self.policy.needs_reference else None
 
     def scored(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       batch = sharding_lib.global_batch(rows, prepared.mesh)
@@ -103,7 +105,7 @@ class RLObjective:
     return sharding_lib.batch_sharding(mesh)
 
   def normalizer(self, batch: dict[str, jax.Array]) -> jax.Array:
-    return self.settings.policy.normalizer(batch["labels"], batch["segment_ids"])
+    return self.policy.normalizer(batch["labels"], batch["segment_ids"])
 
   def zeros(self) -> dict[str, jax.Array]:
     return {name: jnp.float32(0) for name in SUMS}
@@ -113,8 +115,8 @@ class RLObjective:
     """`(sum of w_t loss_t / total, metric sums)` of a (micro-)batch."""
     logp_BxS = -head_loss.token_losses(model, batch, block_size=self.blocks[0],
                                        vocab_block_size=self.blocks[1],
-                                       temperature=self.settings.sampling.temperature or 1.0)
-    t = self.settings.policy.terms(
+                                       temperature=self.temperature)
+    t = self.policy.terms(
         logp_BxS, old_logp_BxS=batch["old_logp"], advantages_BxS=batch["advantages"],
         labels_BxS=batch["labels"], segment_ids_BxS=batch["segment_ids"],
         ref_logp_BxS=batch.get("reference_logp"))
@@ -132,7 +134,7 @@ class RLObjective:
   def evaluate(self, run: Any) -> dict[str, Any]:
     """The held-out prompts answered greedily and rewarded (`Rollouts.evaluate`)."""
     return self.source.evaluate(run.data.eval, limit=int(run.config.train.eval_batches) *
-                                self.settings.prompts_per_step)
+                                int(run.config.rl.prompts_per_step))
 
   def window_means(self, window: list[dict[str, Any]], counts: float) -> dict[str, Any]:
     """Per completion token: clip fractions, KL, mean ratio; and the last round's metrics."""
@@ -195,7 +197,7 @@ def _kept(params: Any) -> Any:
 
 def _check_room(config: Any, prompts: prompts_lib.Prompts) -> None:
   """Refuses a group that cannot fit a row at its longest."""
-  s = RLSettings.from_config(config)
+  s = config.rl
   longest = max(x.size for x in prompts.ids)
   need = (longest - 1 + s.num_generations * (1 + s.max_completion_length) if s.shared_prompt
           else s.num_generations * (longest + s.max_completion_length))
@@ -209,5 +211,6 @@ def _check_room(config: Any, prompts: prompts_lib.Prompts) -> None:
 
 
 def from_config(config: Any) -> RLObjective:
-  return RLObjective(settings=RLSettings.from_config(config),
+  return RLObjective(policy=settings_lib.policy_of(config),
+                     temperature=float(config.rl.temperature) or 1.0,
                      blocks=(int(config.loss.block_size), int(config.loss.vocab_block_size)))

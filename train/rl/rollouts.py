@@ -40,7 +40,7 @@ from segpack.packing import groups as groups_lib
 from train.rl import advantages as advantages_lib
 from train.rl import rewards as rewards_lib
 from train.rl.prompts import Prompts, record_line
-from train.rl.settings import RLSettings
+from train.rl import settings as settings_lib
 from train.rollout import engine
 
 ROLLOUTS_DIR = "rollouts"
@@ -66,9 +66,15 @@ def _seed(seed: int, round_index: int) -> int:
 class Rollouts:
   """The iterator of the module's algorithm (`next`, `get_state`, `set_state`)."""
 
-  def __init__(self, *, prompts: Prompts, settings: RLSettings, rewards: list[Any],
-               seq_len: int, batch_size: int, seed: int, workdir: str):
-    self.prompts, self.settings, self.rewards = prompts, settings, rewards
+  def __init__(self, *, prompts: Prompts, config: Any, rewards: list[Any], batch_size: int,
+               workdir: str):
+    self.prompts, self.rl, self.rewards = prompts, config.rl, rewards
+    self.sampling = settings_lib.sampling_of(config)
+    self.estimator = settings_lib.estimator_of(config)
+    self.scale_rewards = settings_lib.scale_rewards_of(config.rl.loss, config.rl.scale_rewards)
+    self.drop_equal_groups = settings_lib.dapo_default(config, "drop_equal_groups")
+    self.mask_truncated = settings_lib.dapo_default(config, "mask_truncated")
+    seq_len, seed = int(config.packing.seq_len), int(config.train.seed)
     self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
     self.directory = os.path.join(workdir, ROLLOUTS_DIR)
     self.bound: Bound | None = None
@@ -85,9 +91,9 @@ class Rollouts:
     `eval_loss` = minus the mean reward (lower is better, as every eval loss)."""
     n = len(held.ids) if limit <= 0 else min(limit, len(held.ids))
     done = engine.generate(self.bound.model(), held.ids[:n],
-                           max_new_tokens=self.settings.max_completion_length,
+                           max_new_tokens=self.rl.max_completion_length,
                            stop_ids=held.stop_ids, detokenize=held.detokenize,
-                           max_len=self.seq_len, lanes=self.settings.lanes or None)
+                           max_len=self.seq_len, lanes=self.rl.lanes or None)
     values = np.zeros((n, len(self.rewards)))
     totals = np.zeros(n)
     for c in done:
@@ -95,7 +101,7 @@ class Rollouts:
                                   record=held.records[c.prompt],
                                   where=f"held-out {held.name!r} record {c.prompt}",
                                   num_tokens=len(c.token_ids),
-                                  max_tokens=self.settings.max_completion_length)
+                                  max_tokens=self.rl.max_completion_length)
       totals[c.prompt], values[c.prompt] = rewards_lib.score(self.rewards, sample)
     tokens = sum(len(c.token_ids) for c in done)
     return dict(eval_loss=-float(totals.mean()), eval_tokens=int(tokens),
@@ -104,7 +110,7 @@ class Rollouts:
                 eval_completion_length=tokens / max(n, 1), eval_prompts=n)
 
   def get_state(self) -> dict[str, Any]:
-    length = len(self.steps) * self.settings.inner_steps if self.steps else 1
+    length = len(self.steps) * self.rl.inner_steps if self.steps else 1
     return dict(version=1, unit="steps", epoch=self.round, index=self.index,
                 epoch_length=length)
 
@@ -117,7 +123,7 @@ class Rollouts:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self.steps is not None and self.index >= len(self.steps) * self.settings.inner_steps:
+    if self.steps is not None and self.index >= len(self.steps) * self.rl.inner_steps:
       self.round, self.index, self.steps = self.round + 1, 0, None
     if self.steps is None:  # inside a round only after a resume: its steps are on disk
       self.steps = (self._read_round(self.round) if self.index else
@@ -143,20 +149,21 @@ class Rollouts:
 
   def _make_round(self, round_index: int) -> list[dict[str, np.ndarray]]:
     """Steps 1-4 of the algorithm for one round."""
-    s, p = self.settings, self.prompts
+    s, p = self.rl, self.prompts
     began = time.perf_counter()
     chosen = p.round_prompts(round_index, s.prompts_per_step, seed=self.seed)
     done = engine.generate(
         self.bound.model(), [p.ids[i] for i in chosen], num_samples=s.num_generations,
-        max_new_tokens=s.max_completion_length, sampling=s.sampling,
+        max_new_tokens=s.max_completion_length, sampling=self.sampling,
         seed=_seed(self.seed, round_index), stop_ids=p.stop_ids, detokenize=p.detokenize,
         max_len=self.seq_len, lanes=s.lanes or None)
     sampled = time.perf_counter()
     groups = [[c for c in done if c.prompt == g] for g in range(len(chosen))]
     totals, values = self._rewards(chosen, groups)
-    adv = advantages_lib.advantages(totals, estimator=s.estimator, scale=s.scale_rewards)
+    adv = advantages_lib.advantages(totals, estimator=self.estimator,
+                                      scale=self.scale_rewards)
     keep = [g for g in range(len(chosen))
-            if not s.drop_equal_groups or np.ptp(totals[g]) > 0]
+            if not self.drop_equal_groups or np.ptp(totals[g]) > 0]
     steps = self._steps(chosen, groups, adv, keep)
     scored = time.perf_counter()
     self._keep(round_index, chosen, groups, totals, values, adv, steps)
@@ -166,7 +173,7 @@ class Rollouts:
     return steps
 
   def _rewards(self, chosen: list[int], groups: list[list[Any]]) -> tuple[np.ndarray, np.ndarray]:
-    s, p = self.settings, self.prompts
+    s, p = self.rl, self.prompts
     totals = np.zeros((len(chosen), s.num_generations))
     values = np.zeros((len(chosen), s.num_generations, len(self.rewards)))
     for g, i in enumerate(chosen):
@@ -180,7 +187,7 @@ class Rollouts:
 
   def _steps(self, chosen, groups, adv, keep) -> list[dict[str, np.ndarray]]:
     """Step 3 and 4: the kept groups packed, cut into steps, scored."""
-    s, p = self.settings, self.prompts
+    s, p = self.rl, self.prompts
     if not keep:
       empty = _empty(self.batch_size, self.seq_len)
       if not s.shared_prompt:
@@ -197,7 +204,7 @@ class Rollouts:
         token_values={"sampler_logp": [[c.logprobs for c in groups[g]] for g in keep]})
     if not s.shared_prompt:
       rows.pop("prefix_segment_ids")
-    if s.mask_truncated:
+    if self.mask_truncated:
       cut = [n for n, c in enumerate(c for g in keep for c in groups[g])
              if c.finish_reason in TRUNCATED]
       rows["labels"][np.isin(rows["completion_index"], cut)] = IGNORE_INDEX

@@ -1,4 +1,4 @@
-"""An RL run's settings: the `rl.*` keys with the defaults each loss implies, resolved once.
+"""An RL run's settings: the `rl.*` keys' combination checks and the defaults each loss implies.
 
 Defaults by loss, as the papers and TRL's `GRPOConfig` have them: `dr_grpo` divides advantages by
 nothing (`scale_rewards="none"`), the others by the group's std; `dapo` clips higher
@@ -8,7 +8,6 @@ GRPO's loss with the leave-one-out advantage, never scaled.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from segpack.errors import UserError
@@ -61,58 +60,31 @@ def scale_rewards_of(loss: str, scale_rewards: str | None) -> str:
   return "none" if loss in ("dr_grpo", "rloo") else "group"
 
 
-@dataclasses.dataclass(frozen=True)
-class RLSettings:
-  """The resolved `rl.*` keys (configs/packed.py comments each one).
+def policy_of(config: Any) -> policy_loss.PolicyLoss:
+  """The token loss of `rl.loss` with its settings (dapo: `epsilon_high` 0.28 unless set)."""
+  r = config.rl
+  high = r.epsilon_high
+  if high is None and r.loss == "dapo":
+    high = DAPO_EPSILON_HIGH
+  return policy_loss.PolicyLoss(
+      loss_type="grpo" if r.loss == "rloo" else r.loss, epsilon=float(r.epsilon),
+      epsilon_high=None if high is None else float(high), beta=float(r.beta),
+      max_completion_length=int(r.max_completion_length),
+      bias_correction_kl=bool(r.use_bias_correction_kl))
 
-  Attributes:
-    policy: the token loss and its normaliser (`segpack.loss.policy.PolicyLoss`).
-    estimator: "group" (reward minus the group's mean) or "rloo" (minus the others' mean).
-    scale_rewards: "group", "batch" or "none".
-    num_generations, prompts_per_step, max_completion_length, inner_steps, lanes: as the keys.
-    sampling: the draw (temperature, top-k, top-p).
-    drop_equal_groups, mask_truncated: DAPO's dynamic sampling and over-long masking.
-    shared_prompt: each group's prompt stored once (False: copied per completion).
-    rewards, format_pattern, overlong_buffer: the reward keys.
-  """
 
-  policy: policy_loss.PolicyLoss
-  estimator: str
-  scale_rewards: str
-  num_generations: int
-  prompts_per_step: int
-  max_completion_length: int
-  inner_steps: int
-  lanes: int
-  sampling: Sampling
-  drop_equal_groups: bool
-  mask_truncated: bool
-  shared_prompt: bool
-  rewards: str
-  format_pattern: str
-  overlong_buffer: int
+def sampling_of(config: Any) -> Sampling:
+  """The draw of `rl.temperature`, `rl.top_k`, `rl.top_p`."""
+  r = config.rl
+  return Sampling(temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p))
 
-  @classmethod
-  def from_config(cls, config: Any) -> "RLSettings":
-    r = config.rl
-    dapo = r.loss == "dapo"
-    high = r.epsilon_high
-    if high is None and dapo:
-      high = DAPO_EPSILON_HIGH
-    policy = policy_loss.PolicyLoss(
-        loss_type="grpo" if r.loss == "rloo" else r.loss, epsilon=float(r.epsilon),
-        epsilon_high=None if high is None else float(high), beta=float(r.beta),
-        max_completion_length=int(r.max_completion_length),
-        bias_correction_kl=bool(r.use_bias_correction_kl))
-    return cls(
-        policy=policy, estimator="rloo" if r.loss == "rloo" else "group",
-        scale_rewards=scale_rewards_of(r.loss, r.scale_rewards),
-        num_generations=int(r.num_generations), prompts_per_step=int(r.prompts_per_step),
-        max_completion_length=int(r.max_completion_length), inner_steps=int(r.inner_steps),
-        lanes=int(r.lanes),
-        sampling=Sampling(temperature=float(r.temperature), top_k=int(r.top_k),
-                          top_p=float(r.top_p)),
-        drop_equal_groups=dapo if r.drop_equal_groups is None else bool(r.drop_equal_groups),
-        mask_truncated=dapo if r.mask_truncated is None else bool(r.mask_truncated),
-        shared_prompt=bool(r.shared_prompt), rewards=str(r.rewards),
-        format_pattern=str(r.format_pattern), overlong_buffer=int(r.overlong_buffer))
+
+def estimator_of(config: Any) -> str:
+  """"rloo" (the others' mean as the baseline) for `rl.loss="rloo"`, else "group"."""
+  return "rloo" if config.rl.loss == "rloo" else "group"
+
+
+def dapo_default(config: Any, key: str) -> bool:
+  """`rl.drop_equal_groups` or `rl.mask_truncated`, or when None whether the loss is dapo."""
+  value = config.rl[key]
+  return config.rl.loss == "dapo" if value is None else bool(value)

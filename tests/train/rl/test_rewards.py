@@ -100,3 +100,22 @@ def test_advantages_by_hand_and_as_trl_computes_them():
   t = torch.tensor(r)
   want = (t - t.mean(1, keepdim=True)) / (t.std(1, keepdim=True) + 1e-4)
   np.testing.assert_allclose(adv_lib.advantages(r), want.numpy(), rtol=1e-5)
+
+
+def test_the_docs_own_reward_runs(tmp_path):
+  """docs/rl.md's "## Rewards: `--config.rl.rewards`" block, as written, is a reward that
+  `rl.rewards` names; its value on a completion is the block's formula."""
+  from support import doc_blocks
+  text = doc_blocks.block("docs/rl.md", "## Rewards: `--config.rl.rewards`").text
+  spec = text.splitlines()[0].split("--config.rl.rewards=")[1].strip('"')
+  (tmp_path / "my_rewards.py").write_text(text)
+  sys.path.insert(0, str(tmp_path))
+  try:
+    rewards = rewards_lib.parse_rewards(spec)
+    total, values = rewards_lib.score(rewards, _sample("#### 72 and more"))
+    assert [r.name for r in rewards] == ["gsm8k", "my_rewards:brevity"]
+    assert values == [1.0, -len("#### 72 and more") / 1000]
+    assert total == pytest.approx(1.0 - 0.1 * 16 / 1000)
+  finally:
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
