@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from segpack.data import groups as group_rows_lib
+from segpack.errors import UserError
 from segpack.files import atomic_write_bytes
 from segpack.loss.labels import IGNORE_INDEX
 from segpack.packing import groups as groups_lib
@@ -47,7 +48,7 @@ ROLLOUTS_DIR = "rollouts"
 TRUNCATED = ("length", "room")
 
 
-class RolloutStateError(ValueError):
+class RolloutStateError(UserError, ValueError):
   """A resumed round whose steps cannot be read back."""
 
 
