@@ -29,7 +29,7 @@ from segpack.text import encode
 from segpack.text.chat import files as chat_files
 from segpack.text.chat import hf_chat
 from segpack.text.chat import write as chat_write
-from segpack.text.chat.template import ChatFormatError, Skipped, check_text
+from segpack.text.chat.template import ChatEncoder, ChatFormatError, Skipped, check_text
 from segpack.text.tokenizers import cache as tokenizer_cache
 
 __all__ = ["PROMPTS_KEY", "RECORDS_NAME", "PromptFormatError", "read_prompts", "read_records",
@@ -108,7 +108,7 @@ def _ids(rec: PromptRecord, tokenizer, encoder) -> np.ndarray:
   if not rec.conversational:
     return np.asarray(tokenizer.encode(rec.record["prompt"]), np.int64)
   kwargs = {}
-  if isinstance(encoder, hf_chat.TemplateRenderer):
+  if not isinstance(encoder, ChatEncoder):  # the tokenizer's own template renders tools
     kwargs["tools"] = rec.record.get("tools")
   return np.asarray(encoder.prompt_ids(rec.record["prompt"], where=rec.where, **kwargs), np.int64)
 
