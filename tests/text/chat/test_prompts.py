@@ -44,7 +44,7 @@ def test_message_prompts_are_the_templates_generation_prompt(tmp_path, family):
   meta = source.record.extra[prompts_lib.PROMPTS_KEY]
   assert meta["prompts"] == 2 and meta["format"] == "messages"
   assert list(meta["fields"]) == ["answer", "prompt"]  # the fields every record has
-  assert "chat" in source.record.extra  # the rendering is recorded, as for chat data
+  assert source.record.chat is not None  # the rendering is recorded, as for chat data
 
 
 def test_text_prompts_bad_lines_and_skipping(tmp_path):
