@@ -169,7 +169,11 @@ def test_the_use_blocks(user, tmp_path_factory):
   ns = doc_blocks.python_block(doc_blocks.block("README.md", "## Use", 3).text, {}, home)
   row = ns["rows"][0]
   assert row["input_ids"].shape == (4096,) and row["segment_ids"].max() <= 64
-  assert len(ns["steps"]) > 0
+  steps = ns["steps"]
+  first = [steps[i]["segment_ids"] for i in range(10)]
+  assert all(s.shape == (8, 4096) for s in first)  # tokens_per_batch // seq_len rows a step
+  padding = 1 - sum(int((s != 0).sum()) for s in first) / sum(s.size for s in first)
+  assert padding < 0.10, padding  # the example packs its steps full (98.7% padding before)
 
 
 def _check_rows(batch):

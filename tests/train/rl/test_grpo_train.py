@@ -5,6 +5,7 @@ uninterrupted one; bad input is one line."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -119,12 +120,17 @@ def test_a_reward_that_raises_or_returns_nan_ends_the_command_in_one_line(data, 
   (tmp_path / "my_reward.py").write_text(
       "def boom(prompt, completion, record):\n  raise KeyError('x')\n"
       "def nan(prompt, completion, record):\n  return float('nan')\n")
-  env = dict(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
-  for name, match in (("boom", "reward 'my_reward:boom' raised KeyError: 'x' on held-out "),
-                      ("nan", "reward 'my_reward:nan' returned nan on held-out ")):
-    out = run_cli("train.main", "--config=configs/grpo.py:smoke",
-                  f"--config.data.train={data['train']}", "--config.train.num_steps=1",
-                  f"--config.rl.rewards=my_reward:{name}", f"--workdir={tmp_path / name}",
-                  env=env, check=False)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1 and match in lines[0], out.stderr[-2000:]
+  out = run_cli("train.main", "--config=configs/grpo.py:smoke",
+                f"--config.data.train={data['train']}", "--config.train.num_steps=1",
+                "--config.rl.rewards=my_reward:boom", f"--workdir={tmp_path / 'boom'}",
+                env=dict(PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}"), check=False)
+  lines = out.stderr.strip().splitlines()
+  match = "reward 'my_reward:boom' raised KeyError: 'x' on held-out "
+  assert out.returncode == 2 and len(lines) == 1 and match in lines[0], out.stderr[-2000:]
+  sys.path.insert(0, str(tmp_path))  # the same in-process, for the NaN: no second command
+  try:
+    with pytest.raises(rewards_lib.RewardError, match="reward 'my_reward:nan' returned nan on "):
+      train_lib.train_and_evaluate(rl_toy.config(data, train__num_steps=1,
+                                                 rl__rewards="my_reward:nan"), tmp_path / "nan")
+  finally:
+    sys.path.remove(str(tmp_path))
