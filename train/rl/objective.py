@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from segpack import loss as loss_lib
 from train import data as data_lib
 from train import sharding as sharding_lib
 from train.data_sources import DataConfigError
@@ -89,9 +90,12 @@ class RLObjective:
 
     def scored(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
       batch = sharding_lib.global_batch(rows, prepared.mesh)
-      out = dict(rows, old_logp=np.asarray(score(prepared.live_params(), batch)))
+      logp, entropy = score(prepared.live_params(), batch)
+      out = dict(rows, old_logp=np.asarray(logp))
+      if entropy is not None:  # a metric only: the round takes it out before serving the rows
+        out[rollouts_lib.ENTROPY] = np.asarray(entropy)
       if reference is not None:
-        out["reference_logp"] = np.asarray(score(reference, batch))
+        out["reference_logp"] = np.asarray(score(reference, batch)[0])
       return out
 
     source.bind(rollouts_lib.Bound(
@@ -175,13 +179,22 @@ class _Stream:
 
 
 def _scorer(graphdef: Any, blocks: tuple[int, int], temperature: float):
-  """The jitted log-probs of rows under given parameters (old and reference log-probs)."""
+  """The jitted log-probs of rows under given parameters (old and reference log-probs), and
+  with the full logits (`loss.block_size=0`) every slot's entropy at the same temperature (the
+  blocked loss never holds a whole row of logits: no entropy then)."""
 
   @functools.partial(jax.jit)
   def score(params, batch):
     model = lora_lib.model_of(graphdef, params)
-    return -head_loss.token_losses(model, batch, block_size=blocks[0],
-                                   vocab_block_size=blocks[1], temperature=temperature)
+    if blocks[0]:
+      return -head_loss.token_losses(model, batch, block_size=blocks[0],
+                                     vocab_block_size=blocks[1], temperature=temperature), None
+    logits_BxSxV = model.batch_logits(batch)
+    if temperature != 1.0:
+      logits_BxSxV = logits_BxSxV / temperature  # as head_loss.token_losses divides them
+    logp_BxSxV = jax.nn.log_softmax(logits_BxSxV.astype(jnp.float32), axis=-1)
+    entropy_BxS = -jnp.sum(jnp.exp(logp_BxSxV) * logp_BxSxV, axis=-1)
+    return -loss_lib.token_cross_entropy(logits_BxSxV, batch["labels"]), entropy_BxS
   return score
 
 

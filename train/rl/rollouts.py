@@ -45,6 +45,7 @@ from train.rl import settings as settings_lib
 from train.rollout import engine
 
 ROLLOUTS_DIR = "rollouts"
+ENTROPY = "entropy"  # the scoring pass's per-slot entropy: a metric, never served as a feature
 TRUNCATED = ("length", "room")
 
 
@@ -166,10 +167,16 @@ class Rollouts:
     keep = [g for g in range(len(chosen))
             if not self.drop_equal_groups or np.ptp(totals[g]) > 0]
     steps = self._steps(chosen, groups, adv, keep)
+    entropy = [step.pop(ENTROPY, None) for step in steps]
     scored = time.perf_counter()
     self._keep(round_index, chosen, groups, totals, values, adv, steps)
     self.metrics = _round_metrics(self, groups, totals, values, steps, keep, times=dict(
         sample_s=sampled - began, score_s=scored - sampled, update_s=began - self._last))
+    if all(e is not None for e in entropy):
+      labelled = [st["labels"] != IGNORE_INDEX for st in steps]
+      tokens = sum(int(m.sum()) for m in labelled)
+      self.metrics["entropy"] = (sum(float(e[m].sum()) for e, m in zip(entropy, labelled))
+                                 / max(tokens, 1))
     self._last = time.perf_counter()
     return steps
 

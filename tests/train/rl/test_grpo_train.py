@@ -59,8 +59,9 @@ def test_the_ratio_is_one_at_a_rounds_first_inner_step_and_rollouts_are_kept(dat
   for second in steps[3::2]:  # rounds 1 and 2 (round 0's rewards are all 0: nothing moves)
     assert abs(second["ratio"] - 1.0) > 1e-5  # the weights moved: the control
   assert steps[0]["logp_mismatch_median"] < 1e-4  # sampler and trainer agree
+  assert all(0 < r["entropy"] <= np.log(28) + 1e-5 for r in steps)  # 28: the toy's vocabulary
   for key in ("reward", "reward_std", "accuracy", "completion_length", "truncated_share",
-              "kl", "sample_s", "score_s", "rewards/gsm8k_flexible"):
+              "kl", "entropy", "sample_s", "score_s", "rewards/gsm8k_flexible"):
     assert key in steps[0], key
   kept = sorted(os.listdir(tmp_path / "run" / "rollouts"))
   assert kept == [f"round-{r:06d}.{x}" for r in range(3) for x in ("jsonl", "npz")]
@@ -134,3 +135,16 @@ def test_a_reward_that_raises_or_returns_nan_ends_the_command_in_one_line(data, 
                                                  rl__rewards="my_reward:nan"), tmp_path / "nan")
   finally:
     sys.path.remove(str(tmp_path))
+
+
+def test_an_fsdp_mesh_trains_what_the_data_mesh_does(data, tmp_path):
+  """8 devices as data=8 and as data=4 x fsdp=2 (parameters and optimizer state split), with the
+  KL term: the same losses, gradient norms and KL, step by step."""
+  runs = {}
+  for name, keys in (("data", {}), ("fsdp", dict(mesh__fsdp=2))):
+    config = rl_toy.config(data, train__num_steps=3, rl__beta=0.04, train__warmup_steps=0,
+                           rl__max_completion_length=2, rl__rewards="gsm8k_flexible", **keys)
+    train_lib.train_and_evaluate(config, tmp_path / name)
+    runs[name] = [(r["loss"], r["grad_norm"], r["kl"]) for r in _records(tmp_path / name, "train")]
+  assert runs["data"][2][2] > 0  # the KL term is live by step 3
+  np.testing.assert_allclose(runs["fsdp"], runs["data"], rtol=1e-5, atol=1e-7)
