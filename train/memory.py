@@ -61,6 +61,12 @@ SHRINK_KEYS = {
     "gradients": "a smaller model, mesh.fsdp",
     "optimizer": "a smaller model, mesh.fsdp",
 }
+# Under adapters the trained parameters are the adapters: their size is model.lora.rank's.
+ADAPTER_SHRINK_KEYS = {
+    "parameters": "model.lora.rank, model.lora.base_dtype (an nf4 or int8 base), mesh.fsdp",
+    "gradients": "model.lora.rank, model.lora.targets, mesh.fsdp",
+    "optimizer": "model.lora.rank, model.lora.targets, mesh.fsdp",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,6 +102,7 @@ class MemoryEstimate:
   activations: int
   logits: int
   blocked: bool = False  # the logits part is the blocked loss's (for `check_fits`'s keys)
+  adapters: bool = False  # the trained parameters are adapters over a frozen base (the same)
 
   @property
   def total(self) -> int:
@@ -203,7 +210,8 @@ def estimate(*, num_params: int, vocab_size: int, d_model: int, d_ff: int, num_l
   weights = num_params * param_bytes
   return MemoryEstimate(parameters=weights + frozen_bytes, gradients=weights,
                         optimizer=(optimizer_states + UPDATE_ARRAYS) * weights,
-                        activations=activations, logits=logits, blocked=loss_block > 0)
+                        activations=activations, logits=logits, blocked=loss_block > 0,
+                        adapters=frozen_bytes > 0)
 
 
 def applied_remat(remat: str, *, platform: str) -> str:
@@ -294,6 +302,7 @@ def check_fits(estimate: MemoryEstimate, available: int | None, *, what: str) ->
   named = []
   for name, size in largest:
     keys = SHRINK_KEYS["blocked logits" if name == "logits" and estimate.blocked else name]
+    keys = ADAPTER_SHRINK_KEYS.get(name, keys) if estimate.adapters else keys
     named.append(f"{name} {size / GIB:.2f} GiB ({keys})")
   raise ArgumentError(
       f"{what}: one training step needs about {estimate.total / GIB:.2f} GiB per device, more "

@@ -4,6 +4,8 @@ refusal naming the keys that shrink the largest parts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from configs import packed
@@ -89,6 +91,13 @@ def test_check_fits_refuses_in_one_line_naming_the_keys():
   blocked = _tiny(num_params=10**8, loss_block=4)
   with pytest.raises(ArgumentError, match=r"optimizer 1\.12 GiB \(a smaller model, mesh.fsdp\)"):
     memory.check_fits(blocked, 2**20, what="case")
+  # Under adapters the trained parameters are the adapters: a huge model.lora.rank is named, not
+  # "a smaller model" (the message above, for the same sizes without a frozen base).
+  adapted = dataclasses.replace(blocked, parameters=blocked.parameters + 2**30, adapters=True)
+  with pytest.raises(ArgumentError, match=r"optimizer 1\.12 GiB \(model.lora.rank, "
+                     r"model.lora.targets, mesh.fsdp\)") as e:
+    memory.check_fits(adapted, 2**20, what="case")
+  assert "a smaller model" not in str(e.value)
   huge_blocks = _tiny(seq_len=4096, loss_block=4096, num_layers=1, attention="pallas")
   with pytest.raises(ArgumentError, match=r"logits .* \(loss.block_size, loss.vocab_block_size\)"):
     memory.check_fits(huge_blocks, 2**20, what="case")

@@ -237,6 +237,9 @@ def _read_config(path: str) -> dict[str, Any]:
       raise AdapterError(f"{path}: {key}={value!r} must be a finite number")
   if not 0 <= dropout < 1:
     raise AdapterError(f"{path}: lora_dropout={dropout!r} must be in [0, 1)")
+  if alpha <= 0:  # read before model.lora.alpha takes it: the file is named, not the key
+    raise AdapterError(f"{path}: lora_alpha={alpha!r} must be > 0 (segpack scales adapters by "
+                       f"lora_alpha / r)")
   if not isinstance(cfg.get("use_rslora", False), bool):
     raise AdapterError(f"{path}: use_rslora={cfg['use_rslora']!r} must be true or false")
   if not isinstance(cfg.get("base_model_name_or_path"), (str, type(None))):

@@ -204,6 +204,8 @@ REFUSALS = {
     "peft_type": ({"peft_type": "PREFIX_TUNING"}, None, "adapter_config.json", "peft_type"),
     "use_dora": ({"use_dora": True}, None, "adapter_config.json", "use_dora=True"),
     "bias": ({"bias": "all"}, None, "adapter_config.json", "bias='all'"),
+    "negative_alpha": ({"lora_alpha": -16}, None, "adapter_config.json", "lora_alpha=-16 must be "
+                       "> 0"),
     "rank_pattern": ({"rank_pattern": {"q_proj": 8}}, None, "adapter_config.json",
                      "rank_pattern={'q_proj': 8}"),
     "alpha_pattern": ({"alpha_pattern": {"v_proj": 2}}, None, "adapter_config.json",
