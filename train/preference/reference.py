@@ -109,7 +109,21 @@ def _table(root: Path, entry: Any, *, name: str) -> np.ndarray:
     raise ReferenceError(f"{name}: {path} holds a {table.dtype} table of shape {table.shape}, "
                          f"not [pairs, {want}] floats ({', '.join(scoring.COLUMNS)}); delete "
                          f"{root} to score again")
+  check_finite(table, name=name, where=str(path))
   return table
+
+
+def check_finite(table: np.ndarray, *, name: str, where: str) -> None:
+  """Refuses a table with a NaN or infinite score, naming its first pair: a reference that
+  gives one would make every loss of that pair non-finite (and the run stop as if the learning
+  rate were too high)."""
+  bad = np.flatnonzero(~np.isfinite(table).all(axis=1))
+  if bad.size:
+    k = int(bad[0])
+    raise ReferenceError(
+        f"{name}: {where} holds non-finite reference scores ({bad.size} pair(s); pair {k}: "
+        f"{table[k].tolist()}): the reference model gives NaN or infinite log-probs there; "
+        f"check that model, or score with another")
 
 
 def load_scores(directory: str | os.PathLike[str], *, name: str, fingerprint: str | None,
@@ -187,6 +201,8 @@ def prepare(config: Any, workdir: str, splits: Any, *, step: Any, params: Any, m
                                      batch_size=config.train.batch_size,
                                      num_pairs=splits.num_pairs[s])[0]
               for s, rows in splits.once.items()}
+    for split, table in tables.items():
+      check_finite(table, name=name, where=f"the initial weights' scores of the {split} pairs")
     if jax.process_index() == 0:
       save_scores(root, fingerprint=model_fingerprint(config), tables=tables,
                   data=splits.fingerprints)

@@ -1,7 +1,8 @@
 """`train.preference.reference.load_scores` on damaged scores directories: a split entry without
 its file, a table of the wrong shape whose SHA-256 matches the manifest, a parent table shorter
-than the pairs it must give, each refused in one `ReferenceError` naming the directory (before:
-a KeyError, an IndexError, or a table of the wrong shape used as scores)."""
+than the pairs it must give, a NaN or infinite score, each refused in one `ReferenceError` naming
+the directory (before: a KeyError, an IndexError, a table of the wrong shape used as scores, or
+a non-finite loss blamed on the learning rate)."""
 
 import hashlib
 import io
@@ -61,3 +62,15 @@ def test_a_parent_table_shorter_than_the_pairs_it_gives_is_refused(tmp_path):
   with pytest.raises(reference_lib.ReferenceError, match="hold 3 pairs, the train pairs reach "
                                                          "pair 7"):
     _load(root, data={"train": "other"}, parents={"train": ("d1", np.array([1, 7]))})
+
+
+def test_non_finite_scores_are_refused_naming_the_pair(tmp_path):
+  """Before: read as they were, and the run stopped at step 1 asking for a lower learning rate."""
+  table = np.arange(12, dtype=np.float64).reshape(3, 4)
+  table[1, 0] = np.nan
+  with pytest.raises(reference_lib.ReferenceError,
+                     match=r"holds non-finite reference scores \(1 pair\(s\); pair 1: \[nan"):
+    _load(_scores(tmp_path, table))
+  table[1, 0] = -np.inf
+  with pytest.raises(reference_lib.ReferenceError, match="pair 1: \\[-inf"):
+    _load(_scores(tmp_path / "inf", table))
