@@ -27,7 +27,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.learning_rate = 1e-6  # TRL's GRPO default, for a pretrained model
   c.train.warmup_steps = 0
   c.train.weight_decay = 0.0
-  c.train.eval_every = 0  # no held-out token loss: the rewards are the measure (docs/rl.md)
+  # The held-out prompts (data.eval, or data.eval_share of data.train's) answered greedily and
+  # rewarded; train.eval_batches * rl.prompts_per_step of them (0: all)
+  c.train.eval_every = 50
   c.train.checkpoint_every = 50
   return c
 
