@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from segpack.text.chat import files as chat_files
 from segpack.text.chat import hf_chat
 from segpack.text.chat import write as chat_write
 from segpack.text.chat.template import ChatEncoder, ChatFormatError, Skipped, check_text
-from segpack.text.tokenizers import cache as tokenizer_cache
 
 __all__ = ["PROMPTS_KEY", "RECORDS_NAME", "PromptFormatError", "read_prompts", "read_records",
            "tokenize_prompts"]
@@ -166,37 +164,23 @@ def tokenize_prompts(files: Sequence[Path], output: Path, *, given, vocab_size,
     PromptFormatError: a bad line (`file:line`), unless `skip_bad_lines`.
     InputFormatError: no tokenizer, an unreadable file.
   """
-  ident = {"inputs": [encode.file_identity(p) for p in files], "format": "prompts",
-           "chat_template": chat_template, "options": repr(options)}
-  if skip_bad_lines:
-    ident["skip_bad_lines"] = True
-  tokenizer = chat_write.chat_tokenizer(
-      lambda: ((r.where, _texts(r)) for r in read_prompts(files, Skipped())), output,
-      given=given, vocab_size=vocab_size, ident=ident, overwrite=overwrite)
-  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
-  finished = encode.finished_dataset(output, key, overwrite=overwrite)
-  if finished is not None and not (output / RECORDS_NAME).is_file():
-    finished = None  # the shards were written, the records not yet: write them again
-  start, resumed = time.perf_counter(), 0
-  if finished is None:
-    if overwrite:
-      (output / shards.MANIFEST_NAME).unlink(missing_ok=True)
-    skipped = Skipped() if skip_bad_lines else None
-    finished = _write(
-        read_prompts(files, skipped), output, tokenizer=tokenizer, shard_tokens=shard_tokens,
-        key=key, skipped=skipped,
-        metadata={"inputs": [str(p) for p in files], **tokenizer_cache.model_entry(tokenizer),
-                  "tokenizer": tokenizer.describe()},
-        encoder_for=lambda: chat_write.chat_encoder(
-            tokenizer, train_on="last_assistant", spec=spec, chat_template=chat_template,
-            options=options))
-  else:
-    resumed = len(finished["shards"])
-  tokenizer_cache.keep_tokenizer(tokenizer, output)
+  def write(records, *, tokenizer, key, skipped, metadata):
+    return _write(records, output, tokenizer=tokenizer, shard_tokens=shard_tokens, key=key,
+                  skipped=skipped, metadata=metadata,
+                  encoder_for=lambda: chat_write.chat_encoder(
+                      tokenizer, train_on="last_assistant", spec=spec,
+                      chat_template=chat_template, options=options))
+
+  done = chat_write.tokenize_records(
+      files, output, kind="prompts", read=lambda skipped: read_prompts(files, skipped),
+      texts=lambda r: (r.where, _texts(r)), write=write, given=given, vocab_size=vocab_size,
+      shard_tokens=shard_tokens, overwrite=overwrite, skip_bad_lines=skip_bad_lines,
+      chat_template=chat_template, options=options,
+      complete=lambda out: (out / RECORDS_NAME).is_file())
+  finished = done.manifest
   record = shards.DatasetRecord.from_manifest(finished, where=output / shards.MANIFEST_NAME)
   counts = dict(record.extra.get(PROMPTS_KEY) or {})
-  summary = encode.summarize(output, finished, resumed=resumed,
-                             seconds=time.perf_counter() - start,
+  summary = encode.summarize(output, finished, resumed=done.resumed, seconds=done.seconds,
                              text_bytes=sum(p.stat().st_size for p in files),
                              bad_lines=int(counts.get("skipped_prompts", 0)))
   return dataclasses.replace(summary, chat_turns=(

@@ -205,3 +205,55 @@ def tokenize_chat(files: Sequence[Path], output: Path, *, given, vocab_size, tra
   if own:
     encoder.keep_files(output)
   return _chat_summary(output, finished, resumed=resumed, seconds=seconds, text_bytes=text_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+  """A records dataset as `tokenize_records` left it: its manifest, the shards an earlier run
+  had written, the seconds this run took, and the tokenizer."""
+
+  manifest: dict[str, Any]
+  resumed: int
+  seconds: float
+  tokenizer: Any
+
+
+def tokenize_records(files: Sequence[Path], output: Path, *, kind: str, read, texts, write,
+                     given, vocab_size, shard_tokens: int, overwrite: bool, skip_bad_lines: bool,
+                     chat_template: str, options: hf_chat.ChatOptions | None,
+                     complete=lambda output: True) -> Written:
+  """The run of `--format preference` and `--format prompts`: the tokenizer (given, or trained
+  on the records' texts and kept under the inputs' key), the resume key, a finished dataset kept
+  as it is (unless `complete(output)` says part of it is missing), else `write(records,
+  tokenizer=, key=, skipped=, metadata=)` over `read(skipped)`, and the tokenizer kept beside.
+
+  Args:
+    kind: the format's name (part of the resume key).
+    read: `skipped -> records` (`skipped` a `chat.Skipped` or None).
+    texts: `record -> (where, messages)` whose contents train a SentencePiece tokenizer.
+    write: writes the records; returns the finished manifest.
+  """
+  ident = {"inputs": [encode.file_identity(p) for p in files], "format": kind,
+           "chat_template": chat_template, "options": repr(options)}
+  if skip_bad_lines:
+    ident["skip_bad_lines"] = True
+  tokenizer = chat_tokenizer(lambda: (texts(r) for r in read(chat.Skipped())), output,
+                             given=given, vocab_size=vocab_size, ident=ident, overwrite=overwrite)
+  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
+  finished = encode.finished_dataset(output, key, overwrite=overwrite)
+  if finished is not None and not complete(output):
+    finished = None  # the shards were written, what follows them not yet: write again
+  start, resumed = time.perf_counter(), 0
+  if finished is None:
+    if overwrite:
+      (output / shards_lib.MANIFEST_NAME).unlink(missing_ok=True)
+    skipped = chat.Skipped() if skip_bad_lines else None
+    finished = write(read(skipped), tokenizer=tokenizer, key=key, skipped=skipped,
+                     metadata={"inputs": [str(p) for p in files],
+                               **tokenizer_cache.model_entry(tokenizer),
+                               "tokenizer": tokenizer.describe()})
+  else:
+    resumed = len(finished["shards"])
+  tokenizer_cache.keep_tokenizer(tokenizer, output)
+  return Written(manifest=finished, resumed=resumed, seconds=time.perf_counter() - start,
+                 tokenizer=tokenizer)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -23,7 +22,6 @@ from segpack.text.chat import write as chat_write
 from segpack.text.chat.preference.encode import PairEncoder
 from segpack.text.chat.preference.pairs import Pair, PairFormatError, read_pairs
 from segpack.text.inputs import InputFormatError
-from segpack.text.tokenizers import cache as tokenizer_cache
 
 __all__ = ["PREFERENCE_KEY", "tokenize_preference"]
 
@@ -130,38 +128,22 @@ def tokenize_preference(files: Sequence[Path], output: Path, *, given, vocab_siz
     PairFormatError: a bad pair (`file:line`), unless `skip_bad_lines`.
     InputFormatError: no tokenizer, an unreadable file.
   """
-  def pairs(skipped=None):
-    return _pairs(files, skipped)
+  def write(pairs, *, tokenizer, key, skipped, metadata):
+    return _write(pairs, output, tokenizer=tokenizer, shard_tokens=shard_tokens, key=key,
+                  skipped=skipped, metadata=metadata,
+                  encoder_for=lambda conversational: _encoder(
+                      tokenizer, spec=spec, chat_template=chat_template, options=options,
+                      conversational=conversational))
 
-  ident = {"inputs": [encode.file_identity(p) for p in files], "format": "preference",
-           "chat_template": chat_template, "options": repr(options)}
-  if skip_bad_lines:
-    ident["skip_bad_lines"] = True
-  tokenizer = chat_write.chat_tokenizer(
-      lambda: ((p.where, _texts(p)) for p in pairs(chat.Skipped())), output, given=given,
-      vocab_size=vocab_size, ident=ident, overwrite=overwrite)
-  key = encode.resume_key(dict(ident, tokenizer=tokenizer.fingerprint, shard_tokens=shard_tokens))
-  finished = encode.finished_dataset(output, key, overwrite=overwrite)
-  start, resumed = time.perf_counter(), 0
-  if finished is None:
-    if overwrite:
-      (output / shards.MANIFEST_NAME).unlink(missing_ok=True)
-    skipped = chat.Skipped() if skip_bad_lines else None
-    finished = _write(
-        pairs(skipped), output, tokenizer=tokenizer, shard_tokens=shard_tokens, key=key,
-        skipped=skipped, metadata={"inputs": [str(p) for p in files],
-                                   **tokenizer_cache.model_entry(tokenizer),
-                                   "tokenizer": tokenizer.describe()},
-        encoder_for=lambda conversational: _encoder(
-            tokenizer, spec=spec, chat_template=chat_template, options=options,
-            conversational=conversational))
-  else:
-    resumed = len(finished["shards"])
-  tokenizer_cache.keep_tokenizer(tokenizer, output)
+  done = chat_write.tokenize_records(
+      files, output, kind="preference", read=lambda skipped: _pairs(files, skipped),
+      texts=lambda p: (p.where, _texts(p)), write=write, given=given, vocab_size=vocab_size,
+      shard_tokens=shard_tokens, overwrite=overwrite, skip_bad_lines=skip_bad_lines,
+      chat_template=chat_template, options=options)
+  finished = done.manifest
   record = shards.DatasetRecord.from_manifest(finished, where=output / shards.MANIFEST_NAME)
   counts = dict(record.extra.get(PREFERENCE_KEY) or {})
-  summary = encode.summarize(output, finished, resumed=resumed,
-                             seconds=time.perf_counter() - start,
+  summary = encode.summarize(output, finished, resumed=done.resumed, seconds=done.seconds,
                              text_bytes=sum(p.stat().st_size for p in files),
                              bad_lines=int(counts.get("skipped_pairs", 0)))
   line = (f"{counts.get('pairs', 0):,} pairs of {counts.get('format')} "
