@@ -49,11 +49,13 @@ class Prompts:
   def round_prompts(self, round_index: int, per_round: int, *, seed: int) -> list[int]:
     """The prompt indices of round `round_index` (the module docstring)."""
     n = len(self.ids)
+    orders: dict[int, np.ndarray] = {}  # each epoch's permutation, drawn once per round
     out = []
     for position in range(round_index * per_round, (round_index + 1) * per_round):
       epoch, at = divmod(position, n)
-      order = np.random.default_rng([int(seed), 7919, epoch]).permutation(n)
-      out.append(int(order[at]))
+      if epoch not in orders:
+        orders[epoch] = np.random.default_rng([int(seed), 7919, epoch]).permutation(n)
+      out.append(int(orders[epoch][at]))
     return out
 
   def subset(self, indices: Any) -> "Prompts":
